@@ -1,0 +1,80 @@
+"""Executors: where replica jobs run. Looked up by name, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from composer_cloud.jobs.base import (
+    ExecutorError,
+    JobHandle,
+    LaunchPlan,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+    replica_command,
+)
+
+if TYPE_CHECKING:
+    from composer_cloud.spec import RunSpec
+
+EXECUTORS: dict[str, str] = {
+    "local": "composer_cloud.jobs.local:LocalProcessExecutor",
+    "modal": "composer_cloud.jobs.modal_jobs:ModalExecutor",
+    "hf-jobs": "composer_cloud.jobs.hf_jobs:HFJobsExecutor",
+}
+
+
+def get_executor(name: str, spec: "RunSpec") -> ServerlessExecutor:
+    """Instantiate executor ``name`` for ``spec`` (``cls(spec)``)."""
+    try:
+        target = EXECUTORS[name]
+    except KeyError:
+        raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(spec)
+
+
+def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:
+    """Split ranks ``0..replicas-1`` over executors.
+
+    ``"local"`` puts every rank on one executor; ``"local:1,hf-jobs:2"`` gives
+    rank 0 to ``local`` and ranks 1-2 to ``hf-jobs`` (the counts must add up to
+    ``replicas``).
+    """
+    parts = [p.strip() for p in executor.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("executor: empty executor name")
+    if len(parts) == 1 and ":" not in parts[0]:
+        name = parts[0]
+        if name not in EXECUTORS:
+            raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+        return [(name, list(range(replicas)))]
+    out: list[tuple[str, list[int]]] = []
+    next_rank = 0
+    for part in parts:
+        name, sep, count_s = part.partition(":")
+        if name not in EXECUTORS:
+            raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+        if not sep or not count_s.isdigit() or int(count_s) < 1:
+            raise ValueError(f"executor: {part!r} must be NAME:COUNT with COUNT >= 1")
+        count = int(count_s)
+        out.append((name, list(range(next_rank, next_rank + count))))
+        next_rank += count
+    if next_rank != replicas:
+        raise ValueError(f"executor: counts in {executor!r} add up to {next_rank}, but replicas = {replicas}")
+    return out
+
+
+__all__ = [
+    "EXECUTORS",
+    "ExecutorError",
+    "JobHandle",
+    "LaunchPlan",
+    "ReplicaState",
+    "ReplicaStatus",
+    "ServerlessExecutor",
+    "assign_ranks",
+    "get_executor",
+    "replica_command",
+]

@@ -1,0 +1,123 @@
+"""The ``ServerlessExecutor`` protocol: launch replica jobs, find them again later.
+
+An executor turns "run replica ``rank`` of run ``run_uri``" into a job on some
+backend (a local process, a Modal function call, a Hugging Face Job). The job
+runs ``python -m composer_cloud.replica --run RUN_URI --rank R``; everything
+else the replica needs comes from the store.
+
+Handles are plain JSON (:class:`JobHandle`) and are stored at
+``<run>/executor/<rank>.json``, so a different process on a different machine
+(``composer-cloud status|logs|cancel``) can re-attach to the jobs of a run.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+
+class ReplicaState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (ReplicaState.SUCCEEDED, ReplicaState.FAILED, ReplicaState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What an executor knows about one replica job right now."""
+
+    state: ReplicaState
+    exit_code: int | None = None
+    message: str = ""
+
+
+@dataclass
+class JobHandle:
+    """How to find one replica job again. JSON-serialisable; never holds a secret.
+
+    Attributes:
+        executor: executor name (``local``, ``modal``, ``hf-jobs``).
+        rank: replica rank.
+        job_id: the backend's id (process id, FunctionCall id, HF job id).
+        data: backend-specific details (log path, namespace, app id, ...).
+        restarts: how many times the executor relaunched this replica.
+    """
+
+    executor: str
+    rank: int
+    job_id: str
+    data: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "JobHandle":
+        return cls(
+            executor=str(d["executor"]),
+            rank=int(d["rank"]),
+            job_id=str(d["job_id"]),
+            data=dict(d.get("data", {})),
+            restarts=int(d.get("restarts", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``launch`` would do, for ``--dry-run``. Secret *names* only, never values."""
+
+    executor: str
+    ranks: list[int]
+    image: str
+    command: list[str]
+    env_names: list[str]
+    secret_names: list[str]
+    gpu: str
+    estimated_gpu_hours: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+def replica_command(run_uri: str, rank: int, *, python: str = "python") -> list[str]:
+    """The command every executor runs for one replica."""
+    return [python, "-m", "composer_cloud.replica", "--run", run_uri, "--rank", str(rank)]
+
+
+@runtime_checkable
+class ServerlessExecutor(Protocol):
+    """A backend that runs replica jobs. Implementations must be safe to
+    re-create from a stored :class:`JobHandle` in another process."""
+
+    name: ClassVar[str]
+
+    def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
+        """Describe the launch without doing it."""
+        ...
+
+    def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
+        """Start one job per rank; return their handles (in ``ranks`` order)."""
+        ...
+
+    def poll(self, handle: JobHandle) -> ReplicaStatus:
+        """Current status of a job. Never blocks for long."""
+        ...
+
+    def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
+        """Lines of the job's output; with ``follow``, until the job ends."""
+        ...
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop the job (and its children). Idempotent."""
+        ...
+
+
+class ExecutorError(RuntimeError):
+    """A backend refused or failed an operation; the message says what to do."""

@@ -1,0 +1,248 @@
+"""The run spec: one TOML file (or none) plus CLI overrides, validated on load.
+
+The spec as launched is stored at ``<run>/spec.json`` and every replica reads
+it from there, so replicas on different executors agree on every setting.
+Validation is strict (pydantic, ``extra="forbid"``): unknown keys, wrong types
+and out-of-range values are rejected with the dotted name of the field.
+No secret value is ever part of a spec: secrets are referred to by name only.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import secrets as _secrets
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Option names that would carry a secret if written into a spec.
+_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session)", re.IGNORECASE)
+
+
+class SpecError(ValueError):
+    """A run spec is invalid. ``field`` is the dotted name of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelSpec(_Strict):
+    """``name`` is ``"tiny"`` (built in) or a Hugging Face model id / local directory."""
+
+    name: str = "tiny"
+    # Shape overrides for the built-in tiny model only.
+    hidden_size: int = Field(default=256, gt=0)
+    num_hidden_layers: int = Field(default=4, gt=0)
+    num_attention_heads: int = Field(default=4, gt=0)
+    num_key_value_heads: int = Field(default=2, gt=0)
+    intermediate_size: int = Field(default=688, gt=0)
+
+
+class InnerOptimizerSpec(_Strict):
+    """AdamW, stepped once per inner step on each replica."""
+
+    lr: float = Field(default=4e-4, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(default=1.0, ge=0)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_list(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+
+class OuterOptimizerSpec(_Strict):
+    """Nesterov SGD on the averaged pseudo-gradient, once per round."""
+
+    lr: float = Field(default=0.7, gt=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class SyncSpec(_Strict):
+    """How replicas exchange pseudo-gradients through the store.
+
+    Deadlines are in seconds. ``quorum_timeout_s`` is how long a replica that
+    reached a sync waits for the others before the round proceeds with those
+    present (at least ``min_replicas``); ``round_timeout_s`` bounds every other
+    wait of a round (payloads, reduced slots, the commit record).
+    """
+
+    codec: Literal["fp32", "bf16", "int8"] = "fp32"
+    fragments: int = Field(default=1, ge=1)
+    fragment_sync_delay: int = Field(default=0, ge=0)
+    quorum_timeout_s: float = Field(default=60.0, gt=0)
+    round_timeout_s: float = Field(default=600.0, gt=0)
+    heal_timeout_s: float = Field(default=600.0, gt=0)
+    io_threads: int = Field(default=8, ge=1, le=128)
+
+
+class TrainerSpec(_Strict):
+    """``name`` selects the trainer; other keys are that trainer's settings."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = "three-channel"
+    batch_size: int = Field(default=8, gt=0)
+    seq_len: int = Field(default=64, gt=0)
+
+    def settings(self) -> dict[str, Any]:
+        return dict(self.model_extra or {}) | {"batch_size": self.batch_size, "seq_len": self.seq_len}
+
+
+class ModalSpec(_Strict):
+    gpu: str = "H100"
+    gpu_count: int = Field(default=1, ge=1, le=8)
+    timeout_s: int = Field(default=24 * 3600, gt=0)
+    retries: int = Field(default=0, ge=0, le=10)
+    secrets: list[str] = Field(default_factory=list)
+    app_name: str = "composer-cloud"
+
+
+class HFJobsSpec(_Strict):
+    flavor: str = "a10g-small"
+    namespace: str | None = None
+    image: str = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
+    timeout_s: int = Field(default=24 * 3600, gt=0)
+    secrets: list[str] = Field(default_factory=list)
+
+
+class RunSpec(_Strict):
+    """A composer-cloud run. See ``examples/*.toml`` for a commented example."""
+
+    run_id: str = ""
+    store: str = "file://./runs"
+    store_options: dict[str, Any] = Field(default_factory=dict)
+    executor: str = "local"
+    replicas: int = Field(default=2, ge=1, le=1024)
+    min_replicas: int = Field(default=1, ge=1)
+    rounds: int = Field(default=4, ge=1)
+    inner_steps: int = Field(default=10, ge=1)
+    seed: int = Field(default=0, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    checkpoint_every: int = Field(default=1, ge=1)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    max_restarts: int = Field(default=0, ge=0)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    inner_optimizer: InnerOptimizerSpec = Field(default_factory=InnerOptimizerSpec)
+    outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec)
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    modal: ModalSpec = Field(default_factory=ModalSpec)
+    hf_jobs: HFJobsSpec = Field(default_factory=HFJobsSpec)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_safe(cls, v: str) -> str:
+        if v and (not RUN_ID_PATTERN.match(v) or ".." in v):
+            raise ValueError(
+                f"{v!r} is not a valid run id: use letters, digits, '.', '_' and '-' "
+                "(no '/', no '..'), starting with a letter or digit"
+            )
+        return v
+
+    @field_validator("store_options")
+    @classmethod
+    def _no_secrets_in_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name in _walk_keys(v):
+            if _SECRET_OPTION.search(name):
+                raise ValueError(
+                    f"option {name!r} looks like a credential; credentials never go into a spec "
+                    "(use the standard AWS_* environment variables or a named executor secret)"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "RunSpec":
+        if self.min_replicas > self.replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > replicas ({self.replicas})")
+        frags = self.sync.fragments
+        if self.inner_steps % frags != 0:
+            raise ValueError(f"inner_steps ({self.inner_steps}) must be a multiple of sync.fragments ({frags})")
+        if self.sync.fragment_sync_delay >= self.inner_steps // frags:
+            raise ValueError(
+                f"sync.fragment_sync_delay ({self.sync.fragment_sync_delay}) must be < "
+                f"inner_steps / sync.fragments ({self.inner_steps // frags})"
+            )
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    def with_run_id(self) -> "RunSpec":
+        """Return a copy with a generated ``run_id`` if none was given."""
+        if self.run_id:
+            return self
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        return self.model_copy(update={"run_id": f"run-{stamp}-{_secrets.token_hex(3)}"})
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _walk_keys(d: Any, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.append(str(k))
+            out.extend(_walk_keys(v, f"{prefix}{k}."))
+    return out
+
+
+def _error_from_validation(exc: ValidationError, source: str) -> SpecError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "<spec>"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown key in {source}"
+    elif "input" in err and err["type"] not in ("missing",):
+        msg = f"{msg} (got {err['input']!r})"
+    return SpecError(field, msg)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(dotted, f"{part!r} is not a table")
+    node[parts[-1]] = value
+
+
+def spec_from_dict(data: dict[str, Any], *, source: str = "spec") -> RunSpec:
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _error_from_validation(exc, source) from None
+
+
+def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunSpec:
+    """Load a spec from TOML (or defaults when ``path`` is None), then apply ``overrides``.
+
+    ``overrides`` maps dotted field names (``"sync.codec"``) to values; ``None``
+    values are ignored so CLI flags that were not given leave the file alone.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise SpecError("--config", f"file not found: {p}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError("--config", f"{p} is not valid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    return spec_from_dict(data, source=source)

@@ -1,0 +1,31 @@
+"""Trainers: what one replica runs between DiLoCo syncs.
+
+Trainers are looked up by name; each entry is ``"module:factory"`` where
+``factory(ctx: TrainerContext) -> InnerTrainer``. Imports are lazy so that the
+CLI does not pay for TRL unless a replica needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from composer_cloud.trainer.base import InnerTrainer, TrainerContext
+
+TRAINERS: dict[str, str] = {
+    "causal-lm": "composer_cloud.trainer.causal_lm:build_causal_lm_trainer",
+    "three-channel": "composer_cloud.trainer.three_channel:build_three_channel_trainer",
+}
+DEFAULT_TRAINER = "three-channel"
+
+
+def build_trainer(name: str, ctx: TrainerContext) -> InnerTrainer:
+    """Build the trainer registered as ``name``."""
+    try:
+        target = TRAINERS[name]
+    except KeyError:
+        raise ValueError(f"trainer.name: unknown trainer {name!r}; choose one of {sorted(TRAINERS)}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(ctx)
+
+
+__all__ = ["DEFAULT_TRAINER", "TRAINERS", "InnerTrainer", "TrainerContext", "build_trainer"]
