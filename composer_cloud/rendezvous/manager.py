@@ -1,0 +1,297 @@
+"""A torchft ``Manager`` stand-in backed by the object-store all-reduce.
+
+``torchft.local_sgd.DiLoCo`` uses only a small part of torchft's Manager;
+:class:`ObjectStoreManager` provides exactly that part, so torchft's real
+DiLoCo (and Streaming DiLoCo with several fragments) runs unchanged with no
+Lighthouse, no TCPStore and no network path between replicas.
+
+How a sync maps onto the store (round ``r`` = ``current_step()``):
+
+* ``start_quorum()`` — opens round ``r``. If round ``r`` (or later) already
+  committed without us, we are behind: heal first (see below).
+* ``allreduce(t)`` — called once per parameter (or bucket) by DiLoCo. Calls
+  are only collected; the first call that needs a result (``work.wait()``,
+  ``should_commit()``) or the next inner step (``disallow_state_dict_read``)
+  flushes them as **one** store round: the tensors are concatenated into one
+  float32 payload, averaged over the round's participants in a background
+  thread (so ``fragment_sync_delay`` overlaps inner steps with the exchange),
+  and copied back in place.
+* ``should_commit()`` — True iff this replica was in the round's quorum and
+  the round's write-once outcome record says committed; then ``r += 1``.
+  A replica left out of the quorum returns False (its pseudo-gradient is not
+  in the average), then heals: it loads the round's committed global state
+  through the functions DiLoCo registered with ``register_state_dict_fn``
+  and calls ``on_heal`` so the caller copies the global parameters into the
+  model. An aborted round returns False on every replica and is retried.
+
+Global state: after a commit, DiLoCo's outer step produces the new global
+parameters; at the next manager call (or :meth:`flush_state`) the round's
+leader (lowest participating rank) writes every registered ``save_fn``'s
+state to ``checkpoints/<r>/global.safetensors``, then the write-once marker
+``checkpoints/<r>/global.json``. Healing reads only marked states.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future as _ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from composer_cloud.rendezvous.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
+from composer_cloud.rendezvous.state import decode_state, encode_state
+from composer_cloud.rendezvous.store import StoreError, StoreTimeout
+
+logger = logging.getLogger(__name__)
+
+
+class HealError(StoreError):
+    """No committed global state could be loaded before the heal deadline."""
+
+
+def global_state_prefix(round: int) -> str:
+    return f"checkpoints/{round:08d}"
+
+
+def _completed(value: Any) -> _ThreadFuture:
+    fut: _ThreadFuture = _ThreadFuture()
+    fut.set_result(value)
+    return fut
+
+
+class _Work:
+    """What ``Manager.allreduce`` returns: ``wait()`` and ``get_future()``."""
+
+    def __init__(self, manager: "ObjectStoreManager", future: torch.futures.Future) -> None:
+        self._manager = manager
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._manager._flush()
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        # Callers chain ``.then()`` right after each bucket's allreduce, before
+        # the sync's other buckets are issued: this must not flush.
+        return self._future
+
+
+@dataclass
+class SyncRecord:
+    """One sync as this replica saw it (for metrics)."""
+
+    round: int
+    result: RoundResult | None
+    committed: bool
+    healed_to: int | None = None
+
+
+class ObjectStoreManager:
+    """Duck-typed torchft Manager for ``torchft.local_sgd.DiLoCo``.
+
+    Args:
+        allreduce: the replica's object-store all-reduce (holds store, rank, deadlines).
+        heal_timeout_s: how long healing may wait for a committed global state.
+        on_heal: called with the healed round after registered states were
+            loaded; use it to copy the global parameters into the model
+            (``diloco._restore_parameters``).
+        start_step: first round this replica syncs (from a checkpoint).
+    """
+
+    _use_async_quorum = False
+
+    def __init__(
+        self,
+        allreduce: ObjectStoreAllReduce,
+        *,
+        heal_timeout_s: float = 600.0,
+        on_heal: Callable[[int], None] | None = None,
+        start_step: int = 0,
+    ) -> None:
+        self._ar = allreduce
+        self.store = allreduce.store
+        self.rank = allreduce.rank
+        self.heal_timeout_s = heal_timeout_s
+        self.on_heal = on_heal
+        self._step = start_step
+        self._load_fns: dict[str, Callable[[Any], None]] = {}
+        self._save_fns: dict[str, Callable[[], Any]] = {}
+        self._state_read_allowed = threading.Event()
+        self._state_read_allowed.set()
+        self._pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
+        self._exchange: _ThreadFuture | None = None
+        self._exchange_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sync-r{self.rank}")
+        self._publish: _ThreadFuture | None = None
+        self._publish_round: int | None = None
+        self._round_open = False
+        self._skip_sync = False
+        self.history: list[SyncRecord] = []
+
+    # ------------------------------------------------------------ torchft Manager surface
+    def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
+        self._load_fns[key] = load_fn
+        self._save_fns[key] = save_fn
+
+    def allow_state_dict_read(self) -> None:
+        self._state_read_allowed.set()
+
+    def disallow_state_dict_read(self) -> None:
+        # Called before every inner optimizer step: a good moment to start work
+        # that overlaps with compute (a pending exchange, a state upload).
+        self._flush()
+        self._maybe_publish_state()
+        self._state_read_allowed.clear()
+
+    def current_step(self) -> int:
+        return self._step
+
+    def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+        self.flush_state()
+        if self._pending or self._exchange is not None:
+            raise RuntimeError("start_quorum called while a previous sync is still open")
+        latest = self._ar.latest_committed_round(start=self._step)
+        self._skip_sync = False
+        if latest >= self._step:
+            logger.info("replica %d is behind (at round %d, committed %d): healing", self.rank, self._step, latest)
+            healed = self._heal(latest)
+            # Our pseudo-gradient was measured from stale parameters and the
+            # round it was meant for is over: skip this sync (nothing is sent,
+            # nobody waits for us) and train from the healed parameters.
+            self._skip_sync = True
+            self.history.append(SyncRecord(healed, None, committed=False, healed_to=healed))
+        self._round_open = True
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> _Work:
+        if not self._round_open:
+            raise RuntimeError("allreduce called outside a sync (start_quorum first)")
+        fut: torch.futures.Future = torch.futures.Future()
+        self._pending.append((tensor, fut))
+        return _Work(self, fut)
+
+    def should_commit(self, timeout: Any = None) -> bool:
+        self._flush()
+        if self._exchange is None:
+            raise RuntimeError("should_commit called without a sync in flight")
+        exchange, self._exchange = self._exchange, None
+        self._round_open = False
+        round = self._step
+        result: RoundResult | None = exchange.result()  # RoundTimeout and store errors propagate
+        if result is None:  # skipped after healing in start_quorum; already recorded
+            return False
+        if result.participated and result.committed:
+            self._step += 1
+            self._publish_round = round
+            self.history.append(SyncRecord(round, result, committed=True))
+            return True
+        if not result.committed:
+            logger.warning("round %d was not committed (%s); it will be retried", round, result.reason)
+            self.history.append(SyncRecord(round, result, committed=False))
+            return False
+        # Left out of a committed round: heal from its committed state.
+        healed = self._heal(self._ar.latest_committed_round(start=round))
+        self.history.append(SyncRecord(round, result, committed=False, healed_to=healed))
+        return False
+
+    # ------------------------------------------------------------ exchange
+    def _flush(self) -> None:
+        """Start the store exchange for all collected ``allreduce`` calls (once)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        round = self._step
+        if self._skip_sync:
+            for t, fut in pending:
+                fut.set_result(t)
+            self._exchange = _completed(None)
+            return
+        # Snapshot to float32 now: the exchange runs concurrently with inner steps.
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t, _ in pending])
+
+        def run() -> RoundResult:
+            try:
+                result = self._ar.allreduce(round, flat)
+            except BehindError:
+                # The round committed before we joined: we are late, not broken.
+                result = RoundResult(round=round, attempt=-1, participants=[], participated=False,
+                                     committed=True, reason="round committed before we joined")
+            except BaseException as exc:
+                for _, fut in pending:
+                    fut.set_exception(exc)
+                raise
+            if result.participated and result.committed:
+                offset = 0
+                with torch.no_grad():
+                    for t, _ in pending:
+                        n = t.numel()
+                        t.copy_(flat[offset:offset + n].view_as(t))
+                        offset += n
+            for t, fut in pending:
+                fut.set_result(t)
+            return result
+
+        self._exchange = self._exchange_pool.submit(run)
+
+    # ------------------------------------------------------------ global state
+    def _maybe_publish_state(self) -> None:
+        """After a commit, the leader starts uploading the new global state."""
+        round, self._publish_round = self._publish_round, None
+        if round is None or not self._save_fns:
+            return
+        last = self.history[-1].result
+        if last is None or not last.participants or last.participants[0] != self.rank:
+            return
+        # save_fns return views of DiLoCo's backup tensors and outer optimizer
+        # state, which change only at the next sync; flush_state() joins this
+        # upload before that sync starts, so encoding in the background is safe.
+        tree = {key: fn() for key, fn in self._save_fns.items()}
+        self._publish = self._exchange_pool.submit(self._write_global_state, round, tree)
+
+    def _write_global_state(self, round: int, tree: dict[str, Any]) -> None:
+        prefix = global_state_prefix(round)
+        blob = encode_state(tree, metadata={"round": str(round)})
+        self.store.put(f"{prefix}/global.safetensors", blob)
+        self.store.create_json(f"{prefix}/global.json", {"round": round, "bytes": len(blob), "by": self.rank})
+
+    def flush_state(self) -> None:
+        """Finish any pending global-state upload (call at the end of a run)."""
+        self._maybe_publish_state()
+        if self._publish is not None:
+            publish, self._publish = self._publish, None
+            publish.result()
+
+    def load_global_state(self, round: int) -> Any:
+        prefix = global_state_prefix(round)
+        return decode_state(self.store.get(f"{prefix}/global.safetensors"))
+
+    def _heal(self, target: int) -> int:
+        """Load the newest committed global state at or after ``target``; returns its round."""
+        deadline = time.monotonic() + self.heal_timeout_s
+        while True:
+            latest = self._ar.latest_committed_round(start=max(target, 0))
+            for round in range(latest, target - 1, -1):
+                if self.store.exists(f"{global_state_prefix(round)}/global.json"):
+                    tree = self.load_global_state(round)
+                    for key, load_fn in self._load_fns.items():
+                        load_fn(tree[key])
+                    self._step = round + 1
+                    if self.on_heal is not None:
+                        self.on_heal(round)
+                    logger.info("replica %d healed to committed round %d", self.rank, round)
+                    return round
+            if time.monotonic() >= deadline:
+                raise HealError(
+                    f"replica {self.rank}: no committed global state for round >= {target} appeared within "
+                    f"heal_timeout_s={self.heal_timeout_s}") from StoreTimeout("global.json", self.heal_timeout_s)
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.flush_state()
+        self._exchange_pool.shutdown(wait=True)
+        self._ar.close()

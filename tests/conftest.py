@@ -1,0 +1,47 @@
+"""Shared fixtures. Replicas in these tests are separate OS processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Workers are forked from a server that imported torch but never ran a parallel
+# op, so children neither re-import torch (slow) nor inherit OpenMP state.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "composer_cloud.rendezvous.manager"])
+
+
+def run_processes(target: Callable[..., Any], args_per_proc: Sequence[tuple], *, timeout: float = 120) -> list[Any]:
+    """Run ``target(queue, *args)`` in one process per args tuple; return what each put, in order.
+
+    Each worker must ``queue.put((index, value))`` exactly once, where
+    ``index`` is its position in ``args_per_proc``. Values must be plain
+    Python/numpy objects (no torch tensors: they would be shared via fds).
+    """
+    q = _CTX.Queue()
+    procs = [_CTX.Process(target=target, args=(q, i, *a), daemon=True) for i, a in enumerate(args_per_proc)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            i, value = q.get(timeout=timeout)
+            results[i] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[i] for i in range(len(procs))]
+
+
+@pytest.fixture
+def store_uri(tmp_path) -> str:
+    return f"file://{tmp_path}/store"

@@ -1,0 +1,167 @@
+"""Object-store all-reduce: numerics, O(P) traffic, and torchft DiLoCo on top of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from composer_cloud.rendezvous import codec as wire
+from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundTimeout
+from composer_cloud.rendezvous.store import Store
+from conftest import run_processes
+from workers import allreduce_worker, diloco_worker, payload, reference_diloco
+
+
+def _expected(world: int, numel: int, round: int = 0) -> torch.Tensor:
+    return torch.stack([payload(r + 10 * round, numel) for r in range(world)]).mean(0)
+
+
+def _bound(codec: str, world: int, numel: int) -> torch.Tensor:
+    """Per-element error bound of an all-reduce, from the codec docstring."""
+    xs = [payload(r, numel) for r in range(world)]
+    mean = torch.stack(xs).mean(0)
+    if codec == "bf16":
+        return 2**-8 * (torch.stack([x.abs() for x in xs]).mean(0) + mean.abs()) * 1.01 + 1e-30
+    if codec == "int8":
+        def chunk_bound(x: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(x)
+            for s in range(0, numel, wire.INT8_CHUNK):
+                out[s:s + wire.INT8_CHUNK] = x[s:s + wire.INT8_CHUNK].abs().max() / 254
+            return out
+        # Slot boundaries shift chunk boundaries, so bound by the slot-wide max.
+        per_input = torch.stack([torch.full_like(x, x.abs().max().item() / 254) for x in xs]).mean(0)
+        return per_input + mean.abs().max() / 254 + 1e-6
+    return torch.full((numel,), 1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_fp32_mean_equals_stack_mean(store_uri, world):
+    numel = 1013  # not divisible by any world size here
+    outs = run_processes(allreduce_worker, [(store_uri, r, world, numel, "fp32") for r in range(world)])
+    expected = _expected(world, numel)
+    for o in outs:
+        assert "error" not in o, o.get("error")
+        np.testing.assert_allclose(o["outs"][0], expected.numpy(), atol=1e-6, rtol=0)
+        assert np.array_equal(o["outs"][0], outs[0]["outs"][0])  # bitwise identical across replicas
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+@pytest.mark.parametrize("world", [2, 5])
+def test_lossy_codecs_within_stated_bounds(store_uri, codec, world):
+    numel = 4099
+    outs = run_processes(allreduce_worker, [(store_uri, r, world, numel, codec) for r in range(world)])
+    err = (torch.from_numpy(outs[0]["outs"][0]) - _expected(world, numel)).abs()
+    assert torch.all(err <= _bound(codec, world, numel)), float((err - _bound(codec, world, numel)).max())
+    assert err.max() > 0  # it really is lossy: the test would notice a silent fp32 fallback
+    for o in outs:
+        assert np.array_equal(o["outs"][0], outs[0]["outs"][0])
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2])
+def test_tiny_and_empty_payloads(store_uri, numel):
+    outs = run_processes(allreduce_worker, [(store_uri, r, 3, numel, "fp32") for r in range(3)])
+    for o in outs:
+        assert "error" not in o, o.get("error")
+        np.testing.assert_allclose(o["outs"][0], _expected(3, numel).numpy(), atol=1e-6)
+
+
+def test_codec_roundtrip_bounds_single_tensor():
+    x = torch.randn(10_000) * 3
+    assert torch.equal(wire.decode("fp32", wire.encode("fp32", x)), x)
+    bf = wire.decode("bf16", wire.encode("bf16", x))
+    assert torch.all((bf - x).abs() <= 2**-8 * x.abs())
+    i8 = wire.decode("int8", wire.encode("int8", x))
+    for s in range(0, x.numel(), wire.INT8_CHUNK):
+        c = slice(s, s + wire.INT8_CHUNK)
+        assert torch.all((i8[c] - x[c]).abs() <= x[c].abs().max() / 254 + 1e-7)
+    # bf16 inputs are accepted and promoted
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(wire.decode("fp32", wire.encode("fp32", xb)), xb.float())
+    assert len(wire.encode("int8", x)) < len(wire.encode("bf16", x)) < len(wire.encode("fp32", x))
+
+
+def test_traffic_per_replica_is_independent_of_world_size(store_uri, tmp_path):
+    numel = 64 * 1024
+    per_world = {}
+    for world in (2, 4):
+        uri = f"file://{tmp_path}/w{world}"
+        outs = run_processes(allreduce_worker, [(uri, r, world, numel, "fp32") for r in range(world)])
+        moved = max(o["read"] + o["written"] for o in outs)
+        per_world[world] = moved / outs[0]["payload"]
+    # (3 - 1/W) P plus small records: O(P), not O(W P)
+    assert per_world[2] < 3.2 and per_world[4] < 3.2, per_world
+
+
+def test_too_few_replicas_raises_round_timeout_naming_missing(store_uri):
+    ar = ObjectStoreAllReduce(Store(store_uri), 0, AllReduceConfig(
+        replicas=3, min_replicas=2, quorum_timeout_s=0.5, round_timeout_s=5))
+    with pytest.raises(RoundTimeout) as err:
+        ar.allreduce(0, torch.ones(10))
+    assert err.value.missing_ranks == [1, 2]
+    assert "[1, 2]" in str(err.value)
+
+
+@pytest.mark.parametrize("fragments,bucketize", [(1, False), (2, False), (1, True)])
+def test_torchft_diloco_matches_plain_torch(store_uri, fragments, bucketize):
+    world, rounds, sync_every = 3, 4, 4
+    outs = run_processes(_diloco_kw, [(store_uri, r, world, rounds, sync_every, fragments, bucketize)
+                                      for r in range(world)], timeout=180)
+    ref = reference_diloco(world, rounds=rounds, sync_every=sync_every, fragments=fragments)
+    for o in outs:
+        assert "error" not in o, o.get("error")
+        assert o["step"] == rounds
+        assert len(o["snapshots"]) == rounds
+    for sync in range(rounds):
+        # Parameters of the fragment synced at this point are global: identical
+        # on every replica and equal to plain-torch DiLoCo. (With 2 fragments
+        # the other fragment's parameters are still local and differ.)
+        synced = range(6) if fragments == 1 else ([0, 1, 2, 3] if sync % 2 == 0 else [4, 5])
+        for p in synced:
+            a = outs[0]["snapshots"][sync][p]
+            for o in outs[1:]:
+                assert np.array_equal(a, o["snapshots"][sync][p]), f"replicas differ at sync {sync} param {p}"
+            np.testing.assert_allclose(a, ref[sync][p], atol=1e-6, rtol=0)
+
+
+def _diloco_kw(q, index, uri, rank, world, rounds, sync_every, fragments, bucketize):
+    diloco_worker(q, index, uri, rank, world, rounds=rounds, sync_every=sync_every, fragments=fragments,
+                  bucketize=bucketize)
+
+
+def _late_kw(q, index, uri, rank, world):
+    # Rank 2 stalls before its first sync for longer than the quorum deadline
+    # (3 s) but returns while round 1's quorum is still open (3 s .. 6 s).
+    diloco_worker(q, index, uri, rank, world, rounds=3, sync_every=3, min_replicas=2, quorum_timeout_s=3.0,
+                  delay_before_step={2: 4.5} if rank == 2 else None)
+
+
+def test_late_replica_does_not_commit_and_heals(store_uri):
+    outs = run_processes(_late_kw, [(store_uri, r, 3) for r in range(3)], timeout=180)
+    for o in outs:
+        assert "error" not in o, o.get("error")
+    # Round 0: ranks 0 and 1 committed without rank 2.
+    assert outs[0]["history"][0][:2] == (0, True) and outs[0]["history"][0][3] == [0, 1]
+    late = outs[2]["history"][0]
+    assert late[1] is False and late[2] == 0, late
+    # ... and rank 2 then holds exactly the committed parameters.
+    for a, b in zip(outs[2]["snapshots"][0], outs[0]["snapshots"][0]):
+        assert np.array_equal(a, b)
+    # Rounds 1 and 2: everyone takes part again and stays bitwise in sync.
+    for sync in (1, 2):
+        assert outs[2]["history"][sync][1] is True and outs[2]["history"][sync][3] == [0, 1, 2]
+        for a, b in zip(outs[2]["snapshots"][sync], outs[0]["snapshots"][sync]):
+            assert np.array_equal(a, b)
+    assert outs[2]["step"] == outs[0]["step"] == 3
+
+
+def _missing_kw(q, index, uri, rank, world):
+    diloco_worker(q, index, uri, rank, world, rounds=1, sync_every=2, min_replicas=3, quorum_timeout_s=1.0)
+
+
+def test_diloco_fewer_than_min_replicas_raises(store_uri):
+    # Only 2 of 3 replicas are started.
+    outs = run_processes(_missing_kw, [(store_uri, r, 3) for r in range(2)], timeout=120)
+    for o in outs:
+        assert o.get("type") == "RoundTimeout", o
+        assert o["missing"] == [2]
