@@ -1,0 +1,214 @@
+"""Local process executor: one supervised OS process per replica.
+
+Each replica runs under a small supervisor (``python -m
+composer_cloud.jobs.local supervise ...``) in its own session, so that:
+
+* ``cancel`` kills the whole process group (supervisor, replica, children);
+* the replica's exit code survives the launcher: the supervisor writes it to
+  ``<job dir>/exit.json``, which ``status`` in another process reads;
+* a replica that dies is restarted up to ``max_restarts`` times (it then
+  rejoins the run by loading the latest checkpoint and healing).
+
+Job files live in ``<run dir>/jobs/<rank>/`` for ``file://`` stores, else in
+``./runs/.local-jobs/<run_id>/<rank>/``: ``replica.log``, ``supervisor.json``
+(pids), ``exit.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from composer_cloud.jobs.base import JobHandle, LaunchPlan, ReplicaState, ReplicaStatus, replica_command
+
+if TYPE_CHECKING:
+    from composer_cloud.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+def job_dir(run_uri: str, rank: int) -> Path:
+    if run_uri.startswith("file://"):
+        return Path(run_uri[len("file://"):]) / "jobs" / str(rank)
+    run_id = run_uri.rstrip("/").rsplit("/", 1)[-1]
+    return Path("runs") / ".local-jobs" / run_id / str(rank)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class LocalProcessExecutor:
+    """Runs replicas as local processes (the default, and what CI uses)."""
+
+    name: ClassVar[str] = "local"
+
+    def __init__(self, spec: "RunSpec | None" = None) -> None:
+        self.max_restarts = spec.max_restarts if spec is not None else 0
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
+
+    def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
+        return LaunchPlan(executor=self.name, ranks=list(ranks), image="(this machine's Python environment)",
+                          command=replica_command(run_uri, ranks[0] if ranks else 0, python=sys.executable),
+                          env_names=["COMPOSER_CLOUD_THREADS"], secret_names=[], gpu="none",
+                          estimated_gpu_hours=0.0,
+                          notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}"])
+
+    def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
+        handles = []
+        for rank in ranks:
+            d = job_dir(run_uri, rank)
+            d.mkdir(parents=True, exist_ok=True)
+            for stale in ("exit.json", "supervisor.json"):
+                (d / stale).unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "composer_cloud.jobs.local", "supervise", "--dir", str(d),
+                   "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
+            env = os.environ.copy()
+            env.setdefault("COMPOSER_CLOUD_THREADS", str(self.threads))
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            with open(os.devnull, "rb") as devnull:
+                proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True, env=env)
+            handles.append(JobHandle(executor=self.name, rank=rank, job_id=str(proc.pid),
+                                     data={"dir": str(d.resolve()), "pgid": proc.pid}))
+            logger.info("launched replica %d as local process group %d", rank, proc.pid)
+        return handles
+
+    def poll(self, handle: JobHandle) -> ReplicaStatus:
+        d = Path(handle.data["dir"])
+        exit_rec = _read_json(d / "exit.json")
+        if exit_rec is not None:
+            code = exit_rec.get("exit_code")
+            if exit_rec.get("cancelled"):
+                return ReplicaStatus(ReplicaState.CANCELLED, code, "cancelled")
+            if code == 0:
+                return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "")
+            return ReplicaStatus(ReplicaState.FAILED, code, exit_rec.get("message", "") + _tail(d / "replica.log"))
+        if _alive(int(handle.job_id)):
+            sup = _read_json(d / "supervisor.json") or {}
+            return ReplicaStatus(ReplicaState.RUNNING if sup.get("replica_pid") else ReplicaState.PENDING, None,
+                                 f"restarts={sup.get('restarts', 0)}")
+        return ReplicaStatus(ReplicaState.FAILED, None, "supervisor vanished without recording an exit code")
+
+    def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
+        path = Path(handle.data["dir"]) / "replica.log"
+        pos = 0
+        while True:
+            if path.exists():
+                with open(path, "r", errors="replace") as f:
+                    f.seek(pos)
+                    for line in f:
+                        yield line.rstrip("\n")
+                    pos = f.tell()
+            if not follow or self.poll(handle).state.finished:
+                return
+            time.sleep(0.5)
+
+    def cancel(self, handle: JobHandle) -> None:
+        d = Path(handle.data["dir"])
+        (d / "cancel").touch()
+        try:
+            os.killpg(int(handle.data.get("pgid", handle.job_id)), signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 10
+        while _alive(int(handle.job_id)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(int(handle.data.get("pgid", handle.job_id)), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if _read_json(d / "exit.json") is None:
+            _write_json(d / "exit.json", {"exit_code": None, "cancelled": True, "message": "cancelled"})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except FileNotFoundError:
+        return ""
+    return ("\n" + "\n".join(text)) if text else ""
+
+
+# ---------------------------------------------------------------- supervisor
+def supervise(directory: Path, max_restarts: int, command: list[str]) -> int:
+    """Run ``command`` with output to ``replica.log``; restart on failure up to ``max_restarts``."""
+    restarts = 0
+    cancelled = False
+
+    def on_term(signum: int, frame: object) -> None:
+        nonlocal cancelled
+        cancelled = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    with open(directory / "replica.log", "ab", buffering=0) as log:
+        while True:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            _write_json(directory / "supervisor.json",
+                        {"supervisor_pid": os.getpid(), "replica_pid": proc.pid, "restarts": restarts})
+            while True:
+                try:
+                    code = proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if cancelled or (directory / "cancel").exists():
+                        cancelled = True
+                        proc.terminate()
+            if cancelled:
+                _write_json(directory / "exit.json", {"exit_code": code, "cancelled": True, "restarts": restarts})
+                return code
+            if code == 0 or restarts >= max_restarts:
+                msg = "" if code == 0 else f"replica exited with code {code} after {restarts} restart(s)"
+                _write_json(directory / "exit.json", {"exit_code": code, "restarts": restarts, "message": msg})
+                return code
+            restarts += 1
+            log.write(f"\n[supervisor] replica exited with code {code}; restart {restarts}/{max_restarts}\n".encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="composer_cloud.jobs.local")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("supervise")
+    sp.add_argument("--dir", required=True, type=Path)
+    sp.add_argument("--max-restarts", type=int, default=0)
+    sp.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return supervise(args.dir, args.max_restarts, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The replica entry point: ``python -m composer_cloud.replica --run RUN_URI --rank R``.
+
+Every executor runs exactly this. The replica reads the run spec from the
+store, builds model and trainer, and runs torchft's ``DiLoCo`` over the
+object-store manager until ``rounds`` rounds have committed. Everything it
+reports goes to the store:
+
+* ``replicas/<rank>.json`` — heartbeat: state, round, step, last error.
+* ``metrics/<rank>.jsonl`` — one JSON line per inner step and per round
+  (rewritten atomically after every round: object stores cannot append).
+* ``checkpoints/<r>/...`` — see :mod:`composer_cloud.checkpoint`.
+
+Ordering at a round boundary (the commit of round ``r`` happens inside the
+inner optimizer's ``step()``, in DiLoCo's post-hook): once ``step()`` returns,
+the model holds the new global parameters, so the replica then writes its
+inner state for checkpoint ``r``, and the round's leader (lowest participating
+rank) publishes the global state and, last, the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from composer_cloud import checkpoint as ckpt
+from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, cleanup_rounds
+from composer_cloud.rendezvous.manager import ObjectStoreManager
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.spec import RunSpec, spec_from_dict
+
+logger = logging.getLogger("composer_cloud.replica")
+
+
+class ParameterGroup(torch.nn.Module):
+    """A DiLoCo fragment made of existing parameters (shared, not copied)."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        for name, p in named:
+            self.register_parameter(name.replace(".", "__"), p)
+
+
+def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    """Split parameters, in model order, into ``n`` contiguous groups of ~equal size."""
+    if n == 1:
+        return [model]
+    named = list(model.named_parameters())
+    total = sum(p.numel() for _, p in named)
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(n)]
+    seen = 0
+    for name, p in named:
+        groups[min(n - 1, seen * n // total)].append((name, p))
+        seen += p.numel()
+    if any(not g for g in groups):
+        raise ValueError(f"sync.fragments={n} is more than the model's parameter tensors allow")
+    return [ParameterGroup(g) for g in groups]
+
+
+def open_run(run_uri: str) -> tuple[Store, RunSpec]:
+    """Open a run's store and read its spec (re-opening with the spec's storage options)."""
+    store = Store(run_uri)
+    spec = spec_from_dict(store.get_json("spec.json"), source=f"{run_uri}/spec.json")
+    if spec.store_options:
+        store = Store(run_uri, storage_options=spec.store_options)
+    return store, spec
+
+
+class Replica:
+    def __init__(self, run_uri: str, rank: int) -> None:
+        self.run_uri = run_uri
+        self.rank = rank
+        self.store, self.spec = open_run(run_uri)
+        if not 0 <= rank < self.spec.replicas:
+            raise ValueError(f"--rank {rank} out of range: the run has {self.spec.replicas} replicas")
+        self.metrics: list[dict[str, Any]] = []
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-io")
+        self._pending_io: list[Any] = []
+
+    # ------------------------------------------------------------ records
+    def heartbeat(self, state: str, **extra: Any) -> None:
+        record = {"rank": self.rank, "state": state, "time": time.time(), "pid": os.getpid(), **extra}
+        self.store.put_json(f"replicas/{self.rank}.json", record)
+
+    def flush_metrics(self) -> None:
+        body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics).encode()
+        self.store.put(f"metrics/{self.rank}.jsonl", body)
+
+    # ------------------------------------------------------------ main loop
+    def run(self) -> None:
+        from torchft.local_sgd import DiLoCo
+
+        from composer_cloud.model import TinyModelConfig, load_model
+        from composer_cloud.trainer import TrainerContext, build_trainer
+
+        spec = self.spec
+        device = torch.device("cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+                              else "cpu")
+        torch.manual_seed(spec.seed)
+        tiny = TinyModelConfig(**{k: getattr(spec.model, k) for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
+        model, tokenizer = load_model(spec.model.name, seed=spec.seed, device=device, tiny=tiny)
+        trainer = build_trainer(spec.trainer.name, TrainerContext(
+            model=model, tokenizer=tokenizer, rank=self.rank, world_size=spec.replicas, seed=spec.seed,
+            device=device, settings=spec.trainer.settings(),
+            inner_optimizer=spec.inner_optimizer.model_dump(mode="json")))
+        fragments = split_fragments(model, spec.sync.fragments)
+        outers = [torch.optim.SGD(f.parameters(), lr=spec.outer_optimizer.lr, momentum=spec.outer_optimizer.momentum,
+                                  nesterov=spec.outer_optimizer.nesterov) for f in fragments]
+
+        # Resume point: the newest valid checkpoint (written by a previous launch or before a restart).
+        start = ckpt.latest_checkpoint(self.store)
+        start_round = start.round + 1 if start else 0
+        ar = ObjectStoreAllReduce(self.store, self.rank, AllReduceConfig(
+            replicas=spec.replicas, min_replicas=spec.min_replicas, codec=spec.sync.codec,
+            quorum_timeout_s=spec.sync.quorum_timeout_s, round_timeout_s=spec.sync.round_timeout_s,
+            io_threads=spec.sync.io_threads))
+        holder: dict[str, Any] = {}
+        manager = ObjectStoreManager(ar, heal_timeout_s=spec.sync.heal_timeout_s, start_step=start_round,
+                                     on_heal=lambda r: holder["diloco"]._restore_parameters())
+        diloco = DiLoCo(manager, fragments, trainer.optimizer, outers, sync_every=spec.inner_steps,
+                        fragment_sync_delay=spec.sync.fragment_sync_delay, pin_memory=False)
+        holder["diloco"] = diloco
+        if start is not None:
+            self._restore(start, manager, diloco, trainer, fragments)
+        self.heartbeat("running", round=manager.current_step())
+        logger.info("replica %d/%d on %s: %s, starting at round %d of %d", self.rank, spec.replicas, device,
+                    spec.model.name, start_round, spec.rounds)
+
+        step = 0
+        round_losses: list[float] = []
+        round_start = time.monotonic()
+        compute_s = 0.0
+        with diloco:
+            while manager.current_step() < spec.rounds:
+                before = len(manager.history)
+                t0 = time.monotonic()
+                out = trainer.step()
+                dt = time.monotonic() - t0
+                step += 1
+                round_losses.append(out.get("loss", float("nan")))
+                self.metrics.append({"kind": "step", "rank": self.rank, "step": step,
+                                     "round": manager.current_step(), "time_s": dt, **out})
+                if len(manager.history) == before:
+                    compute_s += dt
+                    continue
+                # A sync happened inside this step (DiLoCo's optimizer post-hook).
+                rec = manager.history[-1]
+                res = rec.result
+                sync_s = res.wall_s if res else 0.0
+                compute_s += max(0.0, dt - sync_s)
+                row = {"kind": "round", "rank": self.rank, "round": rec.round, "committed": rec.committed,
+                       "healed_to": rec.healed_to, "participants": res.participants if res else [],
+                       "train_loss": sum(round_losses) / len(round_losses),
+                       "compute_s": compute_s, "sync_s": sync_s,
+                       "quorum_wait_s": res.quorum_wait_s if res else 0.0,
+                       "bytes_read": res.bytes_read if res else 0, "bytes_written": res.bytes_written if res else 0,
+                       "wall_s": time.monotonic() - round_start}
+                if rec.committed:
+                    self._after_commit(rec.round, res.participants if res else [], manager, diloco, trainer,
+                                       fragments, row)
+                self.metrics.append(row)
+                self.flush_metrics()
+                self.heartbeat("running", round=manager.current_step(), step=step)
+                round_losses, compute_s, round_start = [], 0.0, time.monotonic()
+        manager.flush_state()
+        for fut in self._pending_io:
+            fut.result()
+        manager.close()
+        self.flush_metrics()
+        self.heartbeat("completed", round=manager.current_step(), step=step)
+        logger.info("replica %d completed %d rounds", self.rank, manager.current_step())
+
+    def _after_commit(self, round: int, participants: list[int], manager: ObjectStoreManager, diloco: Any,
+                      trainer: Any, fragments: list[torch.nn.Module], row: dict[str, Any]) -> None:
+        spec = self.spec
+        if self.rank == min(participants) and hasattr(trainer, "evaluate"):
+            row.update(trainer.evaluate())
+        # The leader's global-state upload starts now (background), not at the next inner step.
+        manager.flush_state()
+        if (round + 1) % spec.checkpoint_every and round + 1 != spec.rounds:
+            return
+        local = None
+        if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
+            local = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
+        tree = ckpt.replica_state(trainer, local)
+        t0 = time.monotonic()
+        ckpt.write_replica_state(self.store, round, self.rank, tree)
+        row["checkpoint_write_s"] = time.monotonic() - t0
+        if self.rank == min(participants):
+            def finish() -> None:
+                ok = ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s)
+                if ok:
+                    ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
+                    cleanup_rounds(self.store, before=round)
+            self._pending_io.append(self._io.submit(finish))
+
+    def _restore(self, start: ckpt.Checkpoint, manager: ObjectStoreManager, diloco: Any, trainer: Any,
+                 fragments: list[torch.nn.Module]) -> None:
+        """Load global state into DiLoCo and the model, and this replica's inner state if present."""
+        glob = ckpt.load_global(self.store, start.round)
+        for key, load_fn in manager._load_fns.items():
+            load_fn(glob[key])
+        diloco._restore_parameters()  # model <- global parameters
+        tree = ckpt.load_replica(self.store, start, self.rank)
+        if tree is None:
+            logger.warning("checkpoint %d has no state for replica %d: fresh inner state from global params",
+                           start.round, self.rank)
+            return
+        local = ckpt.restore_replica_state(trainer, tree)
+        if local:
+            with torch.no_grad():
+                for name, p in trainer.model.named_parameters():
+                    p.copy_(local[name])
+        logger.info("replica %d resumed from checkpoint %d", self.rank, start.round)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="composer_cloud.replica", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run URI, <store>/<run_id>")
+    parser.add_argument("--rank", required=True, type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("COMPOSER_CLOUD_LOG", "INFO"),
+                        format=f"%(asctime)s r{args.rank} %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    torch.set_num_threads(int(os.environ.get("COMPOSER_CLOUD_THREADS", "1")) or 1)
+    replica = None
+    try:
+        replica = Replica(args.run, args.rank)
+        replica.run()
+        return 0
+    except Exception as exc:
+        logger.error("replica %d failed: %s", args.rank, exc)
+        traceback.print_exc()
+        if replica is not None:
+            try:
+                replica.flush_metrics()
+                replica.heartbeat("failed", error=f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

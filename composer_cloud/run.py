@@ -1,0 +1,144 @@
+"""A run as seen from outside: launch records, status, metrics summary.
+
+Everything here is derived from the store plus the executors' own view of
+their jobs, so any process that can read the store (another terminal,
+another machine) sees the same status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from composer_cloud.jobs import JobHandle, ReplicaState, ReplicaStatus, get_executor
+from composer_cloud.rendezvous.allreduce import ObjectStoreAllReduce, AllReduceConfig
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.spec import RunSpec
+
+
+@dataclass
+class ReplicaInfo:
+    rank: int
+    executor: str
+    state: str
+    last_round: int | None
+    job_id: str = ""
+    exit_code: int | None = None
+    restarts: int = 0
+    message: str = ""
+
+
+@dataclass
+class RunStatus:
+    run_id: str
+    run_uri: str
+    state: str  # running | completed | failed | cancelled
+    rounds: int
+    rounds_committed: int
+    replicas: list[ReplicaInfo] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def save_handles(store: Store, handles: list[JobHandle]) -> None:
+    for h in handles:
+        store.put_json(f"executor/{h.rank}.json", h.to_json())
+
+
+def load_handles(store: Store) -> list[JobHandle]:
+    out = []
+    for key in store.list("executor"):
+        if key.endswith(".json") and key.split("/")[-1][:-5].isdigit():
+            out.append(JobHandle.from_json(store.get_json(key)))
+    return sorted(out, key=lambda h: h.rank)
+
+
+def rounds_committed(store: Store, spec: RunSpec) -> int:
+    ar = ObjectStoreAllReduce.__new__(ObjectStoreAllReduce)  # discovery only: no pool, no rank needed
+    ar.store = store
+    return ar.latest_committed_round(start=0) + 1
+
+
+def run_status(store: Store, spec: RunSpec, *, poll_executors: bool = True) -> RunStatus:
+    handles = load_handles(store)
+    committed = rounds_committed(store, spec)
+    executors: dict[str, Any] = {}
+    infos: list[ReplicaInfo] = []
+    for h in handles:
+        beat = store.try_get_json(f"replicas/{h.rank}.json") or {}
+        status = ReplicaStatus(ReplicaState.PENDING)
+        if poll_executors:
+            try:
+                ex = executors.setdefault(h.executor, get_executor(h.executor, spec))
+                status = ex.poll(h)
+            except Exception as exc:  # noqa: BLE001 - status must still render
+                status = ReplicaStatus(ReplicaState.PENDING, None, f"cannot poll: {exc}")
+        state = status.state.value
+        if not status.state.finished and beat.get("state") in ("completed", "failed"):
+            state = "succeeded" if beat["state"] == "completed" else "failed"
+        message = status.message
+        restarts = h.restarts
+        if message.startswith("restarts="):  # local executor's progress note, not a message
+            restarts, message = int(message.split("=", 1)[1]), ""
+        infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state, last_round=beat.get("round"),
+                                 job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
+                                 message=beat.get("error", "") or message))
+    cancelled = store.exists("control/cancel.json")
+    finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
+    if cancelled:
+        state = "cancelled"
+    elif committed >= spec.rounds and (finished or not infos):
+        state = "completed"
+    elif finished:
+        state = "failed"
+    else:
+        state = "running"
+    return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
+                     rounds_committed=committed, replicas=infos)
+
+
+@dataclass
+class RunSummary:
+    rounds_committed: int
+    loss_first: float | None
+    loss_last: float | None
+    eval_loss_first: float | None
+    eval_loss_last: float | None
+    compute_s: float
+    sync_s: float
+    bytes_moved: int
+    lost_replicas: list[int]
+
+
+def read_metrics(store: Store, rank: int) -> list[dict[str, Any]]:
+    data = store.try_get(f"metrics/{rank}.jsonl")
+    if data is None:
+        return []
+    return [json.loads(line) for line in bytes(data).decode().splitlines() if line.strip()]
+
+
+def summarize(store: Store, spec: RunSpec, status: RunStatus) -> RunSummary:
+    rounds: list[dict[str, Any]] = []
+    for r in range(spec.replicas):
+        rounds.extend(m for m in read_metrics(store, r) if m.get("kind") == "round")
+    rounds.sort(key=lambda m: (m["round"], m["rank"]))
+    losses = [m["train_loss"] for m in rounds if m.get("committed")]
+    evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
+    return RunSummary(
+        rounds_committed=status.rounds_committed,
+        loss_first=losses[0] if losses else None,
+        loss_last=losses[-1] if losses else None,
+        eval_loss_first=evals[0] if evals else None,
+        eval_loss_last=evals[-1] if evals else None,
+        compute_s=sum(m.get("compute_s", 0.0) for m in rounds),
+        sync_s=sum(m.get("sync_s", 0.0) for m in rounds),
+        bytes_moved=sum(m.get("bytes_read", 0) + m.get("bytes_written", 0) for m in rounds),
+        lost_replicas=[i.rank for i in status.replicas if i.state in ("failed", "cancelled")],
+    )
+
+
+def request_cancel(store: Store) -> None:
+    store.create_json("control/cancel.json", {"time": time.time()})

@@ -1,0 +1,106 @@
+"""Plain next-token (causal LM) training on the built-in corpus.
+
+Each replica reads its own shard of the corpus (``rank::world_size``) in an
+order drawn from a seeded ``torch.Generator``; the data position and the
+generator state are part of :meth:`CausalLMTrainer.state_dict`, so a resumed
+replica sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from composer_cloud.corpus import heldout_corpus, train_corpus
+from composer_cloud.trainer.base import TrainerContext
+from composer_cloud.trainer.optim import build_inner_optimizer, load_optimizer_state, optimizer_state
+
+logger = logging.getLogger(__name__)
+
+
+def _pack(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
+    """Concatenate ``texts`` (eos-separated) and cut into ``[n, seq_len]`` rows."""
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"corpus too small for seq_len={seq_len}")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+class CausalLMTrainer:
+    """Next-token prediction with AdamW; one :meth:`step` = one optimizer step."""
+
+    def __init__(self, ctx: TrainerContext) -> None:
+        settings = ctx.settings
+        self.model = ctx.model
+        self.device = ctx.device
+        self.batch_size = int(settings.get("batch_size", 8))
+        seq_len = int(settings.get("seq_len", 64))
+        rows = _pack(ctx.tokenizer, train_corpus(int(settings.get("corpus_size", 4000))), seq_len)
+        self.rows = rows[ctx.rank :: ctx.world_size]
+        self.heldout = _pack(ctx.tokenizer, heldout_corpus(), seq_len)[: int(settings.get("eval_rows", 64))]
+        self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
+        self.grad_clip = float(ctx.inner_optimizer.get("grad_clip", 1.0))
+        self.generator = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)
+        self.epoch = 0
+        self.position = 0
+        self._order = torch.randperm(len(self.rows), generator=self.generator)
+
+    def _next_batch(self) -> torch.Tensor:
+        idx: list[int] = []
+        while len(idx) < self.batch_size:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = torch.randperm(len(self.rows), generator=self.generator)
+            take = min(self.batch_size - len(idx), len(self._order) - self.position)
+            idx.extend(self._order[self.position : self.position + take].tolist())
+            self.position += take
+        return self.rows[idx].to(self.device)
+
+    def step(self) -> dict[str, float]:
+        self.model.train()
+        batch = self._next_batch()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip) if self.grad_clip else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"loss": float(loss.detach())}
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        losses = []
+        for start in range(0, len(self.heldout), self.batch_size):
+            batch = self.heldout[start : start + self.batch_size].to(self.device)
+            losses.append(float(self.model(input_ids=batch, labels=batch).loss))
+        loss = sum(losses) / max(1, len(losses))
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = optimizer_state(self.optimizer)
+        tensors["data/order"] = self._order.clone()
+        tensors["data/generator"] = self.generator.get_state()
+        meta["data"] = {"epoch": self.epoch, "position": self.position}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        load_optimizer_state(self.optimizer, tensors, meta)
+        self._order = tensors["data/order"].clone()
+        self.generator.set_state(tensors["data/generator"])
+        self.epoch = int(meta["data"]["epoch"])
+        self.position = int(meta["data"]["position"])
+
+
+def build_causal_lm_trainer(ctx: TrainerContext) -> CausalLMTrainer:
+    return CausalLMTrainer(ctx)

@@ -1,0 +1,484 @@
+"""The three-channel loss as pure tensor functions (torch only, no TRL, no model).
+
+``total = pg_weight * pg + alpha * sdpo + beta * dpo`` where
+
+* **pg** (channel 1) is the clipped-ratio policy gradient of GRPO / DAPO on
+  sampled completions scored by a verifiable reward;
+* **sdpo** (channel 2) is the generalized Jensen-Shannon divergence between the
+  student (the model without a hint) and the teacher (the same model with a
+  hint in its context) on the same completion tokens;
+* **dpo** (channel 3) is a preference loss on replayed (chosen, rejected) pairs
+  with stored reference log-probabilities (DPO, sigmoid) or without a reference
+  (SimPO).
+
+Units and conventions used throughout:
+
+* log-probabilities are natural-log (nats) per token, shape ``(B, T)`` over the
+  completion positions only; ``mask`` is ``(B, T)`` with 1 on real completion
+  tokens and 0 on padding;
+* logits are ``(B, T, V)`` at the positions that *predict* the completion
+  tokens (i.e. already shifted);
+* sequence log-probabilities (channel 3) are sums of per-token log-probs over
+  the response tokens, shape ``(N,)``;
+* every function returns a scalar (0-dim) loss to be minimised.
+
+The aggregations of :func:`pg_loss` are the ones of TRL 1.16's
+``GRPOTrainer._compute_loss`` for ``importance_sampling_level="token"`` and one
+process without gradient accumulation; :func:`gjsd_loss` is TRL's
+``GKDTrainer.generalized_jsd_loss`` with ``reduction="batchmean"``. Parity with
+both is tested in ``tests/test_loss.py`` and ``tests/test_three_channel.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+DPOVariant = Literal["sigmoid", "simpo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
+
+
+# --------------------------------------------------------------------------- channel 1
+def pg_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.28,
+    loss_type: LossType = "dapo",
+    ref_logp: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    max_completion_length: int | None = None,
+    num_items: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Clipped-ratio policy-gradient loss of GRPO and its variants.
+
+    Per token ``t`` of completion ``i`` with ratio ``r = exp(logp - old_logp)``::
+
+        l_it = -min(r * A_i, clip(r, 1 - epsilon, 1 + epsilon_high) * A_i)
+               + kl_beta * (exp(ref - logp) - (ref - logp) - 1)      # k3 estimator of KL(pi || ref)
+
+    and the aggregation over masked tokens is
+
+    * ``grpo``:    mean over sequences of (sum_t l_it / |o_i|);
+    * ``bnpo``:    sum_it l_it / sum_i |o_i|  (token mean over the micro-batch);
+    * ``dr_grpo``: sum_it l_it / (B * max_completion_length);
+    * ``dapo``:    sum_it l_it / num_items, where ``num_items`` is the number of
+      completion tokens of the whole generation batch (TRL's
+      ``num_items_in_batch``); it defaults to ``mask.sum()``, which is the same
+      thing when a generation batch is one optimizer step.
+
+    Args:
+        logp: ``(B, T)`` per-token log-probs of the current policy (with grad).
+        old_logp: ``(B, T)`` log-probs of the policy that sampled the tokens;
+            ``None`` means on-policy (``logp.detach()``), as in TRL.
+        advantages: ``(B,)`` or ``(B, T)`` advantages (no grad).
+        mask: ``(B, T)`` 1 for completion tokens, 0 for padding.
+        epsilon: lower clip range (TRL's ``epsilon``/``epsilon_low``).
+        epsilon_high: upper clip range (DAPO's "clip-higher").
+        loss_type: one of ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``.
+        ref_logp: ``(B, T)`` reference log-probs; required when ``kl_beta != 0``.
+        kl_beta: weight of the per-token k3 KL penalty (TRL's ``beta``).
+        max_completion_length: required for ``dr_grpo`` (its constant normaliser).
+        num_items: ``dapo`` normaliser (tokens); defaults to ``mask.sum()``.
+
+    Returns:
+        Scalar loss (nats per token for bnpo/dapo, per token averaged per
+        sequence for grpo).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if old_logp is None:
+        old_logp = logp.detach()
+    mask = mask.to(logp.dtype)
+
+    coef_1 = torch.exp(logp - old_logp)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if kl_beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_beta != 0 needs ref_logp")
+        per_token_loss = per_token_loss + kl_beta * k3_kl(logp, ref_logp)
+
+    if loss_type == "grpo":
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser is B * L_max)")
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+    # dapo
+    if num_items is None:
+        num_items = mask.sum()
+    if not isinstance(num_items, torch.Tensor):
+        num_items = torch.tensor(float(num_items), dtype=logp.dtype, device=logp.device)
+    return (per_token_loss * mask).sum() / num_items.to(logp.device).clamp(min=1.0)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, nats)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+@torch.no_grad()
+def pg_clip_stats(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.28,
+) -> dict[str, torch.Tensor]:
+    """Fractions of masked tokens whose ratio is clipped (TRL's ``clip_ratio/*`` metrics)."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if old_logp is None:
+        old_logp = logp
+    ratio = torch.exp(logp - old_logp)
+    m = mask.to(logp.dtype)
+    n = m.sum().clamp(min=1.0)
+    low = ((ratio < 1 - epsilon) & (advantages < 0)).to(logp.dtype)
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(logp.dtype)
+    return {"clip_low": (low * m).sum() / n, "clip_high": (high * m).sum() / n}
+
+
+# --------------------------------------------------------------------------- channel 2
+def gjsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence per token, averaged over masked tokens (nats).
+
+    With ``S = softmax(student / T)``, ``P = softmax(teacher / T)`` and the
+    mixture ``M = (1 - beta) * S + beta * P``::
+
+        JSD_beta = beta * KL(P || M) + (1 - beta) * KL(S || M)
+        beta = 0  ->  KL(P || S)   (forward KL: teacher || student)
+        beta = 1  ->  KL(S || P)   (reverse KL: student || teacher)
+
+    The result is ``sum_{masked (b, t)} sum_v JSD / max(#masked, 1)``, which is
+    exactly TRL's ``GKDTrainer.generalized_jsd_loss(student, teacher, labels,
+    beta, temperature, reduction="batchmean")`` with ``labels = -100`` where
+    ``mask`` is 0. The teacher is detached: no gradient ever reaches it.
+
+    Args:
+        student_logits: ``(B, T, V)`` logits predicting the completion tokens.
+        teacher_logits: ``(B, T, V)`` logits of the teacher at the same positions.
+        mask: ``(B, T)`` 1 where the token counts.
+        beta: interpolation in ``[0, 1]``.
+        temperature: softmax temperature applied to both.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} differ")
+    # Same operations, in the same order, as TRL's GKD implementation, so the
+    # two agree to float rounding.
+    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits.detach() / temperature, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=student_log_probs.dtype, device=student_log_probs.device)
+        mixture_log_probs = torch.logsumexp(
+            torch.stack([student_log_probs + torch.log1p(-b), teacher_log_probs + torch.log(b)]), dim=0
+        )
+        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
+        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+        jsd = b * kl_teacher + (1 - b) * kl_student
+    keep = mask.bool()
+    return jsd[keep].sum() / keep.sum().clamp_min(1)
+
+
+# --------------------------------------------------------------------------- channel 3
+def dpo_loss(
+    policy_chosen_logp: torch.Tensor,
+    policy_rejected_logp: torch.Tensor,
+    ref_chosen_logp: torch.Tensor | None = None,
+    ref_rejected_logp: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    variant: DPOVariant = "sigmoid",
+    gamma: float = 0.5,
+    chosen_length: torch.Tensor | None = None,
+    rejected_length: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Preference loss on ``N`` pairs, averaged over pairs (nats).
+
+    * ``sigmoid`` (DPO): ``-log sigmoid(beta * ((pc - rc) - (pr - rr)))`` with
+      sequence log-probs of the policy (``pc``, ``pr``) and of the reference
+      (``rc``, ``rr``). Equals ``log 2`` when policy == reference.
+    * ``simpo`` (SimPO, no reference): ``-log sigmoid(beta * (pc / |yc| - pr / |yr|) - gamma)``
+      on length-averaged log-probs; ``chosen_length`` / ``rejected_length``
+      (response tokens, ``(N,)``) are required, the reference is ignored.
+      SimPO is usually run with ``beta`` around 2 and ``gamma`` around 0.5-1.5.
+    """
+    if variant == "sigmoid":
+        if ref_chosen_logp is None or ref_rejected_logp is None:
+            raise ValueError("variant='sigmoid' needs ref_chosen_logp and ref_rejected_logp")
+        logits = (policy_chosen_logp - ref_chosen_logp) - (policy_rejected_logp - ref_rejected_logp)
+        return -F.logsigmoid(beta * logits).mean()
+    if variant == "simpo":
+        if chosen_length is None or rejected_length is None:
+            raise ValueError("variant='simpo' needs chosen_length and rejected_length")
+        return simpo_loss(
+            policy_chosen_logp / chosen_length.to(policy_chosen_logp.dtype).clamp(min=1.0),
+            policy_rejected_logp / rejected_length.to(policy_rejected_logp.dtype).clamp(min=1.0),
+            beta=beta,
+            gamma=gamma,
+        )
+    raise ValueError(f"variant must be one of {DPO_VARIANTS}, got {variant!r}")
+
+
+def simpo_loss(
+    chosen_avg_logp: torch.Tensor, rejected_avg_logp: torch.Tensor, *, beta: float = 2.0, gamma: float = 0.5
+) -> torch.Tensor:
+    """SimPO on length-averaged log-probs: ``-log sigmoid(beta * (c - r) - gamma)``, mean over pairs."""
+    return -F.logsigmoid(beta * (chosen_avg_logp - rejected_avg_logp) - gamma).mean()
+
+
+# --------------------------------------------------------------------------- combined
+@dataclass(frozen=True)
+class ThreeChannelConfig:
+    """Weights and hyper-parameters of :func:`three_channel_loss`.
+
+    ``alpha`` and ``beta`` are the channel weights of the formula
+    ``total = pg_weight * pg + alpha * sdpo + beta * dpo``; the KL coefficient
+    of channel 1 is ``kl_beta``, the JSD interpolation ``jsd_beta`` and the DPO
+    temperature ``dpo_beta``.
+    """
+
+    pg_weight: float = 1.0
+    alpha: float = 1.0
+    beta: float = 0.1
+    # channel 1
+    loss_type: LossType = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    kl_beta: float = 0.0
+    max_completion_length: int | None = None
+    # channel 2
+    jsd_beta: float = 0.5
+    jsd_temperature: float = 1.0
+    # channel 3
+    dpo_beta: float = 0.1
+    dpo_variant: DPOVariant = "sigmoid"
+    simpo_gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.dpo_variant not in DPO_VARIANTS:
+            raise ValueError(f"dpo_variant must be one of {DPO_VARIANTS}, got {self.dpo_variant!r}")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
+        for name in ("pg_weight", "alpha", "beta", "kl_beta", "epsilon", "epsilon_high", "jsd_temperature"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+
+    @property
+    def pg_active(self) -> bool:
+        return self.pg_weight != 0.0
+
+    @property
+    def sdpo_active(self) -> bool:
+        return self.alpha != 0.0
+
+    @property
+    def dpo_active(self) -> bool:
+        return self.beta != 0.0
+
+
+@dataclass
+class PGInputs:
+    """Channel 1 inputs; see :func:`pg_loss` for shapes."""
+
+    logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    num_items: torch.Tensor | float | None = None
+
+
+@dataclass
+class SDPOInputs:
+    """Channel 2 inputs; see :func:`gjsd_loss` for shapes."""
+
+    student_logits: torch.Tensor
+    teacher_logits: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class DPOInputs:
+    """Channel 3 inputs; see :func:`dpo_loss` for shapes."""
+
+    policy_chosen_logp: torch.Tensor
+    policy_rejected_logp: torch.Tensor
+    ref_chosen_logp: torch.Tensor | None = None
+    ref_rejected_logp: torch.Tensor | None = None
+    chosen_length: torch.Tensor | None = None
+    rejected_length: torch.Tensor | None = None
+
+
+@dataclass
+class LossOutput:
+    """``total`` carries the gradient; ``metrics`` are detached 0-dim tensors.
+
+    ``metrics`` has ``total`` plus one entry per *computed* channel (``pg``,
+    ``sdpo``, ``dpo``, unweighted) and a few diagnostics (``clip_low``,
+    ``clip_high``, ``kl``, ``dpo_margin``, ``dpo_accuracy``). A skipped channel
+    has no entry; ``active`` lists the computed channels in order.
+    """
+
+    total: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    active: tuple[str, ...]
+
+
+def three_channel_loss(
+    config: ThreeChannelConfig,
+    *,
+    pg: PGInputs | None = None,
+    sdpo: SDPOInputs | None = None,
+    dpo: DPOInputs | None = None,
+) -> LossOutput:
+    """``total = pg_weight * pg + alpha * sdpo + beta * dpo``.
+
+    A channel whose weight is 0 or whose inputs are ``None`` is skipped: its
+    loss is not computed and it contributes neither value nor gradient. (To
+    save the *forward passes* too, callers check ``config.*_active`` before
+    building a channel's inputs.) At least one channel must be computed.
+
+    Raises:
+        ValueError: when every channel is skipped.
+    """
+    terms: list[torch.Tensor] = []
+    metrics: dict[str, torch.Tensor] = {}
+    active: list[str] = []
+
+    if config.pg_active and pg is not None:
+        value = pg_loss(
+            pg.logp,
+            pg.old_logp,
+            pg.advantages,
+            pg.mask,
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            loss_type=config.loss_type,
+            ref_logp=pg.ref_logp,
+            kl_beta=config.kl_beta,
+            max_completion_length=config.max_completion_length,
+            num_items=pg.num_items,
+        )
+        terms.append(config.pg_weight * value)
+        metrics["pg"] = value.detach()
+        metrics.update(
+            pg_clip_stats(
+                pg.logp.detach(),
+                pg.old_logp,
+                pg.advantages,
+                pg.mask,
+                epsilon=config.epsilon,
+                epsilon_high=config.epsilon_high,
+            )
+        )
+        if config.kl_beta != 0.0 and pg.ref_logp is not None:
+            with torch.no_grad():
+                m = pg.mask.to(pg.logp.dtype)
+                metrics["kl"] = (k3_kl(pg.logp, pg.ref_logp) * m).sum() / m.sum().clamp(min=1.0)
+        active.append("pg")
+
+    if config.sdpo_active and sdpo is not None:
+        value = gjsd_loss(
+            sdpo.student_logits,
+            sdpo.teacher_logits,
+            sdpo.mask,
+            beta=config.jsd_beta,
+            temperature=config.jsd_temperature,
+        )
+        terms.append(config.alpha * value)
+        metrics["sdpo"] = value.detach()
+        active.append("sdpo")
+
+    if config.dpo_active and dpo is not None:
+        value = dpo_loss(
+            dpo.policy_chosen_logp,
+            dpo.policy_rejected_logp,
+            dpo.ref_chosen_logp,
+            dpo.ref_rejected_logp,
+            beta=config.dpo_beta,
+            variant=config.dpo_variant,
+            gamma=config.simpo_gamma,
+            chosen_length=dpo.chosen_length,
+            rejected_length=dpo.rejected_length,
+        )
+        terms.append(config.beta * value)
+        metrics["dpo"] = value.detach()
+        metrics.update(_dpo_stats(dpo, config))
+        active.append("dpo")
+
+    if not terms:
+        raise ValueError("three_channel_loss: every channel is skipped (zero weight or no inputs)")
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    metrics["total"] = total.detach()
+    return LossOutput(total=total, metrics=metrics, active=tuple(active))
+
+
+@torch.no_grad()
+def _dpo_stats(dpo: DPOInputs, config: ThreeChannelConfig) -> dict[str, torch.Tensor]:
+    """Implicit-reward margin (nats) and the fraction of pairs where chosen beats rejected."""
+    if config.dpo_variant == "sigmoid" and dpo.ref_chosen_logp is not None and dpo.ref_rejected_logp is not None:
+        margin = (dpo.policy_chosen_logp - dpo.ref_chosen_logp) - (dpo.policy_rejected_logp - dpo.ref_rejected_logp)
+        margin = config.dpo_beta * margin
+    elif dpo.chosen_length is not None and dpo.rejected_length is not None:
+        margin = dpo.policy_chosen_logp / dpo.chosen_length.clamp(min=1) - dpo.policy_rejected_logp / (
+            dpo.rejected_length.clamp(min=1)
+        )
+    else:
+        return {}
+    return {"dpo_margin": margin.mean(), "dpo_accuracy": (margin > 0).to(margin.dtype).mean()}
+
+
+__all__ = [
+    "DPOInputs",
+    "LossOutput",
+    "PGInputs",
+    "SDPOInputs",
+    "ThreeChannelConfig",
+    "dpo_loss",
+    "gjsd_loss",
+    "k3_kl",
+    "pg_clip_stats",
+    "pg_loss",
+    "simpo_loss",
+    "three_channel_loss",
+]

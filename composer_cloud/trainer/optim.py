@@ -1,0 +1,36 @@
+"""The inner optimizer and its (pickle-free) checkpoint form, shared by trainers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from composer_cloud.rendezvous.state import flatten, unflatten
+
+
+def build_inner_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW with the spec's ``inner_optimizer`` settings and a constant learning rate.
+
+    ``foreach=False`` keeps the update arithmetic identical whatever the
+    parameter count, so a resumed run reproduces an uninterrupted one bitwise.
+    """
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=float(cfg.get("lr", 4e-4)),
+        weight_decay=float(cfg.get("weight_decay", 0.1)),
+        betas=tuple(cfg.get("betas", (0.9, 0.95))),
+        foreach=False,
+    )
+
+
+def optimizer_state(opt: torch.optim.Optimizer, prefix: str = "optim") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``opt.state_dict()`` as ``(tensors, JSON meta)`` under ``prefix``."""
+    tensors, skeleton = flatten(opt.state_dict(), prefix)
+    return dict(tensors), {prefix: json.dumps(skeleton)}
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                         prefix: str = "optim") -> None:
+    opt.load_state_dict(unflatten(tensors, json.loads(meta[prefix])))
