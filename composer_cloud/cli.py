@@ -39,9 +39,15 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _normalize_uri(uri: str) -> str:
+    """Accept plain local paths where a run URI is expected."""
+    return uri if "://" in uri else f"file://{Path(uri).resolve()}"
+
+
 def _open_run(run_uri: str) -> tuple[Store, RunSpec]:
     from composer_cloud.replica import open_run
 
+    run_uri = _normalize_uri(run_uri)
     try:
         return open_run(run_uri)
     except StoreConfigError as exc:

@@ -65,6 +65,17 @@ def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return [ParameterGroup(g) for g in groups]
 
 
+def params_digest(model: torch.nn.Module) -> str:
+    """sha256 over the model's parameter bytes (in order): equal digests = bitwise-equal parameters."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def open_run(run_uri: str) -> tuple[Store, RunSpec]:
     """Open a run's store and read its spec (re-opening with the spec's storage options)."""
     store = Store(run_uri)
@@ -176,7 +187,7 @@ class Replica:
             fut.result()
         manager.close()
         self.flush_metrics()
-        self.heartbeat("completed", round=manager.current_step(), step=step)
+        self.heartbeat("completed", round=manager.current_step(), step=step, params_sha256=params_digest(model))
         logger.info("replica %d completed %d rounds", self.rank, manager.current_step())
 
     def _after_commit(self, round: int, participants: list[int], manager: ObjectStoreManager, diloco: Any,

@@ -92,7 +92,7 @@ class TrainerSpec(_Strict):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    name: str = "three-channel"
+    name: str = "causal-lm"
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=64, gt=0)
 

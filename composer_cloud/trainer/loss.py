@@ -61,13 +61,19 @@ def pg_loss(
     kl_beta: float = 0.0,
     max_completion_length: int | None = None,
     num_items: torch.Tensor | float | None = None,
+    kl_bias_correction: bool = True,
 ) -> torch.Tensor:
     """Clipped-ratio policy-gradient loss of GRPO and its variants.
 
     Per token ``t`` of completion ``i`` with ratio ``r = exp(logp - old_logp)``::
 
         l_it = -min(r * A_i, clip(r, 1 - epsilon, 1 + epsilon_high) * A_i)
-               + kl_beta * (exp(ref - logp) - (ref - logp) - 1)      # k3 estimator of KL(pi || ref)
+               + kl_beta * w * (exp(ref - logp) - (ref - logp) - 1)   # k3 estimator of KL(pi || ref)
+
+    where ``w = r`` (differentiable, so it changes the KL gradient even
+    on-policy, where its value is 1) when ``kl_bias_correction`` is on, as in
+    TRL >= 1.16's default ``use_bias_correction_kl=True`` (DeepSeek-V3.2's
+    unbiased reverse-KL gradient), and ``w = 1`` otherwise.
 
     and the aggregation over masked tokens is
 
@@ -92,6 +98,7 @@ def pg_loss(
         kl_beta: weight of the per-token k3 KL penalty (TRL's ``beta``).
         max_completion_length: required for ``dr_grpo`` (its constant normaliser).
         num_items: ``dapo`` normaliser (tokens); defaults to ``mask.sum()``.
+        kl_bias_correction: multiply the KL term by the ratio (TRL's default).
 
     Returns:
         Scalar loss (nats per token for bnpo/dapo, per token averaged per
@@ -111,7 +118,10 @@ def pg_loss(
     if kl_beta != 0.0:
         if ref_logp is None:
             raise ValueError("kl_beta != 0 needs ref_logp")
-        per_token_loss = per_token_loss + kl_beta * k3_kl(logp, ref_logp)
+        per_token_kl = k3_kl(logp, ref_logp)
+        if kl_bias_correction:
+            per_token_kl = per_token_kl * coef_1
+        per_token_loss = per_token_loss + kl_beta * per_token_kl
 
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -278,6 +288,7 @@ class ThreeChannelConfig:
     epsilon: float = 0.2
     epsilon_high: float = 0.28
     kl_beta: float = 0.0
+    kl_bias_correction: bool = True
     max_completion_length: int | None = None
     # channel 2
     jsd_beta: float = 0.5
@@ -396,6 +407,7 @@ def three_channel_loss(
             kl_beta=config.kl_beta,
             max_completion_length=config.max_completion_length,
             num_items=pg.num_items,
+            kl_bias_correction=config.kl_bias_correction,
         )
         terms.append(config.pg_weight * value)
         metrics["pg"] = value.detach()

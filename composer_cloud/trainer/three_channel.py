@@ -194,7 +194,7 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
 
     Channel-1 hyper-parameters are read from ``args`` (``loss_type``,
     ``epsilon``, ``epsilon_high``, ``beta`` as the KL coefficient,
-    ``max_completion_length``) so that with ``alpha = beta = 0`` the loss
+    ``use_bias_correction_kl``, ``max_completion_length``) so that with ``alpha = beta = 0`` the loss
     equals stock ``GRPOTrainer``'s. ``loss_type`` must be one of ``grpo``,
     ``bnpo``, ``dr_grpo``, ``dapo``; options of ``GRPOConfig`` listed in
     ``_UNSUPPORTED_ARGS`` must keep their defaults.
@@ -253,6 +253,7 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             epsilon=self.epsilon_low,
             epsilon_high=self.epsilon_high,
             kl_beta=kl_beta,
+            kl_bias_correction=bool(self.args.use_bias_correction_kl),
             max_completion_length=self.max_completion_length,
             jsd_beta=ca.jsd_beta,
             jsd_temperature=ca.jsd_temperature,

@@ -1,0 +1,470 @@
+"""Replica jobs on Hugging Face Jobs, through ``huggingface_hub``'s Jobs API.
+
+One HF Job per replica. The job runs on ``spec.hf_jobs.image`` (any image with
+``python`` and ``pip``; see ``composer_cloud/images/Dockerfile`` for one with
+the dependencies preinstalled) and its command is the bootstrap in
+``composer_cloud/images/hf_bootstrap.py`` followed by the replica command: the
+bootstrap installs this package from a wheel the launcher staged in the run's
+store (:mod:`composer_cloud.jobs.wheel`), then ``exec``s the replica.
+
+Invariants:
+
+* **Secrets only through** ``secrets=``. Values of the environment variables
+  named in ``spec.hf_jobs.secrets`` are read from the launcher's environment at
+  launch and sent as HF job secrets; they never go into ``env=``, the command,
+  a :class:`JobHandle`, a :class:`LaunchPlan` or a log line of ours.
+* **All or nothing launch.** If creating the job of one rank fails, the jobs
+  already created for the other ranks are cancelled before the error is raised,
+  so no GPU job is left running without a record to find it by.
+* **No blind retries of create.** ``run_job`` is a POST; retrying it after a
+  timeout could start a duplicate job. Reads (inspect, logs) and cancel are
+  idempotent and are retried on transient errors.
+* **Re-attachable.** A handle carries the endpoint and namespace it was created
+  with, so ``status``/``logs``/``cancel`` from another machine talk to the same
+  server; the token is never stored (``HF_TOKEN`` or the saved login is used).
+
+The launcher honours ``HF_ENDPOINT`` and ``HF_TOKEN`` (standard
+``huggingface_hub`` behaviour). A ``file://`` store only works when the jobs
+share the launcher's filesystem, i.e. with a Jobs server on this machine (the
+tests' local server); for the real service use an ``s3://`` store and forward
+its credentials as secrets (``[hf_jobs] secrets = ["AWS_ACCESS_KEY_ID", ...]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlparse
+
+from composer_cloud.jobs._common import (
+    FAILURE_TAIL_LINES,
+    failure_message,
+    job_env,
+    parse_exit_code,
+    run_id_of,
+    scheme_of,
+)
+from composer_cloud.jobs.base import (
+    ExecutorError,
+    JobHandle,
+    LaunchPlan,
+    ReplicaState,
+    ReplicaStatus,
+    replica_command,
+)
+from composer_cloud.jobs.wheel import WHEEL_PREFIX, StagedWheel, build_and_stage_wheel
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LABEL_RUN = "composer-cloud-run"
+LABEL_RANK = "composer-cloud-rank"
+BOOTSTRAP_PATH = Path(__file__).resolve().parent.parent / "images" / "hf_bootstrap.py"
+#: Shown instead of the bootstrap's source in a :class:`LaunchPlan`.
+BOOTSTRAP_PLACEHOLDER = "<source of composer_cloud/images/hf_bootstrap.py>"
+
+#: HF job stage -> replica state. Anything else is treated as PENDING (and logged).
+STAGE_STATES: dict[str, ReplicaState] = {
+    "SCHEDULING": ReplicaState.PENDING,
+    "RUNNING": ReplicaState.RUNNING,
+    "COMPLETED": ReplicaState.SUCCEEDED,
+    "CANCELED": ReplicaState.CANCELLED,
+    "ERROR": ReplicaState.FAILED,
+    # A deleted job was stopped from outside (UI, CLI); it did not succeed and was not a crash.
+    "DELETED": ReplicaState.CANCELLED,
+}
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
+
+
+def known_flavors() -> list[str]:
+    """Flavors ``huggingface_hub`` knows about (the server may know more)."""
+    from huggingface_hub import JobHardware
+
+    return [f.value for f in JobHardware]
+
+
+def flavor_gpus(flavor: str) -> int:
+    """GPUs in a flavor, from its name: ``cpu-*`` -> 0, ``a10g-largex4`` -> 4, ``a100-large`` -> 1."""
+    if flavor.startswith("cpu"):
+        return 0
+    m = re.search(r"x(\d+)$", flavor)
+    return int(m.group(1)) if m else 1
+
+
+def bootstrap_source() -> str:
+    return BOOTSTRAP_PATH.read_text()
+
+
+class HFJobsExecutor:
+    """Runs each replica as a Hugging Face Job.
+
+    Args:
+        spec: the run spec (``spec.hf_jobs`` and ``spec.max_restarts`` are used).
+        endpoint: Hub endpoint; default ``$HF_ENDPOINT`` or ``https://huggingface.co``.
+        token: Hub token; default ``$HF_TOKEN`` or the saved login (never stored).
+        wheel: a prebuilt composer-cloud wheel to stage instead of building one
+            (also ``$COMPOSER_CLOUD_PREBUILT_WHEEL``).
+        replica_argv: ``(run_uri, rank) -> argv`` run after the bootstrap; the
+            default is :func:`replica_command`. Tests substitute small commands.
+    """
+
+    name: ClassVar[str] = "hf-jobs"
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        endpoint: str | None = None,
+        token: str | None = None,
+        wheel: str | os.PathLike[str] | None = None,
+        replica_argv: Callable[[str, int], list[str]] = replica_command,
+    ) -> None:
+        from huggingface_hub import constants
+
+        self.spec = spec
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+        self._token = token
+        self._wheel = wheel
+        self._replica_argv = replica_argv
+        self._apis: dict[str, Any] = {}
+        self._namespace: str | None = spec.hf_jobs.namespace
+        self._staged: dict[str, StagedWheel] = {}
+        self._final: dict[str, ReplicaStatus] = {}  # terminal statuses never change: cache them
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def _api(self, endpoint: str | None = None) -> Any:
+        from huggingface_hub import HfApi
+
+        ep = (endpoint or self.endpoint).rstrip("/")
+        with self._lock:
+            if ep not in self._apis:
+                self._apis[ep] = HfApi(endpoint=ep, token=self._token)
+            return self._apis[ep]
+
+    def namespace(self) -> str:
+        """``spec.hf_jobs.namespace``, else the token's user name (one ``whoami`` call, cached)."""
+        if self._namespace is None:
+            who = self._retry("whoami", lambda: self._api().whoami())
+            self._namespace = str(who["name"])
+        return self._namespace
+
+    def _retry(self, what: str, fn: Callable[[], T], *, attempts: int = 4) -> T:
+        """Call ``fn``, retrying transient errors (transport errors, 429, 5xx) with backoff.
+
+        Only for idempotent calls: never wrap ``run_job`` in this.
+        """
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not _is_transient(exc) or attempt == attempts - 1:
+                    raise self._error(what, exc) from exc
+                delay = min(4.0, 0.25 * 2**attempt)
+                logger.warning("hf-jobs: %s failed (%s); retry %d in %.2fs", what, _describe(exc), attempt + 1,
+                               delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _error(self, what: str, exc: BaseException) -> ExecutorError:
+        status = _status_code(exc)
+        if status == 401:
+            hint = "the token was rejected: set HF_TOKEN or run `hf auth login`"
+        elif status == 403:
+            hint = (f"the token may not run jobs in namespace {self._namespace!r}: use a token with write access "
+                    "to it, or set [hf_jobs] namespace")
+        elif status == 402:
+            hint = "Jobs need a paid account or organization with a payment method"
+        else:
+            hint = f"check HF_ENDPOINT ({self.endpoint}) and your network"
+        return ExecutorError(f"hf-jobs: {what} failed: {_describe(exc)}; {hint}")
+
+    # ------------------------------------------------------------------ launch
+    def _flavor_notes(self) -> list[str]:
+        flavor = self.spec.hf_jobs.flavor
+        if flavor not in known_flavors():
+            return [f"flavor {flavor!r} is not in huggingface_hub's list ({', '.join(known_flavors())}); "
+                    "the server decides whether it exists"]
+        return []
+
+    def _store_problem(self) -> str | None:
+        """Why the jobs could not read the store, or None."""
+        if scheme_of(self.spec.store) == "file" and urlparse(self.endpoint).hostname not in _LOOPBACK:
+            return (f"store {self.spec.store} is a local directory, which jobs on {self.endpoint} cannot read; "
+                    "use an s3:// store (a file:// store only works with a Jobs server on this machine)")
+        return None
+
+    def _job_env(self, staged: StagedWheel | None) -> dict[str, str]:
+        env = job_env(self.spec)
+        env["COMPOSER_CLOUD_WHEEL_URI"] = staged.uri if staged else "<staged at launch>"
+        env["COMPOSER_CLOUD_WHEEL_SHA256"] = staged.sha256 if staged else "<staged at launch>"
+        if os.environ.get("HF_ENDPOINT"):
+            env["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]  # so a replica downloads models from the same Hub
+        return env
+
+    def _secret_values(self) -> dict[str, str]:
+        """Values of the secrets named in the spec, read from this process's environment."""
+        missing = [n for n in self.spec.hf_jobs.secrets if n not in os.environ]
+        if missing:
+            raise ExecutorError(
+                f"hf_jobs.secrets names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not set "
+                f"in this environment; export {missing[0]}=... before launching (values are sent as HF job "
+                "secrets, never stored) or remove the name from [hf_jobs] secrets")
+        return {n: os.environ[n] for n in self.spec.hf_jobs.secrets}
+
+    def _command(self, run_uri: str, rank: int, *, bootstrap: str) -> list[str]:
+        return ["python", "-c", bootstrap, *self._replica_argv(run_uri, rank)]
+
+    def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
+        """What :meth:`launch` would do. No wheel is built, nothing is sent."""
+        hf = self.spec.hf_jobs
+        ranks = list(ranks)
+        gpus = flavor_gpus(hf.flavor)
+        notes = [
+            f"one HF Job per rank on {self.endpoint} in namespace "
+            f"{hf.namespace or '<your user, from the token>'} (command shown for rank {ranks[0] if ranks else 0})",
+            f"a wheel of this checkout is built and staged at {run_uri.rstrip('/')}/{WHEEL_PREFIX}/<sha256>/; "
+            "the bootstrap installs it (and its dependencies, unless the image has them) before the replica starts",
+            f"estimated_gpu_hours is an upper bound: {len(ranks)} job(s) x {gpus} GPU(s) x timeout "
+            f"{hf.timeout_s / 3600:g} h; jobs are billed until they exit",
+            *self._flavor_notes(),
+        ]
+        if self.spec.max_restarts:
+            notes.append(f"attempts={self.spec.max_restarts + 1} per job (max_restarts)")
+        problem = self._store_problem()
+        if problem:
+            notes.append(f"launch would fail: {problem}")
+        missing = [n for n in hf.secrets if n not in os.environ]
+        if missing:
+            notes.append(f"launch would fail: secret(s) {', '.join(missing)} not set in this environment")
+        if scheme_of(self.spec.store) in ("s3", "s3a") and not any(n.startswith("AWS_") for n in hf.secrets):
+            notes.append("store is S3 but no AWS_* variable is in [hf_jobs] secrets; jobs will have no credentials")
+        return LaunchPlan(
+            executor=self.name,
+            ranks=ranks,
+            image=hf.image,
+            command=self._command(run_uri, ranks[0] if ranks else 0, bootstrap=BOOTSTRAP_PLACEHOLDER),
+            env_names=sorted(self._job_env(None)),
+            secret_names=list(hf.secrets),
+            gpu=f"{hf.flavor} ({gpus} GPU{'s' if gpus != 1 else ''})",
+            estimated_gpu_hours=len(ranks) * gpus * hf.timeout_s / 3600,
+            notes=notes,
+        )
+
+    def stage(self, run_uri: str) -> StagedWheel:
+        """Build (or take the prebuilt) wheel and put it in the run's store. Idempotent per run."""
+        if run_uri not in self._staged:
+            store = Store(run_uri, storage_options=self.spec.store_options)
+            self._staged[run_uri] = build_and_stage_wheel(store, wheel=self._wheel)
+        return self._staged[run_uri]
+
+    def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
+        """Create one HF Job per rank; returns handles in ``ranks`` order.
+
+        Order: cheap checks (flavor, store reachability, secrets present) first,
+        then the wheel is staged, then jobs are created. A failure while
+        creating jobs cancels the ones already created (see module docstring).
+        """
+        hf = self.spec.hf_jobs
+        for note in self._flavor_notes():
+            warnings.warn(note, stacklevel=2)
+            logger.warning("hf-jobs: %s", note)
+        problem = self._store_problem()
+        if problem:
+            raise ExecutorError(f"hf-jobs: {problem}")
+        secrets = self._secret_values()
+        namespace = self.namespace()
+        staged = self.stage(run_uri)
+        env = self._job_env(staged)
+        bootstrap = bootstrap_source()
+        run_id = run_id_of(run_uri)
+        attempts = self.spec.max_restarts + 1 if self.spec.max_restarts else None
+        api = self._api()
+        handles: list[JobHandle] = []
+        for rank in ranks:
+            job_name = _NAME_UNSAFE.sub("-", f"{run_id}-r{rank}")
+            try:
+                info = api.run_job(
+                    image=hf.image,
+                    command=self._command(run_uri, rank, bootstrap=bootstrap),
+                    env=env,
+                    secrets=secrets or None,
+                    flavor=hf.flavor,
+                    timeout=hf.timeout_s,
+                    attempts=attempts,
+                    name=job_name,
+                    labels={LABEL_RUN: run_id, LABEL_RANK: str(rank)},
+                    namespace=namespace,
+                )
+            except Exception as exc:  # noqa: BLE001 - roll back, then report
+                self._roll_back(handles)
+                raise self._error(f"creating the job for rank {rank}", exc) from exc
+            handle = JobHandle(
+                executor=self.name,
+                rank=rank,
+                job_id=str(info.id),
+                data={
+                    "endpoint": self.endpoint,
+                    "namespace": namespace,
+                    "url": getattr(info, "url", ""),
+                    "name": job_name,
+                    "flavor": hf.flavor,
+                    "image": hf.image,
+                    "secret_names": list(hf.secrets),
+                    "wheel_sha256": staged.sha256,
+                },
+            )
+            logger.info("hf-jobs: rank %d -> job %s (%s)", rank, handle.job_id, handle.data["url"])
+            handles.append(handle)
+        return handles
+
+    def _roll_back(self, handles: list[JobHandle]) -> None:
+        for h in handles:
+            try:
+                self.cancel(h)
+            except Exception as exc:  # noqa: BLE001 - best effort; the original error matters more
+                logger.error("hf-jobs: could not cancel job %s of rank %d after a failed launch (%s); "
+                             "cancel it by hand: hf jobs cancel %s", h.job_id, h.rank, exc, h.job_id)
+
+    # ------------------------------------------------------------------ re-attach
+    def _where(self, handle: JobHandle) -> tuple[Any, str]:
+        data = handle.data
+        namespace = data.get("namespace") or self.namespace()
+        return self._api(data.get("endpoint")), namespace
+
+    def poll(self, handle: JobHandle) -> ReplicaStatus:
+        """Map the job's stage to a :class:`ReplicaStatus`.
+
+        A failed job's message carries the server's message and the job's last
+        log lines; its exit code is parsed from the message when the server
+        gives one.
+        """
+        cached = self._final.get(handle.job_id)
+        if cached is not None:
+            return cached
+        from huggingface_hub.errors import JobNotFoundError
+
+        api, namespace = self._where(handle)
+        try:
+            info = self._retry(f"inspecting job {handle.job_id}",
+                               lambda: api.inspect_job(job_id=handle.job_id, namespace=namespace))
+        except ExecutorError as err:
+            if isinstance(err.__cause__, JobNotFoundError):
+                status = ReplicaStatus(ReplicaState.FAILED, None,
+                                       f"job {handle.job_id} not found in namespace {namespace!r} at "
+                                       f"{handle.data.get('endpoint', self.endpoint)}; it was deleted, or the token "
+                                       "cannot see that namespace")
+                self._final[handle.job_id] = status
+                return status
+            raise
+        stage = str(getattr(info.status.stage, "value", info.status.stage))
+        message = info.status.message or ""
+        state = STAGE_STATES.get(stage)
+        if state is None:
+            logger.warning("hf-jobs: job %s has unknown stage %r; treating it as pending", handle.job_id, stage)
+            return ReplicaStatus(ReplicaState.PENDING, None, f"unknown stage {stage}: {message}".strip())
+        if state is ReplicaState.SUCCEEDED:
+            status = ReplicaStatus(state, 0, message)
+        elif state is ReplicaState.FAILED:
+            status = ReplicaStatus(state, parse_exit_code(message),
+                                   failure_message(f"HF job {handle.job_id} failed: {message or 'no message'}",
+                                                   self._tail(handle)))
+        elif state is ReplicaState.CANCELLED:
+            status = ReplicaStatus(state, None, message or f"job {stage.lower()}")
+        else:
+            return ReplicaStatus(state, None, message)
+        self._final[handle.job_id] = status
+        return status
+
+    def _tail(self, handle: JobHandle, n: int = FAILURE_TAIL_LINES) -> list[str]:
+        api, namespace = self._where(handle)
+        try:
+            lines = list(api.fetch_job_logs(job_id=handle.job_id, namespace=namespace, follow=False, tail=n))
+        except Exception as exc:  # noqa: BLE001 - the status matters more than its decoration
+            logger.debug("hf-jobs: no logs for job %s (%s)", handle.job_id, _describe(exc))
+            return []
+        out = [ln for line in lines for ln in line.splitlines()]
+        return out[-n:]
+
+    def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
+        """The job's output lines; with ``follow``, until the job ends."""
+        api, namespace = self._where(handle)
+        try:
+            for line in api.fetch_job_logs(job_id=handle.job_id, namespace=namespace, follow=follow):
+                yield from (line.splitlines() or [""])
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(f"fetching logs of job {handle.job_id}", exc) from exc
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Cancel the job. Idempotent: a finished or vanished job is left alone."""
+        from huggingface_hub.errors import JobNotFoundError
+
+        self._final.pop(handle.job_id, None)
+        if self.poll(handle).state.finished:
+            return
+        api, namespace = self._where(handle)
+        try:
+            self._retry(f"cancelling job {handle.job_id}",
+                        lambda: api.cancel_job(job_id=handle.job_id, namespace=namespace))
+        except ExecutorError as err:
+            if isinstance(err.__cause__, JobNotFoundError):
+                return
+            # Lost a race with the job ending? Then there is nothing to cancel.
+            self._final.pop(handle.job_id, None)
+            if self.poll(handle).state.finished:
+                return
+            raise
+        logger.info("hf-jobs: cancelled job %s (rank %d)", handle.job_id, handle.rank)
+
+    def find(self, run_uri: str) -> list[JobHandle]:
+        """Handles of this run's jobs, found by label (for when records were lost), by rank."""
+        api = self._api()
+        namespace = self.namespace()
+        run_id = run_id_of(run_uri)
+        infos = self._retry("listing jobs", lambda: list(api.list_jobs(labels={LABEL_RUN: run_id},
+                                                                          namespace=namespace)))
+        handles = []
+        for info in infos:
+            labels = info.labels or {}
+            if labels.get(LABEL_RUN) != run_id or not str(labels.get(LABEL_RANK, "")).isdigit():
+                continue
+            handles.append(JobHandle(executor=self.name, rank=int(labels[LABEL_RANK]), job_id=str(info.id),
+                                     data={"endpoint": self.endpoint, "namespace": namespace,
+                                           "url": getattr(info, "url", ""), "flavor": info.flavor or ""}))
+        return sorted(handles, key=lambda h: (h.rank, h.job_id))
+
+
+# ---------------------------------------------------------------------- helpers
+def _status_code(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    status = _status_code(exc)
+    if status is not None:
+        return status == 429 or status >= 500
+    try:
+        import httpx2
+
+        if isinstance(exc, httpx2.TransportError):
+            return True
+    except ImportError:  # pragma: no cover - huggingface_hub depends on it
+        pass
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

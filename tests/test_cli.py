@@ -1,0 +1,148 @@
+"""The CLI end to end with local replica processes, and its input validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from composer_cloud.cli import app
+
+SMALL_MODEL = """
+[model]
+hidden_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 128
+[trainer]
+name = "causal-lm"
+batch_size = 4
+seq_len = 32
+"""
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def small_config(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "spec.toml"
+    path.write_text(extra + "\n" + SMALL_MODEL)
+    return path
+
+
+def status_json(run_uri: str, cwd: Path) -> dict:
+    res = cli("status", run_uri, "--json", cwd=cwd)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.slow
+def test_three_replicas_three_rounds_end_to_end(tmp_path):
+    cfg = small_config(tmp_path)
+    res = cli("launch", "--config", str(cfg), "--replicas", "3", "--rounds", "3", "--inner-steps", "4",
+              "--run-id", "e2e", "--store", f"file://{tmp_path}/store", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_uri = f"file://{tmp_path}/store/e2e"
+    assert run_uri in res.stdout
+    st = status_json(run_uri, tmp_path)
+    assert st["run_id"] == "e2e" and st["state"] == "completed" and st["rounds_committed"] == 3
+    assert [r["state"] for r in st["replicas"]] == ["succeeded"] * 3
+    assert [r["last_round"] for r in st["replicas"]] == [3, 3, 3]
+    digests = {json.loads((tmp_path / f"store/e2e/replicas/{r}.json").read_bytes()[16:])["params_sha256"]
+               for r in range(3)}
+    assert len(digests) == 1  # bitwise-identical global parameters on every replica
+    spec = json.loads((tmp_path / "store/e2e/spec.json").read_bytes()[16:])
+    assert spec["replicas"] == 3 and spec["rounds"] == 3
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_killed_replica_run_survives(tmp_path, max_restarts):
+    cfg = small_config(tmp_path, "[sync]\nquorum_timeout_s = 4\nround_timeout_s = 60\nheal_timeout_s = 60\n")
+    store = tmp_path / "store"
+    res = cli("launch", "--config", str(cfg), "--replicas", "3", "--min-replicas", "2", "--rounds", "6",
+              "--inner-steps", "30", "--run-id", "kill", "--store", f"file://{store}", "--max-restarts",
+              str(max_restarts), "--detach", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    run_uri = f"file://{store}/kill"
+    _wait(lambda: (store / "kill/rounds/00000000/0/outcome.json").exists(), 120, "round 0 to commit")
+    sup = json.loads((store / "kill/jobs/2/supervisor.json").read_text())
+    os.kill(sup["replica_pid"], signal.SIGKILL)
+    st = _wait(lambda: (s := status_json(run_uri, tmp_path))["state"] != "running" and s, 240, "run end")
+    assert st["state"] == "completed" and st["rounds_committed"] == 6, st
+    lost = st["replicas"][2]
+    if max_restarts == 0:
+        assert lost["state"] == "failed" and lost["exit_code"] == -9, lost
+        out = cli("status", run_uri, cwd=tmp_path).stdout
+        assert "failed" in out
+    else:
+        assert lost["state"] == "succeeded" and lost["restarts"] == 1, lost
+        # It rejoined: a round after the kill committed with rank 2 among the participants.
+        rounds = [json.loads(line) for line in (store / "kill/metrics/2.jsonl").read_bytes()[16:].splitlines()]
+        assert any(r.get("kind") == "round" and r["committed"] and 2 in r["participants"] and r["round"] >= 2
+                   for r in rounds), rounds
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config", "{cfg_unknown}"], "bogus"),
+    (["--inner-steps", "0"], "inner_steps"),
+    (["--rounds", "-1"], "rounds"),
+    (["--replicas", "2", "--min-replicas", "3"], "min_replicas"),
+    (["--executor", "slurm"], "slurm"),
+    (["--store", "nope://bucket/x"], "nope"),
+    (["--run-id", "../x"], "run_id"),
+    (["--run-id", "/abs"], "run_id"),
+    (["--codec", "fp8"], "codec"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "unknown.toml").write_text("bogus = 1\n")
+    args = [a.replace("{cfg_unknown}", str(tmp_path / "unknown.toml")) for a in args]
+    store = tmp_path / "store"
+    if "--store" not in args:
+        args += ["--store", f"file://{store}"]
+    res = runner.invoke(app, ["launch", *args])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert not store.exists() or not any(store.rglob("*.json"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_launch_onto_existing_run_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "store" / "taken"
+    from composer_cloud.rendezvous.store import Store
+
+    Store(f"file://{run}").put_json("spec.json", {"sentinel": True})
+    before = (run / "spec.json").read_bytes()
+    res = runner.invoke(app, ["launch", "--run-id", "taken", "--store", f"file://{tmp_path}/store"])
+    assert res.exit_code == 2 and "resume" in res.output
+    assert (run / "spec.json").read_bytes() == before
+
+
+def test_status_of_a_missing_run_is_a_clear_error(tmp_path):
+    res = runner.invoke(app, ["status", f"file://{tmp_path}/nothing"])
+    assert res.exit_code == 2 and "not a composer-cloud run" in res.output
