@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from composer_cloud import faults
 from composer_cloud.rendezvous.manager import global_state_prefix
 from composer_cloud.rendezvous.state import decode_state, encode_state
 from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout
@@ -73,6 +74,7 @@ def write_replica_state(store: Store, round: int, rank: int, tree: dict[str, Any
     prefix = global_state_prefix(round)
     blob = encode_state(tree, metadata={"round": str(round), "rank": str(rank)})
     store.put(f"{prefix}/replica-{rank}.safetensors", blob)
+    faults.stall_point("checkpoint", round, rank)
     store.put_json(f"{prefix}/replica-{rank}.json",
                    {"round": round, "rank": rank, "bytes": len(blob), "crc32": zlib.crc32(blob)})
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from composer_cloud import checkpoint as ckpt
+from composer_cloud import faults
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, cleanup_rounds
 from composer_cloud.rendezvous.manager import ObjectStoreManager
 from composer_cloud.rendezvous.store import Store
@@ -153,6 +154,8 @@ class Replica:
         with diloco:
             while manager.current_step() < spec.rounds:
                 before = len(manager.history)
+                if step % spec.inner_steps == spec.inner_steps // 2:
+                    faults.stall_point("inner_step", manager.current_step(), self.rank)
                 t0 = time.monotonic()
                 out = trainer.step()
                 dt = time.monotonic() - t0

@@ -45,3 +45,22 @@ def run_processes(target: Callable[..., Any], args_per_proc: Sequence[tuple], *,
 @pytest.fixture
 def store_uri(tmp_path) -> str:
     return f"file://{tmp_path}/store"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server for the whole session; AWS_* variables point every process at it."""
+    from s3server import S3_ENV, moto_s3
+
+    with moto_s3() as endpoint:
+        saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}
+        os.environ.update(S3_ENV)
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        try:
+            yield endpoint
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+DEFAULT_ENDPOINT = "https://huggingface.co"
 LABEL_RUN = "composer-cloud-run"
 LABEL_RANK = "composer-cloud-rank"
 BOOTSTRAP_PATH = Path(__file__).resolve().parent.parent / "images" / "hf_bootstrap.py"
@@ -130,10 +131,9 @@ class HFJobsExecutor:
         wheel: str | os.PathLike[str] | None = None,
         replica_argv: Callable[[str, int], list[str]] = replica_command,
     ) -> None:
-        from huggingface_hub import constants
-
         self.spec = spec
-        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+        # Read HF_ENDPOINT now, not huggingface_hub.constants.ENDPOINT (frozen when that module was imported).
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self._token = token
         self._wheel = wheel
         self._replica_argv = replica_argv

@@ -77,7 +77,7 @@ class LocalProcessExecutor:
         for rank in ranks:
             d = job_dir(run_uri, rank)
             d.mkdir(parents=True, exist_ok=True)
-            for stale in ("exit.json", "supervisor.json"):
+            for stale in ("exit.json", "supervisor.json", "cancel"):
                 (d / stale).unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "composer_cloud.jobs.local", "supervise", "--dir", str(d),
                    "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from composer_cloud import faults
 from composer_cloud.rendezvous import codec as wire
 from composer_cloud.rendezvous.store import ObjectNotFound, Store, StoreError, StoreTimeout, iter_chunks
 
@@ -249,6 +250,8 @@ class ObjectStoreAllReduce:
         uploads = [self._pool.submit(self.store.put, f"{prefix}/grad/{self.rank}/{j}", encoded[j])
                    for j in range(w)]
         del encoded
+        uploads[0].result()
+        faults.stall_point("upload", round, self.rank)
         for u in uploads:
             u.result()
         timings["scatter_s"] = time.monotonic() - t
@@ -262,6 +265,7 @@ class ObjectStoreAllReduce:
             result.reason = str(exc)
             return
         self.store.put(f"{prefix}/reduced/{me}", reduced_mine)
+        faults.stall_point("reduce", round, self.rank)
         timings["reduce_s"] = time.monotonic() - t
 
         # 3. gather every reduced slot (recomputing a slot whose reducer vanished).

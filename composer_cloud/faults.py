@@ -1,0 +1,35 @@
+"""Fault injection for crash tests: stall a replica at a named phase.
+
+Set ``COMPOSER_CLOUD_STALL_AT=phase:round:rank`` (and
+``COMPOSER_CLOUD_STALL_MARKER=/path``) in a replica's environment; when that
+replica reaches ``phase`` in ``round`` it creates the marker file and sleeps,
+so a test can SIGKILL the launcher and every replica at exactly that point.
+Phases: ``inner_step`` (between inner steps), ``upload`` (after part of the
+pseudo-gradient was uploaded), ``reduce`` (after this replica published its
+reduced slot, before the commit), ``checkpoint`` (after the replica state
+blob, before its marker and the manifest). Unset, every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "COMPOSER_CLOUD_STALL_AT"
+MARKER_ENV = "COMPOSER_CLOUD_STALL_MARKER"
+PHASES = ("inner_step", "upload", "reduce", "checkpoint")
+
+
+def stall_point(phase: str, round: int, rank: int) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    want_phase, want_round, want_rank = spec.split(":")
+    if want_phase != phase or int(want_round) != round or int(want_rank) != rank:
+        return
+    marker = os.environ.get(MARKER_ENV)
+    if marker:
+        with open(marker, "w") as f:
+            f.write(f"{phase}:{round}:{rank}\n")
+    while True:  # until killed
+        time.sleep(3600)

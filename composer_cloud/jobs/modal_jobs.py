@@ -1,0 +1,526 @@
+"""Replica jobs on Modal: one ``FunctionCall`` per replica in a detached app.
+
+Layout: every Modal SDK call lives in :class:`ModalSDKSeam` (spawn, state,
+logs, cancel). :class:`ModalExecutor` holds everything around it -- launch
+options from the spec, handles, the state mapping, roll-back, error messages --
+and is tested with a fake seam. The code that runs *inside* the container is
+:func:`run_replica_body`, an ordinary function that tests run locally.
+
+Invariants:
+
+* **Secrets by name only.** ``spec.modal.secrets`` are names of Modal secrets
+  (``modal secret create NAME KEY=VALUE ...``), attached to the function with
+  ``modal.Secret.from_name``. This process never reads a secret value, so none
+  can reach a spawn argument, a :class:`JobHandle`, a :class:`LaunchPlan` or a
+  log line.
+* **One spawn per replica** (``Function.spawn``, not ``spawn_map``, which
+  returns nothing to re-attach to) inside ``app.run(detach=True)``: the calls
+  outlive the launcher, and each ``FunctionCall`` id goes into the rank's
+  handle so ``status``/``logs``/``cancel`` re-attach from any machine with
+  ``modal.FunctionCall.from_id``.
+* **All or nothing launch.** If spawning rank k fails, the calls already
+  spawned are cancelled before the error is raised.
+* **Failures carry their cause.** A replica that exits non-zero raises
+  :class:`ReplicaFailed` in the container (so Modal's retry policy applies);
+  its message has the exit code and the last output lines, which
+  :meth:`ModalExecutor.poll` surfaces.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+from composer_cloud.jobs._common import (
+    FAILURE_TAIL_LINES,
+    failure_message,
+    job_env,
+    parse_exit_code,
+    run_id_of,
+    scheme_of,
+)
+from composer_cloud.jobs.base import (
+    ExecutorError,
+    JobHandle,
+    LaunchPlan,
+    ReplicaState,
+    ReplicaStatus,
+    replica_command,
+)
+from composer_cloud.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+#: GPU types Modal documents; others are passed through with a warning (Modal decides).
+KNOWN_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S", "H100", "H100!", "H200", "B200")
+_NO_GPU = ("", "cpu", "none")
+_APP_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]")
+_MODAL_MAX_RETRIES = 10
+
+
+# ---------------------------------------------------------------------- seam types
+@dataclass(frozen=True)
+class FunctionOptions:
+    """Per-launch options of the replica function (``Function.with_options``)."""
+
+    gpu: str | None  # "H100", "H100:4", or None for CPU only
+    timeout_s: int
+    retries: int  # Modal retries after a failure (0: none)
+    secret_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SpawnRequest:
+    """One replica to spawn: its argv and extra (non-secret) environment."""
+
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SpawnResult:
+    app_id: str
+    call_ids: list[str]  # same order as the requests
+
+
+CallKind = Literal["pending", "running", "succeeded", "failed", "init_failed", "cancelled", "timed_out", "expired"]
+
+
+@dataclass(frozen=True)
+class CallState:
+    """What the seam learned about one FunctionCall."""
+
+    kind: CallKind
+    result: Any = None
+    message: str = ""
+
+
+class PartialSpawnError(RuntimeError):
+    """Spawning stopped part-way; ``call_ids`` were spawned and must be cleaned up."""
+
+    def __init__(self, app_id: str | None, call_ids: list[str], cause: BaseException) -> None:
+        self.app_id = app_id
+        self.call_ids = list(call_ids)
+        self.cause = cause
+        super().__init__(f"spawned {len(call_ids)} call(s) before {type(cause).__name__}: {cause}")
+
+
+class ModalSeam(Protocol):
+    """The Modal SDK calls ModalExecutor needs. Raise on client-side errors (auth, network)."""
+
+    def spawn(self, *, app_name: str, options: FunctionOptions, requests: Sequence[SpawnRequest]) -> SpawnResult:
+        """Run the app detached and spawn one call per request; raise PartialSpawnError part-way."""
+        ...
+
+    def state(self, call_id: str) -> CallState: ...
+
+    def logs(self, call_id: str, *, since: _dt.datetime, follow: bool) -> Iterator[str]: ...
+
+    def cancel(self, call_id: str) -> None: ...
+
+
+# ---------------------------------------------------------------------- in the container
+class ReplicaFailed(RuntimeError):
+    """A replica process exited non-zero. Picklable, so it crosses Modal intact."""
+
+    def __init__(self, exit_code: int, tail: Sequence[str] = ()) -> None:
+        self.exit_code = int(exit_code)
+        self.tail = list(tail)
+        super().__init__(self.exit_code, self.tail)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReplicaFailed, (self.exit_code, self.tail))
+
+    def __str__(self) -> str:
+        return failure_message(f"replica exited with code {self.exit_code}", self.tail)
+
+
+def run_replica_body(argv: Sequence[str], env: Mapping[str, str], *, tail_lines: int = FAILURE_TAIL_LINES,
+                     out: Any = None) -> dict[str, Any]:
+    """Run ``argv`` with ``os.environ | env`` to completion, echoing its output line by line.
+
+    This is the body of the Modal function (stdout becomes the call's logs) and
+    runs unchanged on a laptop. Returns ``{"exit_code": 0}``; raises
+    :class:`ReplicaFailed` with the exit code and last ``tail_lines`` lines
+    otherwise. If the function is interrupted (Modal cancels the input by
+    raising into it), the replica's whole process group is terminated first.
+    """
+    out = out or sys.stdout
+    argv = list(argv)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable  # the container's interpreter, whatever PATH says
+    tail: deque[str] = deque(maxlen=tail_lines)
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            out.write(line + "\n")
+            out.flush()
+            tail.append(line)
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            _terminate_group(proc)
+    if rc != 0:
+        raise ReplicaFailed(rc, list(tail))
+    return {"exit_code": 0}
+
+
+def _terminate_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------------- the real SDK
+class ModalSDKSeam:
+    """:class:`ModalSeam` on the ``modal`` SDK. The only code here that talks to Modal."""
+
+    def spawn(self, *, app_name: str, options: FunctionOptions, requests: Sequence[SpawnRequest]) -> SpawnResult:
+        import modal
+
+        from composer_cloud.images import modal_image
+
+        kwargs: dict[str, Any] = {
+            "timeout": options.timeout_s,
+            "secrets": [modal.Secret.from_name(n) for n in options.secret_names],
+        }
+        if options.gpu:
+            kwargs["gpu"] = options.gpu
+        if options.retries:
+            kwargs["retries"] = modal.Retries(max_retries=options.retries, backoff_coefficient=2.0,
+                                              initial_delay=10.0, max_delay=300.0)
+        app = modal_image.app
+        call_ids: list[str] = []
+        # detach=True: leaving the block does not stop the app; the spawned calls run on.
+        with app.run(detach=True, name=app_name):
+            fn = modal_image.replica.with_options(**kwargs)
+            for req in requests:
+                try:
+                    call = fn.spawn(argv=req.argv, env=req.env)
+                except Exception as exc:  # noqa: BLE001 - the caller cleans up what was spawned
+                    raise PartialSpawnError(app.app_id, call_ids, exc) from exc
+                call_ids.append(call.object_id)
+            return SpawnResult(app_id=str(app.app_id), call_ids=call_ids)
+
+    def state(self, call_id: str) -> CallState:
+        import modal
+        from modal import exception as mexc
+
+        call = modal.FunctionCall.from_id(call_id)
+        try:
+            return CallState("succeeded", result=call.get(timeout=0))
+        except mexc.FunctionTimeoutError as exc:
+            return CallState("timed_out", message=str(exc))
+        except mexc.OutputExpiredError as exc:
+            return CallState("expired", message=str(exc) or "output expired")
+        except TimeoutError:  # builtin: no output yet
+            return CallState(self._pending_or_running(call))
+        except mexc.InputCancellation as exc:
+            return CallState("cancelled", message=str(exc))
+        except (mexc.AuthError, mexc.ConnectionError, mexc.NotFoundError, mexc.InvalidError, mexc.ServiceError):
+            raise  # client-side problems, not the replica's
+        except Exception as exc:  # noqa: BLE001 - the remote function's failure
+            status = self._input_status(call)
+            kind: CallKind = {"TERMINATED": "cancelled", "INIT_FAILURE": "init_failed",
+                              "TIMEOUT": "timed_out"}.get(status or "", "failed")  # type: ignore[assignment]
+            return CallState(kind, message=str(exc) if isinstance(exc, ReplicaFailed) else f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _call_graph(call: Any) -> list[Any]:
+        try:
+            return [i for i in call.get_call_graph() if i.function_call_id == call.object_id]
+        except Exception as exc:  # noqa: BLE001 - best effort (Modal says so too)
+            logger.debug("modal: no call graph for %s (%s)", call.object_id, exc)
+            return []
+
+    def _pending_or_running(self, call: Any) -> CallKind:
+        graph = self._call_graph(call)
+        if graph and not any(i.task_id for i in graph):
+            return "pending"
+        return "running"  # also when the (best-effort) call graph is unavailable
+
+    def _input_status(self, call: Any) -> str | None:
+        graph = self._call_graph(call)
+        return graph[-1].status.name if graph else None
+
+    def logs(self, call_id: str, *, since: _dt.datetime, follow: bool) -> Iterator[str]:
+        import modal
+
+        call = modal.FunctionCall.from_id(call_id)
+        entries = call.logs.fetch(since=since)
+        for entry in entries:
+            yield from _lines(entry.message)
+        if follow:
+            # stream() yields entries newer than its start and ends when the call has ended.
+            for entry in call.logs.stream():
+                yield from _lines(entry.message)
+
+    def cancel(self, call_id: str) -> None:
+        import modal
+
+        modal.FunctionCall.from_id(call_id).cancel(terminate_containers=True)
+
+
+def _lines(message: str) -> list[str]:
+    return message.splitlines()
+
+
+# ---------------------------------------------------------------------- executor
+class ModalExecutor:
+    """Runs each replica as a Modal FunctionCall.
+
+    Args:
+        spec: the run spec (``spec.modal`` and ``spec.max_restarts`` are used).
+        seam: the Modal SDK boundary (default :class:`ModalSDKSeam`).
+        replica_argv: ``(run_uri, rank) -> argv`` the function runs; default
+            :func:`replica_command`.
+    """
+
+    name: ClassVar[str] = "modal"
+
+    def __init__(self, spec: RunSpec, *, seam: ModalSeam | None = None,
+                 replica_argv: Callable[[str, int], list[str]] = replica_command) -> None:
+        self.spec = spec
+        self.seam: ModalSeam = seam or ModalSDKSeam()
+        self._replica_argv = replica_argv
+        self._final: dict[str, ReplicaStatus] = {}
+
+    # ------------------------------------------------------------------ options
+    def function_options(self) -> FunctionOptions:
+        """GPU ``TYPE[:COUNT]``, timeout, retries and secret names from the spec.
+
+        Retries are ``max(modal.retries, max_restarts)`` (Modal allows at most 10).
+        """
+        m = self.spec.modal
+        gpu_type = m.gpu.strip()
+        if gpu_type.lower() in _NO_GPU:
+            gpu = None
+        elif ":" in gpu_type:
+            if m.gpu_count != 1:
+                raise ExecutorError(f"modal.gpu {m.gpu!r} already has a count; drop modal.gpu_count "
+                                    f"({m.gpu_count}) or write modal.gpu = {gpu_type.split(':')[0]!r}")
+            gpu = gpu_type
+        else:
+            gpu = gpu_type if m.gpu_count == 1 else f"{gpu_type}:{m.gpu_count}"
+        empty = [n for n in m.secrets if not n.strip()]
+        if empty:
+            raise ExecutorError("modal.secrets has an empty name; list Modal secret names "
+                                "(see `modal secret list`)")
+        return FunctionOptions(gpu=gpu, timeout_s=m.timeout_s,
+                               retries=min(_MODAL_MAX_RETRIES, max(m.retries, self.spec.max_restarts)),
+                               secret_names=tuple(m.secrets))
+
+    def gpus_per_replica(self) -> int:
+        opts = self.function_options()
+        if opts.gpu is None:
+            return 0
+        return int(opts.gpu.split(":", 1)[1]) if ":" in opts.gpu else 1
+
+    def _gpu_notes(self) -> list[str]:
+        gpu = self.spec.modal.gpu.split(":", 1)[0].strip()
+        if gpu.lower() not in _NO_GPU and gpu.upper() not in KNOWN_GPUS:
+            return [f"GPU type {gpu!r} is not one Modal documents ({', '.join(KNOWN_GPUS)}); Modal decides"]
+        return []
+
+    def _store_problem(self) -> str | None:
+        if scheme_of(self.spec.store) == "file":
+            return (f"store {self.spec.store} is a local directory, which Modal containers cannot read; "
+                    "use an s3:// store and attach its credentials as a Modal secret")
+        return None
+
+    def app_name(self, run_uri: str) -> str:
+        return _APP_NAME_UNSAFE.sub("-", f"{self.spec.modal.app_name}-{run_id_of(run_uri)}")[:64]
+
+    def _env(self) -> dict[str, str]:
+        env = job_env(self.spec)
+        if os.environ.get("HF_ENDPOINT"):
+            env["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]
+        return env
+
+    # ------------------------------------------------------------------ protocol
+    def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
+        """What :meth:`launch` would do. Talks to nothing."""
+        from composer_cloud.images import modal_image
+
+        ranks = list(ranks)
+        opts = self.function_options()
+        gpus = self.gpus_per_replica()
+        notes = [
+            f"one FunctionCall per rank of {modal_image.__name__}.{modal_image.FUNCTION_NAME} in detached app "
+            f"{self.app_name(run_uri)!r} (command shown for rank {ranks[0] if ranks else 0})",
+            f"timeout {opts.timeout_s} s, retries {opts.retries}",
+            f"estimated_gpu_hours is an upper bound: {len(ranks)} call(s) x {gpus} GPU(s) x timeout "
+            f"{opts.timeout_s / 3600:g} h; Modal bills per second while a container runs",
+            *self._gpu_notes(),
+        ]
+        problem = self._store_problem()
+        if problem:
+            notes.append(f"launch would fail: {problem}")
+        if scheme_of(self.spec.store) in ("s3", "s3a") and not opts.secret_names:
+            notes.append("store is S3 but modal.secrets is empty: containers will have no credentials "
+                         "(modal secret create NAME AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...)")
+        return LaunchPlan(
+            executor=self.name,
+            ranks=ranks,
+            image=(f"modal: debian_slim python {modal_image.PYTHON_VERSION} + "
+                   f"{len(modal_image.pinned_requirements())} pinned packages "
+                   "(composer_cloud/images/requirements.txt) + local composer_cloud source"),
+            command=list(self._replica_argv(run_uri, ranks[0] if ranks else 0)),
+            env_names=sorted(self._env()),
+            secret_names=list(opts.secret_names),
+            gpu=opts.gpu or "none (CPU)",
+            estimated_gpu_hours=len(ranks) * gpus * opts.timeout_s / 3600,
+            notes=notes,
+        )
+
+    def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
+        """Spawn one FunctionCall per rank in a detached app; handles in ``ranks`` order."""
+        problem = self._store_problem()
+        if problem:
+            raise ExecutorError(f"modal: {problem}")
+        opts = self.function_options()
+        for note in self._gpu_notes():
+            warnings.warn(note, stacklevel=2)
+            logger.warning("modal: %s", note)
+        env = self._env()
+        ranks = list(ranks)
+        requests = [SpawnRequest(rank=r, argv=list(self._replica_argv(run_uri, r)), env=dict(env)) for r in ranks]
+        app_name = self.app_name(run_uri)
+        launched_at = _dt.datetime.now(_dt.timezone.utc)
+        try:
+            result = self.seam.spawn(app_name=app_name, options=opts, requests=requests)
+        except PartialSpawnError as exc:
+            self._roll_back(exc.call_ids)
+            raise ExecutorError(
+                f"modal: spawning replicas failed after {len(exc.call_ids)} of {len(ranks)} "
+                f"({type(exc.cause).__name__}: {exc.cause}); the spawned calls were cancelled. "
+                f"{_hint(exc.cause)}") from exc.cause
+        except Exception as exc:  # noqa: BLE001 - nothing was spawned
+            raise ExecutorError(f"modal: launching app {app_name!r} failed ({type(exc).__name__}: {exc}). "
+                                f"{_hint(exc)}") from exc
+        if len(result.call_ids) != len(ranks):
+            self._roll_back(result.call_ids)
+            raise ExecutorError(f"modal: expected {len(ranks)} FunctionCall ids, got {len(result.call_ids)}; "
+                                "the spawned calls were cancelled")
+        handles = []
+        for rank, call_id in zip(ranks, result.call_ids):
+            handles.append(JobHandle(executor=self.name, rank=rank, job_id=call_id, data={
+                "app_id": result.app_id,
+                "app_name": app_name,
+                "function": "replica",
+                "gpu": opts.gpu or "",
+                "timeout_s": opts.timeout_s,
+                "retries": opts.retries,
+                "secret_names": list(opts.secret_names),
+                "launched_at": launched_at.isoformat(),
+            }))
+            logger.info("modal: rank %d -> FunctionCall %s (app %s)", rank, call_id, result.app_id)
+        return handles
+
+    def _roll_back(self, call_ids: Sequence[str]) -> None:
+        for call_id in call_ids:
+            try:
+                self.seam.cancel(call_id)
+            except Exception as exc:  # noqa: BLE001 - best effort; the launch error matters more
+                logger.error("modal: could not cancel FunctionCall %s after a failed launch (%s); stop the app "
+                             "in the Modal dashboard or with `modal app stop`", call_id, exc)
+
+    def poll(self, handle: JobHandle) -> ReplicaStatus:
+        """Map the FunctionCall's state to a :class:`ReplicaStatus` (terminal ones are cached)."""
+        cached = self._final.get(handle.job_id)
+        if cached is not None:
+            return cached
+        try:
+            st = self.seam.state(handle.job_id)
+        except Exception as exc:  # noqa: BLE001
+            raise ExecutorError(f"modal: cannot get the state of FunctionCall {handle.job_id} "
+                                f"({type(exc).__name__}: {exc}). {_hint(exc)}") from exc
+        status = self._map(handle, st)
+        if status.state.finished:
+            self._final[handle.job_id] = status
+        return status
+
+    def _map(self, handle: JobHandle, st: CallState) -> ReplicaStatus:
+        call = handle.job_id
+        if st.kind == "pending":
+            return ReplicaStatus(ReplicaState.PENDING, None, st.message or "waiting for a container")
+        if st.kind == "running":
+            return ReplicaStatus(ReplicaState.RUNNING, None, st.message)
+        if st.kind == "succeeded":
+            code = st.result.get("exit_code", 0) if isinstance(st.result, Mapping) else 0
+            if code == 0:
+                return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "")
+            return ReplicaStatus(ReplicaState.FAILED, int(code), f"replica exited with code {code}")
+        if st.kind == "failed":
+            return ReplicaStatus(ReplicaState.FAILED, parse_exit_code(st.message),
+                                 f"Modal call {call} failed: {st.message or 'no message'}")
+        if st.kind == "init_failed":
+            return ReplicaStatus(ReplicaState.FAILED, None,
+                                 f"Modal call {call}: the container failed to start (image build, import or "
+                                 f"missing secret): {st.message or 'no message'}")
+        if st.kind == "timed_out":
+            timeout = handle.data.get("timeout_s", self.spec.modal.timeout_s)
+            return ReplicaStatus(ReplicaState.FAILED, None,
+                                 f"Modal call {call} ran past its timeout ({timeout} s, modal.timeout_s)")
+        if st.kind == "cancelled":
+            return ReplicaStatus(ReplicaState.CANCELLED, None, st.message or "cancelled")
+        if st.kind == "expired":
+            return ReplicaStatus(ReplicaState.FAILED, None,
+                                 f"Modal no longer keeps the result of call {call} (results expire); "
+                                 "the run's commit records in the store say how far it got")
+        raise ExecutorError(f"modal: unknown call state {st.kind!r} for {call}")
+
+    def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
+        """Output lines of the call (fetched from Modal's log service)."""
+        raw = handle.data.get("launched_at")
+        start = _dt.datetime.fromisoformat(raw) if raw else _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(days=7)
+        since = start - _dt.timedelta(minutes=1)  # clock skew between this machine and Modal
+        try:
+            yield from self.seam.logs(handle.job_id, since=since, follow=follow)
+        except Exception as exc:  # noqa: BLE001
+            raise ExecutorError(f"modal: cannot fetch logs of FunctionCall {handle.job_id} "
+                                f"({type(exc).__name__}: {exc}). {_hint(exc)}") from exc
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Cancel the call and terminate its container. Idempotent."""
+        self._final.pop(handle.job_id, None)
+        if self.poll(handle).state.finished:
+            return
+        try:
+            self.seam.cancel(handle.job_id)
+        except Exception as exc:  # noqa: BLE001
+            raise ExecutorError(f"modal: cannot cancel FunctionCall {handle.job_id} "
+                                f"({type(exc).__name__}: {exc}). {_hint(exc)}") from exc
+        logger.info("modal: cancelled FunctionCall %s (rank %d)", handle.job_id, handle.rank)
+
+
+def _hint(exc: BaseException) -> str:
+    name = type(exc).__name__
+    text = str(exc).lower()
+    if name == "AuthError" or "token" in text:
+        return "Check your Modal credentials: `modal token new`, or MODAL_TOKEN_ID / MODAL_TOKEN_SECRET."
+    if name == "NotFoundError" and "secret" in text:
+        return "Create the secret first: `modal secret create NAME KEY=VALUE ...` (names in modal.secrets)."
+    if name == "NotFoundError":
+        return "The call or app no longer exists (wrong workspace or environment, or it was deleted)."
+    return "Check your network and `modal profile current`."
