@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +167,29 @@ def test_diloco_fewer_than_min_replicas_raises(store_uri):
     for o in outs:
         assert o.get("type") == "RoundTimeout", o
         assert o["missing"] == [2]
+
+
+def test_replica_left_out_of_an_open_round_observes_its_commit(store_uri):
+    """Rank 2 arrives after the quorum was fixed but before the commit: not a participant, sees the commit."""
+    import threading
+
+    cfg = AllReduceConfig(replicas=3, min_replicas=2, quorum_timeout_s=30, round_timeout_s=30)
+    st = Store(store_uri)
+    st.create_json("rounds/00000000/0/quorum.json", {"participants": [0, 1], "reason": "test"})
+    results = {}
+
+    def run(rank: int) -> None:
+        x = torch.full((10,), float(rank))
+        results[rank] = (ObjectStoreAllReduce(Store(store_uri), rank, cfg).allreduce(0, x), x)
+
+    late = threading.Thread(target=run, args=(2,))
+    late.start()
+    time.sleep(0.3)
+    assert late.is_alive()  # waiting for the outcome, not proceeding on its own
+    others = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    [t.start() for t in others]
+    [t.join() for t in (*others, late)]
+    res2, x2 = results[2]
+    assert res2.committed and not res2.participated and res2.participants == [0, 1]
+    assert torch.equal(x2, torch.full((10,), 2.0))  # untouched: its payload was not in the average
+    assert torch.equal(results[0][1], torch.full((10,), 0.5))
