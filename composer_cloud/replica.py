@@ -211,7 +211,8 @@ class Replica:
         row["checkpoint_write_s"] = time.monotonic() - t0
         if self.rank == min(participants):
             def finish() -> None:
-                ok = ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s)
+                ok = ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,
+                                         spec_round_meta={"replicas_launched": spec.replicas})
                 if ok:
                     ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
                     cleanup_rounds(self.store, before=round)
@@ -224,6 +225,14 @@ class Replica:
         for key, load_fn in manager._load_fns.items():
             load_fn(glob[key])
         diloco._restore_parameters()  # model <- global parameters
+        saved_world = start.manifest.get("replicas_launched", self.spec.replicas)
+        if saved_world != self.spec.replicas:
+            # Data shards are rank::world_size, so a stored data position means
+            # nothing under another replica count: every replica restarts its
+            # inner state (optimizer, data stream) from the global parameters.
+            logger.warning("checkpoint %d was taken with %d replicas, now %d: fresh inner state from global params",
+                           start.round, saved_world, self.spec.replicas)
+            return
         tree = ckpt.load_replica(self.store, start, self.rank)
         if tree is None:
             logger.warning("checkpoint %d has no state for replica %d: fresh inner state from global params",

@@ -153,3 +153,18 @@ def test_launch_with_missing_bucket_fails_before_any_replica(tmp_path, s3_endpoi
     assert res.returncode == 2
     assert "no-such-bucket" in res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_resume_with_more_replicas(tmp_path):
+    store = _store_uri("file", tmp_path)
+    _kill_run_at(tmp_path, store, "grow", "inner_step")
+    res = _cli(["resume", f"{store}/grow", "--replicas", "3"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    st = json.loads(_cli(["status", f"{store}/grow", "--json"], tmp_path).stdout)
+    assert st["state"] == "completed" and st["rounds_committed"] == 4 and len(st["replicas"]) == 3
+    log = (tmp_path / "store/grow/jobs/2/replica.log").read_text()
+    assert "fresh inner state" in log
+    digests = {json.loads((tmp_path / f"store/grow/replicas/{r}.json").read_bytes()[16:])["params_sha256"]
+               for r in range(3)}
+    assert len(digests) == 1
