@@ -66,6 +66,19 @@ def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return [ParameterGroup(g) for g in groups]
 
 
+def _snapshot(tree: Any) -> Any:
+    """Deep copy of a state tree's tensors (to CPU), so later training cannot change it."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _snapshot(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_snapshot(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_snapshot(v) for v in tree)
+    return tree
+
+
 def params_digest(model: torch.nn.Module) -> str:
     """sha256 over the model's parameter bytes (in order): equal digests = bitwise-equal parameters."""
     import hashlib
@@ -182,6 +195,7 @@ class Replica:
                     self._after_commit(rec.round, res.participants if res else [], manager, diloco, trainer,
                                        fragments, row)
                 self.metrics.append(row)
+                self._reap_io()
                 self.flush_metrics()
                 self.heartbeat("running", round=manager.current_step(), step=step)
                 round_losses, compute_s, round_start = [], 0.0, time.monotonic()
@@ -193,22 +207,34 @@ class Replica:
         self.heartbeat("completed", round=manager.current_step(), step=step, params_sha256=params_digest(model))
         logger.info("replica %d completed %d rounds", self.rank, manager.current_step())
 
+    def _reap_io(self) -> None:
+        """Raise the error of any finished background write; keep the unfinished ones."""
+        still = []
+        for fut in self._pending_io:
+            if fut.done():
+                fut.result()
+            else:
+                still.append(fut)
+        self._pending_io = still
+
     def _after_commit(self, round: int, participants: list[int], manager: ObjectStoreManager, diloco: Any,
                       trainer: Any, fragments: list[torch.nn.Module], row: dict[str, Any]) -> None:
         spec = self.spec
         if self.rank == min(participants) and hasattr(trainer, "evaluate"):
             row.update(trainer.evaluate())
         # The leader's global-state upload starts now (background), not at the next inner step.
-        manager.flush_state()
+        manager.publish_state()
         if (round + 1) % spec.checkpoint_every and round + 1 != spec.rounds:
             return
         local = None
         if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
             local = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
-        tree = ckpt.replica_state(trainer, local)
+        # Snapshot on the critical path (training mutates optimizer state next
+        # step), then encode and upload in the background.
         t0 = time.monotonic()
-        ckpt.write_replica_state(self.store, round, self.rank, tree)
-        row["checkpoint_write_s"] = time.monotonic() - t0
+        tree = _snapshot(ckpt.replica_state(trainer, local))
+        row["checkpoint_snapshot_s"] = time.monotonic() - t0
+        self._pending_io.append(self._io.submit(ckpt.write_replica_state, self.store, round, self.rank, tree))
         if self.rank == min(participants):
             def finish() -> None:
                 ok = ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,

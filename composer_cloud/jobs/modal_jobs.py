@@ -195,20 +195,28 @@ def _terminate_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 class ModalSDKSeam:
     """:class:`ModalSeam` on the ``modal`` SDK. The only code here that talks to Modal."""
 
-    def spawn(self, *, app_name: str, options: FunctionOptions, requests: Sequence[SpawnRequest]) -> SpawnResult:
+    @staticmethod
+    def with_options_kwargs(options: FunctionOptions) -> dict[str, Any]:
+        """``Function.with_options`` arguments for ``options`` (builds SDK objects, calls nothing)."""
         import modal
-
-        from composer_cloud.images import modal_image
 
         kwargs: dict[str, Any] = {
             "timeout": options.timeout_s,
+            # Resolved by name when the app starts: a missing secret fails the launch, not the replica.
             "secrets": [modal.Secret.from_name(n) for n in options.secret_names],
         }
         if options.gpu:
             kwargs["gpu"] = options.gpu
         if options.retries:
+            # Modal caps delays at 60 s: 10 s, 20 s, 40 s, 60 s, 60 s, ...
             kwargs["retries"] = modal.Retries(max_retries=options.retries, backoff_coefficient=2.0,
-                                              initial_delay=10.0, max_delay=300.0)
+                                              initial_delay=10.0, max_delay=60.0)
+        return kwargs
+
+    def spawn(self, *, app_name: str, options: FunctionOptions, requests: Sequence[SpawnRequest]) -> SpawnResult:
+        from composer_cloud.images import modal_image
+
+        kwargs = self.with_options_kwargs(options)
         app = modal_image.app
         call_ids: list[str] = []
         # detach=True: leaving the block does not stop the app; the spawned calls run on.
@@ -243,7 +251,8 @@ class ModalSDKSeam:
             status = self._input_status(call)
             kind: CallKind = {"TERMINATED": "cancelled", "INIT_FAILURE": "init_failed",
                               "TIMEOUT": "timed_out"}.get(status or "", "failed")  # type: ignore[assignment]
-            return CallState(kind, message=str(exc) if isinstance(exc, ReplicaFailed) else f"{type(exc).__name__}: {exc}")
+            message = str(exc) if isinstance(exc, ReplicaFailed) else f"{type(exc).__name__}: {exc}"
+            return CallState(kind, message=message)
 
     @staticmethod
     def _call_graph(call: Any) -> list[Any]:

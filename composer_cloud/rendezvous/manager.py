@@ -259,6 +259,10 @@ class ObjectStoreManager:
         self.store.put(f"{prefix}/global.safetensors", blob)
         self.store.create_json(f"{prefix}/global.json", {"round": round, "bytes": len(blob), "by": self.rank})
 
+    def publish_state(self) -> None:
+        """Start the leader's upload of the last committed round's global state (background)."""
+        self._maybe_publish_state()
+
     def flush_state(self) -> None:
         """Finish any pending global-state upload (call at the end of a run)."""
         self._maybe_publish_state()
