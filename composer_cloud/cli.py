@@ -103,7 +103,7 @@ def launch(
     trainer: Annotated[Optional[str], typer.Option(help="three-channel | causal-lm")] = None,
     codec: Annotated[Optional[str], typer.Option(help="wire codec: fp32 | bf16 | int8")] = None,
     model: Annotated[Optional[str], typer.Option(help="'tiny', a Hugging Face model id or a local path")] = None,
-    max_restarts: Annotated[Optional[int], typer.Option(help="restarts of a dead replica (local executor)")] = None,
+    max_restarts: Annotated[Optional[int], typer.Option(help="restarts of a replica that dies (local: supervisor; hf-jobs: attempts; modal: retries)")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     gpu: Annotated[Optional[str], typer.Option(help="Modal GPU type, e.g. H100")] = None,
     flavor: Annotated[Optional[str], typer.Option(help="HF Jobs flavor, e.g. a10g-large")] = None,

@@ -1,0 +1,98 @@
+"""`composer-cloud` with the hf-jobs executor (local Jobs server, real huggingface_hub client)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_hf_jobs import NAMESPACE, TOKEN, hf_env, job_python, server, wheel  # noqa: F401 - fixtures
+
+SPEC = f"""
+[model]
+hidden_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 128
+[trainer]
+name = "causal-lm"
+batch_size = 4
+seq_len = 32
+[hf_jobs]
+namespace = "{NAMESPACE}"
+flavor = "cpu-basic"
+"""
+
+
+def _cli(args: list[str], cwd: Path, wheel_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COMPOSER_CLOUD_PREBUILT_WHEEL": str(wheel_path)}
+    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _status(run_uri: str, cwd: Path, wheel_path: Path) -> dict:
+    res = _cli(["status", run_uri, "--json"], cwd, wheel_path)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["hf-jobs", "local:1,hf-jobs:1"])
+def test_launch_status_logs_through_hf_jobs(hf_env, wheel, tmp_path, executor):  # noqa: F811
+    (tmp_path / "spec.toml").write_text(SPEC)
+    store = f"file://{tmp_path}/store"
+    res = _cli(["launch", "--config", "spec.toml", "--executor", executor, "--replicas", "2", "--rounds", "2",
+                "--inner-steps", "3", "--store", store, "--run-id", "cloud"], tmp_path, wheel)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_uri = f"{store}/cloud"
+    st = _status(run_uri, tmp_path, wheel)
+    assert st["state"] == "completed" and st["rounds_committed"] == 2
+    assert [r["executor"] for r in st["replicas"]] == (["hf-jobs"] * 2 if executor == "hf-jobs"
+                                                       else ["local", "hf-jobs"])
+    logs = _cli(["logs", run_uri, "--replica", "1"], tmp_path, wheel)
+    assert logs.returncode == 0 and "replica 1 completed" in logs.stdout, logs.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_cancel_through_hf_jobs(hf_env, wheel, tmp_path):  # noqa: F811
+    (tmp_path / "spec.toml").write_text(SPEC)
+    store = f"file://{tmp_path}/store"
+    res = _cli(["launch", "--config", "spec.toml", "--executor", "hf-jobs", "--replicas", "2", "--rounds", "500",
+                "--store", store, "--run-id", "long", "--detach"], tmp_path, wheel)
+    assert res.returncode == 0, res.stderr
+    run_uri = f"{store}/long"
+    deadline = time.monotonic() + 300
+    while not any(r["state"] == "running" for r in _status(run_uri, tmp_path, wheel)["replicas"]):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert _cli(["cancel", run_uri], tmp_path, wheel).returncode == 0
+    deadline = time.monotonic() + 120
+    while True:
+        st = _status(run_uri, tmp_path, wheel)
+        if all(r["state"] in ("cancelled", "failed", "succeeded") for r in st["replicas"]):
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(1)
+    assert st["state"] == "cancelled"
+    assert all(r["state"] == "cancelled" for r in st["replicas"]), st
+
+
+def test_dry_run_launches_nothing_and_names_no_secret_values(tmp_path, monkeypatch):
+    canary = "sk-canary-" + os.urandom(6).hex()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", canary)
+    monkeypatch.setenv("HF_TOKEN", canary)
+    (tmp_path / "spec.toml").write_text(SPEC + 'secrets = ["AWS_SECRET_ACCESS_KEY"]\n')
+    env = {**os.environ}
+    res = subprocess.run([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", "spec.toml",
+                          "--executor", "hf-jobs", "--replicas", "8", "--flavor", "a10g-large", "--store",
+                          "s3://bucket/runs", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "a10g-large" in res.stdout and "AWS_SECRET_ACCESS_KEY" in res.stdout
+    assert canary not in res.stdout + res.stderr
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,424 @@
+"""HFJobsExecutor through the real ``huggingface_hub`` client against a local Jobs server.
+
+Every job here really runs the bootstrap: it reads the wheel staged in a
+``file://`` store, verifies it, ``pip install``s it into a job interpreter that
+does not have composer-cloud (see ``make_job_python``), then runs the command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import secrets
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from composer_cloud.jobs import get_executor
+from composer_cloud.jobs.base import ExecutorError, JobHandle, ReplicaState, ServerlessExecutor
+from composer_cloud.jobs.hf_jobs import (
+    BOOTSTRAP_PLACEHOLDER,
+    LABEL_RANK,
+    LABEL_RUN,
+    HFJobsExecutor,
+    flavor_gpus,
+    known_flavors,
+)
+from composer_cloud.jobs.wheel import WHEEL_PREFIX, build_wheel, stage_wheel
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.spec import spec_from_dict
+from hf_jobs_server import HFJobsServer, make_job_python
+
+TOKEN = "hf_test_" + secrets.token_hex(8)
+NAMESPACE = "tester"
+
+# A job that proves it runs the *installed* wheel and can use the store.
+PROBE = """
+import json, sys, composer_cloud
+from composer_cloud.rendezvous.store import Store
+run_uri, rank = sys.argv[1], int(sys.argv[2])
+Store(run_uri).put_json(f"probe/{rank}.json", {"rank": rank, "package": composer_cloud.__file__})
+print(f"probe rank {rank} ok", flush=True)
+"""
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def job_python(tmp_path_factory) -> Path:
+    return make_job_python(tmp_path_factory.mktemp("job-python"))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def server(job_python, tmp_path_factory):
+    with HFJobsServer(namespace=NAMESPACE, token=TOKEN, python_bin_dir=job_python,
+                      workdir=tmp_path_factory.mktemp("jobs"), base_env={"PIP_NO_INDEX": "1"}) as srv:
+        yield srv
+
+
+@pytest.fixture
+def hf_env(server, monkeypatch):
+    """The standard variables: the executor must pick up HF_ENDPOINT and HF_TOKEN by itself."""
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    server.reject_create = None
+    return server
+
+
+def make_spec(tmp_path, run_id: str, **hf):
+    return spec_from_dict({"run_id": run_id, "store": f"file://{tmp_path}/store", "replicas": 2,
+                           "hf_jobs": {"flavor": "cpu-basic", **hf}})
+
+
+def run_uri_of(spec) -> str:
+    return f"{Store(spec.store).uri}/{spec.run_id}"
+
+
+def argv(code: str):
+    return lambda run_uri, rank: ["python", "-c", code, run_uri, str(rank)]
+
+
+def wait_finished(ex, handle, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        status = ex.poll(handle)
+        if status.state.finished:
+            return status
+        assert time.monotonic() < deadline, f"job {handle.job_id} still {status} after {timeout}s"
+        time.sleep(0.2)
+
+
+def wait_state(ex, handle, state, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while (status := ex.poll(handle)).state is not state:
+        assert not status.state.finished, status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------- launch / poll / logs
+def test_two_jobs_run_the_staged_wheel_and_complete(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-two")  # no namespace: resolved with whoami
+    run_uri = run_uri_of(spec)
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(PROBE))
+    assert isinstance(ex, ServerlessExecutor)
+    handles = ex.launch(run_uri, [0, 1])
+    assert [h.rank for h in handles] == [0, 1]
+    assert len({h.job_id for h in handles}) == 2
+
+    statuses = [wait_finished(ex, h) for h in handles]
+    assert [(s.state, s.exit_code) for s in statuses] == [(ReplicaState.SUCCEEDED, 0)] * 2
+
+    store = Store(run_uri)
+    for rank in (0, 1):
+        probe = store.get_json(f"probe/{rank}.json")
+        assert probe["rank"] == rank
+        # The job imported composer_cloud from the wheel installed in its own interpreter, not this checkout.
+        assert str(Path(probe["package"]).resolve()).startswith(str(Path(hf_env.python_bin_dir).parent.resolve()))
+    assert any(k.startswith(f"{WHEEL_PREFIX}/") and k.endswith(".whl") for k in store.list("executor"))
+
+    lines = list(ex.logs(handles[1]))
+    assert any("composer-cloud bootstrap: installing composer_cloud-" in ln for ln in lines)
+    assert "probe rank 1 ok" in lines
+
+    # What the server received: the real client's request shapes.
+    body = hf_env.jobs[handles[0].job_id].body
+    assert body["flavor"] == "cpu-basic"
+    assert body["dockerImage"] == spec.hf_jobs.image
+    assert body["timeoutSeconds"] == spec.hf_jobs.timeout_s
+    assert body["labels"][LABEL_RUN] == "run-two" and body["labels"][LABEL_RANK] == "0"
+    assert body["command"][:2] == ["python", "-c"] and body["command"][3:5] == ["python", "-c"]
+    assert body["environment"]["COMPOSER_CLOUD_WHEEL_URI"].startswith(run_uri + f"/{WHEEL_PREFIX}/")
+    assert "secrets" not in body
+    assert sum(r["path"] == "/api/whoami-v2" for r in hf_env.requests) >= 1
+
+
+def test_s3_store_wheel_and_credentials_travel_as_secrets(hf_env, s3_endpoint, wheel):
+    """The production path: an s3:// store, credentials only as job secrets (jobs start with a clean env)."""
+    aws = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"]
+    spec = spec_from_dict({"run_id": "run-s3-" + secrets.token_hex(3), "store": "s3://cc-test/hf-runs",
+                           "hf_jobs": {"flavor": "cpu-basic", "namespace": NAMESPACE, "secrets": aws}})
+    run_uri = f"{spec.store}/{spec.run_id}"
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(PROBE))
+    assert not [n for n in ex.plan(run_uri, [0]).notes if "launch would fail" in n or "no AWS" in n]
+    (handle,) = ex.launch(run_uri, [0])
+    status = wait_finished(ex, handle)
+    assert status.state is ReplicaState.SUCCEEDED, status.message
+    store = Store(run_uri)
+    assert store.get_json("probe/0.json")["rank"] == 0  # written by the job, through s3fs, with secret creds
+    assert hf_env.jobs[handle.job_id].body["environment"]["COMPOSER_CLOUD_WHEEL_URI"].startswith("s3://cc-test/")
+    assert sorted(hf_env.jobs[handle.job_id].body["secrets"]) == sorted(aws)
+
+
+def test_handles_reattach_from_another_process(hf_env, tmp_path, wheel, monkeypatch):
+    spec = make_spec(tmp_path, "run-reattach", namespace=NAMESPACE)
+    run_uri = run_uri_of(spec)
+    launcher = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("print('reattached', flush=True)"))
+    handles = launcher.launch(run_uri, [0])
+    records = [json.dumps(h.to_json()) for h in handles]  # what the CLI stores at <run>/executor/<rank>.json
+
+    # Another machine: a fresh executor built by name, no HF_ENDPOINT set; the handle says where the job is.
+    monkeypatch.delenv("HF_ENDPOINT")
+    other = get_executor("hf-jobs", spec)
+    assert other.endpoint != hf_env.endpoint
+    handle = JobHandle.from_json(json.loads(records[0]))
+    assert wait_finished(other, handle).state is ReplicaState.SUCCEEDED
+    assert "reattached" in list(other.logs(handle))
+    found = launcher.find(run_uri)
+    assert [(h.rank, h.job_id) for h in found] == [(0, handles[0].job_id)]
+
+
+def test_follow_logs_stream_until_the_job_ends(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-follow", namespace=NAMESPACE)
+    code = "import time\nfor i in range(5):\n    print(f'tick {i}', flush=True); time.sleep(0.3)\n"
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    lines = list(ex.logs(handle, follow=True))
+    assert [ln for ln in lines if ln.startswith("tick")] == [f"tick {i}" for i in range(5)]
+    assert ex.poll(handle).state is ReplicaState.SUCCEEDED  # follow ends only once the job has ended
+
+
+def test_failed_job_surfaces_exit_code_and_last_lines(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-fail", namespace=NAMESPACE)
+    code = "import sys\nfor i in range(40):\n    print(f'step {i}')\nsys.exit(7)\n"
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    status = wait_finished(ex, handle)
+    assert status.state is ReplicaState.FAILED
+    assert status.exit_code == 7
+    assert "exit code: 7" in status.message
+    assert "step 39" in status.message and "step 38" in status.message
+    assert "step 0\n" not in status.message + "\n"  # only the tail, not the whole log
+
+
+def test_cancel_stops_a_long_job_and_is_idempotent(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-cancel", namespace=NAMESPACE)
+    code = "import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n"
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    wait_state(ex, handle, ReplicaState.RUNNING)
+    deadline = time.monotonic() + 60
+    while not any(e["data"] == "sleeping" for e in hf_env.jobs[handle.job_id].events):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    started = time.monotonic()
+    ex.cancel(handle)
+    status = wait_finished(ex, handle, timeout=30)
+    assert status.state is ReplicaState.CANCELLED
+    assert time.monotonic() - started < 15
+    proc = hf_env.jobs[handle.job_id].proc
+    assert proc is not None and proc.poll() is not None  # the process is gone, not just relabelled
+    ex.cancel(handle)  # again: no error
+    assert ex.poll(handle).state is ReplicaState.CANCELLED
+
+
+def test_max_restarts_becomes_attempts(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-retry", namespace=NAMESPACE)
+    spec = spec.model_copy(update={"max_restarts": 1})
+    code = ("import os, sys\nflag = os.path.join(os.environ['HOME'], 'tried')\n"
+            "if not os.path.exists(flag):\n    open(flag, 'w').close(); print('first try fails'); sys.exit(3)\n"
+            "print('second try ok')\n")
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
+    job = hf_env.jobs[handle.job_id]
+    assert job.body["attempts"] == 2 and job.exit_codes[0] == 3 and job.exit_codes[-1] == 0
+
+
+def test_corrupt_wheel_is_never_installed(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-corrupt", namespace=NAMESPACE)
+    run_uri = run_uri_of(spec)
+    staged = stage_wheel(Store(run_uri), wheel)
+    path = Path(Store(run_uri).path(staged.key))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("print('must not run')"))
+    ex._staged[run_uri] = staged  # as if staged earlier in this run; the store object is now damaged
+    (handle,) = ex.launch(run_uri, [0])
+    status = wait_finished(ex, handle)
+    assert status.state is ReplicaState.FAILED and status.exit_code == 97
+    assert "corrupt" in status.message
+    assert "must not run" not in "\n".join(ex.logs(handle))
+
+
+# ---------------------------------------------------------------------- stages, errors, rollback
+def test_deleted_and_unknown_stages_and_missing_jobs(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-stages", namespace=NAMESPACE)
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("import time; time.sleep(600)"))
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    wait_state(ex, handle, ReplicaState.RUNNING)
+    job = hf_env.jobs[handle.job_id]
+    job.set_stage("PAUSED")  # a stage this code has never heard of
+    assert ex.poll(handle).state is ReplicaState.PENDING
+    hf_env.cancel(job)
+    deadline = time.monotonic() + 30
+    while job.stage != "CANCELED":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    job.set_stage("DELETED")  # what the service reports once a job was deleted
+    status = ex.poll(handle)
+    assert status.state is ReplicaState.CANCELLED and "deleted" in status.message
+
+    ghost = JobHandle(executor="hf-jobs", rank=5, job_id="0123456789abcdef01234567",
+                      data={"endpoint": hf_env.endpoint, "namespace": NAMESPACE})
+    status = ex.poll(ghost)
+    assert status.state is ReplicaState.FAILED and "not found" in status.message
+    ex.cancel(ghost)  # nothing to cancel, no error
+
+
+def test_failed_create_rolls_back_and_is_not_retried(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-rollback", namespace=NAMESPACE)
+    hf_env.reject_create = lambda body: "no capacity" if body["labels"][LABEL_RANK] == "1" else None
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("import time; time.sleep(600)"))
+    before = set(hf_env.jobs)
+    with pytest.raises(ExecutorError, match="rank 1") as err:
+        ex.launch(run_uri_of(spec), [0, 1, 2])
+    assert "no capacity" in str(err.value) or "500" in str(err.value)
+    created = [hf_env.jobs[j] for j in set(hf_env.jobs) - before]
+    assert len(created) == 1 and created[0].body["labels"][LABEL_RANK] == "0"
+    deadline = time.monotonic() + 30
+    while created[0].stage != "CANCELED":
+        assert time.monotonic() < deadline, created[0].stage
+        time.sleep(0.1)
+    posts = [r for r in hf_env.requests if r["method"] == "POST" and r["path"] == f"/api/jobs/{NAMESPACE}"
+             and (r["body"] or {}).get("labels", {}).get(LABEL_RUN) == "run-rollback"]
+    assert [p["body"]["labels"][LABEL_RANK] for p in posts] == ["0", "1"]  # rank 1 tried once, rank 2 never
+
+
+def test_bad_token_says_what_to_do(hf_env, tmp_path, wheel, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    spec = make_spec(tmp_path, "run-badtoken")
+    ex = HFJobsExecutor(spec, wheel=wheel)
+    with pytest.raises(ExecutorError, match="HF_TOKEN"):
+        ex.launch(run_uri_of(spec), [0])
+
+
+def test_file_store_with_a_remote_endpoint_is_refused_before_any_work(tmp_path, wheel, monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    spec = make_spec(tmp_path, "run-remote", namespace=NAMESPACE)
+    ex = HFJobsExecutor(spec, endpoint="https://huggingface.co", wheel=wheel)
+    with pytest.raises(ExecutorError, match="s3://"):
+        ex.launch(run_uri_of(spec), [0])
+    assert Store(run_uri_of(spec)).list() == []  # nothing staged
+    plan = ex.plan(run_uri_of(spec), [0])
+    assert any(n.startswith("launch would fail") and "s3://" in n for n in plan.notes)
+
+
+def test_unknown_flavor_warns_but_launches(hf_env, tmp_path, wheel):
+    spec = make_spec(tmp_path, "run-flavor", namespace=NAMESPACE, flavor="h100x8")
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("print('x')"))
+    with pytest.warns(UserWarning, match="h100x8"):
+        (handle,) = ex.launch(run_uri_of(spec), [0])
+    assert hf_env.jobs[handle.job_id].body["flavor"] == "h100x8"
+    assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
+
+
+# ---------------------------------------------------------------------- secrets
+def test_secret_canary_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel, monkeypatch, caplog, capsys):
+    canary = "canary-" + secrets.token_hex(16)
+    monkeypatch.setenv("CANARY_SECRET", canary)
+    spec = make_spec(tmp_path, "run-canary", namespace=NAMESPACE, secrets=["CANARY_SECRET"])
+    run_uri = run_uri_of(spec)
+    code = ("import hashlib, os\n"
+            "print('sha', hashlib.sha256(os.environ['CANARY_SECRET'].encode()).hexdigest(), flush=True)\n")
+    caplog.set_level("DEBUG")
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    plan = ex.plan(run_uri, [0])
+    handles = ex.launch(run_uri, [0])
+    status = wait_finished(ex, handles[0])
+    lines = list(ex.logs(handles[0]))
+
+    # It arrived: the job saw the value (we compare a hash, the job never prints the value).
+    assert status.state is ReplicaState.SUCCEEDED
+    assert f"sha {hashlib.sha256(canary.encode()).hexdigest()}" in lines
+    # ...through `secrets=`, and nowhere else in the request.
+    (post,) = [r for r in hf_env.requests if r["method"] == "POST" and (r["body"] or {}).get("labels", {}).get(
+        LABEL_RUN) == "run-canary"]
+    assert post["body"]["secrets"] == {"CANARY_SECRET": canary}
+    rest = {k: v for k, v in post["body"].items() if k != "secrets"}
+    assert canary not in json.dumps(rest)
+    assert canary not in " ".join(hf_env.jobs[handles[0].job_id].argv)  # the command line
+    # Not in our records, plan, logs, or anything we printed; same for the Hub token.
+    plan_json = json.dumps(dataclasses.asdict(plan))
+    assert plan.secret_names == ["CANARY_SECRET"]
+    out = capsys.readouterr()
+    for value in (canary, TOKEN):
+        assert value not in json.dumps([h.to_json() for h in handles])
+        assert value not in plan_json
+        assert value not in caplog.text
+        assert value not in out.out + out.err
+        assert value not in "\n".join(lines)
+        assert value not in status.message
+    # A run-spec secret that is not set fails before anything is created.
+    monkeypatch.delenv("CANARY_SECRET")
+    n_jobs = len(hf_env.jobs)
+    with pytest.raises(ExecutorError, match="CANARY_SECRET"):
+        ex.launch(run_uri, [1])
+    assert len(hf_env.jobs) == n_jobs
+
+
+# ---------------------------------------------------------------------- plan and helpers
+def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    spec = make_spec(tmp_path, "run-plan", flavor="a10g-largex2", secrets=["AWS_ACCESS_KEY_ID"], timeout_s=7200)
+    spec = spec.model_copy(update={"store_options": {"anon": False}})
+    ex = HFJobsExecutor(spec)
+    n_requests = len(hf_env.requests)
+    plan = ex.plan(run_uri_of(spec), [0, 1, 2])
+    assert len(hf_env.requests) == n_requests  # talked to nobody
+    assert Store(run_uri_of(spec)).list() == []  # built and staged nothing
+    assert plan.executor == "hf-jobs" and plan.ranks == [0, 1, 2]
+    assert plan.image == spec.hf_jobs.image
+    assert plan.command[:3] == ["python", "-c", BOOTSTRAP_PLACEHOLDER]
+    assert plan.command[3:] == ["python", "-m", "composer_cloud.replica", "--run", run_uri_of(spec), "--rank", "0"]
+    assert {"COMPOSER_CLOUD_WHEEL_URI", "COMPOSER_CLOUD_WHEEL_SHA256", "COMPOSER_CLOUD_STORE_OPTIONS",
+            "PYTHONUNBUFFERED", "HF_ENDPOINT"} == set(plan.env_names)
+    assert plan.secret_names == ["AWS_ACCESS_KEY_ID"]
+    assert plan.estimated_gpu_hours == pytest.approx(3 * 2 * 2.0)
+    assert "a10g-largex2" in plan.gpu
+    assert any("launch would fail" in n and "AWS_ACCESS_KEY_ID" in n for n in plan.notes)
+
+
+def test_flavors():
+    assert "a10g-large" in known_flavors() and "h100" not in known_flavors()
+    assert [flavor_gpus(f) for f in ("cpu-basic", "t4-small", "a10g-largex4", "h200x8", "l4x1", "rtx-pro-6000")] \
+        == [0, 1, 4, 8, 1, 1]
+
+
+def test_wheel_has_the_package_and_its_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for required in ("composer_cloud/jobs/hf_jobs.py", "composer_cloud/images/hf_bootstrap.py",
+                     "composer_cloud/images/requirements.txt", "composer_cloud/images/Dockerfile",
+                     "composer_cloud/data/pairs.jsonl"):
+        assert required in names, required
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+def test_stage_wheel_is_content_addressed(tmp_path, wheel):
+    store = Store(f"file://{tmp_path}/run")
+    a = stage_wheel(store, wheel)
+    b = stage_wheel(store, wheel)
+    assert a == b and a.sha256 == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert a.key == f"{WHEEL_PREFIX}/{a.sha256[:16]}/{wheel.name}"
+    assert bytes(store.get(a.key)) == wheel.read_bytes()
+
+
+def test_bootstrap_is_stdlib_only():
+    """The bootstrap runs before anything is installed: it may import only the standard library."""
+    import ast
+
+    from composer_cloud.jobs.hf_jobs import BOOTSTRAP_PATH
+
+    tree = ast.parse(BOOTSTRAP_PATH.read_text())
+    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+    assert top <= set(sys.stdlib_module_names), top - set(sys.stdlib_module_names)
