@@ -14,6 +14,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # Workers are forked from a server that imported torch but never ran a parallel
 # op, so children neither re-import torch (slow) nor inherit OpenMP state.
+# A model and trainer small enough for multi-process CLI tests on 2 cores.
+SMALL_RUN_TOML = """
+[model]
+hidden_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 128
+[trainer]
+name = "causal-lm"
+batch_size = 4
+seq_len = 32
+"""
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "composer_cloud.rendezvous.manager"])
 

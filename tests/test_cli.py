@@ -15,18 +15,7 @@ from typer.testing import CliRunner
 
 from composer_cloud.cli import app
 
-SMALL_MODEL = """
-[model]
-hidden_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 128
-[trainer]
-name = "causal-lm"
-batch_size = 4
-seq_len = 32
-"""
+from conftest import SMALL_RUN_TOML as SMALL_MODEL
 
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -11,19 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMALL_RUN_TOML
 from test_hf_jobs import NAMESPACE, TOKEN, hf_env, job_python, server, wheel  # noqa: F401 - fixtures
 
-SPEC = f"""
-[model]
-hidden_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 128
-[trainer]
-name = "causal-lm"
-batch_size = 4
-seq_len = 32
+SPEC = SMALL_RUN_TOML + f"""
 [hf_jobs]
 namespace = "{NAMESPACE}"
 flavor = "cpu-basic"

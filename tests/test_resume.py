@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from composer_cloud import faults
 from composer_cloud.rendezvous.store import Store
+from conftest import SMALL_RUN_TOML
 
 SPEC = """
 replicas = 2
@@ -22,20 +23,10 @@ min_replicas = 2
 rounds = 4
 inner_steps = 4
 keep_checkpoints = 10
-[model]
-hidden_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 128
-[trainer]
-name = "causal-lm"
-batch_size = 4
-seq_len = 32
 [sync]
 quorum_timeout_s = 60
 round_timeout_s = 120
-"""
+""" + SMALL_RUN_TOML
 
 
 def _cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
