@@ -190,6 +190,8 @@ def _print_summary(run: Store, spec: RunSpec, status: Any) -> None:
     table.add_row("rounds committed", f"{s.rounds_committed}/{spec.rounds}")
     if s.loss_first is not None:
         table.add_row("train loss (first → last round)", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
+    if s.reward_first is not None:
+        table.add_row("mean reward (first → last round)", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
     if s.eval_loss_first is not None:
         table.add_row("held-out loss (first → last round)", f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f}")
     total = s.compute_s + s.sync_s

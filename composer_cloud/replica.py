@@ -162,6 +162,7 @@ class Replica:
 
         step = 0
         round_losses: list[float] = []
+        round_rewards: list[float] = []
         round_start = time.monotonic()
         compute_s = 0.0
         with diloco:
@@ -174,6 +175,8 @@ class Replica:
                 dt = time.monotonic() - t0
                 step += 1
                 round_losses.append(out.get("loss", float("nan")))
+                if "reward_mean" in out:
+                    round_rewards.append(out["reward_mean"])
                 self.metrics.append({"kind": "step", "rank": self.rank, "step": step,
                                      "round": manager.current_step(), "time_s": dt, **out})
                 if len(manager.history) == before:
@@ -191,6 +194,8 @@ class Replica:
                        "quorum_wait_s": res.quorum_wait_s if res else 0.0,
                        "bytes_read": res.bytes_read if res else 0, "bytes_written": res.bytes_written if res else 0,
                        "wall_s": time.monotonic() - round_start}
+                if round_rewards:
+                    row["reward_mean"] = sum(round_rewards) / len(round_rewards)
                 if rec.committed:
                     self._after_commit(rec.round, res.participants if res else [], manager, diloco, trainer,
                                        fragments, row)
@@ -198,7 +203,7 @@ class Replica:
                 self._reap_io()
                 self.flush_metrics()
                 self.heartbeat("running", round=manager.current_step(), step=step)
-                round_losses, compute_s, round_start = [], 0.0, time.monotonic()
+                round_losses, round_rewards, compute_s, round_start = [], [], 0.0, time.monotonic()
         manager.flush_state()
         for fut in self._pending_io:
             fut.result()

@@ -111,6 +111,8 @@ class RunSummary:
     sync_s: float
     bytes_moved: int
     lost_replicas: list[int]
+    reward_first: float | None = None
+    reward_last: float | None = None
 
 
 def read_metrics(store: Store, rank: int) -> list[dict[str, Any]]:
@@ -137,7 +139,19 @@ def summarize(store: Store, spec: RunSpec, status: RunStatus) -> RunSummary:
         sync_s=sum(m.get("sync_s", 0.0) for m in rounds),
         bytes_moved=sum(m.get("bytes_read", 0) + m.get("bytes_written", 0) for m in rounds),
         lost_replicas=[i.rank for i in status.replicas if i.state in ("failed", "cancelled")],
+        reward_first=_round_mean(rounds, "reward_mean", first=True),
+        reward_last=_round_mean(rounds, "reward_mean", first=False),
     )
+
+
+def _round_mean(rows: list[dict[str, Any]], key: str, *, first: bool) -> float | None:
+    """Mean of ``key`` over replicas in the first (or last) committed round that reports it."""
+    with_key = [m for m in rows if m.get("committed") and key in m]
+    if not with_key:
+        return None
+    r = with_key[0]["round"] if first else with_key[-1]["round"]
+    vals = [m[key] for m in with_key if m["round"] == r]
+    return sum(vals) / len(vals)
 
 
 def request_cancel(store: Store) -> None:
