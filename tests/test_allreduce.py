@@ -193,3 +193,31 @@ def test_replica_left_out_of_an_open_round_observes_its_commit(store_uri):
     assert res2.committed and not res2.participated and res2.participants == [0, 1]
     assert torch.equal(x2, torch.full((10,), 2.0))  # untouched: its payload was not in the average
     assert torch.equal(results[0][1], torch.full((10,), 0.5))
+
+
+def test_a_failing_participant_aborts_the_round_for_everyone_quickly(store_uri):
+    import threading
+
+    class BrokenStore(Store):
+        def put(self, key, payload, **kw):
+            if "/grad/" in key:
+                raise OSError(28, "No space left on device")
+            return super().put(key, payload, **kw)
+
+    cfg = AllReduceConfig(replicas=2, min_replicas=2, quorum_timeout_s=30, round_timeout_s=60)
+    outcome = {}
+
+    def healthy():
+        t0 = time.monotonic()
+        outcome["result"] = ObjectStoreAllReduce(Store(store_uri), 0, cfg).allreduce(0, torch.ones(100))
+        outcome["wall"] = time.monotonic() - t0
+
+    t = threading.Thread(target=healthy)
+    t.start()
+    with pytest.raises(OSError, match="No space"):
+        ObjectStoreAllReduce(BrokenStore(store_uri), 1, cfg).allreduce(0, torch.ones(100))
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert outcome["result"].committed is False and "replica 1 failed" in outcome["result"].reason
+    assert outcome["wall"] < 20  # far below round_timeout_s: the abort record stopped the wait
+    assert Store(store_uri).get_json("rounds/00000000/0/outcome.json")["committed"] is False

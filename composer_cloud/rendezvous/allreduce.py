@@ -35,6 +35,7 @@ number of replicas (``P`` = encoded payload bytes).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -57,7 +58,18 @@ class RoundTimeout(StoreError):
     def __init__(self, round: int, missing_ranks: Sequence[int], what: str) -> None:
         self.round = round
         self.missing_ranks = sorted(missing_ranks)
+        self.aborted = False
         super().__init__(f"round {round}: {what}; missing replicas: {self.missing_ranks}")
+
+
+class _Immediate:
+    """A future-like that runs its function when asked for the result (inline fetches)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._fn, self._args = fn, args
+
+    def result(self) -> Any:
+        return self._fn(*self._args)
 
 
 class BehindError(StoreError):
@@ -178,8 +190,8 @@ class ObjectStoreAllReduce:
         """Announce this replica and return ``(participants, seconds waited)``."""
         prefix = attempt_prefix(round, attempt)
         t0 = time.monotonic()
-        self.store.put_json(f"{prefix}/join/{self.rank}.json",
-                            {"rank": self.rank, "time": time.time()})
+        self.store.put(f"{prefix}/join/{self.rank}.json",
+                       json.dumps({"rank": self.rank, "time": time.time()}).encode(), durable=False)
         deadline = t0 + self.config.quorum_timeout_s
         delay = self.store.poll.initial_s
         while True:
@@ -226,7 +238,12 @@ class ObjectStoreAllReduce:
             result.committed = bool(out.get("committed"))
             result.reason = "not in quorum (late)"
         else:
-            self._exchange(round, attempt, participants, flat, result)
+            try:
+                self._exchange(round, attempt, participants, flat, result)
+            except BaseException as exc:
+                # Tell the peers now rather than let them wait out the round deadline.
+                self._abort(round, attempt, f"replica {self.rank} failed: {exc!r}", [self.rank])
+                raise
         result.wall_s = time.monotonic() - t0
         result.bytes_read = self.store.bytes_read - r0
         result.bytes_written = self.store.bytes_written - w0
@@ -247,7 +264,7 @@ class ObjectStoreAllReduce:
         encoded = list(self._pool.map(lambda se: wire.encode(cfg.codec, flat[se[0]:se[1]]), slots))
         result.payload_bytes = sum(len(e) for e in encoded)
         own_slot = encoded[me]
-        uploads = [self._pool.submit(self.store.put, f"{prefix}/grad/{self.rank}/{j}", encoded[j])
+        uploads = [self._pool.submit(self.store.put, f"{prefix}/grad/{self.rank}/{j}", encoded[j], durable=False)
                    for j in range(w)]
         del encoded
         uploads[0].result()
@@ -264,7 +281,7 @@ class ObjectStoreAllReduce:
             self._abort(round, attempt, str(exc), exc.missing_ranks)
             result.reason = str(exc)
             return
-        self.store.put(f"{prefix}/reduced/{me}", reduced_mine)
+        self.store.put(f"{prefix}/reduced/{me}", reduced_mine, durable=False)
         faults.stall_point("reduce", round, self.rank)
         timings["reduce_s"] = time.monotonic() - t
 
@@ -298,7 +315,7 @@ class ObjectStoreAllReduce:
             result.reason = f"aborted by replica {final.get('by')}: {final.get('reason')}"
 
     def _reduce_slot(self, round: int, prefix: str, participants: list[int], slot: int, deadline: float,
-                     own: tuple[int, bytes] | None = None) -> bytes:
+                     own: tuple[int, bytes] | None = None, parallel: bool = True) -> bytes:
         """Sum slot ``slot`` over participants in order, divide, encode. Raises RoundTimeout."""
         cfg = self.config
 
@@ -306,19 +323,20 @@ class ObjectStoreAllReduce:
             if own is not None and rank == own[0]:
                 return own[1]
             key = f"{prefix}/grad/{rank}/{slot}"
-            try:
-                return self.store.wait_get(key, deadline=deadline)
-            except StoreTimeout:
-                raise RoundTimeout(round, [rank],
-                                   f"payload {key} did not arrive within round_timeout_s") from None
+            return self._wait_in_round(round, prefix, key, deadline, rank)
 
-        futures = [self._pool.submit(fetch, p) for p in participants]
+        if parallel:
+            futures = [self._pool.submit(fetch, p) for p in participants]
+        else:
+            futures = [_Immediate(fetch, p) for p in participants]
         acc: torch.Tensor | None = None
         missing: list[int] = []
         for p, fut in zip(participants, futures):
             try:
                 part = wire.decode(cfg.codec, fut.result(), key=f"{prefix}/grad/{p}/{slot}")
-            except RoundTimeout:
+            except RoundTimeout as exc:
+                if exc.aborted:
+                    raise
                 missing.append(p)
                 continue
             acc = part if acc is None else acc.add_(part)
@@ -330,16 +348,46 @@ class ObjectStoreAllReduce:
 
     def _fetch_reduced(self, round: int, prefix: str, participants: list[int], slot: int, deadline: float) -> bytes | memoryview:
         key = f"{prefix}/reduced/{slot}"
-        # Wait for the reducer for most of the round's remaining time, then take over its slot.
+        # Wait for the reducer for half the round's remaining time, then take over its slot.
         takeover_at = time.monotonic() + 0.5 * max(0.0, deadline - time.monotonic())
         try:
-            return self.store.wait_get(key, deadline=takeover_at)
-        except StoreTimeout:
-            pass
+            return self._wait_in_round(round, prefix, key, takeover_at, participants[slot])
+        except RoundTimeout as exc:
+            if exc.aborted:
+                raise
         logger.warning("%s: reducer %d did not publish; recomputing the slot", key, participants[slot])
-        data = self._reduce_slot(round, prefix, participants, slot, deadline)
-        self.store.put(key, data)
+        # Fetch inline: this already runs on the pool, and waiting on more pool
+        # work from a pool thread could exhaust it.
+        data = self._reduce_slot(round, prefix, participants, slot, deadline, parallel=False)
+        self.store.put(key, data, durable=False)
         return data
+
+    def _wait_in_round(self, round: int, prefix: str, key: str, deadline: float, owner: int) -> memoryview:
+        """Wait for ``key`` until ``deadline``, but stop early if the attempt was aborted.
+
+        Raises :class:`RoundTimeout` naming ``owner`` (the replica expected to
+        write ``key``); ``aborted`` is set when a peer aborted the attempt.
+        """
+        start = time.monotonic()
+        delay = self.store.poll.initial_s
+        checks = 0
+        while True:
+            found = self.store.try_get(key)
+            if found is not None:
+                return found
+            checks += 1
+            if checks % 8 == 0:
+                out = self.store.try_get_json(f"{prefix}/outcome.json")
+                if out is not None and not out.get("committed"):
+                    exc = RoundTimeout(round, out.get("missing", []), f"aborted by replica {out.get('by')}: "
+                                       f"{out.get('reason')}")
+                    exc.aborted = True
+                    raise exc
+            now = time.monotonic()
+            if now >= deadline:
+                raise RoundTimeout(round, [owner], f"{key} did not arrive within {now - start:.1f}s")
+            time.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(self.store.poll.max_s, delay * self.store.poll.factor)
 
     def _abort(self, round: int, attempt: int, reason: str, missing: list[int]) -> None:
         prefix = attempt_prefix(round, attempt)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy.ctypeslib  # noqa: F401 - safetensors imports it lazily; racing first imports in threads can fail
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save

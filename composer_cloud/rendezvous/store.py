@@ -218,12 +218,17 @@ class Store:
         return f"{self.uri}/{key}"
 
     # ------------------------------------------------------------ writes
-    def put(self, key: str, payload: bytes | bytearray | memoryview) -> int:
-        """Atomically write ``payload`` at ``key`` (overwriting). Returns bytes written."""
+    def put(self, key: str, payload: bytes | bytearray | memoryview, *, durable: bool = True) -> int:
+        """Atomically write ``payload`` at ``key`` (overwriting). Returns bytes written.
+
+        ``durable=False`` skips the local ``fsync``: for transient round
+        payloads, where rename already gives atomicity and a torn object left
+        by a power loss fails its checksum (the round is then retried).
+        """
         data = frame(payload)
         path = self.path(key)
         if self.local:
-            self.retry.call(f"put {key}", lambda: self._local_put(path, data, exclusive=False))
+            self.retry.call(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=durable))
         else:
             self.retry.call(f"put {key}", lambda: self.fs.pipe_file(path, data))
         self._count(written=len(data))
@@ -254,15 +259,16 @@ class Store:
             self._count(written=len(data))
         return created
 
-    def _local_put(self, path: str, data: bytes, *, exclusive: bool) -> None:
+    def _local_put(self, path: str, data: bytes, *, exclusive: bool, durable: bool = True) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable or exclusive:
+                    f.flush()
+                    os.fsync(f.fileno())
             if exclusive:
                 # link() fails with EEXIST if the key exists: an atomic test-and-set.
                 os.link(tmp, path)
