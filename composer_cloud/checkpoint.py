@@ -162,11 +162,13 @@ def load_replica(store: Store, ckpt: Checkpoint, rank: int) -> dict[str, Any] | 
 
 def prune_checkpoints(store: Store, *, keep: int, newest: int) -> list[int]:
     """Delete checkpoint dirs older than the ``keep`` newest manifests (never the newest)."""
-    valid = [r for r in checkpoint_rounds(store) if r <= newest and store.exists(f"{global_state_prefix(r)}/manifest.json")]
+    rounds = checkpoint_rounds(store)
+    valid = [r for r in rounds if r <= newest and store.exists(f"{global_state_prefix(r)}/manifest.json")]
     keep_set = set(valid[-keep:])
     removed = []
-    for r in checkpoint_rounds(store):
-        if r < (min(keep_set) if keep_set else newest) and r not in keep_set:
+    # Global-only rounds (healing states) older than ``newest`` are superseded too.
+    for r in rounds:
+        if r < newest and r not in keep_set:
             store.delete(global_state_prefix(r), recursive=True)
             removed.append(r)
     return removed

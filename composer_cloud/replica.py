@@ -234,6 +234,13 @@ class Replica:
         local = None
         if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
             local = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
+        # At most one checkpoint in flight: if the store is slower than the
+        # rounds, wait here (and record it) rather than queue full snapshots.
+        t0 = time.monotonic()
+        for fut in self._pending_io:
+            fut.result()
+        self._pending_io = []
+        row["checkpoint_wait_s"] = time.monotonic() - t0
         # Snapshot on the critical path (training mutates optimizer state next
         # step), then encode and upload in the background.
         t0 = time.monotonic()

@@ -1,0 +1,1002 @@
+#!/usr/bin/env python
+"""Round-checkpoint cost: bytes, snapshot/encode/write/read times, peak memory, share of a round.
+
+    python benchmarks/checkpoint.py                  # tiny (file://, S3), mid (file://), 0.5B (file://): ~3-5 min
+    python benchmarks/checkpoint.py --skip-big       # without the 0.5B case (~1.5 min)
+    python benchmarks/checkpoint.py --models tiny,mid --mid-s3 --json out.json
+    python benchmarks/checkpoint.py --big-h 100 --big-step-s 0.5   # the assumed 0.5B round (see below)
+
+Needs ~17 GiB of free RAM and ~9 GB of disk for the 0.5B case (writing one
+3.95 GB state object peaks at 4x its size); a phase is skipped, with the
+reason, when memory is short, and a case is aborted if the machine's
+available memory falls below ``--memory-floor-gb`` (the machine may be shared).
+
+What a checkpoint costs a round (``composer_cloud/replica.py``
+``_after_commit`` and ``rendezvous/manager.py``, since commit 3897ab5):
+
+* on the critical path: the leader's ``manager.publish_state()`` calls every
+  fragment's ``save_fn`` (torchft clones ``original_parameters``; the outer
+  optimizer state is referenced) **every round**; on checkpoint rounds every
+  replica takes ``_snapshot(checkpoint.replica_state(trainer))`` (a copy of
+  its AdamW state, data position and RNG);
+* in the background: the leader's global-state encode + upload (manager
+  thread; joined by ``flush_state()`` at the next ``start_quorum``, so any
+  part that outlasts the H inner steps blocks the leader there), each
+  replica's ``write_replica_state`` and the leader's manifest (``_io`` pool).
+
+Models:
+
+``tiny``
+    The built-in model (``load_model("tiny", seed=0)``), with the real
+    causal-LM trainer: its AdamW state after real inner steps is the replica
+    state; the global state is what torchft's fragment ``save_fn`` returns
+    (a clone of the parameters + the outer Nesterov-SGD ``state_dict()``).
+``mid``
+    Synthetic fp32 weights shaped like a ~55 M-param Qwen2 (vocab 32000,
+    hidden 640, 8 layers).
+``0.5b``
+    Synthetic fp32 weights shaped exactly like Qwen2.5-0.5B (494 M params,
+    290 tensors; shapes from a ``Qwen2Config`` on the meta device, nothing is
+    downloaded). Global state ≈ 2 × 1.98 GB, replica state ≈ 2 × 1.98 GB.
+
+For each (model, store) a fresh child process (so memory of one case never
+inflates another) runs the library's own code on a scratch store:
+
+1. **global snapshot** — ``{key: save_fn()}`` as ``_maybe_publish_state``
+   builds it; **global write** — ``ObjectStoreManager._write_global_state``
+   (``encode_state`` → ``Store.put(global.safetensors)`` → ``global.json``);
+2. **replica snapshot** — ``replica._snapshot(checkpoint.replica_state(...))``;
+   **replica write** — ``checkpoint.write_replica_state``;
+3. **concurrent writes** (tiny, mid) — both writes at once, as on the leader;
+4. ``write_manifest``;
+5. **resume read** — ``latest_checkpoint`` (verify=True: reads and checks
+   every listed object), ``load_global``, ``load_replica``; every decoded
+   tensor is compared (crc32 of its bytes) with what was written;
+6. **rounds** (tiny) — alternating plain rounds (H inner steps) and leader
+   checkpoint rounds done as the runtime does them (snapshots on the
+   critical path, both writes in background threads during the H steps, the
+   global upload joined at the end like ``start_quorum`` does): the measured
+   difference is "checkpoint cost as % of a round". The replica write's
+   remaining tail, if any, is joined and reported separately.
+
+For ``0.5b`` the round is an explicit assumption (``--big-h`` inner steps ×
+``--big-step-s`` seconds per step on an H100), stated in the output.
+
+Timings come from benchmark-side wrappers around the library functions
+(``encode_state``, ``frame``/``unframe``, ``decode_state``, ``Store``
+methods); the library is not modified. Peak memory per phase is the kernel's
+high-water mark (``VmHWM``, reset via ``/proc/self/clear_refs``) above the
+phase's starting RSS. Small states (tiny) are written ``--repeats`` more
+times (medians and minima reported). A machine-state line (copy, crc32 and
+fsync throughput, load average) is measured first and stored as
+``calibration``.
+
+S3 runs against a loopback ``moto_server`` (tests/s3server.py); it is
+in-memory, so only tiny (and with ``--mid-s3`` mid) go through it. Its
+bandwidth says nothing about real S3; it exercises the real client path
+(s3fs single PUT below 100 MiB, multipart above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import types
+import uuid
+import zlib
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(ROOT, "benchmarks", "out", "checkpoint.json")
+MB = 1e6
+FRAGMENT = "StreamingDiLoCoFragment_0"  # torchft's key for fragment 0 (sync.fragments = 1)
+
+# Synthetic shapes (Qwen2 layout; tied embeddings). 0.5b = Qwen2.5-0.5B's config.
+SYNTHETIC = {
+    "mid": dict(vocab_size=32000, hidden_size=640, num_hidden_layers=8, num_attention_heads=10,
+                num_key_value_heads=2, intermediate_size=1728),
+    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864),
+}
+ROUND = 7  # any committed round number; the key is checkpoints/00000007/...
+
+
+# =========================================================================== child side
+class Timers:
+    """Accumulated wall time and call counts by name (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.t: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+
+    def add(self, name: str, dt: float) -> None:
+        with self.lock:
+            self.t[name] += dt
+            self.n[name] += 1
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.add(name, time.perf_counter() - t0)
+                self.add(f"{name}.cpu", time.thread_time() - c0)
+        timed.__wrapped__ = fn
+        return timed
+
+    def take(self) -> dict[str, float]:
+        with self.lock:
+            out = {k: round(v, 4) for k, v in self.t.items()}
+            self.t.clear()
+            self.n.clear()
+        return out
+
+
+class TimedStore:
+    """Delegates to a real Store; times put/create/get and their JSON forms."""
+
+    def __init__(self, store: Any, timers: Timers) -> None:
+        self._s = store
+        for name in ("put", "put_json", "create_json", "get", "get_json", "wait_get", "exists", "list_dirs"):
+            setattr(self, name, timers.wrap(f"store.{name}", getattr(store, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class MemoryGuard(threading.Thread):
+    """Abort the child (exit code 3) if the machine runs out of memory: other people share it."""
+
+    def __init__(self, floor_bytes: int) -> None:
+        super().__init__(daemon=True)
+        self.floor = floor_bytes
+        self.min_available = None
+
+    def run(self) -> None:
+        import psutil
+
+        while True:
+            avail = psutil.virtual_memory().available
+            self.min_available = avail if self.min_available is None else min(self.min_available, avail)
+            if avail < self.floor:
+                sys.stderr.write(f"checkpoint benchmark: only {avail / 2**30:.2f} GiB available; aborting\n")
+                os._exit(3)
+            time.sleep(0.05)
+
+
+@contextmanager
+def phase(rec: dict[str, Any]):
+    gc.collect()
+    start = _rss()
+    exact = _reset_hwm()
+    t0, c0 = time.perf_counter(), time.process_time()
+    yield
+    rec["wall_s"] = round(time.perf_counter() - t0, 4)
+    rec["cpu_s"] = round(time.process_time() - c0, 4)
+    peak = _hwm() if exact else max(_rss(), start)
+    rec["rss_start_mb"] = round(start / MB, 1)
+    rec["peak_rss_mb"] = round(peak / MB, 1)
+    rec["peak_over_start_mb"] = round((peak - start) / MB, 1)
+
+
+def _tensor_digest(tree: Any) -> dict[str, int]:
+    import torch
+
+    from composer_cloud.rendezvous.state import flatten
+
+    tensors, _ = flatten(tree)
+    return {k: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for k, t in tensors.items()}
+
+
+def _tensor_bytes(tree: Any) -> int:
+    from composer_cloud.rendezvous.state import flatten
+
+    tensors, _ = flatten(tree)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _synthetic_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**SYNTHETIC[name], tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def _fill(shape: tuple[int, ...], gen: Any) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen)
+
+
+def _sgd_param_group(n: int) -> dict[str, Any]:
+    """The exact param_groups entry of the runtime's outer optimizer (Nesterov SGD, spec defaults)."""
+    import torch
+
+    from composer_cloud.spec import OuterOptimizerSpec
+
+    o = OuterOptimizerSpec()
+    group = torch.optim.SGD([torch.zeros(1)], lr=o.lr, momentum=o.momentum, nesterov=o.nesterov).state_dict()
+    g = dict(group["param_groups"][0])
+    g["params"] = list(range(n))
+    return g
+
+
+def _adamw_param_group(n: int) -> dict[str, Any]:
+    import torch
+
+    from composer_cloud.spec import InnerOptimizerSpec
+    from composer_cloud.trainer.optim import build_inner_optimizer
+
+    opt = build_inner_optimizer(torch.nn.Linear(1, 1, bias=False), InnerOptimizerSpec().model_dump(mode="json"))
+    g = dict(opt.state_dict()["param_groups"][0])
+    g["params"] = list(range(n))
+    return g
+
+
+class SyntheticTrainer:
+    """Just enough of a trainer for ``checkpoint.replica_state``: AdamW state in torch's own format."""
+
+    def __init__(self, shapes: list[tuple[str, tuple[int, ...]]], rows: int = 4000) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(2)
+        state = {}
+        for i, (_, shape) in enumerate(shapes):
+            state[i] = {"step": torch.tensor(10.0), "exp_avg": _fill(shape, gen),
+                        "exp_avg_sq": _fill(shape, gen).abs_()}
+        self._opt_state = {"state": state, "param_groups": [_adamw_param_group(len(shapes))]}
+        self.generator = torch.Generator().manual_seed(3)
+        self.order = torch.randperm(rows, generator=self.generator)
+
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from composer_cloud.trainer.optim import optimizer_state
+
+        tensors, meta = optimizer_state(types.SimpleNamespace(state_dict=lambda: self._opt_state))
+        tensors["data/order"] = self.order.clone()
+        tensors["data/generator"] = self.generator.get_state()
+        meta["data"] = {"epoch": 0, "position": 80}
+        return tensors, meta
+
+
+
+class GlobalLive:
+    """The leader's live global state of one fragment, and torchft's ``save_fn`` over it."""
+
+    def __init__(self, backup: dict[str, Any], outer_state_dict: Any) -> None:
+        self.backup = backup  # DiLoCo's original_parameters (the global params, on CPU)
+        self._outer_state_dict = outer_state_dict
+
+    def save_fn(self) -> dict[str, Any]:
+        """Exactly torchft's fragment save_fn: outer optimizer state_dict (references) + cloned params."""
+        from torchft.local_sgd import extract_local_tensor
+
+        return {"outer_optimizer": self._outer_state_dict(),
+                "original_parameters": {n: extract_local_tensor(t) for n, t in self.backup.items()}}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``ObjectStoreManager._maybe_publish_state`` builds on the critical path."""
+        return {FRAGMENT: self.save_fn()}
+
+
+def synthetic_global_live(shapes: list[tuple[str, tuple[int, ...]]]) -> GlobalLive:
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    backup = {name: _fill(shape, gen) for name, shape in shapes}
+    state = {"state": {i: {"momentum_buffer": _fill(shape, gen)} for i, (_, shape) in enumerate(shapes)},
+             "param_groups": [_sgd_param_group(len(shapes))]}
+    return GlobalLive(backup, lambda: state)
+
+
+def tiny_global_live(model: Any) -> GlobalLive:
+    """The real outer optimizer (Nesterov SGD, spec defaults) after one outer step, over copies of the params."""
+    import torch
+
+    from composer_cloud.spec import OuterOptimizerSpec
+
+    o = OuterOptimizerSpec()
+    named = list(model.named_parameters())
+    shadow = [torch.nn.Parameter(p.detach().clone()) for _, p in named]
+    outer = torch.optim.SGD(shadow, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+    gen = torch.Generator().manual_seed(4)
+    for p in shadow:
+        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
+    outer.step()
+    for p in shadow:
+        p.grad = None
+    return GlobalLive({n: p.detach().clone() for (n, _), p in zip(named, shadow)}, outer.state_dict)
+
+
+def _replica_snapshot_fn() -> Any:
+    """The runtime's replica snapshot (``composer_cloud.replica._snapshot``, since 3897ab5)."""
+    from composer_cloud import replica
+
+    return getattr(replica, "_snapshot", lambda tree: tree)
+
+
+def _tiny_setup() -> tuple[Any, Any, int]:
+    """Real tiny model + causal-LM trainer (spec defaults), warmed up so AdamW has state."""
+    import torch
+
+    from composer_cloud.model import count_parameters, load_model
+    from composer_cloud.spec import InnerOptimizerSpec, TrainerSpec
+    from composer_cloud.trainer import TrainerContext, build_trainer
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny", seed=0)
+    trainer = build_trainer("causal-lm", TrainerContext(
+        model=model, tokenizer=tokenizer, rank=0, world_size=2, seed=0, device=torch.device("cpu"),
+        settings=TrainerSpec().settings(), inner_optimizer=InnerOptimizerSpec().model_dump(mode="json")))
+    for _ in range(3):
+        trainer.step()
+    return model, trainer, count_parameters(model)
+
+
+def _timed_call(fn: Any, *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: str) -> None:
+    """Child process: one (model, store) case; writes its result as JSON to ``out_path``."""
+    try:
+        _run_case(model_name, store_uri, opts, out_path)
+    except BaseException as exc:
+        import traceback
+
+        traceback.print_exc()
+        partial: dict[str, Any] = {"model": model_name, "store": store_uri.split("://")[0]}
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                partial = json.load(f)
+        partial["error"] = f"{type(exc).__name__}: {exc}"
+        with open(out_path, "w") as f:
+            json.dump(partial, f)
+        raise SystemExit(1) from None
+
+
+def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: str) -> None:
+    import psutil
+    import torch
+
+    torch.set_num_threads(1)  # a replica's default (COMPOSER_CLOUD_THREADS=1)
+    guard = MemoryGuard(int(opts["memory_floor_gb"] * 2**30))
+    guard.start()
+
+    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.rendezvous import manager as manager_mod
+    from composer_cloud.rendezvous import store as store_mod
+    from composer_cloud.rendezvous.manager import ObjectStoreManager
+    from composer_cloud.rendezvous.store import Store
+
+    snapshot = _replica_snapshot_fn()
+    timers = Timers()
+    # Benchmark-side wrappers around the library's own functions.
+    manager_mod.encode_state = timers.wrap("encode", manager_mod.encode_state)
+    ckpt.encode_state = timers.wrap("encode", ckpt.encode_state)
+    ckpt.decode_state = timers.wrap("decode", ckpt.decode_state)
+    store_mod.frame = timers.wrap("frame", store_mod.frame)  # crc32 + header + copies, inside Store.put
+    store_mod.unframe = timers.wrap("unframe", store_mod.unframe)  # crc32 check, inside Store.get
+
+    real = Store(store_uri)
+    real.check_access()
+    store = TimedStore(real, timers)
+    shim = types.SimpleNamespace(store=store, rank=0)  # what _write_global_state uses of the manager
+    result: dict[str, Any] = {"model": model_name, "store": store_uri.split("://")[0], "store_uri": store_uri,
+                              "phases": {}}
+    phases = result["phases"]
+
+    def save() -> None:
+        result["min_available_gb"] = round((guard.min_available or 0) / 2**30, 2)
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+    trainer = live_g = None
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None
+    if model_name == "tiny":
+        tiny_model, trainer, result["params"] = _tiny_setup()
+        live_g = tiny_global_live(tiny_model)
+    else:
+        shapes = _synthetic_shapes(model_name)
+        result["params"] = sum(int(torch.Size(s).numel()) for _, s in shapes)
+        result["tensors"] = len(shapes)
+    param_bytes = result["params"] * 4
+    payload = 2 * param_bytes  # global: params + momentum; replica: exp_avg + exp_avg_sq
+    save()
+
+    def short_of_memory(factor: float) -> str | None:
+        need = factor * payload + opts["memory_floor_gb"] * 2**30
+        avail = psutil.virtual_memory().available
+        if avail < need:
+            return (f"skipped: needs ~{need / 2**30:.1f} GiB ({factor:g}x the state + floor), "
+                    f"{avail / 2**30:.1f} GiB available")
+        return None
+
+    # ---------------------------------------------------------------- 1. global state (round leader)
+    rec: dict[str, Any] = {}
+    skip = short_of_memory(1.6)
+    if skip:
+        rec["skipped"] = skip
+    else:
+        if live_g is None:
+            t0 = time.perf_counter()
+            live_g = synthetic_global_live(shapes)
+            rec["build_s"] = round(time.perf_counter() - t0, 4)
+        with phase(rec):  # critical path, every round
+            t0 = time.perf_counter()
+            gtree = live_g.snapshot()
+            rec["snapshot_s"] = round(time.perf_counter() - t0, 4)
+        if shapes is not None:
+            live_g = None  # the benchmark keeps only what is written (the runtime also keeps the backup)
+    phases["global_snapshot"] = rec
+    rec = {}
+    skip = skip or short_of_memory(3.1)
+    if skip:
+        rec["skipped"] = skip
+    else:
+        with phase(rec):  # background in the runtime (joined at the next start_quorum)
+            rec["tensor_bytes"] = _tensor_bytes(gtree)
+            digest_global = _tensor_digest(gtree)
+            timers.take()
+            t0 = time.perf_counter()
+            ObjectStoreManager._write_global_state(shim, ROUND, gtree)  # encode -> put blob -> create marker
+            rec["write_total_s"] = round(time.perf_counter() - t0, 4)
+            rec["timers"] = timers.take()
+        rec["bytes"] = real.get_json(f"checkpoints/{ROUND:08d}/global.json")["bytes"]
+    gtree = None
+    phases["global_write"] = rec
+    save()
+
+    # ---------------------------------------------------------------- 2. replica state (every replica)
+    rec = {}
+    skip = short_of_memory(2.1)
+    if skip:
+        rec["skipped"] = skip
+    else:
+        src = trainer
+        if src is None:
+            t0 = time.perf_counter()
+            src = SyntheticTrainer(shapes)
+            rec["build_s"] = round(time.perf_counter() - t0, 4)
+        with phase(rec):  # critical path, checkpoint rounds
+            t0 = time.perf_counter()
+            rtree = snapshot(ckpt.replica_state(src, None))
+            rec["snapshot_s"] = round(time.perf_counter() - t0, 4)
+        src = None
+    phases["replica_snapshot"] = rec
+    rec = {}
+    skip = skip or short_of_memory(3.1)
+    if skip:
+        rec["skipped"] = skip
+    else:
+        with phase(rec):  # background in the runtime (_io pool)
+            rec["tensor_bytes"] = _tensor_bytes(rtree)
+            digest_replica = _tensor_digest(rtree)
+            timers.take()
+            t0 = time.perf_counter()
+            ckpt.write_replica_state(store, ROUND, 0, rtree)  # encode -> put blob -> crc32 -> put marker
+            rec["write_total_s"] = round(time.perf_counter() - t0, 4)
+            rec["timers"] = timers.take()
+        rec["bytes"] = real.get_json(f"checkpoints/{ROUND:08d}/replica-0.json")["bytes"]
+    rtree = None
+    phases["replica_write"] = rec
+    save()
+    if any("skipped" in phases[k] for k in ("global_write", "replica_write")):
+        phases["read"] = {"skipped": "a write phase was skipped"}
+        save()
+        return
+
+    # ---------------------------------------------------------------- 3. repeats and concurrent writes
+    if payload <= opts["repeat_max_mb"] * MB and opts["repeats"] > 0:
+        rep: dict[str, list[float]] = defaultdict(list)
+        for i in range(opts["repeats"]):
+            t0 = time.perf_counter()
+            g = live_g.snapshot()
+            rep["global_snapshot_s"].append(time.perf_counter() - t0)
+            rep["global_write_s"].append(_timed_call(ObjectStoreManager._write_global_state, shim, 100 + i, g))
+            t0 = time.perf_counter()
+            r = snapshot(ckpt.replica_state(trainer, None))
+            rep["replica_snapshot_s"].append(time.perf_counter() - t0)
+            rep["replica_write_s"].append(_timed_call(ckpt.write_replica_state, store, 100 + i, 0, r))
+            real.delete(f"checkpoints/{100 + i:08d}", recursive=True)
+        timers.take()
+        result["repeats"] = {k: [round(x, 4) for x in v] for k, v in rep.items()}
+        save()
+    if not short_of_memory(8.5):
+        # On the leader both writes run at once (manager thread + replica _io pool).
+        if live_g is not None:
+            g, r = live_g.snapshot(), snapshot(ckpt.replica_state(trainer, None))
+        else:
+            g, r = synthetic_global_live(shapes).snapshot(), ckpt.replica_state(SyntheticTrainer(shapes), None)
+        rec = {}
+        with phase(rec):
+            with ThreadPoolExecutor(2) as pool:
+                fg = pool.submit(_timed_call, ObjectStoreManager._write_global_state, shim, ROUND + 1, g)
+                fr = pool.submit(_timed_call, ckpt.write_replica_state, store, ROUND + 1, 0, r)
+                rec["global_write_s"], rec["replica_write_s"] = round(fg.result(), 4), round(fr.result(), 4)
+        g = r = None
+        timers.take()
+        real.delete(f"checkpoints/{ROUND + 1:08d}", recursive=True)
+        phases["concurrent_writes"] = rec
+        save()
+
+    # ---------------------------------------------------------------- 4. manifest (leader, background)
+    rec = {}
+    with phase(rec):
+        rec["ok"] = ckpt.write_manifest(store, ROUND, [0], deadline_s=30)
+    rec["timers"] = timers.take()
+    phases["manifest"] = rec
+    save()
+
+    # ---------------------------------------------------------------- 5. resume read + verify
+    reads: dict[str, Any] = {}
+    before = real.bytes_read
+    rec = {}
+    with phase(rec):
+        found = ckpt.latest_checkpoint(store)  # verify=True: reads every listed object
+    rec["round"] = found.round if found else None
+    rec["bytes_read"] = real.bytes_read - before
+    rec["timers"] = timers.take()
+    reads["latest_checkpoint"] = rec
+    for kind, load, digest in (("load_global", lambda: ckpt.load_global(store, ROUND), digest_global),
+                               ("load_replica", lambda: ckpt.load_replica(store, found, 0), digest_replica)):
+        rec = {}
+        before = real.bytes_read
+        skip = short_of_memory(3.05)
+        if skip:
+            rec["skipped"] = skip
+            reads[kind] = rec
+            continue
+        with phase(rec):
+            t0 = time.perf_counter()
+            tree = load()
+            rec["load_s"] = round(time.perf_counter() - t0, 4)
+            t0 = time.perf_counter()
+            got = _tensor_digest(tree)
+            rec["verify_s"] = round(time.perf_counter() - t0, 4)
+            rec["verified"] = got == digest
+            rec["tensors"] = len(got)
+            tree = None
+        rec["bytes_read"] = real.bytes_read - before
+        rec["timers"] = timers.take()
+        reads[kind] = rec
+    phases["read"] = reads
+    save()
+
+    # ---------------------------------------------------------------- 6. rounds with and without a checkpoint
+    if trainer is not None and opts["rounds"] > 0:
+        result["rounds"] = _time_rounds(opts, trainer, live_g, store, real, shim, snapshot)
+        timers.take()
+        save()
+
+
+def _time_rounds(opts: dict[str, Any], trainer: Any, live_g: GlobalLive, store: Any, real: Any, shim: Any,
+                 snapshot: Any) -> dict[str, Any]:
+    """Alternate plain rounds, global-only rounds and checkpoint rounds on the leader, as the runtime does them."""
+    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.rendezvous.manager import ObjectStoreManager
+
+    h = opts["h"]
+    publish = ThreadPoolExecutor(1, thread_name_prefix="sync")  # the manager's exchange/publish thread
+    io = ThreadPoolExecutor(2, thread_name_prefix="replica-io")  # Replica._io
+    out: dict[str, list[float]] = defaultdict(list)
+    r = 300
+    try:
+        for _ in range(opts["rounds"]):
+            for kind in ("plain", "global_only", "checkpoint"):
+                r += 1
+                t0 = time.perf_counter()
+                fg = fr = None
+                if kind != "plain":
+                    fg = publish.submit(_timed_call, ObjectStoreManager._write_global_state, shim, r,
+                                        live_g.snapshot())  # publish_state(): save_fn on the critical path
+                if kind == "checkpoint":
+                    tree = snapshot(ckpt.replica_state(trainer, None))
+                    fr = io.submit(_timed_call, ckpt.write_replica_state, store, r, 0, tree)
+                    tree = None
+                out[f"{kind}_critical_s"].append(time.perf_counter() - t0)
+                for _ in range(h):
+                    trainer.step()
+                if fg is not None:
+                    t1 = time.perf_counter()
+                    out[f"{kind}_global_write_s"].append(fg.result())  # start_quorum -> flush_state joins it
+                    out[f"{kind}_join_wait_s"].append(time.perf_counter() - t1)
+                out[f"{kind}_round_s"].append(time.perf_counter() - t0)
+                if fr is not None:  # not joined by the runtime; joined here so it cannot spill into the next round
+                    t1 = time.perf_counter()
+                    out[f"{kind}_replica_write_s"].append(fr.result())
+                    out[f"{kind}_replica_tail_s"].append(time.perf_counter() - t1)
+                real.delete(f"checkpoints/{r:08d}", recursive=True)
+    finally:
+        publish.shutdown()
+        io.shutdown()
+    res: dict[str, Any] = {"h": h, "rounds_each": opts["rounds"],
+                           "samples": {k: [round(x, 4) for x in v] for k, v in out.items()}}
+    for k, v in out.items():
+        res[k] = round(statistics.median(v), 4)
+    res["step_s"] = round(res["plain_round_s"] / h, 4)
+    for kind in ("global_only", "checkpoint"):
+        res[f"{kind}_overhead_pct"] = round(100 * (res[f"{kind}_round_s"] / res["plain_round_s"] - 1), 1)
+    return res
+
+
+# =========================================================================== parent side
+def calibrate(workdir: str, mb: int = 256) -> dict[str, float]:
+    """This machine's primitives at the moment of the run: copy into fresh memory, crc32, write+fsync."""
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, size=mb * 2**20, dtype=np.uint8).tobytes()
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    dup = bytes(memoryview(src))  # what frame() and decode_state() do: a copy into freshly allocated memory
+    out["fresh_copy_gbps"] = round(len(src) / (time.perf_counter() - t0) / 1e9, 2)
+    del dup
+    t0 = time.perf_counter()
+    zlib.crc32(src)
+    out["crc32_gbps"] = round(len(src) / (time.perf_counter() - t0) / 1e9, 2)
+    path = os.path.join(workdir, "calibrate.bin")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(src)
+        f.flush()
+        os.fsync(f.fileno())
+    out["file_write_fsync_mbps"] = round(len(src) / (time.perf_counter() - t0) / 1e6, 1)
+    os.unlink(path)
+    out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return out
+
+
+def _spawn_case(model: str, uri: str, opts: dict[str, Any], workdir: str, timeout: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = os.path.join(workdir, f"result-{model}-{uuid.uuid4().hex[:6]}.json")
+    t0 = time.perf_counter()
+    p = ctx.Process(target=run_case, args=(model, uri, opts, out))
+    p.start()
+    p.join(timeout)
+    timed_out = p.is_alive()
+    if timed_out:
+        p.terminate()
+        p.join(10)
+    res: dict[str, Any] = {"model": model, "store": uri.split("://")[0]}
+    if os.path.exists(out):
+        with open(out) as f:
+            res = json.load(f)
+    res["case_wall_s"] = round(time.perf_counter() - t0, 1)
+    if timed_out:
+        res["error"] = f"timed out after {timeout:.0f}s"
+    elif p.exitcode == 3:
+        res["error"] = "aborted by the memory guard (machine low on memory)"
+    elif p.exitcode != 0:
+        res.setdefault("error", f"child exit code {p.exitcode}")
+    return res
+
+
+def _g(d: dict[str, Any], *path: str, default: Any = None) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def _med(first: float | None, more: list[float] | None) -> tuple[float, float] | None:
+    samples = ([first] if first is not None else []) + list(more or [])
+    if not samples:
+        return None
+    return statistics.median(samples), min(samples)
+
+
+def summarize(case: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """Derived per-case numbers: what is on the critical path, what runs in the background, share of a round."""
+    ph = case.get("phases", {})
+    gw, rw = ph.get("global_write", {}), ph.get("replica_write", {})
+    if "write_total_s" not in gw or "write_total_s" not in rw:
+        return {}
+    rep = case.get("repeats", {})
+    s: dict[str, Any] = {"global_bytes": gw["bytes"], "replica_bytes": rw["bytes"]}
+    for key, first, more in (
+            ("global_snapshot", _g(ph, "global_snapshot", "snapshot_s"), rep.get("global_snapshot_s")),
+            ("replica_snapshot", _g(ph, "replica_snapshot", "snapshot_s"), rep.get("replica_snapshot_s")),
+            ("global_write", gw["write_total_s"], rep.get("global_write_s")),
+            ("replica_write", rw["write_total_s"], rep.get("replica_write_s"))):
+        med, lo = _med(first, more)
+        s[f"{key}_s"], s[f"{key}_min_s"] = round(med, 4), round(lo, 4)
+    s["write_samples"] = 1 + len(rep.get("global_write_s", []))
+    # Current runtime (replica.py _after_commit): save_fn + replica snapshot block; writes are background.
+    s["critical_leader_every_round_s"] = s["global_snapshot_s"]
+    s["critical_leader_ckpt_round_s"] = round(s["global_snapshot_s"] + s["replica_snapshot_s"], 4)
+    s["critical_other_replicas_s"] = s["replica_snapshot_s"]
+    s["background_leader_s"] = round(s["global_write_s"] + s["replica_write_s"], 4)
+    conc = ph.get("concurrent_writes")
+    if conc:
+        s["background_leader_concurrent_s"] = max(conc["global_write_s"], conc["replica_write_s"])
+    rounds = case.get("rounds")
+    round_s = None
+    if rounds:
+        round_s = rounds["plain_round_s"]
+        s["round_basis"] = (f"measured: {rounds['h']} inner steps of the causal-LM trainer "
+                            f"({rounds['step_s']:.3f} s/step), median of {rounds['rounds_each']}")
+        s["measured_checkpoint_round_s"] = rounds["checkpoint_round_s"]
+        s["measured_global_only_round_s"] = rounds["global_only_round_s"]
+        s["measured_checkpoint_overhead_pct"] = rounds["checkpoint_overhead_pct"]
+        s["measured_global_only_overhead_pct"] = rounds["global_only_overhead_pct"]
+        s["measured_replica_tail_s"] = rounds.get("checkpoint_replica_tail_s")
+    elif case["model"] == "0.5b":
+        round_s = opts["big_h"] * opts["big_step_s"]
+        s["round_basis"] = (f"assumed: H={opts['big_h']} inner steps x {opts['big_step_s']} s/step "
+                            f"({opts['big_step_note']})")
+    else:
+        s["round_basis"] = "n/a (no round assumption for this size)"
+    if round_s:
+        s["round_s"] = round(round_s, 4)
+        s["critical_pct_of_round"] = round(100 * s["critical_leader_ckpt_round_s"] / round_s, 1)
+        s["background_pct_of_round"] = round(100 * s["background_leader_s"] / round_s, 1)
+        # The global upload is joined at the next start_quorum: what it takes beyond the H steps blocks there.
+        s["global_upload_excess_s"] = round(max(0.0, s["global_write_s"] - round_s), 4)
+    rd = ph.get("read", {})
+    if "latest_checkpoint" in rd:
+        s["resume_read_s"] = round(sum(_g(rd, k, "wall_s", default=0) for k in
+                                       ("latest_checkpoint", "load_global", "load_replica")), 4)
+        s["resume_bytes_read"] = sum(_g(rd, k, "bytes_read", default=0) for k in
+                                     ("latest_checkpoint", "load_global", "load_replica"))
+        s["verified"] = all(_g(rd, k, "verified", default=False) for k in ("load_global", "load_replica"))
+    return s
+
+
+def print_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=200)
+    t = Table(title="Per state object, one replica (first write; seconds, MB)")
+    cols = ("model", "params", "store", "state", "MB", "snapshot", "encode", "frame", "put", "write total",
+            "peak +MB write", "read(verify)", "load", "decode", "ok")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("model", "store", "state") else "right")
+    for c in cases:
+        ph = c.get("phases", {})
+        rd = ph.get("read", {})
+        for state in ("global", "replica"):
+            w, sn = ph.get(f"{state}_write", {}), ph.get(f"{state}_snapshot", {})
+            if "write_total_s" not in w:
+                why = w.get("skipped") or sn.get("skipped") or c.get("error", "failed")
+                t.add_row(c["model"], f"{c.get('params', 0) / 1e6:.1f}M", c["store"], state, *["-"] * 10, why[:40])
+                continue
+            tm = w.get("timers", {})
+            r = rd.get(f"load_{state}", {})
+            peak = w.get("peak_over_start_mb", 0.0)
+            t.add_row(
+                c["model"], f"{c['params'] / 1e6:.1f}M", c["store"], state, f"{w['bytes'] / MB:.1f}",
+                f"{sn.get('snapshot_s', float('nan')):.3f}", f"{tm.get('encode', 0):.3f}", f"{tm.get('frame', 0):.3f}",
+                f"{tm.get('store.put', 0):.3f}", f"{w['write_total_s']:.3f}",
+                f"{peak:.0f} ({peak * MB / max(1, w['bytes']):.1f}x)",
+                f"{_g(rd, 'latest_checkpoint', 'wall_s', default=float('nan')):.3f}",
+                f"{r.get('load_s', float('nan')):.3f}", f"{_g(r, 'timers', 'decode', default=float('nan')):.3f}",
+                {True: "yes", False: "NO"}.get(r.get("verified"), r.get("skipped", "-")[:20]))
+    con.print(t)
+    con.print("  snapshot = critical-path copy (global: torchft save_fn clone of the params; replica: "
+              "replica._snapshot of AdamW state + data position + RNG). "
+              "encode = encode_state (safetensors, whole file in memory); "
+              "frame = store.frame inside Store.put (crc32 + bytes(view) + header concatenation: two full copies); "
+              "put = Store.put incl. frame (file:// = write + fsync + rename); write total = the library call incl. "
+              "marker. peak +MB write = kernel VmHWM above the RSS at the start of the write (the snapshot being "
+              "written is not included: add 1x). read(verify) = latest_checkpoint (reads and checks ALL objects); "
+              "load = load_global/load_replica (reads again + decode).")
+
+    t2 = Table(title="Per round, current runtime: snapshots block, writes run in the background")
+    for col in ("model", "store", "global MB", "replica MB", "writes", "critical: leader s", "critical: others s",
+                "background: leader s", "round s", "critical %", "background %", "measured ckpt round",
+                "round"):
+        t2.add_column(col, justify="left" if col in ("model", "store", "round") else "right")
+    for c, s in zip(cases, summaries):
+        if not s:
+            continue
+        has = "round_s" in s
+        meas = "-"
+        if "measured_checkpoint_overhead_pct" in s:
+            meas = (f"{s['measured_checkpoint_overhead_pct']:+.1f}% "
+                    f"(global only {s['measured_global_only_overhead_pct']:+.1f}%)")
+        bg = f"{s['background_leader_s']:.3f}"
+        if "background_leader_concurrent_s" in s:
+            bg += f" ({s['background_leader_concurrent_s']:.3f} together)"
+        t2.add_row(c["model"], c["store"], f"{s['global_bytes'] / MB:.1f}", f"{s['replica_bytes'] / MB:.1f}",
+                   str(s["write_samples"]), f"{s['critical_leader_ckpt_round_s']:.3f}",
+                   f"{s['critical_other_replicas_s']:.3f}", bg,
+                   f"{s['round_s']:.2f}" if has else "-",
+                   f"{s['critical_pct_of_round']:.1f}%" if has else "-",
+                   f"{s['background_pct_of_round']:.1f}%" if has else "-", meas, s["round_basis"].split(":")[0])
+    con.print(t2)
+    for c, s in zip(cases, summaries):
+        if s and "round_s" in s:
+            con.print(f"  round of {c['model']}/{c['store']}: {s['round_basis']}")
+    con.print("  critical: leader = save_fn clone (every round) + replica snapshot (checkpoint rounds); "
+              "others = replica snapshot. "
+              "background: leader = global write (every round) + replica write (checkpoint rounds), "
+              "sequential sum (and both at once where measured); must fit in a round, else the global upload's "
+              "excess blocks the leader at the next sync and replica writes queue up, each holding its snapshot. "
+              "measured ckpt round (tiny) = a leader checkpoint round done as the runtime does it "
+              "vs a plain round of H inner steps "
+              "(medians, same process, 1 torch thread; the background work competes with training for this machine's "
+              "cores). Medians over 'writes' samples per state.")
+
+
+def markdown_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]], calib: dict[str, Any]) -> str:
+    """The two tables as Markdown (for docs/checkpoints.md)."""
+    def f(x: Any, nd: int = 3) -> str:
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    lines = [f"Machine at the start: {calib}", "",
+             "| model | store | state | MB | snapshot s | encode s | frame s | put s | write s | peak write MB "
+             "| read+verify s | load s | ok |", "|" + "---|" * 13]
+    for c in cases:
+        ph, rd = c.get("phases", {}), _g(c, "phases", "read", default={})
+        for state in ("global", "replica"):
+            w, sn, r = ph.get(f"{state}_write", {}), ph.get(f"{state}_snapshot", {}), rd.get(f"load_{state}", {})
+            if "write_total_s" not in w:
+                continue
+            tm = w.get("timers", {})
+            lines.append(
+                f"| {c['model']} | {c['store']} | {state} | {w['bytes'] / MB:.1f} | {f(sn.get('snapshot_s'))} "
+                f"| {f(tm.get('encode'))} | {f(tm.get('frame'))} | {f(tm.get('store.put'))} | {f(w['write_total_s'])} "
+                f"| {w.get('peak_over_start_mb', 0):.0f} ({w.get('peak_over_start_mb', 0) * MB / w['bytes']:.1f}x) "
+                f"| {f(_g(rd, 'latest_checkpoint', 'wall_s'))} | {f(r.get('load_s'))} "
+                f"| {'yes' if r.get('verified') else r.get('skipped', 'NO')} |")
+    lines += ["", "| model | store | writes | critical: leader s | critical: others s | background: leader s "
+              "| round s | critical % | background % | measured checkpoint round vs plain |", "|" + "---|" * 10]
+    for c, s in zip(cases, summaries):
+        if not s:
+            continue
+        bg = f(s["background_leader_s"])
+        if "background_leader_concurrent_s" in s:
+            bg += f" ({f(s['background_leader_concurrent_s'])} together)"
+        meas = "-"
+        if "measured_checkpoint_overhead_pct" in s:
+            meas = (f"{s['measured_checkpoint_overhead_pct']:+.1f}% (global-only round "
+                    f"{s['measured_global_only_overhead_pct']:+.1f}%)")
+        has = "round_s" in s
+        lines.append(f"| {c['model']} | {c['store']} | {s['write_samples']} | {f(s['critical_leader_ckpt_round_s'])} "
+                     f"| {f(s['critical_other_replicas_s'])} | {bg} | {f(s.get('round_s'), 2)} "
+                     f"| {f(s.get('critical_pct_of_round'), 1) + '%' if has else '-'} "
+                     f"| {f(s.get('background_pct_of_round'), 1) + '%' if has else '-'} | {meas} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,mid,0.5b", help="comma-separated subset of tiny,mid,0.5b")
+    ap.add_argument("--skip-big", action="store_true", help="skip the ~0.5B-param case")
+    ap.add_argument("--skip-mid", action="store_true", help="skip the ~55M-param case")
+    ap.add_argument("--no-s3", action="store_true", help="skip the moto S3 runs")
+    ap.add_argument("--mid-s3", action="store_true", help="also run the ~55M case on moto S3 (~1 min)")
+    ap.add_argument("--h", type=int, default=10, help="inner steps per round for the tiny model (spec default)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="tiny: rounds of each kind (plain, global-only, checkpoint) timed; 0 skips")
+    ap.add_argument("--repeats", type=int, default=7, help="extra writes of small states (median/min reported)")
+    ap.add_argument("--repeat-max-mb", type=float, default=100, help="repeat only states up to this size")
+    ap.add_argument("--big-h", type=int, default=100, help="assumed inner steps per round for 0.5B")
+    ap.add_argument("--big-step-s", type=float, default=0.5,
+                    help="assumed H100 seconds per inner step for 0.5B (see docs/checkpoints.md)")
+    ap.add_argument("--big-step-note", help="the reasoning behind --big-step-s, printed with it",
+                    default="0.5B bf16, 64K tokens/step = 2.0e14 FLOP at ~40%% MFU of an "
+                    "H100's 989 TFLOP/s")
+    ap.add_argument("--tmp", default=None, help="scratch dir for the file:// store (needs ~9 GB with 0.5B)")
+    ap.add_argument("--memory-floor-gb", type=float, default=1.0,
+                    help="abort a case if machine-wide available memory falls below this")
+    ap.add_argument("--json", default=DEFAULT_JSON)
+    ap.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
+    args = ap.parse_args(argv)
+
+    opts = {"h": args.h, "rounds": args.rounds, "repeats": args.repeats, "repeat_max_mb": args.repeat_max_mb,
+            "big_h": args.big_h, "big_step_s": args.big_step_s, "big_step_note": args.big_step_note.replace("%%", "%"),
+            "memory_floor_gb": args.memory_floor_gb}
+    workdir = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.tmp)
+    models = [m for m in args.models.split(",") if m]
+    if args.skip_mid:
+        models = [m for m in models if m != "mid"]
+    if args.skip_big:
+        models = [m for m in models if m != "0.5b"]
+    plan: list[tuple[str, str]] = [(m, "file") for m in ("tiny", "mid", "0.5b") if m in models]
+    if not args.no_s3:
+        plan += [(m, "s3") for m in ("tiny", "mid") if m in models and (m == "tiny" or args.mid_s3)]
+
+    cases: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    calib = calibrate(workdir)
+    print(f"[checkpoint bench] machine now: {calib}", flush=True)
+    try:
+        for model, kind in [p for p in plan if p[1] == "file"]:
+            uri = f"file://{workdir}/store-{model}"
+            print(f"[checkpoint bench] {model} on file:// ...", flush=True)
+            cases.append(_spawn_case(model, uri, opts, workdir, timeout=900))
+            shutil.rmtree(f"{workdir}/store-{model}", ignore_errors=True)
+        s3_plan = [p for p in plan if p[1] == "s3"]
+        if s3_plan:
+            sys.path.insert(0, ROOT)
+            from tests.s3server import S3_ENV, moto_s3
+
+            for model, _ in s3_plan:
+                # A fresh moto server per case: it keeps every object in memory.
+                with moto_s3("ckpt-bench") as endpoint:
+                    saved = {k: os.environ.get(k) for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
+                    os.environ.update(S3_ENV)
+                    os.environ["AWS_ENDPOINT_URL"] = endpoint
+                    try:
+                        print(f"[checkpoint bench] {model} on s3:// (moto, loopback) ...", flush=True)
+                        cases.append(_spawn_case(model, f"s3://ckpt-bench/{model}", opts, workdir, timeout=600))
+                    finally:
+                        for k, v in saved.items():
+                            if v is None:
+                                os.environ.pop(k, None)
+                            else:
+                                os.environ[k] = v
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    summaries = [summarize(c, opts) for c in cases]
+    print_tables(cases, summaries)
+    import torch
+
+    out = {
+        "benchmark": "checkpoint",
+        "env": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                "loadavg_at_end": os.getloadavg(), "torch_threads": 1, "platform": platform.platform()},
+        "options": opts,
+        "calibration": calib,
+        "assumptions": {"0.5b_round": f"H={args.big_h} x {args.big_step_s} s/step: {opts['big_step_note']}"},
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "cases": [dict(c, summary=s) for c, s in zip(cases, summaries)],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.json} ({out['wall_s']:.0f}s)")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_tables(cases, summaries, calib))
+        print(f"wrote {args.markdown}")
+    return 0 if all("error" not in c for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
