@@ -71,4 +71,4 @@ def test_unreachable_endpoint_is_a_clear_error(s3_endpoint, monkeypatch):
     # for unreachable/invalid configuration and must name the store, not hang.
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
     with pytest.raises(StoreConfigError, match="cc-test"):
-        Store("s3://cc-test/runs", ).check_access()
+        Store("s3://cc-test/runs", storage_options={"retries": 1}).check_access()
