@@ -92,7 +92,7 @@ class TrainerSpec(_Strict):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    name: str = "causal-lm"
+    name: str = "three-channel"
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=64, gt=0)
 

@@ -135,3 +135,18 @@ def test_launch_onto_existing_run_is_refused(tmp_path, monkeypatch):
 def test_status_of_a_missing_run_is_a_clear_error(tmp_path):
     res = runner.invoke(app, ["status", f"file://{tmp_path}/nothing"])
     assert res.exit_code == 2 and "not a composer-cloud run" in res.output
+
+
+@pytest.mark.slow
+def test_two_replicas_with_the_three_channel_trainer(tmp_path):
+    cfg = tmp_path / "tc.toml"
+    cfg.write_text(SMALL_MODEL.replace('name = "causal-lm"', 'name = "three-channel"'))
+    res = cli("launch", "--config", str(cfg), "--replicas", "2", "--rounds", "2", "--inner-steps", "2",
+              "--run-id", "tc", "--store", f"file://{tmp_path}/store", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "mean reward" in res.stdout
+    st = status_json(f"file://{tmp_path}/store/tc", tmp_path)
+    assert st["state"] == "completed" and st["rounds_committed"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "store/tc/metrics/0.jsonl").read_bytes()[16:].splitlines()]
+    step_rows = [s for s in steps if s["kind"] == "step"]
+    assert step_rows and all({"pg", "sdpo", "dpo", "reward_mean"} <= s.keys() for s in step_rows)

@@ -281,8 +281,8 @@ class ThreeChannelConfig:
     """
 
     pg_weight: float = 1.0
-    alpha: float = 1.0
-    beta: float = 0.1
+    alpha: float = 0.1
+    beta: float = 0.5
     # channel 1
     loss_type: LossType = "dapo"
     epsilon: float = 0.2

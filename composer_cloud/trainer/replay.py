@@ -88,7 +88,8 @@ class Pair:
         if (ref[0] is None) != (ref[1] is None):
             raise ValueError(f"{at}give both 'ref_chosen_logp' and 'ref_rejected_logp' or neither")
         for value in ref:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 0):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and (not number or not math.isfinite(value) or value > 0):
                 raise ValueError(f"{at}reference log-probs must be finite numbers <= 0, got {value!r}")
         meta = obj.get("meta", {})
         if not isinstance(meta, dict):
@@ -277,11 +278,25 @@ class ReplayBuffer:
         self._prompt: list[list[int]] = []
         self._chosen: list[list[int]] = []
         self._rejected: list[list[int]] = []
+        truncated = 0
         for p in self.pairs:
-            self._prompt.append(enc(p.prompt)[-max_prompt_length:])  # keep the end: it is adjacent to the response
-            self._chosen.append((enc(p.chosen) + [eos])[:max_response_length])
-            self._rejected.append((enc(p.rejected) + [eos])[:max_response_length])
+            prompt, chosen, rejected = enc(p.prompt), enc(p.chosen) + [eos], enc(p.rejected) + [eos]
+            truncated += len(prompt) > max_prompt_length or max(len(chosen), len(rejected)) > max_response_length
+            self._prompt.append(prompt[-max_prompt_length:])  # keep the end: it is adjacent to the response
+            self._chosen.append(chosen[:max_response_length])
+            self._rejected.append(rejected[:max_response_length])
         stored = [(p.ref_chosen_logp, p.ref_rejected_logp) for p in self.pairs]
+        if truncated:
+            had_reference = stored[0][0] is not None
+            logger.warning(
+                "%d of %d pairs were truncated to %d prompt / %d response tokens%s",
+                truncated,
+                len(self.pairs),
+                max_prompt_length,
+                max_response_length,
+                "; their stored reference log-probs no longer apply and will be recomputed" if had_reference else "",
+            )
+            stored = [(None, None)] * len(self.pairs)
         if all(c is not None for c, _ in stored):
             self.ref_chosen = torch.tensor([c for c, _ in stored], dtype=torch.float32)
             self.ref_rejected = torch.tensor([r for _, r in stored], dtype=torch.float32)

@@ -234,9 +234,14 @@ def network_isolation() -> list[str] | None:
         return None
     for prefix in ([unshare, "--net"], [unshare, "--net", "--map-root-user"]):
         try:
-            ok = subprocess.run(
-                [*prefix, "true"], stdin=subprocess.DEVNULL, capture_output=True, timeout=10, env={"PATH": "/usr/bin:/bin"}
-            ).returncode == 0
+            probe = subprocess.run(
+                [*prefix, "true"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=10,
+                env={"PATH": "/usr/bin:/bin"},
+            )
+            ok = probe.returncode == 0
         except (OSError, subprocess.SubprocessError):
             ok = False
         if ok:

@@ -140,7 +140,11 @@ def resolve_hint_source(spec: str | HintSource | None, task: VerifiableTask) -> 
 _NAMES = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lam", "rho"]
 _VERBS = ["add", "scale", "shift", "clip", "count", "merge", "split", "total", "pick", "sum"]
 _OPS = [("+", "plus"), ("-", "minus"), ("*", "times")]
-_APPLY: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_APPLY: dict[str, Callable[[int, int], int]] = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
 
 
 def _is_eval_name(name: str) -> bool:
@@ -159,7 +163,10 @@ def _problem(rng: random.Random, name: str) -> dict[str, Any]:
         reference = f" x {op} {k}\n"
         tests = [f"assert {name}({x}) == {f(x, k)}" for x in (0, 1, 2, -3, 7)]
     elif kind == 1:
-        prompt = f'def {name}(a, b):\n    """Return a {word} {k} if a > b, else b {word} {k}."""\n    if a > b:\n        return'
+        prompt = (
+            f'def {name}(a, b):\n    """Return a {word} {k} if a > b, else b {word} {k}."""\n'
+            "    if a > b:\n        return"
+        )
         reference = f" a {op} {k}\n    return b {op} {k}\n"
         pairs = [(5, 1), (3, 2), (9, -4), (1, 5), (2, 2), (-4, 0)]  # half take each branch
         tests = [f"assert {name}({a}, {b}) == {f(a, k) if a > b else f(b, k)}" for a, b in pairs]
@@ -195,18 +202,20 @@ def extract_program(prompt: str, completion: str) -> str:
 
 @dataclass(frozen=True)
 class ReferenceHints:
-    """The demo task's hint: its reference solution, as a complete function before the prompt.
+    """The demo task's hint: the reference completion, as comment lines before the prompt.
 
-    This is OPSD-style privileged information: the teacher sees a correct
-    program and the student does not; the student learns to put the teacher's
-    probability on the same completion tokens.
+    OPSD-style privileged information: the teacher sees a correct answer and
+    the student does not; the student learns to put the teacher's probability
+    on the same completion tokens. The hint is kept short (the answer only,
+    not the whole function again) because its length is what the teacher
+    forward costs on top of the student's.
     """
 
     def hints(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
         out: list[str | None] = []
         for row in rows:
             ref = row.get("reference")
-            out.append(None if not ref else f"# solved example\n{row['prompt']}{ref}")
+            out.append(None if not ref else "# answer:" + ref.rstrip("\n").replace("\n", "\n# "))
         return out
 
 

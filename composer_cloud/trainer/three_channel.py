@@ -40,7 +40,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import math
 import os
 import random
 import tempfile
@@ -90,6 +89,7 @@ _EXPECTED_HOOKS: dict[str, tuple[str, ...]] = {
     "_compute_loss": ("self", "model", "inputs"),
     "_prepare_inputs": ("self", "generation_batch"),
     "_tokenize_prompts": ("self", "prompts"),
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
     "_get_per_token_logps_and_entropies": (
         "self",
         "model",
@@ -160,19 +160,31 @@ class ChannelArgs:
         dpo_variant: ``"sigmoid"`` (DPO) or ``"simpo"``.
         simpo_gamma: SimPO target margin (nats per token).
         replay_batch_size: pairs per optimizer step in channel 3.
+        sdpo_skip_successful: leave completions whose reward is at least
+            ``success_reward`` out of channel 2 (TRL SDPO's
+            ``dont_reprompt_on_self_success``): a correct answer needs no teacher.
+        success_reward: the reward that counts as success.
+        sdpo_exclude_eos: leave EOS tokens out of channel 2. The hint changes
+            what the teacher's context looks like as a document, which skews
+            its end-of-answer prediction more than its content prediction;
+            a model that cannot use hints well (e.g. the tiny demo model) is
+            otherwise taught to stop less and less often.
         hint_template: how a hint is put before a plain-text prompt.
         max_teacher_prompt_length: the teacher's prompt keeps its last this-many tokens.
     """
 
     pg_weight: float = 1.0
-    alpha: float = 1.0
-    beta: float = 0.1
+    alpha: float = 0.1
+    beta: float = 0.5
     jsd_beta: float = 0.5
     jsd_temperature: float = 1.0
     dpo_beta: float = 0.1
     dpo_variant: str = "sigmoid"
     simpo_gamma: float = 0.5
-    replay_batch_size: int = 4
+    replay_batch_size: int = 2
+    sdpo_skip_successful: bool = True
+    success_reward: float = 1.0
+    sdpo_exclude_eos: bool = True
     hint_template: str = DEFAULT_HINT_TEMPLATE
     max_teacher_prompt_length: int = 1024
 
@@ -215,7 +227,9 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         model = kwargs.get("model") if "model" in kwargs else args[0]
         for name, supported in _UNSUPPORTED_ARGS.items():
             if getattr(grpo_args, name, supported) != supported:
-                raise ValueError(f"three-channel trainer: GRPOConfig.{name} must be {supported!r} (the loss does not implement it)")
+                raise ValueError(
+                    f"three-channel trainer: GRPOConfig.{name} must be {supported!r} (the loss does not implement it)"
+                )
         self.channel_args = channel_args or ChannelArgs()
         self.hint_source: HintSource = hint_source or NoHints()
         self.replay = replay
@@ -261,7 +275,8 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             dpo_variant=ca.dpo_variant,  # type: ignore[arg-type]
             simpo_gamma=ca.simpo_gamma,
         )
-        if self.loss_config.dpo_active and replay is not None and ca.dpo_variant == "sigmoid" and not replay.has_reference:
+        needs_reference = ca.dpo_variant == "sigmoid" and replay is not None and not replay.has_reference
+        if self.loss_config.dpo_active and needs_reference:
             logger.info("replay pairs have no stored reference log-probs; computing them with the initial model")
             self.fill_replay_reference()
         # Set by Trainer.train(), which we never call; one training_step per micro-batch.
@@ -269,7 +284,20 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         self.last_loss_output: LossOutput | None = None
 
     # ------------------------------------------------------------------ data for channels 2 and 3
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards_per_func  # (all processes' rows, n_funcs); read just below
+        return rewards_per_func
+
+    def _local_rewards(self, n: int) -> torch.Tensor:
+        """This process's ``n`` rewards of the generation batch being scored (weighted sum over reward functions)."""
+        rpf = self._rewards_per_func
+        rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+        start = self.accelerator.process_index * n
+        return rewards[start : start + n]
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._rewards_per_func = None
         output = super()._generate_and_score_completions(inputs)
         if not self.loss_config.sdpo_active:
             return output
@@ -287,25 +315,33 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         keep = self.channel_args.max_teacher_prompt_length
         tensors = [torch.tensor(list(x)[-keep:], dtype=torch.long) for x in ids]
         device = self.accelerator.device
-        output["teacher_prompt_ids"] = pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
-        output["teacher_prompt_mask"] = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
-        output["has_hint"] = torch.tensor([h is not None for h in hints], dtype=torch.bool, device=device)
+        pad_id = self._tokenizer.pad_token_id
+        output["teacher_prompt_ids"] = pad(tensors, padding_value=pad_id, padding_side="left").to(device)
+        masks = [torch.ones_like(t) for t in tensors]
+        output["teacher_prompt_mask"] = pad(masks, padding_value=0, padding_side="left").to(device)
+        has_hint = torch.tensor([h is not None for h in hints], dtype=torch.bool, device=device)
+        if self.channel_args.sdpo_skip_successful and self._rewards_per_func is not None:
+            has_hint &= ~(self._local_rewards(len(inputs)).to(device) >= self.channel_args.success_reward)
+        output["has_hint"] = has_hint
         return output
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training and self.loss_config.dpo_active and self.replay is not None:
             # Drawn per optimizer micro-step from the buffer's own seeded walk.
-            inputs = {**inputs, "replay": self.replay.sample(self.channel_args.replay_batch_size, self.accelerator.device)}
+            batch = self.replay.sample(self.channel_args.replay_batch_size, self.accelerator.device)
+            inputs = {**inputs, "replay": batch}
         return inputs
 
     # ------------------------------------------------------------------ forwards
     def completion_logits(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
     ) -> torch.Tensor:
-        """``(B, logits_to_keep, V)`` logits predicting the last ``logits_to_keep`` tokens, divided by TRL's temperature."""
+        """``(B, logits_to_keep, V)`` logits predicting the last ``logits_to_keep`` tokens, over TRL's temperature."""
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False)
+            out = model(
+                input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False
+            )
         return out.logits[:, :-1, :].float() / self.temperature
 
     def sequence_logps(self, model: torch.nn.Module, batch: ReplayBatch) -> torch.Tensor:
@@ -380,7 +416,11 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             t_mask = torch.cat([inputs["teacher_prompt_mask"][sdpo_rows], completion_mask[sdpo_rows]], dim=1)
             with torch.no_grad():
                 t_logits = self.completion_logits(model, t_ids, t_mask, C)
-            sdpo = SDPOInputs(student_logits=s_logits, teacher_logits=t_logits, mask=mask[sdpo_rows])
+            sdpo_mask = mask[sdpo_rows]
+            if self.channel_args.sdpo_exclude_eos:
+                eos = torch.tensor(self.eos_token_ids, device=completion_ids.device)
+                sdpo_mask = sdpo_mask * ~torch.isin(completion_ids[sdpo_rows], eos)
+            sdpo = SDPOInputs(student_logits=s_logits, teacher_logits=t_logits, mask=sdpo_mask)
 
         replay: ReplayBatch | None = inputs.get("replay")
         if cfg.dpo_active and replay is not None:
@@ -427,7 +467,8 @@ def _masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class ThreeChannelSettings:
     """The ``[trainer]`` table for ``name = "three-channel"`` (all keys optional).
 
-    Sizes: ``batch_size`` completions per optimizer step, in groups of
+    Sizes: ``batch_size`` completions per micro-batch (per optimizer step
+    when ``gradient_accumulation_steps`` is 1), in groups of
     ``num_generations`` per prompt; ``max_completion_length`` new tokens at
     most (default: the spec's ``seq_len``). See ``docs/trainer.md`` for the rest.
     """
@@ -443,23 +484,27 @@ class ThreeChannelSettings:
     epsilon_high: float = 0.28
     kl_beta: float = 0.0
     scale_rewards: str = "group"
+    mask_truncated_completions: bool = True
     num_iterations: int = 1
     steps_per_generation: int = 1
     gradient_accumulation_steps: int = 1
     # weights
     pg_weight: float = 1.0
-    alpha: float = 0.5
+    alpha: float = 0.1
     beta: float = 0.5
     # channel 2
     jsd_beta: float = 0.5
     jsd_temperature: float = 1.0
     hint_source: str = "default"
     hint_template: str = DEFAULT_HINT_TEMPLATE
+    sdpo_skip_successful: bool = True
+    success_reward: float = 1.0
+    sdpo_exclude_eos: bool = True
     # channel 3
     dpo_beta: float = 0.1
     dpo_variant: str = "sigmoid"
     simpo_gamma: float = 0.5
-    replay_batch_size: int = 4
+    replay_batch_size: int = 2
     pairs: str = "builtin"
     pairs_storage_options: dict = field(default_factory=dict)
     # task
@@ -481,7 +526,8 @@ class ThreeChannelSettings:
         out = cls(**dict(settings))
         if out.batch_size % out.num_generations:
             raise ValueError(
-                f"trainer.batch_size ({out.batch_size}) must be a multiple of trainer.num_generations ({out.num_generations})"
+                f"trainer.batch_size ({out.batch_size}) must be a multiple of "
+                f"trainer.num_generations ({out.num_generations})"
             )
         if out.num_generations < 2:
             raise ValueError("trainer.num_generations must be >= 2 (group-relative advantages)")
@@ -544,7 +590,10 @@ class _RNGState:
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.cuda_index = device.index if device.index is not None else (torch.cuda.current_device() if self.cuda else 0)
+        if device.index is not None:
+            self.cuda_index = device.index
+        else:
+            self.cuda_index = torch.cuda.current_device() if self.cuda else 0
         with torch.random.fork_rng(devices=[self.cuda_index] if self.cuda else []):
             torch.manual_seed(seed)
             self.torch_cpu = torch.get_rng_state()
@@ -576,7 +625,10 @@ class _RNGState:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         kind, keys, pos, has_gauss, gauss = self.numpy
-        tensors = {"torch_cpu": self.torch_cpu.clone(), "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64))}
+        tensors = {
+            "torch_cpu": self.torch_cpu.clone(),
+            "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        }
         if self.torch_cuda is not None:
             tensors["torch_cuda"] = self.torch_cuda.clone()
         version, internal, gauss_next = self.python
@@ -662,6 +714,7 @@ class ThreeChannelTrainer:
             epsilon_high=s.epsilon_high,
             beta=s.kl_beta,
             scale_rewards=s.scale_rewards,
+            mask_truncated_completions=s.mask_truncated_completions,
             num_iterations=s.num_iterations,
             steps_per_generation=s.steps_per_generation,
             gradient_accumulation_steps=s.gradient_accumulation_steps,
@@ -691,6 +744,9 @@ class ThreeChannelTrainer:
             dpo_variant=s.dpo_variant,
             simpo_gamma=s.simpo_gamma,
             replay_batch_size=s.replay_batch_size,
+            sdpo_skip_successful=s.sdpo_skip_successful,
+            success_reward=s.success_reward,
+            sdpo_exclude_eos=s.sdpo_exclude_eos,
             hint_template=s.hint_template,
         )
         # A constant schedule: if anything ever calls Trainer.create_scheduler,
@@ -766,7 +822,8 @@ class ThreeChannelTrainer:
                 "frac_reward_zero_std": last("frac_reward_zero_std"),
                 "completion_length": last("completions/mean_length"),
             }
-        out: dict[str, float] = {"loss": loss, "grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])}
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        out: dict[str, float] = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
         for channel in ("pg", "sdpo", "dpo"):
             out[channel] = last(channel) if last(channel) is not None else 0.0  # 0.0 = skipped this step
         for key in ("clip_low", "clip_high", "kl", "entropy", "dpo_margin", "dpo_accuracy"):
@@ -792,8 +849,10 @@ class ThreeChannelTrainer:
                     chunk = rows[start : start + 16]
                     ids, _, _ = self.grpo._tokenize_prompts([r["prompt"] for r in chunk])
                     tensors = [torch.tensor(list(x), dtype=torch.long) for x in ids]
-                    input_ids = pad(tensors, padding_value=self.tokenizer.pad_token_id, padding_side="left").to(self.device)
-                    attn = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(self.device)
+                    pad_id = self.tokenizer.pad_token_id
+                    input_ids = pad(tensors, padding_value=pad_id, padding_side="left").to(self.device)
+                    masks = [torch.ones_like(t) for t in tensors]
+                    attn = pad(masks, padding_value=0, padding_side="left").to(self.device)
                     out = self.model.generate(
                         input_ids=input_ids,
                         attention_mask=attn,
@@ -825,7 +884,11 @@ class ThreeChannelTrainer:
                     tensors[f"optim.{pid}.{k}"] = v.detach().clone().contiguous()
                 else:
                     scalars.setdefault(str(pid), {})[k] = v
-        meta["optimizer"] = {"param_groups": opt["param_groups"], "scalars": scalars, "ids": [str(p) for p in opt["state"]]}
+        meta["optimizer"] = {
+            "param_groups": opt["param_groups"],
+            "scalars": scalars,
+            "ids": [str(p) for p in opt["state"]],
+        }
 
         rng_t, rng_m = self.rng.state_dict()
         tensors.update({f"rng.{k}": v for k, v in rng_t.items()})
