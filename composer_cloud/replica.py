@@ -107,8 +107,10 @@ class Replica:
         if not 0 <= rank < self.spec.replicas:
             raise ValueError(f"--rank {rank} out of range: the run has {self.spec.replicas} replicas")
         self.metrics: list[dict[str, Any]] = []
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-io")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-state-io")
+        self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Any] = []
+        self._state_write: Any = None
 
     # ------------------------------------------------------------ records
     def heartbeat(self, state: str, **extra: Any) -> None:
@@ -234,19 +236,22 @@ class Replica:
         local = None
         if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
             local = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
-        # At most one checkpoint in flight: if the store is slower than the
-        # rounds, wait here (and record it) rather than queue full snapshots.
+        # At most one of this replica's state writes in flight: if the store
+        # is slower than the rounds, wait here (and record it) rather than
+        # queue full snapshots. The leader's manifest writers are not waited
+        # on: they wait for other replicas, which may be gone.
         t0 = time.monotonic()
-        for fut in self._pending_io:
-            fut.result()
-        self._pending_io = []
+        if self._state_write is not None:
+            self._state_write.result()
+            self._state_write = None
         row["checkpoint_wait_s"] = time.monotonic() - t0
         # Snapshot on the critical path (training mutates optimizer state next
         # step), then encode and upload in the background.
         t0 = time.monotonic()
         tree = _snapshot(ckpt.replica_state(trainer, local))
         row["checkpoint_snapshot_s"] = time.monotonic() - t0
-        self._pending_io.append(self._io.submit(ckpt.write_replica_state, self.store, round, self.rank, tree))
+        self._state_write = self._io.submit(ckpt.write_replica_state, self.store, round, self.rank, tree)
+        self._pending_io.append(self._state_write)
         if self.rank == min(participants):
             def finish() -> None:
                 ok = ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,
@@ -254,7 +259,7 @@ class Replica:
                 if ok:
                     ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
                     cleanup_rounds(self.store, before=round)
-            self._pending_io.append(self._io.submit(finish))
+            self._pending_io.append(self._manifest_io.submit(finish))
 
     def _restore(self, start: ckpt.Checkpoint, manager: ObjectStoreManager, diloco: Any, trainer: Any,
                  fragments: list[torch.nn.Module]) -> None:
