@@ -116,6 +116,43 @@ def build(args: argparse.Namespace, state: dict[str, torch.Tensor], *, alpha: fl
     return trainer
 
 
+def controlled_timing(args: argparse.Namespace, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Loss + backward of channel 1 alone vs all three channels on one identical batch.
+
+    The end-to-end comparison lets the two policies drift apart (e.g. in
+    completion length, which changes sampling and forward cost too); this
+    isolates what channels 2 and 3 add for the same completions: the teacher
+    forward, the full-vocabulary logits and the replay forward/backward.
+    """
+    import dataclasses
+
+    tr = build(args, state, alpha=args.alpha, beta=args.beta)
+    tr.step()  # one real generation batch (and the replay reference log-probs)
+    g = tr.grpo
+    inputs = dict(g._buffered_inputs[0], replay=g.replay.sample(args.replay_batch_size))
+    configs = {"one": dataclasses.replace(g.loss_config, alpha=0.0, beta=0.0), "three": g.loss_config}
+    times: dict[str, list[float]] = {"one": [], "three": []}
+    for i in range(args.timing_repeats + 2):
+        for name in (["one", "three"] if i % 2 == 0 else ["three", "one"]):
+            t0 = time.perf_counter()
+            out = g.compute_three_channel_loss(tr.model, inputs, config=configs[name])
+            out.total.backward()
+            dt = time.perf_counter() - t0
+            tr.model.zero_grad(set_to_none=True)
+            if i >= 2:  # warm-up repeats
+                times[name].append(dt)
+    one, three = statistics.median(times["one"]), statistics.median(times["three"])
+    return {
+        "loss_backward_one_s": one,
+        "loss_backward_three_s": three,
+        "loss_backward_ratio": three / one,
+        "hinted_rows": int(inputs["has_hint"].sum()) if "has_hint" in inputs else 0,
+        "rows": int(inputs["completion_ids"].size(0)),
+        "replay_pairs": args.replay_batch_size,
+        "completion_tokens": int(inputs["completion_mask"].sum()),
+    }
+
+
 def moving_average(xs: list[float], k: int) -> list[float]:
     out = []
     for i in range(len(xs)):
@@ -127,6 +164,8 @@ def moving_average(xs: list[float], k: int) -> list[float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     state = warm_start(args)
+    controlled = controlled_timing(args, state)
+    logger.info("controlled timing: %s", controlled)
     configs = {"channel 1 only": (0.0, 0.0), "three channels": (args.alpha, args.beta)}
     if args.ablations:
         configs.update({"channels 1+2": (args.ablation_alpha, 0.0), "channels 1+3": (0.0, args.beta)})
@@ -181,17 +220,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "eval_curve": r["eval_curve"],
         }
     one, three = summary["channel 1 only"], summary["three channels"]
+    gen = one["median_gen_reward_s"]
+    other = one["median_loss_s"] - controlled["loss_backward_one_s"]  # optimizer step, clipping, bookkeeping
     ratios = {
         "step_time_ratio": three["median_step_s"] / one["median_step_s"],
         "loss_part_ratio": three["median_loss_s"] / one["median_loss_s"],
+        "controlled_loss_backward_ratio": controlled["loss_backward_ratio"],
+        # channel 1's step with its loss + backward replaced by the three-channel one, same batch
+        "controlled_step_time_ratio": (gen + other + controlled["loss_backward_three_s"])
+        / (gen + other + controlled["loss_backward_one_s"]),
     }
     return {
         "config": vars(args),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads, "cpus": os.cpu_count()},
         "summary": summary,
+        "controlled_timing": controlled,
         "ratios": ratios,
         "criteria": {
             "step_time_ratio_le_1_5": ratios["step_time_ratio"] <= 1.5,
+            "controlled_step_time_ratio_le_1_5": ratios["controlled_step_time_ratio"] <= 1.5,
             "three_channel_sampled_reward_rises": three["reward_last_quarter"] > three["reward_first_quarter"],
             "three_channel_heldout_reward_rises": three["eval_after"] > three["eval_before"],
         },
@@ -218,6 +265,12 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"{label:<{width}}" + "".join(f"{fmt.format(s[n][key]):>16}" for n in names))
     r = report["ratios"]
     lines.append(f"step-time ratio (three / one): {r['step_time_ratio']:.3f}   loss-part ratio: {r['loss_part_ratio']:.3f}")
+    c = report["controlled_timing"]
+    lines.append(
+        f"same batch ({c['rows']} completions, {c['hinted_rows']} hinted, {c['replay_pairs']} replay pairs): "
+        f"loss+backward {c['loss_backward_one_s']:.3f}s -> {c['loss_backward_three_s']:.3f}s "
+        f"(x{r['controlled_loss_backward_ratio']:.2f}), implied step-time ratio {r['controlled_step_time_ratio']:.3f}"
+    )
     lines.append("criteria: " + ", ".join(f"{k}={v}" for k, v in report["criteria"].items()))
     return "\n".join(lines)
 
@@ -255,7 +308,8 @@ def plot(report: dict[str, Any], path: Path, smooth: int) -> None:
     ax2.bar(labels, gen, color="lightgray", label="sampling + reward")
     ax2.bar(labels, loss, bottom=gen, color=[colors[n] for n in names], label="loss + backward + opt")
     ax2.set_ylabel("median seconds per step")
-    ax2.set_title(f"step time, ratio {report['ratios']['step_time_ratio']:.2f}x")
+    r = report["ratios"]
+    ax2.set_title(f"step time x{r['step_time_ratio']:.2f} (same batch x{r['controlled_step_time_ratio']:.2f})")
     ax2.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=60, help="inner steps per configuration")
     p.add_argument("--timing-skip", type=int, default=2, help="first steps left out of the timing medians")
+    p.add_argument("--timing-repeats", type=int, default=20, help="repeats of the same-batch loss timing")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=24)
@@ -288,7 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-examples", type=int, default=32)
     p.add_argument("--sandbox-workers", type=int, default=2)
     p.add_argument("--smooth", type=int, default=10)
+    p.add_argument("--from-json", type=Path, help="re-print and re-plot a saved report instead of running")
     args = p.parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        print(table(report))
+        plot(report, args.png, args.smooth)
+        print(f"wrote {args.png}")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "trl", "composer_cloud"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

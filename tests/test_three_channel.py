@@ -457,6 +457,25 @@ def test_save_load_step_is_bitwise_identical_to_an_uninterrupted_run(num_iterati
     assert any(not torch.equal(pa, pc) for pa, pc in zip(a.model.parameters(), c.model.parameters()))
 
 
+def test_kl_reference_is_the_starting_model_and_survives_a_restart():
+    a = _trainer(kl_beta=0.04)
+    start = {k: v.clone() for k, v in a.model.state_dict().items()}
+    m = a.step()
+    assert m["kl"] >= 0.0 and a.grpo.loss_config.kl_beta == 0.04
+    for k, v in a.grpo.ref_model.state_dict().items():
+        assert torch.equal(v, start[k]), k  # frozen copy of the model as the run started
+    tensors, meta = _roundtrip(*a.state_dict())
+    # a restart builds the trainer on the checkpointed (trained) parameters...
+    model_b, _ = _model()
+    model_b.load_state_dict(a.model.state_dict())
+    b = _trainer(model=model_b, kl_beta=0.04)
+    assert any(not torch.equal(v, start[k]) for k, v in b.grpo.ref_model.state_dict().items())
+    # ...and the checkpoint puts the original reference back
+    b.load_state_dict(tensors, meta)
+    for k, v in b.grpo.ref_model.state_dict().items():
+        assert torch.equal(v, start[k]), k
+
+
 def test_evaluate_changes_nothing():
     tr = _trainer()
     tr.step()

@@ -916,6 +916,10 @@ class ThreeChannelTrainer:
             r_t, r_m = g.replay.state_dict()
             tensors.update({f"replay.{k}": v for k, v in r_t.items()})
             meta["replay"] = r_m
+        if g.beta != 0.0 and g.ref_model is not None:
+            # The KL reference is the model the run started from, not the one a restart starts from.
+            for k, v in g.ref_model.state_dict().items():
+                tensors[f"kl_ref.{k}"] = v.detach().cpu().clone().contiguous()
         return tensors, meta
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -955,6 +959,11 @@ class ThreeChannelTrainer:
                 }
                 for i, entry in enumerate(buf_meta)
             ]
+        if g.beta != 0.0 and g.ref_model is not None:
+            ref = {k[len("kl_ref.") :]: v for k, v in tensors.items() if k.startswith("kl_ref.")}
+            if not ref:
+                raise ValueError("checkpoint has no KL reference model but this trainer has kl_beta != 0")
+            g.ref_model.load_state_dict(ref)
         if g.replay is not None:
             if "replay" not in meta:
                 raise ValueError("checkpoint has no replay state but this trainer replays pairs")
