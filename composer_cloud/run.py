@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composer_cloud.jobs import JobHandle, ReplicaState, ReplicaStatus, get_executor
-from composer_cloud.rendezvous.allreduce import ObjectStoreAllReduce, AllReduceConfig
+from composer_cloud.rendezvous.allreduce import latest_committed_round
 from composer_cloud.rendezvous.store import Store
 from composer_cloud.spec import RunSpec
 
@@ -56,15 +56,13 @@ def load_handles(store: Store) -> list[JobHandle]:
     return sorted(out, key=lambda h: h.rank)
 
 
-def rounds_committed(store: Store, spec: RunSpec) -> int:
-    ar = ObjectStoreAllReduce.__new__(ObjectStoreAllReduce)  # discovery only: no pool, no rank needed
-    ar.store = store
-    return ar.latest_committed_round(start=0) + 1
+def rounds_committed(store: Store) -> int:
+    return latest_committed_round(store, start=0) + 1
 
 
 def run_status(store: Store, spec: RunSpec, *, poll_executors: bool = True) -> RunStatus:
     handles = load_handles(store)
-    committed = rounds_committed(store, spec)
+    committed = rounds_committed(store)
     executors: dict[str, Any] = {}
     infos: list[ReplicaInfo] = []
     for h in handles:

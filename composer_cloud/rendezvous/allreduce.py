@@ -148,26 +148,10 @@ class ObjectStoreAllReduce:
         return self.store.try_get_json(f"{attempt_prefix(round, attempt)}/outcome.json")
 
     def attempts(self, round: int) -> list[int]:
-        return sorted(int(n) for n in self.store.list_dirs(round_prefix(round)) if n.isdigit())
-
-    def committed_attempt(self, round: int) -> int | None:
-        """The attempt of ``round`` that committed, if any."""
-        for a in reversed(self.attempts(round)):
-            out = self.outcome(round, a)
-            if out is not None and out.get("committed"):
-                return a
-        return None
+        return _attempts(self.store, round)
 
     def latest_committed_round(self, *, start: int = 0) -> int:
-        """Highest committed round at or after ``start - 1`` (``start - 1`` if none newer).
-
-        Rounds commit in order, so scanning forward from a known committed round
-        is enough; ``-1`` means nothing committed yet.
-        """
-        r = start
-        while self.committed_attempt(r) is not None:
-            r += 1
-        return r - 1
+        return latest_committed_round(self.store, start=start)
 
     def open_attempt(self, round: int) -> int:
         """The attempt a replica arriving at ``round`` should join.
@@ -405,6 +389,32 @@ class ObjectStoreAllReduce:
         return self.store.get_json(key)
 
 
+def _attempts(store: Store, round: int) -> list[int]:
+    return sorted(int(n) for n in store.list_dirs(round_prefix(round)) if n.isdigit())
+
+
+def committed_attempt(store: Store, round: int) -> int | None:
+    """The attempt of ``round`` that committed, if any."""
+    for a in reversed(_attempts(store, round)):
+        out = store.try_get_json(f"{attempt_prefix(round, a)}/outcome.json")
+        if out is not None and out.get("committed"):
+            return a
+    return None
+
+
+def latest_committed_round(store: Store, *, start: int = 0) -> int:
+    """Highest committed round at or after ``start - 1`` (``start - 1`` if none newer).
+
+    Rounds commit in order, so scanning forward from a known committed round
+    is enough; ``-1`` means nothing committed yet. Needs only the store, so
+    status queries use it without joining the run.
+    """
+    r = start
+    while committed_attempt(store, r) is not None:
+        r += 1
+    return r - 1
+
+
 def cleanup_rounds(store: Store, *, before: int) -> int:
     """Delete transient objects of rounds ``< before``; returns rounds removed.
 
@@ -431,5 +441,7 @@ __all__ = [
     "RoundTimeout",
     "attempt_prefix",
     "cleanup_rounds",
+    "committed_attempt",
+    "latest_committed_round",
     "round_prefix",
 ]
