@@ -100,7 +100,8 @@ class LocalProcessExecutor:
             if exit_rec.get("cancelled"):
                 return ReplicaStatus(ReplicaState.CANCELLED, code, "cancelled")
             if code == 0:
-                return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "")
+                # Same note as while running, so status keeps the restart count.
+                return ReplicaStatus(ReplicaState.SUCCEEDED, 0, f"restarts={exit_rec.get('restarts', 0)}")
             return ReplicaStatus(ReplicaState.FAILED, code, exit_rec.get("message", "") + _tail(d / "replica.log"))
         if _alive(int(handle.job_id)):
             sup = _read_json(d / "supervisor.json") or {}
