@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import time
 
-ENV = "COMPOSER_CLOUD_STALL_AT"
-MARKER_ENV = "COMPOSER_CLOUD_STALL_MARKER"
+from composer_cloud import env
+
+ENV = env.STALL_AT
+MARKER_ENV = env.STALL_MARKER
 PHASES = ("inner_step", "upload", "reduce", "checkpoint")
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from composer_cloud import checkpoint as ckpt
-from composer_cloud import faults
+from composer_cloud import env, faults
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, cleanup_rounds
 from composer_cloud.rendezvous.manager import ObjectStoreManager
 from composer_cloud.rendezvous.store import Store
@@ -294,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run URI, <store>/<run_id>")
     parser.add_argument("--rank", required=True, type=int)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("COMPOSER_CLOUD_LOG", "INFO"),
+    logging.basicConfig(level=os.environ.get(env.LOG_LEVEL, "INFO"),
                         format=f"%(asctime)s r{args.rank} %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    torch.set_num_threads(int(os.environ.get("COMPOSER_CLOUD_THREADS", "1")) or 1)
+    torch.set_num_threads(int(os.environ.get(env.THREADS, "1")) or 1)
     replica = None
     try:
         replica = Replica(args.run, args.rank)

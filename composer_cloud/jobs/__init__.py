@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from composer_cloud.jobs.base import (
@@ -14,6 +13,7 @@ from composer_cloud.jobs.base import (
     ServerlessExecutor,
     replica_command,
 )
+from composer_cloud.registry import load_object
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
@@ -27,12 +27,9 @@ EXECUTORS: dict[str, str] = {
 
 def get_executor(name: str, spec: "RunSpec") -> ServerlessExecutor:
     """Instantiate executor ``name`` for ``spec`` (``cls(spec)``)."""
-    try:
-        target = EXECUTORS[name]
-    except KeyError:
-        raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}") from None
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)(spec)
+    if name not in EXECUTORS:
+        raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+    return load_object(EXECUTORS[name], setting="executor")(spec)
 
 
 def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:

@@ -6,11 +6,12 @@ import json
 import re
 from collections.abc import Iterable
 
+from composer_cloud import env
 from composer_cloud.spec import RunSpec
 
 #: Non-secret JSON of ``spec.store_options`` for code that must open the store
 #: before it can read the spec (the HF bootstrap; the replica may use it too).
-STORE_OPTIONS_ENV = "COMPOSER_CLOUD_STORE_OPTIONS"
+STORE_OPTIONS_ENV = env.STORE_OPTIONS
 #: How many trailing log lines a failed replica's status message carries.
 FAILURE_TAIL_LINES = 20
 

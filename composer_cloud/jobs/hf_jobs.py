@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlparse
 
+from composer_cloud import env as cc_env
 from composer_cloud.jobs._common import (
     FAILURE_TAIL_LINES,
     failure_message,
@@ -207,8 +208,8 @@ class HFJobsExecutor:
 
     def _job_env(self, staged: StagedWheel | None) -> dict[str, str]:
         env = job_env(self.spec)
-        env["COMPOSER_CLOUD_WHEEL_URI"] = staged.uri if staged else "<staged at launch>"
-        env["COMPOSER_CLOUD_WHEEL_SHA256"] = staged.sha256 if staged else "<staged at launch>"
+        env[cc_env.WHEEL_URI] = staged.uri if staged else "<staged at launch>"
+        env[cc_env.WHEEL_SHA256] = staged.sha256 if staged else "<staged at launch>"
         if os.environ.get("HF_ENDPOINT"):
             env["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]  # so a replica downloads models from the same Hub
         return env

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from composer_cloud import env
 from composer_cloud.jobs.base import JobHandle, LaunchPlan, ReplicaState, ReplicaStatus, replica_command
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class LocalProcessExecutor:
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
         return LaunchPlan(executor=self.name, ranks=list(ranks), image="(this machine's Python environment)",
                           command=replica_command(run_uri, ranks[0] if ranks else 0, python=sys.executable),
-                          env_names=["COMPOSER_CLOUD_THREADS"], secret_names=[], gpu="none",
+                          env_names=[env.THREADS], secret_names=[], gpu="none",
                           estimated_gpu_hours=0.0,
                           notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}"])
 
@@ -81,12 +82,12 @@ class LocalProcessExecutor:
                 (d / stale).unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "composer_cloud.jobs.local", "supervise", "--dir", str(d),
                    "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
-            env = os.environ.copy()
-            env.setdefault("COMPOSER_CLOUD_THREADS", str(self.threads))
-            env.setdefault("PYTHONUNBUFFERED", "1")
+            environ = os.environ.copy()
+            environ.setdefault(env.THREADS, str(self.threads))
+            environ.setdefault("PYTHONUNBUFFERED", "1")
             with open(os.devnull, "rb") as devnull:
                 proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True, env=env)
+                                        start_new_session=True, env=environ)
             handles.append(JobHandle(executor=self.name, rank=rank, job_id=str(proc.pid),
                                      data={"dir": str(d.resolve()), "pgid": proc.pid}))
             logger.info("launched replica %d as local process group %d", rank, proc.pid)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from composer_cloud import env
 from composer_cloud.jobs.base import ExecutorError
 from composer_cloud.rendezvous.store import Store
 
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 WHEEL_PREFIX = "executor/wheel"
 #: Launcher-side override: a prebuilt wheel to stage instead of building one.
-WHEEL_ENV = "COMPOSER_CLOUD_PREBUILT_WHEEL"
+WHEEL_ENV = env.PREBUILT_WHEEL
 _TREE_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in", "README.md", "LICENSE", "LICENSE.txt")
 
 

@@ -28,10 +28,8 @@ import errno
 import json
 import logging
 import os
-import random
 import struct
 import threading
-import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable
@@ -39,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
+
+from composer_cloud.retry import PollPolicy, RetryPolicy, poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -124,37 +124,6 @@ def is_transient(exc: BaseException) -> bool:
                     "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with full jitter: sleep ~U(0, min(cap, base * 2**attempt))."""
-
-    attempts: int = 6
-    base_s: float = 0.1
-    cap_s: float = 5.0
-
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        for attempt in range(self.attempts):
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if not is_transient(exc) or attempt == self.attempts - 1:
-                    raise
-                delay = random.uniform(0, min(self.cap_s, self.base_s * 2**attempt))
-                logger.warning("transient store error on %s (%s: %s); retry %d in %.2fs",
-                               what, type(exc).__name__, exc, attempt + 1, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
-
-
-@dataclass(frozen=True)
-class PollPolicy:
-    """How :meth:`Store.wait_get` polls: start at ``initial_s``, grow by ``factor`` up to ``max_s``."""
-
-    initial_s: float = 0.01
-    max_s: float = 0.5
-    factor: float = 1.5
-
-
 # --------------------------------------------------------------------------- store
 class Store:
     """A key/value view of ``uri`` (``file:///tmp/x``, ``s3://bucket/prefix``, ...).
@@ -210,6 +179,9 @@ class Store:
             self._counters[0] += read
             self._counters[1] += written
 
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        return self.retry.call(what, fn, transient=is_transient)
+
     def path(self, key: str) -> str:
         _check_key(key)
         return f"{self.root}/{key}"
@@ -228,9 +200,9 @@ class Store:
         data = frame(payload)
         path = self.path(key)
         if self.local:
-            self.retry.call(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=durable))
+            self._retry(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=durable))
         else:
-            self.retry.call(f"put {key}", lambda: self.fs.pipe_file(path, data))
+            self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
         self._count(written=len(data))
         return len(data)
 
@@ -254,7 +226,7 @@ class Store:
             except FileExistsError:
                 return False
 
-        created = self.retry.call(f"create {key}", attempt)
+        created = self._retry(f"create {key}", attempt)
         if created:
             self._count(written=len(data))
         return created
@@ -295,7 +267,7 @@ class Store:
             except FileNotFoundError:
                 raise ObjectNotFound(key) from None
 
-        data = self.retry.call(f"get {key}", read)
+        data = self._retry(f"get {key}", read)
         self._count(read=len(data))
         return unframe(key, data)
 
@@ -319,21 +291,16 @@ class Store:
 
     def exists(self, key: str) -> bool:
         path = self.path(key)
-        return self.retry.call(f"exists {key}", lambda: self.fs.exists(path))
+        return self._retry(f"exists {key}", lambda: self.fs.exists(path))
 
-    def wait_get(self, key: str, *, deadline: float, what: str | None = None) -> memoryview:
-        """Poll for ``key`` until ``deadline`` (a ``time.monotonic()`` value)."""
-        start = time.monotonic()
-        delay = self.poll.initial_s
-        while True:
-            found = self.try_get(key)
-            if found is not None:
-                return found
-            now = time.monotonic()
-            if now >= deadline:
-                raise StoreTimeout(what or key, now - start)
-            time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(self.poll.max_s, delay * self.poll.factor)
+    def wait_get(self, key: str, *, deadline: float, what: str | None = None,
+                 between: Callable[[int], None] | None = None) -> memoryview:
+        """Poll for ``key`` until ``deadline`` (a ``time.monotonic()`` value); raises :class:`StoreTimeout`.
+
+        ``between(n)`` runs after the ``n``-th miss and may raise to end the wait early.
+        """
+        return poll_until(lambda: self.try_get(key), deadline=deadline, policy=self.poll, between=between,
+                          on_timeout=lambda waited: StoreTimeout(what or key, waited))
 
     # ------------------------------------------------------------ listing and deletion
     def list(self, prefix: str = "") -> list[str]:
@@ -346,7 +313,7 @@ class Store:
             except FileNotFoundError:
                 return []
 
-        found = self.retry.call(f"list {prefix}", ls)
+        found = self._retry(f"list {prefix}", ls)
         out = []
         for p in found:
             p = self.fs._strip_protocol(p) if "://" in p else p
@@ -366,7 +333,7 @@ class Store:
             except FileNotFoundError:
                 return []
 
-        names = [os.path.basename(p.rstrip("/")) for p in self.retry.call(f"ls {prefix}", ls)]
+        names = [os.path.basename(p.rstrip("/")) for p in self._retry(f"ls {prefix}", ls)]
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
 
     def delete(self, key: str, *, recursive: bool = False) -> None:
@@ -379,7 +346,7 @@ class Store:
             except FileNotFoundError:
                 pass
 
-        self.retry.call(f"delete {key}", rm)
+        self._retry(f"delete {key}", rm)
 
     def check_access(self) -> None:
         """Fail fast, with a message naming the bucket/path, if the store cannot be used."""

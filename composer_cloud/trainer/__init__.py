@@ -7,8 +7,7 @@ CLI does not pay for TRL unless a replica needs it.
 
 from __future__ import annotations
 
-import importlib
-
+from composer_cloud.registry import load_object
 from composer_cloud.trainer.base import InnerTrainer, TrainerContext
 
 TRAINERS: dict[str, str] = {
@@ -20,12 +19,9 @@ DEFAULT_TRAINER = "three-channel"
 
 def build_trainer(name: str, ctx: TrainerContext) -> InnerTrainer:
     """Build the trainer registered as ``name``."""
-    try:
-        target = TRAINERS[name]
-    except KeyError:
-        raise ValueError(f"trainer.name: unknown trainer {name!r}; choose one of {sorted(TRAINERS)}") from None
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)(ctx)
+    if name not in TRAINERS:
+        raise ValueError(f"trainer.name: unknown trainer {name!r}; choose one of {sorted(TRAINERS)}")
+    return load_object(TRAINERS[name], setting="trainer.name")(ctx)
 
 
 __all__ = ["DEFAULT_TRAINER", "TRAINERS", "InnerTrainer", "TrainerContext", "build_trainer"]

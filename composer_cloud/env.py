@@ -1,0 +1,31 @@
+"""Every ``COMPOSER_CLOUD_*`` environment variable, defined once.
+
+Launchers set them for replica jobs; replicas, supervisors and bootstraps read
+them. None of them ever carries a secret value: secrets travel through the
+executors' own secret mechanisms and the standard ``AWS_*`` / ``HF_TOKEN``
+variables.
+"""
+
+from __future__ import annotations
+
+#: Log level of a replica process (``INFO`` by default).
+LOG_LEVEL = "COMPOSER_CLOUD_LOG"
+#: torch intra-op threads of a replica process (the local executor splits the cores).
+THREADS = "COMPOSER_CLOUD_THREADS"
+#: Non-secret JSON of ``spec.store_options`` for code that must open the store
+#: before it can read the spec (the HF bootstrap, the replica).
+STORE_OPTIONS = "COMPOSER_CLOUD_STORE_OPTIONS"
+#: Crash-test fault injection: ``phase:round:rank`` to stall at (see :mod:`composer_cloud.faults`).
+STALL_AT = "COMPOSER_CLOUD_STALL_AT"
+#: File the stalled replica creates when it reaches the stall point.
+STALL_MARKER = "COMPOSER_CLOUD_STALL_MARKER"
+#: HF Jobs bootstrap: where the staged wheel of composer-cloud lies, and its sha256.
+WHEEL_URI = "COMPOSER_CLOUD_WHEEL_URI"
+WHEEL_SHA256 = "COMPOSER_CLOUD_WHEEL_SHA256"
+#: Extra ``pip install`` arguments for the HF Jobs bootstrap (e.g. ``--no-index``).
+PIP_ARGS = "COMPOSER_CLOUD_PIP_ARGS"
+#: A prebuilt wheel to stage instead of building one from this checkout.
+PREBUILT_WHEEL = "COMPOSER_CLOUD_PREBUILT_WHEEL"
+#: Opt-in live tests against a real Modal account, and the GPU they ask for.
+LIVE_MODAL = "COMPOSER_CLOUD_LIVE_MODAL"
+LIVE_MODAL_GPU = "COMPOSER_CLOUD_LIVE_MODAL_GPU"

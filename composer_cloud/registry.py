@@ -1,0 +1,55 @@
+"""``"module:attr"`` references: the one loader, and name registries built on it.
+
+Settings that name user code (a task factory, a hint source, a trainer or
+executor implementation) use ``"package.module:attribute"``. Every such
+setting is resolved here, so every one fails the same way: a
+:class:`BadReference` (a ``LookupError``) naming the setting and saying what
+was wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class BadReference(ValueError, LookupError):
+    """A ``"module:attr"`` setting does not resolve; the message names the setting."""
+
+
+def is_reference(value: str) -> bool:
+    """Whether ``value`` looks like ``"module:attr"`` (as opposed to a registered name)."""
+    module, sep, attr = value.partition(":")
+    return bool(sep and module and attr)
+
+
+def load_object(reference: str, *, setting: str) -> Any:
+    """Import ``module`` and return its ``attr`` for a ``"module:attr"`` reference.
+
+    ``setting`` is the dotted name of the setting the reference came from; it
+    is named in every error.
+    """
+    module, sep, attr = reference.partition(":")
+    if not (sep and module and attr):
+        raise BadReference(f"{setting}: {reference!r} is not of the form 'package.module:attribute'")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise BadReference(f"{setting}: cannot import module {module!r} ({exc}); is it on sys.path?") from None
+    obj: Any = mod
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise BadReference(f"{setting}: module {module!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def resolve(name: str, registry: dict[str, str], *, setting: str) -> Any:
+    """A registered name (``registry[name]`` is a reference) or a reference given directly."""
+    if name in registry:
+        return load_object(registry[name], setting=setting)
+    if is_reference(name):
+        return load_object(name, setting=setting)
+    raise BadReference(f"{setting}: unknown {setting.rsplit('.', 1)[-1]} {name!r}; choose one of {sorted(registry)} "
+                       "or give 'package.module:factory'")
