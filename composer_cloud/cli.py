@@ -1,4 +1,4 @@
-"""The ``composer-cloud`` command line.
+"""The ``composer-cloud`` command line: a thin typer layer over :mod:`composer_cloud.runs`.
 
 Exit codes: 0 success (for ``launch``/``resume``: the run completed), 1 the run
 failed or was cancelled, 2 bad input (nothing was written to the store).
@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -18,10 +19,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from composer_cloud.jobs import ExecutorError, JobHandle, assign_ranks, get_executor
-from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, join_uri
-from composer_cloud.run import load_handles, request_cancel, run_status, save_handles, summarize
-from composer_cloud.spec import RunSpec, SpecError, load_spec, spec_from_dict
+from composer_cloud import runs
+from composer_cloud.jobs import get_executor
+from composer_cloud.rendezvous.store import StoreConfigError, StoreError, join_uri
+from composer_cloud.runs import LaunchError, Run, RunExists, RunNotFound, RunStatus
+from composer_cloud.spec import RunSpec, SpecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
@@ -29,9 +31,9 @@ console = Console()
 err_console = Console(stderr=True)
 logger = logging.getLogger(__name__)
 
-
-class BadInput(Exception):
-    """Raised for user errors: printed and mapped to exit code 2."""
+StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
+    "--store-option", help="fsspec storage option KEY=VALUE needed to reach the store (e.g. endpoint_url=...); "
+                           "repeatable. Default: $COMPOSER_CLOUD_STORE_OPTIONS")]
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -39,57 +41,37 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _normalize_uri(uri: str) -> str:
-    """Accept plain local paths where a run URI is expected."""
-    return uri if "://" in uri else f"file://{Path(uri).resolve()}"
-
-
-def _open_run(run_uri: str) -> tuple[Store, RunSpec]:
-    from composer_cloud.replica import open_run
-
-    run_uri = _normalize_uri(run_uri)
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Map the library's errors to exit codes: bad input 2, a failed launch 1. No tracebacks."""
     try:
-        return open_run(run_uri)
-    except StoreConfigError as exc:
+        yield
+    except (SpecError, StoreConfigError, RunNotFound, RunExists) as exc:
         raise _fail(str(exc)) from None
+    except LaunchError as exc:
+        raise _fail(str(exc), code=1) from None
     except StoreError as exc:
-        raise _fail(f"{run_uri} is not a composer-cloud run ({exc})") from None
-    except SpecError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(f"store error: {exc}", code=1) from None
+
+
+def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise _fail(f"--store-option {pair!r}: use KEY=VALUE")
+        options[key] = value
+    return options
+
+
+def _open(run_uri: str, store_option: list[str] | None) -> Run:
+    with _user_errors():
+        return runs.open_run(run_uri, storage_options=_storage_options(store_option))
 
 
 # ---------------------------------------------------------------- launch
-def _build_spec(config: Optional[Path], overrides: dict[str, Any]) -> RunSpec:
-    try:
-        spec = load_spec(config, overrides).with_run_id()
-        assign_ranks(spec.executor, spec.replicas)
-        return spec
-    except (SpecError, ValueError) as exc:
-        raise _fail(str(exc)) from None
-
-
-def _check_store(spec: RunSpec) -> Store:
-    try:
-        root = Store(spec.store, storage_options=spec.store_options)
-        root.check_access()
-        return Store(join_uri(root.uri, spec.run_id), storage_options=spec.store_options)
-    except StoreConfigError as exc:
-        raise _fail(f"store: {exc}") from None
-
-
-def _launch_replicas(store: Store, spec: RunSpec, ranks: list[int] | None = None) -> list[JobHandle]:
-    handles: list[JobHandle] = []
-    for name, assigned in assign_ranks(spec.executor, spec.replicas):
-        todo = [r for r in assigned if ranks is None or r in ranks]
-        if not todo:
-            continue
-        executor = get_executor(name, spec)
-        launched = executor.launch(store.uri, todo)
-        save_handles(store, launched)
-        handles.extend(launched)
-    return handles
-
-
 @app.command()
 def launch(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="run spec TOML")] = None,
@@ -111,38 +93,26 @@ def launch(
     dry_run: Annotated[bool, typer.Option(help="print what would be launched; launch nothing")] = False,
 ) -> None:
     """Launch a new run (with no flags: 2 local CPU replicas, tiny model, store under ./runs/)."""
-    spec = _build_spec(config, {
+    overrides = {
         "executor": executor, "replicas": replicas, "min_replicas": min_replicas, "rounds": rounds,
         "inner_steps": inner_steps, "store": store, "run_id": run_id, "trainer.name": trainer,
         "sync.codec": codec, "model.name": model, "max_restarts": max_restarts, "seed": seed,
         "modal.gpu": gpu, "hf_jobs.flavor": flavor,
-    })
-    if dry_run:
-        _print_plan(spec)
-        return
-    run = _check_store(spec)
-    # Write-once: two launches racing on one run id cannot both start.
-    if run.exists("spec.json") or not run.create_json("spec.json", spec.to_json_dict()):
-        raise _fail(f"run {run.uri} already exists; continue it with `composer-cloud resume {run.uri}`")
-    try:
-        _launch_replicas(run, spec)
-    except (ExecutorError, StoreError) as exc:
-        raise _fail(f"launch failed: {exc}", code=1) from None
+    }
+    with _user_errors():
+        spec = runs.build_spec(config=config, overrides=overrides)
+        if dry_run:
+            _print_plan(spec, runs.plan(spec))
+            return
+        run = runs.launch(spec)
     console.print(f"launched [bold]{spec.replicas}[/] replicas of run [bold]{spec.run_id}[/] → {run.uri}")
     if detach:
         console.print(f"follow with: composer-cloud status {run.uri}")
         return
-    raise typer.Exit(_watch(run, spec))
+    raise typer.Exit(_watch(run))
 
 
-def _print_plan(spec: RunSpec) -> None:
-    run_uri = join_uri(spec.store, spec.run_id)
-    plans = []
-    for name, ranks in assign_ranks(spec.executor, spec.replicas):
-        try:
-            plans.append(get_executor(name, spec).plan(run_uri, ranks))
-        except (ExecutorError, ValueError) as exc:
-            raise _fail(str(exc)) from None
+def _print_plan(spec: RunSpec, plans: list[Any]) -> None:
     for p in plans:
         table = Table(title=f"{p.executor}: ranks {p.ranks}", show_header=False)
         table.add_row("image", p.image)
@@ -154,10 +124,11 @@ def _print_plan(spec: RunSpec) -> None:
         for note in p.notes:
             table.add_row("note", note)
         console.print(table)
+    run_uri = join_uri(spec.store, spec.run_id)
     console.print(f"run {run_uri}: {spec.rounds} rounds x {spec.inner_steps} inner steps (dry run: nothing launched)")
 
 
-def _status_table(status: Any) -> Table:
+def _status_table(status: RunStatus) -> Table:
     table = Table(title=f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}")
     for col in ("rank", "executor", "state", "round", "restarts", "message"):
         table.add_column(col)
@@ -167,27 +138,25 @@ def _status_table(status: Any) -> Table:
     return table
 
 
-def _watch(run: Store, spec: RunSpec) -> int:
+def _watch(run: Run) -> int:
     """Follow a run until every replica job has finished; print the summary. Returns the exit code."""
-    status = run_status(run, spec)
+    with _user_errors():
+        status = runs.get_status(run)
     try:
         with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
-            while status.state == "running":
-                time.sleep(1.0)
-                status = run_status(run, spec)
-                live.update(_status_table(status))
+            status = runs.wait(run, on_update=lambda st: live.update(_status_table(st)))
     except KeyboardInterrupt:
         console.print("interrupted: cancelling the run's jobs")
-        _cancel(run, spec)
-        status = run_status(run, spec)
-    _print_summary(run, spec, status)
+        _report_cancel(runs.cancel(run))
+        status = runs.get_status(run)
+    _print_summary(run, status)
     return 0 if status.state == "completed" else 1
 
 
-def _print_summary(run: Store, spec: RunSpec, status: Any) -> None:
-    s = summarize(run, spec, status)
-    table = Table(title=f"run {spec.run_id}: {status.state}", show_header=False)
-    table.add_row("rounds committed", f"{s.rounds_committed}/{spec.rounds}")
+def _print_summary(run: Run, status: RunStatus) -> None:
+    s = runs.summarize(run, status)
+    table = Table(title=f"run {run.run_id}: {status.state}", show_header=False)
+    table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
     if s.loss_first is not None:
         table.add_row("train loss (first → last round)", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
     if s.reward_first is not None:
@@ -207,10 +176,12 @@ def _print_summary(run: Store, spec: RunSpec, status: Any) -> None:
 
 # ---------------------------------------------------------------- status / logs / cancel
 @app.command()
-def status(run_uri: str, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
+def status(run_uri: str, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+           store_option: StoreOptionFlag = None) -> None:
     """Show a run's state, committed rounds and replicas."""
-    run, spec = _open_run(run_uri)
-    st = run_status(run, spec)
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        st = runs.get_status(run)
     if as_json:
         sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
     else:
@@ -219,34 +190,31 @@ def status(run_uri: str, as_json: Annotated[bool, typer.Option("--json", help="m
 
 @app.command()
 def logs(run_uri: str, replica: Annotated[Optional[int], typer.Option(help="only this rank")] = None,
-         follow: Annotated[bool, typer.Option("--follow", "-f")] = False) -> None:
+         follow: Annotated[bool, typer.Option("--follow", "-f")] = False, store_option: StoreOptionFlag = None) -> None:
     """Print replica logs (from the executor that runs them)."""
-    run, spec = _open_run(run_uri)
-    handles = [h for h in load_handles(run) if replica is None or h.rank == replica]
+    run = _open(run_uri, store_option)
+    handles = [h for h in runs.load_handles(run.store) if replica is None or h.rank == replica]
     if not handles:
         raise _fail(f"no replica {replica} in run {run.uri}" if replica is not None else "run has no replicas")
     for h in handles:
-        ex = get_executor(h.executor, spec)
+        ex = get_executor(h.executor, run.spec)
         for line in ex.logs(h, follow=follow):
             sys.stdout.write((f"[r{h.rank}] " if replica is None else "") + line + "\n")
             sys.stdout.flush()
 
 
-def _cancel(run: Store, spec: RunSpec) -> None:
-    request_cancel(run)
-    for h in load_handles(run):
-        try:
-            get_executor(h.executor, spec).cancel(h)
-        except Exception as exc:  # noqa: BLE001 - cancel the others anyway
-            err_console.print(f"could not cancel replica {h.rank} ({h.executor} {h.job_id}): {exc}")
+def _report_cancel(result: runs.CancelResult) -> None:
+    for warning in result.warnings:
+        err_console.print(f"could not cancel {warning}", highlight=False)
 
 
 @app.command()
-def cancel(run_uri: str) -> None:
+def cancel(run_uri: str, store_option: StoreOptionFlag = None) -> None:
     """Cancel every replica job of a run."""
-    run, spec = _open_run(run_uri)
-    _cancel(run, spec)
-    console.print(f"cancelled run {spec.run_id}")
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        _report_cancel(runs.cancel(run))
+    console.print(f"cancelled run {run.run_id}")
 
 
 # ---------------------------------------------------------------- resume / export
@@ -256,58 +224,34 @@ def resume(
     executor: Annotated[Optional[str], typer.Option(help="run the remaining rounds elsewhere")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="a different replica count")] = None,
     detach: Annotated[bool, typer.Option()] = False,
+    store_option: StoreOptionFlag = None,
 ) -> None:
     """Continue a run from its latest valid checkpoint."""
-    from composer_cloud import checkpoint as ckpt
-
-    run, spec = _open_run(run_uri)
-    updates: dict[str, Any] = {}
-    if executor is not None:
-        updates["executor"] = executor
-    if replicas is not None:
-        updates["replicas"] = replicas
-        updates["min_replicas"] = min(spec.min_replicas, replicas)
-    try:
-        new_spec = spec_from_dict(spec.to_json_dict() | updates, source="resume flags")
-        assign_ranks(new_spec.executor, new_spec.replicas)
-    except (SpecError, ValueError) as exc:
-        raise _fail(str(exc)) from None
-    # Stop whatever is left of the previous launch before touching its rounds.
-    for h in load_handles(run):
-        try:
-            get_executor(h.executor, spec).cancel(h)
-        except Exception as exc:  # noqa: BLE001
-            err_console.print(f"warning: could not cancel replica {h.rank} of the previous launch: {exc}")
-    latest = ckpt.latest_checkpoint(run)
-    from_round = latest.round if latest else -1
-    ckpt.discard_after(run, from_round)
-    run.delete("control/cancel.json")
-    run.delete("executor", recursive=True)
-    run.delete("replicas", recursive=True)
-    run.put_json("spec.json", new_spec.to_json_dict())
-    n = len(run.list_dirs("resumes"))
-    run.put_json(f"resumes/{n}.json", {"from_round": from_round, "time": time.time(), "executor": new_spec.executor,
-                                       "replicas": new_spec.replicas})
-    console.print(f"resuming {spec.run_id} from " + (f"checkpoint {from_round}" if latest else "the start"))
-    _launch_replicas(run, new_spec)
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        result = runs.resume(run, executor=executor, replicas=replicas)
+    for warning in result.warnings:
+        err_console.print(f"warning: {warning}", highlight=False)
+    console.print(f"resuming {run.run_id} from "
+                  + (f"checkpoint {result.from_round}" if result.from_round >= 0 else "the start"))
     if detach:
         return
-    raise typer.Exit(_watch(run, new_spec))
+    raise typer.Exit(_watch(result.run))
 
 
 @app.command()
 def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")],
-           round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None
-           ) -> None:
+           round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None,
+           store_option: StoreOptionFlag = None) -> None:
     """Write the global parameters as a Hugging Face model directory."""
     from composer_cloud.export import export_model
 
-    run, spec = _open_run(run_uri)
+    run = _open(run_uri, store_option)
     try:
-        r = export_model(run, spec, out, round=round)
+        r = export_model(run, out, round=round)
     except (LookupError, StoreError) as exc:
         raise _fail(str(exc), code=1) from None
-    console.print(f"exported round {r} of {spec.run_id} to {out}")
+    console.print(f"exported round {r} of {run.run_id} to {out}")
 
 
 def main() -> None:

@@ -117,5 +117,12 @@ def load_model(
     return model.to(device), tokenizer
 
 
+def load_spec_model(model_spec: Any, *, seed: int, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` for a spec's ``[model]`` table (its shape fields apply to ``"tiny"`` only)."""
+    tiny = TinyModelConfig(**{k: getattr(model_spec, k) for k in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
+    return load_model(model_spec.name, seed=seed, device=device, tiny=tiny)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -33,37 +33,12 @@ import torch
 
 from composer_cloud import checkpoint as ckpt
 from composer_cloud import env, faults
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, cleanup_rounds
-from composer_cloud.rendezvous.manager import ObjectStoreManager
-from composer_cloud.rendezvous.store import Store
-from composer_cloud.spec import RunSpec, spec_from_dict
+from composer_cloud.diloco import OuterLoop, OuterOptimizerConfig, build_diloco, params_digest
+from composer_cloud.rendezvous.allreduce import AllReduceConfig, cleanup_rounds
+from composer_cloud.rendezvous.manager import SyncRecord
+from composer_cloud.runs.run import open_run
 
 logger = logging.getLogger("composer_cloud.replica")
-
-
-class ParameterGroup(torch.nn.Module):
-    """A DiLoCo fragment made of existing parameters (shared, not copied)."""
-
-    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        super().__init__()
-        for name, p in named:
-            self.register_parameter(name.replace(".", "__"), p)
-
-
-def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
-    """Split parameters, in model order, into ``n`` contiguous groups of ~equal size."""
-    if n == 1:
-        return [model]
-    named = list(model.named_parameters())
-    total = sum(p.numel() for _, p in named)
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(n)]
-    seen = 0
-    for name, p in named:
-        groups[min(n - 1, seen * n // total)].append((name, p))
-        seen += p.numel()
-    if any(not g for g in groups):
-        raise ValueError(f"sync.fragments={n} is more than the model's parameter tensors allow")
-    return [ParameterGroup(g) for g in groups]
 
 
 def _snapshot(tree: Any) -> Any:
@@ -79,31 +54,14 @@ def _snapshot(tree: Any) -> Any:
     return tree
 
 
-def params_digest(model: torch.nn.Module) -> str:
-    """sha256 over the model's parameter bytes (in order): equal digests = bitwise-equal parameters."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def open_run(run_uri: str) -> tuple[Store, RunSpec]:
-    """Open a run's store and read its spec (re-opening with the spec's storage options)."""
-    store = Store(run_uri)
-    spec = spec_from_dict(store.get_json("spec.json"), source=f"{run_uri}/spec.json")
-    if spec.store_options:
-        store = Store(run_uri, storage_options=spec.store_options)
-    return store, spec
-
-
 class Replica:
+    """One replica of a run: trains, syncs through the store, checkpoints, reports."""
+
     def __init__(self, run_uri: str, rank: int) -> None:
         self.run_uri = run_uri
         self.rank = rank
-        self.store, self.spec = open_run(run_uri)
+        run = open_run(run_uri)
+        self.store, self.spec = run.store, run.spec
         if not 0 <= rank < self.spec.replicas:
             raise ValueError(f"--rank {rank} out of range: the run has {self.spec.replicas} replicas")
         self.metrics: list[dict[str, Any]] = []
@@ -111,6 +69,7 @@ class Replica:
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Any] = []
         self._state_write: Any = None
+        self._syncs: list[SyncRecord] = []  # filled by the manager's on_sync, drained after each step
 
     # ------------------------------------------------------------ records
     def heartbeat(self, state: str, **extra: Any) -> None:
@@ -123,41 +82,36 @@ class Replica:
 
     # ------------------------------------------------------------ main loop
     def run(self) -> None:
-        from torchft.local_sgd import DiLoCo
-
-        from composer_cloud.model import TinyModelConfig, load_model
+        from composer_cloud.model import load_spec_model
         from composer_cloud.trainer import TrainerContext, build_trainer
 
         spec = self.spec
         device = torch.device("cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
                               else "cpu")
         torch.manual_seed(spec.seed)
-        tiny = TinyModelConfig(**{k: getattr(spec.model, k) for k in (
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
-        model, tokenizer = load_model(spec.model.name, seed=spec.seed, device=device, tiny=tiny)
+        model, tokenizer = load_spec_model(spec.model, seed=spec.seed, device=device)
         trainer = build_trainer(spec.trainer.name, TrainerContext(
             model=model, tokenizer=tokenizer, rank=self.rank, world_size=spec.replicas, seed=spec.seed,
             device=device, settings=spec.trainer.settings(),
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json")))
-        fragments = split_fragments(model, spec.sync.fragments)
-        outers = [torch.optim.SGD(f.parameters(), lr=spec.outer_optimizer.lr, momentum=spec.outer_optimizer.momentum,
-                                  nesterov=spec.outer_optimizer.nesterov) for f in fragments]
 
         # Resume point: the newest valid checkpoint (written by a previous launch or before a restart).
         start = ckpt.latest_checkpoint(self.store)
         start_round = start.round + 1 if start else 0
-        ar = ObjectStoreAllReduce(self.store, self.rank, AllReduceConfig(
-            replicas=spec.replicas, min_replicas=spec.min_replicas, codec=spec.sync.codec,
-            quorum_timeout_s=spec.sync.quorum_timeout_s, round_timeout_s=spec.sync.round_timeout_s,
-            io_threads=spec.sync.io_threads))
-        holder: dict[str, Any] = {}
-        manager = ObjectStoreManager(ar, heal_timeout_s=spec.sync.heal_timeout_s, start_step=start_round,
-                                     on_heal=lambda r: holder["diloco"]._restore_parameters())
-        diloco = DiLoCo(manager, fragments, trainer.optimizer, outers, sync_every=spec.inner_steps,
-                        fragment_sync_delay=spec.sync.fragment_sync_delay, pin_memory=False)
-        holder["diloco"] = diloco
+        loop = build_diloco(
+            store=self.store, rank=self.rank, model=model, inner_optimizer=trainer.optimizer,
+            sync_every=spec.inner_steps, fragments=spec.sync.fragments,
+            fragment_sync_delay=spec.sync.fragment_sync_delay,
+            allreduce=AllReduceConfig(
+                replicas=spec.replicas, min_replicas=spec.min_replicas, codec=spec.sync.codec,
+                quorum_timeout_s=spec.sync.quorum_timeout_s, round_timeout_s=spec.sync.round_timeout_s,
+                io_threads=spec.sync.io_threads),
+            outer=OuterOptimizerConfig(lr=spec.outer_optimizer.lr, momentum=spec.outer_optimizer.momentum,
+                                       nesterov=spec.outer_optimizer.nesterov),
+            heal_timeout_s=spec.sync.heal_timeout_s, start_round=start_round, on_sync=self._syncs.append)
+        manager = loop.manager
         if start is not None:
-            self._restore(start, manager, diloco, trainer, fragments)
+            self._restore(start, loop, trainer)
         self.heartbeat("running", round=manager.current_step())
         logger.info("replica %d/%d on %s: %s, starting at round %d of %d", self.rank, spec.replicas, device,
                     spec.model.name, start_round, spec.rounds)
@@ -167,9 +121,8 @@ class Replica:
         round_rewards: list[float] = []
         round_start = time.monotonic()
         compute_s = 0.0
-        with diloco:
+        with loop:
             while manager.current_step() < spec.rounds:
-                before = len(manager.history)
                 if step % spec.inner_steps == spec.inner_steps // 2:
                     faults.stall_point("inner_step", manager.current_step(), self.rank)
                 t0 = time.monotonic()
@@ -181,11 +134,13 @@ class Replica:
                     round_rewards.append(out["reward_mean"])
                 self.metrics.append({"kind": "step", "rank": self.rank, "step": step,
                                      "round": manager.current_step(), "time_s": dt, **out})
-                if len(manager.history) == before:
+                if not self._syncs:
                     compute_s += dt
                     continue
-                # A sync happened inside this step (DiLoCo's optimizer post-hook).
-                rec = manager.history[-1]
+                # A sync happened inside this step (DiLoCo's optimizer post-hook); once step()
+                # returned, the model holds the new global parameters.
+                rec = self._syncs[-1]
+                self._syncs.clear()
                 res = rec.result
                 sync_s = res.wall_s if res else 0.0
                 compute_s += max(0.0, dt - sync_s)
@@ -199,8 +154,7 @@ class Replica:
                 if round_rewards:
                     row["reward_mean"] = sum(round_rewards) / len(round_rewards)
                 if rec.committed:
-                    self._after_commit(rec.round, res.participants if res else [], manager, diloco, trainer,
-                                       fragments, row)
+                    self._after_commit(rec.round, res.participants if res else [], loop, trainer, row)
                 self.metrics.append(row)
                 self._reap_io()
                 self.flush_metrics()
@@ -209,7 +163,7 @@ class Replica:
         manager.flush_state()
         for fut in self._pending_io:
             fut.result()
-        manager.close()
+        loop.close()
         self.flush_metrics()
         self.heartbeat("completed", round=manager.current_step(), step=step, params_sha256=params_digest(model))
         logger.info("replica %d completed %d rounds", self.rank, manager.current_step())
@@ -224,13 +178,13 @@ class Replica:
                 still.append(fut)
         self._pending_io = still
 
-    def _after_commit(self, round: int, participants: list[int], manager: ObjectStoreManager, diloco: Any,
-                      trainer: Any, fragments: list[torch.nn.Module], row: dict[str, Any]) -> None:
+    def _after_commit(self, round: int, participants: list[int], loop: OuterLoop, trainer: Any,
+                      row: dict[str, Any]) -> None:
         spec = self.spec
         if self.rank == min(participants) and hasattr(trainer, "evaluate"):
             row.update(trainer.evaluate())
         # The leader's global-state upload starts now (background), not at the next inner step.
-        manager.publish_state()
+        loop.manager.publish_state()
         if (round + 1) % spec.checkpoint_every and round + 1 != spec.rounds:
             return
         local = None
@@ -261,13 +215,9 @@ class Replica:
                     cleanup_rounds(self.store, before=round)
             self._pending_io.append(self._manifest_io.submit(finish))
 
-    def _restore(self, start: ckpt.Checkpoint, manager: ObjectStoreManager, diloco: Any, trainer: Any,
-                 fragments: list[torch.nn.Module]) -> None:
+    def _restore(self, start: ckpt.Checkpoint, loop: OuterLoop, trainer: Any) -> None:
         """Load global state into DiLoCo and the model, and this replica's inner state if present."""
-        glob = ckpt.load_global(self.store, start.round)
-        for key, load_fn in manager._load_fns.items():
-            load_fn(glob[key])
-        diloco._restore_parameters()  # model <- global parameters
+        loop.restore(ckpt.load_global(self.store, start.round))
         saved_world = start.manifest.get("replicas_launched", self.spec.replicas)
         if saved_world != self.spec.replicas:
             # Data shards are rank::world_size, so a stored data position means

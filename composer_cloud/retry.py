@@ -14,6 +14,7 @@ Times are seconds; deadlines are ``time.monotonic()`` values.
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import time
@@ -24,6 +25,29 @@ from typing import TypeVar
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     getattr(errno, "EREMOTEIO", errno.EIO), errno.EIO}
+_TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an I/O error (filesystem, HTTP, S3 through s3fs/botocore) is worth retrying.
+
+    Missing, existing, forbidden: never (retrying cannot change the answer).
+    Connection and timeout errors, and the errnos s3fs maps throttling and
+    5xx answers to: yes. Errors of our own (e.g. ``StoreError``) are not
+    ``OSError`` and are never retried.
+    """
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    return type(exc).__name__ in _TRANSIENT_NAMES
 
 
 @dataclass(frozen=True)
@@ -40,7 +64,8 @@ class RetryPolicy:
     base_s: float = 0.1
     cap_s: float = 5.0
 
-    def call(self, what: str, fn: Callable[[], T], *, transient: Callable[[BaseException], bool]) -> T:
+    def call(self, what: str, fn: Callable[[], T], *,
+             transient: Callable[[BaseException], bool] = is_transient) -> T:
         """Call ``fn``; retry while it raises an error ``transient`` accepts, up to ``attempts`` calls."""
         for attempt in range(self.attempts):
             try:

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.manager import ObjectStoreManager
 from composer_cloud.rendezvous.store import Store
 
 
@@ -72,30 +71,28 @@ def diloco_worker(q, index: int, uri: str, rank: int, world: int, *, rounds: int
                   delay_before_step: dict[int, float] | None = None, codec: str = "fp32",
                   bucketize: bool = False) -> None:
     """Runs torchft's DiLoCo on the object-store manager; reports params after every sync."""
-    from torchft.local_sgd import DiLoCo
+    from composer_cloud.diloco import OuterOptimizerConfig, build_diloco
 
     try:
         model = make_model()
-        frags = fragments_of(model, fragments)
         inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        outers = [torch.optim.SGD(f.parameters(), **OUTER) for f in frags]
-        ar = ObjectStoreAllReduce(Store(uri), rank, AllReduceConfig(
-            replicas=world, min_replicas=min_replicas or world, codec=codec,
-            quorum_timeout_s=quorum_timeout_s, round_timeout_s=60))
-        holder: dict[str, Any] = {}
-        manager = ObjectStoreManager(ar, heal_timeout_s=60,
-                                     on_heal=lambda r: holder["diloco"]._restore_parameters())
+        loop = build_diloco(
+            store=Store(uri), rank=rank, model=model, inner_optimizer=inner, sync_every=sync_every,
+            fragments=fragments_of(model, fragments), use_bucketization=bucketize, heal_timeout_s=60,
+            outer=OuterOptimizerConfig(**OUTER),
+            allreduce=AllReduceConfig(replicas=world, min_replicas=min_replicas or world, codec=codec,
+                                      quorum_timeout_s=quorum_timeout_s, round_timeout_s=60))
+        manager = loop.manager
         snapshots = []
         steps = rounds * sync_every // fragments
-        with DiLoCo(manager, frags, inner, outers, sync_every=sync_every, use_bucketization=bucketize) as diloco:
-            holder["diloco"] = diloco
-            for step in range(steps * fragments // fragments * 1):
+        with loop:
+            for step in range(steps):
                 if delay_before_step and step in delay_before_step:
                     time.sleep(delay_before_step[step])
                 inner_step(model, inner, rank, step)
                 if (step + 1) % (sync_every // fragments) == 0:
                     snapshots.append([p.detach().numpy().copy() for p in model.parameters()])
-        manager.close()
+        loop.close()
         history = [(h.round, h.committed, h.healed_to, h.result.participants if h.result else None)
                    for h in manager.history]
         q.put((index, {"snapshots": snapshots, "history": history, "step": manager.current_step()}))

@@ -32,11 +32,16 @@ class ReplicaState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ReplicaStatus:
-    """What an executor knows about one replica job right now."""
+    """What an executor knows about one replica job right now.
+
+    ``restarts`` is how often the executor relaunched the replica so far, when
+    the executor tracks it itself (None: see the handle's ``restarts``).
+    """
 
     state: ReplicaState
     exit_code: int | None = None
     message: str = ""
+    restarts: int | None = None
 
 
 @dataclass

@@ -64,6 +64,7 @@ class LocalProcessExecutor:
 
     def __init__(self, spec: "RunSpec | None" = None) -> None:
         self.max_restarts = spec.max_restarts if spec is not None else 0
+        self.store_options = dict(spec.store_options) if spec is not None else {}
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
 
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
@@ -85,6 +86,8 @@ class LocalProcessExecutor:
             environ = os.environ.copy()
             environ.setdefault(env.THREADS, str(self.threads))
             environ.setdefault("PYTHONUNBUFFERED", "1")
+            if self.store_options:  # non-secret (the spec refuses credentials); replicas open the run with them
+                environ[env.STORE_OPTIONS] = json.dumps(self.store_options, sort_keys=True)
             with open(os.devnull, "rb") as devnull:
                 proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, env=environ)
@@ -98,16 +101,17 @@ class LocalProcessExecutor:
         exit_rec = _read_json(d / "exit.json")
         if exit_rec is not None:
             code = exit_rec.get("exit_code")
+            restarts = int(exit_rec.get("restarts", 0) or 0)
             if exit_rec.get("cancelled"):
-                return ReplicaStatus(ReplicaState.CANCELLED, code, "cancelled")
+                return ReplicaStatus(ReplicaState.CANCELLED, code, "cancelled", restarts)
             if code == 0:
-                # Same note as while running, so status keeps the restart count.
-                return ReplicaStatus(ReplicaState.SUCCEEDED, 0, f"restarts={exit_rec.get('restarts', 0)}")
-            return ReplicaStatus(ReplicaState.FAILED, code, exit_rec.get("message", "") + _tail(d / "replica.log"))
+                return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "", restarts)
+            return ReplicaStatus(ReplicaState.FAILED, code, exit_rec.get("message", "") + _tail(d / "replica.log"),
+                                 restarts)
         if _alive(int(handle.job_id)):
             sup = _read_json(d / "supervisor.json") or {}
-            return ReplicaStatus(ReplicaState.RUNNING if sup.get("replica_pid") else ReplicaState.PENDING, None,
-                                 f"restarts={sup.get('restarts', 0)}")
+            return ReplicaStatus(ReplicaState.RUNNING if sup.get("replica_pid") else ReplicaState.PENDING, None, "",
+                                 int(sup.get("restarts", 0) or 0))
         return ReplicaStatus(ReplicaState.FAILED, None, "supervisor vanished without recording an exit code")
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:

@@ -27,14 +27,16 @@ How a sync maps onto the store (round ``r`` = ``current_step()``):
 Global state: after a commit, DiLoCo's outer step produces the new global
 parameters; at the next manager call (or :meth:`flush_state`) the round's
 leader (lowest participating rank) writes every registered ``save_fn``'s
-state to ``checkpoints/<r>/global.safetensors``, then the write-once marker
-``checkpoints/<r>/global.json``. Healing reads only marked states.
+state as round ``r``'s global state (:func:`composer_cloud.checkpoint.write_global_state`,
+blob first, write-once marker last). Healing reads only marked states.
+
+Every sync is reported to ``on_sync`` (a :class:`SyncRecord`), so the caller
+learns about commits, aborts and heals without inspecting the manager.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future as _ThreadFuture
@@ -44,19 +46,16 @@ from typing import Any
 
 import torch
 
+from composer_cloud import checkpoint
 from composer_cloud.rendezvous.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
-from composer_cloud.rendezvous.state import decode_state, encode_state
-from composer_cloud.rendezvous.store import StoreError, StoreTimeout
+from composer_cloud.rendezvous.store import StoreError
+from composer_cloud.retry import PollPolicy, poll_until
 
 logger = logging.getLogger(__name__)
 
 
 class HealError(StoreError):
     """No committed global state could be loaded before the heal deadline."""
-
-
-def global_state_prefix(round: int) -> str:
-    return f"checkpoints/{round:08d}"
 
 
 def _completed(value: Any) -> _ThreadFuture:
@@ -102,6 +101,8 @@ class ObjectStoreManager:
         on_heal: called with the healed round after registered states were
             loaded; use it to copy the global parameters into the model
             (``diloco._restore_parameters``).
+        on_sync: called with the :class:`SyncRecord` of every sync (commit,
+            abort, heal), on the training thread, before DiLoCo's outer step.
         start_step: first round this replica syncs (from a checkpoint).
     """
 
@@ -113,6 +114,7 @@ class ObjectStoreManager:
         *,
         heal_timeout_s: float = 600.0,
         on_heal: Callable[[int], None] | None = None,
+        on_sync: Callable[[SyncRecord], None] | None = None,
         start_step: int = 0,
     ) -> None:
         self._ar = allreduce
@@ -120,11 +122,10 @@ class ObjectStoreManager:
         self.rank = allreduce.rank
         self.heal_timeout_s = heal_timeout_s
         self.on_heal = on_heal
+        self.on_sync = on_sync
         self._step = start_step
         self._load_fns: dict[str, Callable[[Any], None]] = {}
         self._save_fns: dict[str, Callable[[], Any]] = {}
-        self._state_read_allowed = threading.Event()
-        self._state_read_allowed.set()
         self._pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
         self._exchange: _ThreadFuture | None = None
         self._exchange_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sync-r{self.rank}")
@@ -140,14 +141,14 @@ class ObjectStoreManager:
         self._save_fns[key] = save_fn
 
     def allow_state_dict_read(self) -> None:
-        self._state_read_allowed.set()
+        # Nothing to guard: state is only read between inner steps, on this thread.
+        pass
 
     def disallow_state_dict_read(self) -> None:
         # Called before every inner optimizer step: a good moment to start work
         # that overlaps with compute (a pending exchange, a state upload).
         self._flush()
         self._maybe_publish_state()
-        self._state_read_allowed.clear()
 
     def current_step(self) -> int:
         return self._step
@@ -165,7 +166,7 @@ class ObjectStoreManager:
             # round it was meant for is over: skip this sync (nothing is sent,
             # nobody waits for us) and train from the healed parameters.
             self._skip_sync = True
-            self.history.append(SyncRecord(healed, None, committed=False, healed_to=healed))
+            self._record(SyncRecord(healed, None, committed=False, healed_to=healed))
         self._round_open = True
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> _Work:
@@ -188,16 +189,21 @@ class ObjectStoreManager:
         if result.participated and result.committed:
             self._step += 1
             self._publish_round = round
-            self.history.append(SyncRecord(round, result, committed=True))
+            self._record(SyncRecord(round, result, committed=True))
             return True
         if not result.committed:
             logger.warning("round %d was not committed (%s); it will be retried", round, result.reason)
-            self.history.append(SyncRecord(round, result, committed=False))
+            self._record(SyncRecord(round, result, committed=False))
             return False
         # Left out of a committed round: heal from its committed state.
         healed = self._heal(self._ar.latest_committed_round(start=round))
-        self.history.append(SyncRecord(round, result, committed=False, healed_to=healed))
+        self._record(SyncRecord(round, result, committed=False, healed_to=healed))
         return False
+
+    def _record(self, record: SyncRecord) -> None:
+        self.history.append(record)
+        if self.on_sync is not None:
+            self.on_sync(record)
 
     # ------------------------------------------------------------ exchange
     def _flush(self) -> None:
@@ -254,10 +260,7 @@ class ObjectStoreManager:
         self._publish = self._exchange_pool.submit(self._write_global_state, round, tree)
 
     def _write_global_state(self, round: int, tree: dict[str, Any]) -> None:
-        prefix = global_state_prefix(round)
-        blob = encode_state(tree, metadata={"round": str(round)})
-        self.store.put(f"{prefix}/global.safetensors", blob)
-        self.store.create_json(f"{prefix}/global.json", {"round": round, "bytes": len(blob), "by": self.rank})
+        checkpoint.write_global_state(self.store, round, tree, writer=self.rank)
 
     def publish_state(self) -> None:
         """Start the leader's upload of the last committed round's global state (background)."""
@@ -270,30 +273,36 @@ class ObjectStoreManager:
             publish, self._publish = self._publish, None
             publish.result()
 
-    def load_global_state(self, round: int) -> Any:
-        prefix = global_state_prefix(round)
-        return decode_state(self.store.get(f"{prefix}/global.safetensors"))
+    def load_state(self, tree: dict[str, Any]) -> None:
+        """Load a global state tree (as written by :func:`checkpoint.write_global_state`) into
+        every registered state (DiLoCo's fragment backups and outer optimizers)."""
+        missing = sorted(set(self._load_fns) - set(tree))
+        if missing:
+            raise StoreError(f"global state has no entry for {missing}; it was written for another model layout")
+        for key, load_fn in self._load_fns.items():
+            load_fn(tree[key])
 
     def _heal(self, target: int) -> int:
         """Load the newest committed global state at or after ``target``; returns its round."""
-        deadline = time.monotonic() + self.heal_timeout_s
-        while True:
+
+        def healable() -> int | None:
             latest = self._ar.latest_committed_round(start=max(target, 0))
             for round in range(latest, target - 1, -1):
-                if self.store.exists(f"{global_state_prefix(round)}/global.json"):
-                    tree = self.load_global_state(round)
-                    for key, load_fn in self._load_fns.items():
-                        load_fn(tree[key])
-                    self._step = round + 1
-                    if self.on_heal is not None:
-                        self.on_heal(round)
-                    logger.info("replica %d healed to committed round %d", self.rank, round)
+                if checkpoint.has_global_state(self.store, round):
                     return round
-            if time.monotonic() >= deadline:
-                raise HealError(
-                    f"replica {self.rank}: no committed global state for round >= {target} appeared within "
-                    f"heal_timeout_s={self.heal_timeout_s}") from StoreTimeout("global.json", self.heal_timeout_s)
-            time.sleep(0.2)
+            return None
+
+        round = poll_until(
+            healable, deadline=time.monotonic() + self.heal_timeout_s, policy=PollPolicy(initial_s=0.2, max_s=1.0),
+            on_timeout=lambda waited: HealError(
+                f"replica {self.rank}: no committed global state for round >= {target} appeared within "
+                f"heal_timeout_s={self.heal_timeout_s}"))
+        self.load_state(checkpoint.load_global(self.store, round))
+        self._step = round + 1
+        if self.on_heal is not None:
+            self.on_heal(round)
+        logger.info("replica %d healed to committed round %d", self.rank, round)
+        return round
 
     def close(self) -> None:
         self.flush_state()

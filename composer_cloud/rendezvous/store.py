@@ -24,7 +24,6 @@ Transient backend errors (connection resets, timeouts, HTTP 5xx, S3
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from composer_cloud.retry import PollPolicy, RetryPolicy, poll_until
+from composer_cloud.retry import PollPolicy, RetryPolicy, is_transient, poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -104,24 +103,6 @@ def unframe(key: str, data: bytes) -> memoryview:
     if zlib.crc32(payload) != crc:
         raise ChecksumMismatch(key, "crc32 mismatch")
     return payload
-
-
-# --------------------------------------------------------------------------- retries
-_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
-                     getattr(errno, "EREMOTEIO", errno.EIO), errno.EIO}
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether an error from a backend is worth retrying."""
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, StoreError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return True
-    name = type(exc).__name__
-    return name in {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
 
 
 # --------------------------------------------------------------------------- store

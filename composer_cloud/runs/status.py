@@ -1,4 +1,4 @@
-"""A run as seen from outside: launch records, status, metrics summary.
+"""A run as seen from outside: status and metrics summary.
 
 Everything here is derived from the store plus the executors' own view of
 their jobs, so any process that can read the store (another terminal,
@@ -8,14 +8,13 @@ another machine) sees the same status.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_cloud.jobs import JobHandle, ReplicaState, ReplicaStatus, get_executor
+from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud.rendezvous.allreduce import latest_committed_round
 from composer_cloud.rendezvous.store import Store
-from composer_cloud.spec import RunSpec
+from composer_cloud.runs.run import Run, cancel_requested, load_handles
 
 
 @dataclass
@@ -43,24 +42,13 @@ class RunStatus:
         return asdict(self)
 
 
-def save_handles(store: Store, handles: list[JobHandle]) -> None:
-    for h in handles:
-        store.put_json(f"executor/{h.rank}.json", h.to_json())
-
-
-def load_handles(store: Store) -> list[JobHandle]:
-    out = []
-    for key in store.list("executor"):
-        if key.endswith(".json") and key.split("/")[-1][:-5].isdigit():
-            out.append(JobHandle.from_json(store.get_json(key)))
-    return sorted(out, key=lambda h: h.rank)
-
-
 def rounds_committed(store: Store) -> int:
     return latest_committed_round(store, start=0) + 1
 
 
-def run_status(store: Store, spec: RunSpec, *, poll_executors: bool = True) -> RunStatus:
+def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
+    """The run's state from the store (rounds, heartbeats) and the executors (job states)."""
+    store, spec = run.store, run.spec
     handles = load_handles(store)
     committed = rounds_committed(store)
     executors: dict[str, Any] = {}
@@ -77,14 +65,11 @@ def run_status(store: Store, spec: RunSpec, *, poll_executors: bool = True) -> R
         state = status.state.value
         if not status.state.finished and beat.get("state") in ("completed", "failed"):
             state = "succeeded" if beat["state"] == "completed" else "failed"
-        message = status.message
-        restarts = h.restarts
-        if message.startswith("restarts="):  # local executor's progress note, not a message
-            restarts, message = int(message.split("=", 1)[1]), ""
+        restarts = status.restarts if status.restarts is not None else h.restarts
         infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state, last_round=beat.get("round"),
                                  job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                                 message=beat.get("error", "") or message))
-    cancelled = store.exists("control/cancel.json")
+                                 message=beat.get("error", "") or status.message))
+    cancelled = cancel_requested(store)
     finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
     if cancelled:
         state = "cancelled"
@@ -120,7 +105,9 @@ def read_metrics(store: Store, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in bytes(data).decode().splitlines() if line.strip()]
 
 
-def summarize(store: Store, spec: RunSpec, status: RunStatus) -> RunSummary:
+def summarize(run: Run, status: RunStatus) -> RunSummary:
+    """Loss, reward, time and traffic of a run, from its replicas' metrics."""
+    store, spec = run.store, run.spec
     rounds: list[dict[str, Any]] = []
     for r in range(spec.replicas):
         rounds.extend(m for m in read_metrics(store, r) if m.get("kind") == "round")
@@ -150,7 +137,3 @@ def _round_mean(rows: list[dict[str, Any]], key: str, *, first: bool) -> float |
     r = with_key[0]["round"] if first else with_key[-1]["round"]
     vals = [m[key] for m in with_key if m["round"] == r]
     return sum(vals) / len(vals)
-
-
-def request_cancel(store: Store) -> None:
-    store.create_json("control/cancel.json", {"time": time.time()})

@@ -1,0 +1,44 @@
+"""Runs as a library: open, launch, resume, cancel, inspect and wait, from Python or a notebook.
+
+``composer-cloud`` (the CLI) is a thin layer over these functions.
+"""
+
+from composer_cloud.runs.lifecycle import (
+    CancelResult,
+    LaunchError,
+    ResumeResult,
+    RunExists,
+    build_spec,
+    cancel,
+    get_status,
+    launch,
+    plan,
+    resume,
+    wait,
+)
+from composer_cloud.runs.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run
+from composer_cloud.runs.status import ReplicaInfo, RunStatus, RunSummary, read_metrics, summarize
+
+__all__ = [
+    "CancelResult",
+    "LaunchError",
+    "ReplicaInfo",
+    "ResumeResult",
+    "Run",
+    "RunExists",
+    "RunNotFound",
+    "RunStatus",
+    "RunSummary",
+    "build_spec",
+    "cancel",
+    "get_status",
+    "launch",
+    "load_handles",
+    "normalize_run_uri",
+    "open_run",
+    "plan",
+    "read_metrics",
+    "resume",
+    "summarize",
+    "wait",
+]

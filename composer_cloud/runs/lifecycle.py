@@ -1,0 +1,242 @@
+"""Launch, resume, cancel, inspect and wait for runs: the library API under the CLI.
+
+Every function takes keyword-only options and returns a dataclass, so the
+same calls work from a script or a notebook::
+
+    import composer_cloud as cc
+    run = cc.launch(overrides={"replicas": 2, "rounds": 2})
+    final = cc.wait(run)
+    print(final.state, final.rounds_committed)
+
+Errors (what the CLI maps to exit code 2, "bad input, nothing written"):
+:class:`~composer_cloud.spec.SpecError`, :class:`~composer_cloud.rendezvous.store.StoreConfigError`,
+:class:`~composer_cloud.runs.run.RunNotFound`, :class:`RunExists`. A backend that fails while
+jobs are being started raises :class:`LaunchError` (exit code 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_cloud.jobs import ExecutorError, JobHandle, LaunchPlan, assign_ranks, get_executor
+from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, join_uri
+from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.runs.run import (
+    SPEC_KEY,
+    Run,
+    load_handles,
+    normalize_run_uri,
+    open_run,
+    request_cancel,
+    save_handles,
+)
+from composer_cloud.runs.status import RunStatus, run_status
+from composer_cloud.spec import RunSpec, SpecError, load_spec, spec_from_dict
+
+logger = logging.getLogger(__name__)
+
+
+class RunExists(FileExistsError):
+    """A run with this id already exists in the store; continue it with ``resume``."""
+
+
+class LaunchError(RuntimeError):
+    """A backend failed while replica jobs were being started; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """What :func:`resume` did. ``from_round`` is the checkpoint resumed from (-1: the start)."""
+
+    run: Run
+    from_round: int
+    handles: list[JobHandle]
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What :func:`cancel` did: the ranks whose jobs were asked to stop, and any that could not be."""
+
+    run: Run
+    cancelled: list[int]
+    warnings: list[str] = field(default_factory=list)
+
+
+RunRef = Run | str
+
+
+def _as_run(ref: RunRef, storage_options: Mapping[str, Any] | None) -> Run:
+    return ref if isinstance(ref, Run) else open_run(ref, storage_options=storage_options)
+
+
+# ---------------------------------------------------------------- specs and plans
+def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunSpec:
+    """The spec a launch would use: ``config`` (TOML) or defaults, then dotted ``overrides``, with a run id.
+
+    Raises :class:`SpecError` naming the field for anything invalid, including the executor mix.
+    """
+    spec = load_spec(config, dict(overrides or {})).with_run_id()
+    try:
+        assign_ranks(spec.executor, spec.replicas)
+    except ValueError as exc:
+        raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
+    return spec
+
+
+def plan(spec: RunSpec) -> list[LaunchPlan]:
+    """What :func:`launch` would start, per executor, without starting or writing anything."""
+    run_uri = join_uri(spec.store, spec.run_id)
+    plans = []
+    for name, ranks in assign_ranks(spec.executor, spec.replicas):
+        try:
+            plans.append(get_executor(name, spec).plan(run_uri, ranks))
+        except (ExecutorError, ValueError) as exc:
+            raise SpecError("executor", f"{name}: {exc}") from None
+    return plans
+
+
+def _open_store_for(spec: RunSpec) -> Store:
+    """The run's store, after checking the store root is reachable (nothing is written)."""
+    root = Store(spec.store, storage_options=spec.store_options)
+    root.check_access()
+    return Store(join_uri(root.uri, spec.run_id), storage_options=spec.store_options)
+
+
+def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:
+    handles: list[JobHandle] = []
+    for name, assigned in assign_ranks(spec.executor, spec.replicas):
+        try:
+            launched = get_executor(name, spec).launch(store.uri, assigned)
+        except (ExecutorError, StoreError, OSError) as exc:
+            raise LaunchError(f"launch of ranks {assigned} on {name} failed: {exc}") from None
+        save_handles(store, launched)
+        handles.extend(launched)
+    return handles
+
+
+# ---------------------------------------------------------------- lifecycle
+def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
+           overrides: Mapping[str, Any] | None = None) -> Run:
+    """Launch a new run and return it once its replica jobs were started (it does not wait).
+
+    Args:
+        spec: a full spec; otherwise one is built from ``config`` and ``overrides``
+            (dotted names, e.g. ``{"replicas": 4, "sync.codec": "bf16"}``).
+
+    Raises:
+        SpecError, StoreConfigError: bad input; nothing was written.
+        RunExists: the run id is taken; nothing was written.
+        LaunchError: a backend failed after the spec was stored.
+    """
+    if spec is None:
+        spec = build_spec(config=config, overrides=overrides)
+    elif config is not None or overrides:
+        raise SpecError("spec", "give either a spec or config/overrides, not both")
+    spec = spec.with_run_id()
+    store = _open_store_for(spec)
+    # Write-once: two launches racing on one run id cannot both start.
+    if store.exists(SPEC_KEY) or not store.create_json(SPEC_KEY, spec.to_json_dict()):
+        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
+    _start_jobs(store, spec)
+    logger.info("launched %d replicas of run %s at %s", spec.replicas, spec.run_id, store.uri)
+    return Run(uri=store.uri, store=store, spec=spec)
+
+
+def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None,
+           storage_options: Mapping[str, Any] | None = None) -> ResumeResult:
+    """Continue a run from its latest valid checkpoint, optionally elsewhere or with another replica count.
+
+    Stops whatever is left of the previous launch first, then discards round
+    records and checkpoints newer than the checkpoint (they belong to rounds
+    that will be recomputed) and relaunches.
+    """
+    from composer_cloud import checkpoint as ckpt  # torch: only for resume
+
+    run = _as_run(run, storage_options)
+    spec = run.spec
+    updates: dict[str, Any] = {}
+    if executor is not None:
+        updates["executor"] = executor
+    if replicas is not None:
+        updates["replicas"] = replicas
+        updates["min_replicas"] = min(spec.min_replicas, replicas)
+    new_spec = spec_from_dict(spec.to_json_dict() | updates, source="resume options")
+    try:
+        assign_ranks(new_spec.executor, new_spec.replicas)
+    except ValueError as exc:
+        raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
+    store = run.store
+    # Stop whatever is left of the previous launch before touching its rounds.
+    warnings = _cancel_jobs(run)[1]
+    warnings = [f"could not cancel a job of the previous launch: {w}" for w in warnings]
+    latest = ckpt.latest_checkpoint(store)
+    from_round = latest.round if latest else -1
+    ckpt.discard_after(store, from_round)
+    store.delete("control/cancel.json")
+    store.delete("executor", recursive=True)
+    store.delete("replicas", recursive=True)
+    store.put_json(SPEC_KEY, new_spec.to_json_dict())
+    n = len(store.list_dirs("resumes"))
+    store.put_json(f"resumes/{n}.json", {"from_round": from_round, "time": time.time(),
+                                         "executor": new_spec.executor, "replicas": new_spec.replicas})
+    resumed = Run(uri=run.uri, store=store, spec=new_spec)
+    handles = _start_jobs(store, new_spec)
+    return ResumeResult(run=resumed, from_round=from_round, handles=handles, warnings=warnings)
+
+
+def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
+    cancelled, warnings = [], []
+    executors: dict[str, Any] = {}
+    for h in load_handles(run.store):
+        try:
+            ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec))
+            ex.cancel(h)
+            cancelled.append(h.rank)
+        except Exception as exc:  # noqa: BLE001 - cancel the others anyway, and say which failed
+            warnings.append(f"replica {h.rank} ({h.executor} {h.job_id}): {exc}")
+    return cancelled, warnings
+
+
+def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> CancelResult:
+    """Record the cancellation and stop every replica job of the run."""
+    run = _as_run(run, storage_options)
+    request_cancel(run.store)
+    cancelled, warnings = _cancel_jobs(run)
+    return CancelResult(run=run, cancelled=cancelled, warnings=warnings)
+
+
+def get_status(run: RunRef, *, storage_options: Mapping[str, Any] | None = None,
+               poll_executors: bool = True) -> RunStatus:
+    """The run's state now: rounds committed, and each replica's job state and last round."""
+    return run_status(_as_run(run, storage_options), poll_executors=poll_executors)
+
+
+def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0,
+         on_update: Callable[[RunStatus], None] | None = None,
+         storage_options: Mapping[str, Any] | None = None) -> RunStatus:
+    """Poll the run every ``interval_s`` until it is no longer running; return its final status.
+
+    ``on_update`` sees every status (for progress displays). Raises
+    ``TimeoutError`` after ``timeout_s`` (None: no limit).
+    """
+    run = _as_run(run, storage_options)
+
+    def finished() -> RunStatus | None:
+        st = run_status(run)
+        if on_update is not None:
+            on_update(st)
+        return None if st.state == "running" else st
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    return poll_until(finished, deadline=deadline, policy=PollPolicy(initial_s=interval_s, max_s=interval_s),
+                      on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
+
+
+__all__ = ["CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+           "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

@@ -1,0 +1,146 @@
+"""Opening a run: the one way to get from a run URI to its store and spec.
+
+A run lives at ``<store>/<run_id>``; its ``spec.json`` (written once, at
+launch) says everything else, including the ``store_options`` needed to reach
+the store. Every reader (replicas, ``status``, ``logs``, ``resume``,
+``export``) opens the run through :func:`open_run`, so the options a spec
+carries reach all of them. Options needed *before* the spec can be read (an
+``endpoint_url``) come from the caller or from ``$COMPOSER_CLOUD_STORE_OPTIONS``
+(JSON), which every executor sets for its replica jobs.
+
+Also here: the run's launch records (``executor/<rank>.json`` job handles) and
+the cancel request (``control/cancel.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from composer_cloud import env
+from composer_cloud.jobs.base import JobHandle
+from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreConfigError, StoreError
+from composer_cloud.spec import RunSpec, SpecError, spec_from_dict
+
+logger = logging.getLogger(__name__)
+
+SPEC_KEY = "spec.json"
+CANCEL_KEY = "control/cancel.json"
+HANDLES_PREFIX = "executor"
+
+
+class RunNotFound(LookupError):
+    """The URI names no composer-cloud run (no readable ``spec.json``)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """An opened run.
+
+    Attributes:
+        uri: the run's URI (``<store>/<run_id>``; ``file://`` URIs are absolute).
+        store: the run's store, opened with the spec's ``store_options``.
+        spec: the spec as launched (or as last resumed).
+    """
+
+    uri: str
+    store: Store
+    spec: RunSpec
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
+
+
+def normalize_run_uri(uri: str) -> str:
+    """Accept a plain local path where a run URI is expected (``runs/x`` -> ``file:///abs/runs/x``)."""
+    uri = uri.strip()
+    return uri if "://" in uri else f"file://{Path(uri).resolve()}"
+
+
+def store_options_from_env() -> dict[str, Any]:
+    """``$COMPOSER_CLOUD_STORE_OPTIONS`` as a dict (empty when unset); names the variable if it is not JSON."""
+    raw = os.environ.get(env.STORE_OPTIONS)
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise StoreConfigError(f"${env.STORE_OPTIONS} is not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise StoreConfigError(f"${env.STORE_OPTIONS} must be a JSON object of fsspec storage options")
+    return options
+
+
+def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None) -> Run:
+    """Open the run at ``uri`` and read its spec.
+
+    Args:
+        uri: ``<store>/<run_id>``, or a local path.
+        storage_options: fsspec options needed to reach the store before the
+            spec is read (default: ``$COMPOSER_CLOUD_STORE_OPTIONS``); they
+            override the spec's ``store_options`` for this process.
+
+    Raises:
+        RunNotFound: no run at ``uri``.
+        StoreConfigError: the store cannot be reached with these options.
+        SpecError: the stored spec is invalid (names the field).
+    """
+    uri = normalize_run_uri(uri)
+    given = dict(storage_options) if storage_options is not None else store_options_from_env()
+    store = Store(uri, storage_options=given)
+    try:
+        data = store.get_json(SPEC_KEY)
+    except ObjectNotFound:
+        raise RunNotFound(f"{uri} is not a composer-cloud run (it has no {SPEC_KEY}); "
+                          "check the URI, or list runs with `composer-cloud ls STORE`") from None
+    except ChecksumMismatch as exc:
+        raise RunNotFound(f"{uri}: {exc}") from None
+    except StoreConfigError:
+        raise
+    except StoreError as exc:
+        raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
+    spec = spec_from_dict(data, source=f"{uri}/{SPEC_KEY}")
+    options = {**spec.store_options, **given}
+    if options != given:
+        store = Store(uri, storage_options=options)
+    return Run(uri=store.uri, store=store, spec=spec)
+
+
+# ---------------------------------------------------------------- launch records
+def save_handles(store: Store, handles: list[JobHandle]) -> None:
+    for h in handles:
+        store.put_json(f"{HANDLES_PREFIX}/{h.rank}.json", h.to_json())
+
+
+def load_handles(store: Store) -> list[JobHandle]:
+    """The run's job handles, by rank. Objects that are not handles are skipped with a warning."""
+    out = []
+    for key in store.list(HANDLES_PREFIX):
+        name = key.rsplit("/", 1)[-1]
+        if "/" in key[len(HANDLES_PREFIX) + 1:] or not name.endswith(".json") or not name[:-5].isdigit():
+            continue
+        try:
+            out.append(JobHandle.from_json(store.get_json(key)))
+        except (StoreError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("ignoring %s: not a valid job handle (%s)", key, exc)
+    return sorted(out, key=lambda h: h.rank)
+
+
+def request_cancel(store: Store) -> None:
+    """Record that the run was cancelled (write-once; replicas and status read it)."""
+    store.create_json(CANCEL_KEY, {"time": time.time()})
+
+
+def cancel_requested(store: Store) -> bool:
+    return store.exists(CANCEL_KEY)
+
+
+__all__ = ["Run", "RunNotFound", "SpecError", "load_handles", "normalize_run_uri", "open_run",
+           "request_cancel", "save_handles", "store_options_from_env"]
