@@ -353,9 +353,10 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
     try:
         cfg = Config(**cfg_dict)
         torch.set_num_threads(cfg.threads)
+        from composer_cloud.diloco import OuterOptimizerConfig, build_diloco
         from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, attempt_prefix
-        from composer_cloud.rendezvous.manager import ObjectStoreManager
-        from composer_cloud.rendezvous.store import PollPolicy, Store
+        from composer_cloud.rendezvous.store import Store
+        from composer_cloud.retry import PollPolicy
 
         POLL = PollPolicy(initial_s=POLL_INITIAL_S, max_s=POLL_MAX_S)
         t_build = time.monotonic()
@@ -378,11 +379,12 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
         else:
             w = cfg.replicas
             store = Store(uri, poll=POLL)
-            ar = ObjectStoreAllReduce(store, rank, AllReduceConfig(
+            ar_config = AllReduceConfig(
                 replicas=w, min_replicas=w, codec=cfg.codec_of(method), quorum_timeout_s=cfg.timeout_s,
-                round_timeout_s=cfg.timeout_s, io_threads=4))
+                round_timeout_s=cfg.timeout_s, io_threads=4)
             ar_bytes, payload = 0, 0
             if method == "sync":
+                ar = ObjectStoreAllReduce(store, rank, ar_config)
                 opt = trainer.optimizer
                 for s in range(1, cfg.steps + 1):
                     opt.zero_grad(set_to_none=True)
@@ -414,23 +416,19 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
                 ar.close()
                 out.update(syncs=cfg.steps, allreduce_bytes=ar_bytes, payload_bytes=payload, other_store_bytes=0)
             else:
-                from torchft.local_sgd import DiLoCo
-
-                h = sync_every(method)
-                outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                        nesterov=cfg.outer_momentum > 0)
-                holder: dict[str, Any] = {}
-                manager = ObjectStoreManager(ar, heal_timeout_s=cfg.timeout_s,
-                                             on_heal=lambda r: holder["diloco"]._restore_parameters())
-                diloco = DiLoCo(manager, [model], trainer.optimizer, [outer], sync_every=h, pin_memory=False)
-                holder["diloco"] = diloco
-                with diloco:
+                syncs: list[Any] = []
+                loop = build_diloco(
+                    store=store, rank=rank, model=model, inner_optimizer=trainer.optimizer,
+                    sync_every=sync_every(method), allreduce=ar_config, heal_timeout_s=cfg.timeout_s,
+                    outer=OuterOptimizerConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                               nesterov=cfg.outer_momentum > 0),
+                    on_sync=syncs.append)
+                with loop:
                     for s in range(1, cfg.steps + 1):
-                        before = len(manager.history)
                         train.append(trainer.step()["loss"])
                         sched.step()
-                        if len(manager.history) != before:
-                            r = manager.history[-1]
+                        if syncs:
+                            r = syncs.pop()
                             if not r.committed:
                                 raise RuntimeError(f"round {r.round} not committed")
                             ar_bytes += r.result.bytes_read + r.result.bytes_written
@@ -438,11 +436,12 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
                             sync_s += r.result.wall_s
                             if lead:
                                 rec.maybe(s)
-                manager.close()
+                n_syncs = len(loop.manager.history)
+                loop.close()
                 total = store.bytes_read + store.bytes_written
                 # Everything else this replica moved: the leader's global-state checkpoints
                 # (backup parameters + outer momentum, after every commit) and round-discovery reads.
-                out.update(syncs=len(manager.history), allreduce_bytes=ar_bytes, payload_bytes=payload,
+                out.update(syncs=n_syncs, allreduce_bytes=ar_bytes, payload_bytes=payload,
                            other_store_bytes=total - ar_bytes)
         out.update(curve=rec.curve, train_loss_last50=_tail(train), loop_s=time.monotonic() - t0,
                    sync_s=sync_s, build_s=build_s)

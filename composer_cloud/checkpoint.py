@@ -2,20 +2,33 @@
 
 Layout for committed round ``r`` (zero-padded to 8 digits so listings sort)::
 
-    checkpoints/<r>/global.safetensors   global params + outer optimizer state (round leader)
-    checkpoints/<r>/global.json          write-once marker: global state complete
-    checkpoints/<r>/replica-<k>.safetensors  replica k's inner state (optimizer, data position, RNG)
-    checkpoints/<r>/replica-<k>.json     marker: replica k's state complete
-    checkpoints/<r>/manifest.json        written LAST by the leader: lists every object with its crc32
+    checkpoints/<r>/global-<i>-of-<n>.safetensors  slice i of the global state (params + outer optimizer)
+    checkpoints/<r>/global-<i>-of-<n>.json         write-once marker: slice i complete (bytes, crc32)
+    checkpoints/<r>/replica-<k>.safetensors        replica k's inner state (optimizer, data position, RNG)
+    checkpoints/<r>/replica-<k>.json               marker: replica k's state complete
+    checkpoints/<r>/manifest.json                  written LAST: every object with its crc32
+    checkpoints/<r>/void.json                      write-once: round r's commit was abandoned (see below)
 
 Invariants:
 
-* A checkpoint is valid only once ``manifest.json`` exists; resume reads
-  manifests only and verifies every listed object (store framing + the
-  manifest's crc32). A torn or corrupt checkpoint is skipped with a warning
-  naming it, and the previous valid one is used.
-* The global state is written every round (late replicas heal from it); the
-  per-replica inner state only every ``checkpoint_every`` rounds.
+* **No single writer.** After a commit every participant holds bitwise-identical
+  global state. The state is cut into ``n`` = number of participants slices
+  (:func:`split_global_state`, deterministic); participant ``i`` writes slice
+  ``i`` and any participant may write a missing slice (same bytes). The
+  global state of ``r`` is *durable* once all ``n`` markers exist
+  (:func:`global_state_complete`); healing and resume read only durable states.
+* **Blob before marker.** A marker is created (write-once) only after its blob
+  is fully written, so a reader that sees a marker sees a complete blob.
+* **Manifest last.** Any participant writes the manifest once the global state
+  is durable and the participants' replica states are present (write-once: the
+  first writer wins). ``resume`` and ``export`` read manifests only.
+* **Verified in one read.** A marker and the manifest record the blob's crc32,
+  which equals the crc32 in the store's framing of the blob, so checking it
+  costs no second pass: every object is verified by the same read that loads it.
+* **Void rounds.** If a committed round's global state can never become durable
+  (every participant died before its slice was written), a replica records
+  ``void.json`` for it; round discovery then treats the round as not committed
+  and the run re-runs it from the previous durable state.
 * Old checkpoints beyond ``keep`` are deleted only after a newer manifest exists.
 """
 
@@ -24,27 +37,35 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from composer_cloud import faults
-from composer_cloud.rendezvous.state import decode_state, encode_state
-from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreTimeout
+from composer_cloud.rendezvous.state import decode_state, encode_state, flatten, read_metadata, unflatten
+from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout
+from composer_cloud.retry import PollPolicy, poll_until
 
 logger = logging.getLogger(__name__)
 
-_GLOBAL_BLOB = "global.safetensors"
-_GLOBAL_MARKER = "global.json"
 _MANIFEST = "manifest.json"
+_VOID = "void.json"
+_SHARD = re.compile(r"^global-(\d+)-of-(\d+)\.json$")
 
 
 def checkpoint_prefix(round: int) -> str:
     """``checkpoints/<r>``: every object of round ``r``'s checkpoint lies under it."""
     return f"checkpoints/{round:08d}"
+
+
+def _shard_name(index: int, num_shards: int) -> str:
+    return f"global-{index}-of-{num_shards}"
 
 
 def _replica_blob(rank: int) -> str:
@@ -55,6 +76,10 @@ def _replica_marker(rank: int) -> str:
     return f"replica-{rank}.json"
 
 
+class CorruptCheckpoint(StoreError):
+    """A checkpoint object is missing, damaged or inconsistent with its manifest; names the key."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A valid checkpoint: its round and manifest."""
@@ -63,31 +88,191 @@ class Checkpoint:
     manifest: dict[str, Any]
 
 
-# ---------------------------------------------------------------- global state
-def write_global_state(store: Store, round: int, tree: dict[str, Any], *, writer: int) -> int:
-    """Write round ``round``'s global state, then its write-once marker. Returns the blob's bytes.
+# ---------------------------------------------------------------- global state: slices
+@dataclass(frozen=True)
+class GlobalStateSlices:
+    """A global state tree cut into ``num_shards`` slices of whole tensors, ready to encode.
 
-    Ordering: blob first, marker last, so a reader that sees the marker sees a
-    complete blob (a crash in between leaves an unmarked blob nobody reads).
+    The cut is a pure function of the tree's tensor order and sizes, so every
+    participant computes the same slices (and the same bytes) from the same state.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    skeleton: Any
+    groups: list[list[str]] = field(default_factory=list)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.groups)
+
+    def encode(self, index: int, *, round: int) -> bytes:
+        """Slice ``index`` as safetensors bytes; the tree's skeleton rides in every slice's metadata."""
+        meta = {"round": str(round), "shard": str(index), "num_shards": str(self.num_shards),
+                "skeleton": json.dumps(self.skeleton)}
+        return st_save({k: self.tensors[k] for k in self.groups[index]}, metadata=meta)
+
+
+def split_global_state(tree: dict[str, Any], num_shards: int) -> GlobalStateSlices:
+    """Cut ``tree`` into ``num_shards`` contiguous groups of whole tensors of ~equal bytes.
+
+    A tensor is never split, so one tensor larger than ``1/num_shards`` of the
+    state makes its slice larger than the others (e.g. a big embedding).
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    tensors, skeleton = flatten(tree)
+    sizes = [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
+    total = sum(n for _, n in sizes) or 1
+    groups: list[list[str]] = [[] for _ in range(num_shards)]
+    seen = 0
+    for key, nbytes in sizes:
+        # Assign by the tensor's midpoint, so big tensors land near where their bytes fall.
+        groups[min(num_shards - 1, (2 * seen + nbytes) * num_shards // (2 * total))].append(key)
+        seen += nbytes
+    return GlobalStateSlices(tensors=tensors, skeleton=skeleton, groups=groups)
+
+
+def write_global_shard(store: Store, round: int, slices: GlobalStateSlices, index: int, *, writer: int) -> int:
+    """Write slice ``index`` of round ``round``'s global state unless its marker exists. Returns bytes written.
+
+    Idempotent and safe to race: every writer writes the same bytes, the blob
+    put is atomic, and the marker is write-once.
     """
     prefix = checkpoint_prefix(round)
-    blob = encode_state(tree, metadata={"round": str(round)})
-    store.put(f"{prefix}/{_GLOBAL_BLOB}", blob)
-    store.create_json(f"{prefix}/{_GLOBAL_MARKER}",
-                      {"round": round, "bytes": len(blob), "crc32": zlib.crc32(blob), "by": writer})
+    name = _shard_name(index, slices.num_shards)
+    if store.exists(f"{prefix}/{name}.json"):
+        return 0
+    blob = slices.encode(index, round=round)
+    store.put(f"{prefix}/{name}.safetensors", blob)
+    faults.stall_point("global_upload", round, writer)
+    store.create_json(f"{prefix}/{name}.json", {"round": round, "shard": index, "num_shards": slices.num_shards,
+                                                "bytes": len(blob), "crc32": zlib.crc32(blob), "by": writer})
     return len(blob)
 
 
+def write_global_state(store: Store, round: int, tree: dict[str, Any], *, writer: int, num_shards: int = 1) -> int:
+    """Write every slice of ``tree`` (a single writer; tests and tools). Returns bytes written."""
+    slices = split_global_state(tree, num_shards)
+    return sum(write_global_shard(store, round, slices, i, writer=writer) for i in range(num_shards))
+
+
+@dataclass(frozen=True)
+class ShardMarkers:
+    """The global-state markers present for one round: ``num_shards`` -> {index: marker record}."""
+
+    by_count: dict[int, dict[int, dict[str, Any]]]
+
+    def complete(self, num_shards: int | None = None) -> int | None:
+        """A shard count whose slices are all present (the expected one if given), else None."""
+        counts = [num_shards] if num_shards is not None else sorted(self.by_count)
+        for n in counts:
+            if len(self.by_count.get(n, {})) == n:
+                return n
+        return None
+
+    def missing(self, num_shards: int) -> list[int]:
+        have = self.by_count.get(num_shards, {})
+        return [i for i in range(num_shards) if i not in have]
+
+
+def shard_markers(store: Store, round: int) -> ShardMarkers:
+    """Read the slice markers of ``round`` (unreadable or malformed ones are skipped with a warning)."""
+    prefix = checkpoint_prefix(round)
+    by_count: dict[int, dict[int, dict[str, Any]]] = {}
+    for name in store.list_dirs(prefix):
+        m = _SHARD.match(name)
+        if not m:
+            continue
+        index, n = int(m.group(1)), int(m.group(2))
+        if not 0 <= index < n:
+            continue
+        try:
+            rec = store.get_json(f"{prefix}/{name}")
+            if not (isinstance(rec, dict) and isinstance(rec.get("crc32"), int) and isinstance(rec.get("bytes"), int)):
+                raise ValueError("fields bytes/crc32 missing")
+        except (StoreError, ValueError) as exc:
+            logger.warning("ignoring global-state marker %s/%s (%s)", prefix, name, exc)
+            continue
+        by_count.setdefault(n, {})[index] = rec
+    return ShardMarkers(by_count)
+
+
+def global_state_complete(store: Store, round: int, *, num_shards: int | None = None) -> bool:
+    """Whether round ``round``'s global state is durable (every slice's marker exists)."""
+    return shard_markers(store, round).complete(num_shards) is not None
+
+
 def has_global_state(store: Store, round: int) -> bool:
-    """Whether round ``round``'s global state is complete (its marker exists)."""
-    return store.exists(f"{checkpoint_prefix(round)}/{_GLOBAL_MARKER}")
+    """Whether round ``round``'s global state is durable and the round is not void."""
+    return global_state_complete(store, round) and not is_void(store, round)
 
 
 def global_state_rounds(store: Store) -> list[int]:
-    """Rounds whose global state is complete, ascending."""
+    """Rounds whose global state is durable, ascending."""
     return [r for r in checkpoint_rounds(store) if has_global_state(store, r)]
 
 
+def _read_verified(store: Store, key: str, crc32: int | None) -> memoryview:
+    """Read ``key`` once: the store verifies its framing; ``crc32`` (from a marker) must match the payload's."""
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        raise CorruptCheckpoint(f"{key} is missing") from None
+    except ChecksumMismatch as exc:
+        raise CorruptCheckpoint(str(exc)) from None
+    if crc32 is not None and zlib.crc32(data) != crc32:
+        raise CorruptCheckpoint(f"{key}: crc32 differs from its marker/manifest; it was not used")
+    return data
+
+
+def load_global(store: Store, round: int, *, num_shards: int | None = None) -> dict[str, Any]:
+    """Round ``round``'s global state tree, each slice read and verified once.
+
+    Raises :class:`CorruptCheckpoint` naming the slice if one is missing or damaged.
+    """
+    markers = shard_markers(store, round)
+    n = markers.complete(num_shards)
+    if n is None:
+        raise CorruptCheckpoint(f"{checkpoint_prefix(round)}: global state incomplete "
+                                f"(slices present: { {k: sorted(v) for k, v in markers.by_count.items()} })")
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton: Any = None
+    for i in range(n):
+        key = f"{checkpoint_prefix(round)}/{_shard_name(i, n)}.safetensors"
+        raw = bytes(_read_verified(store, key, markers.by_count[n][i]["crc32"]))
+        try:
+            meta = read_metadata(raw)
+            tensors.update(st_load(raw))
+            skeleton = json.loads(meta["skeleton"]) if skeleton is None else skeleton
+        except Exception as exc:  # noqa: BLE001 - any decode failure means a bad object
+            raise CorruptCheckpoint(f"{key} is not a valid global-state slice ({type(exc).__name__}: {exc})") from None
+        del raw
+    try:
+        return unflatten(tensors, skeleton)
+    except KeyError as exc:
+        raise CorruptCheckpoint(f"{checkpoint_prefix(round)}: global state lacks tensor {exc}") from None
+
+
+# ---------------------------------------------------------------- void rounds
+def is_void(store: Store, round: int) -> bool:
+    """Whether round ``round``'s commit was abandoned (its global state could not be made durable)."""
+    return store.exists(f"{checkpoint_prefix(round)}/{_VOID}")
+
+
+def declare_void(store: Store, round: int, *, by: int, reason: str) -> bool:
+    """Record (write-once) that round ``round`` is void. Returns whether this call created the record."""
+    created = store.create_json(f"{checkpoint_prefix(round)}/{_VOID}",
+                                {"round": round, "by": by, "reason": reason, "time": time.time()})
+    if created:
+        logger.warning("round %d declared void by replica %d: %s", round, by, reason)
+    return created
+
+
+def void_rounds(store: Store) -> set[int]:
+    return {r for r in checkpoint_rounds(store) if is_void(store, r)}
+
+
+# ---------------------------------------------------------------- replica state
 def replica_state(trainer: Any, local_params: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """Everything one replica needs to resume bit-exactly, as a state tree."""
     tensors, meta = trainer.state_dict()
@@ -108,44 +293,128 @@ def restore_replica_state(trainer: Any, tree: dict[str, Any]) -> dict[str, torch
     return tree.get("local_params", {})
 
 
-def write_replica_state(store: Store, round: int, rank: int, tree: dict[str, Any]) -> int:
-    """Write replica ``rank``'s inner state for checkpoint ``round``, then its marker. Returns bytes."""
+def write_replica_state(store: Store, round: int, rank: int, tree: dict[str, Any], *,
+                        world_size: int | None = None) -> int:
+    """Write replica ``rank``'s inner state for checkpoint ``round``, then its marker. Returns bytes.
+
+    ``world_size`` (the run's replica count) is recorded: a data position means
+    nothing under another replica count.
+    """
     prefix = checkpoint_prefix(round)
     blob = encode_state(tree, metadata={"round": str(round), "rank": str(rank)})
     store.put(f"{prefix}/{_replica_blob(rank)}", blob)
     faults.stall_point("checkpoint", round, rank)
-    store.put_json(f"{prefix}/{_replica_marker(rank)}",
-                   {"round": round, "rank": rank, "bytes": len(blob), "crc32": zlib.crc32(blob)})
+    store.put_json(f"{prefix}/{_replica_marker(rank)}", {"round": round, "rank": rank, "bytes": len(blob),
+                                                         "crc32": zlib.crc32(blob), "world_size": world_size})
     return len(blob)
 
 
+def replica_state_marker(store: Store, round: int, rank: int) -> dict[str, Any] | None:
+    """Replica ``rank``'s marker for checkpoint ``round`` (None if absent or unreadable)."""
+    try:
+        rec = store.try_get_json(f"{checkpoint_prefix(round)}/{_replica_marker(rank)}")
+    except StoreError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("crc32"), int) else None
+
+
+def load_replica_at(store: Store, round: int, rank: int, crc32: int | None = None) -> dict[str, Any]:
+    """Replica ``rank``'s inner state of checkpoint ``round``, read and verified once."""
+    key = f"{checkpoint_prefix(round)}/{_replica_blob(rank)}"
+    data = _read_verified(store, key, crc32)
+    try:
+        return decode_state(data)
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptCheckpoint(f"{key} is not a valid replica state ({type(exc).__name__}: {exc})") from None
+
+
+def load_replica(store: Store, ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
+    """Replica ``rank``'s inner state in ``ckpt``, or None if the manifest has none for it."""
+    entry = ckpt.manifest.get("replicas", {}).get(str(rank))
+    if not isinstance(entry, dict):
+        return None
+    return load_replica_at(store, ckpt.round, rank, entry.get("crc32"))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a (re)starting replica resumes: round ``round``'s durable global state, and its own
+    inner state of that round when ``replica_crc32`` is set (exact resume) or fresh inner state
+    when it is None (``reason`` says why)."""
+
+    round: int
+    replica_crc32: int | None
+    reason: str = ""
+
+
+def resume_point(store: Store, rank: int, *, world_size: int) -> ResumePoint | None:
+    """The newest durable round with this replica's own inner state, else the newest durable round.
+
+    Needs no manifest: a replica restarted right after a commit resumes from
+    that round as soon as its global state is durable (survivors finish it),
+    even if nobody has written the manifest yet. None: nothing durable yet.
+    """
+    durable = global_state_rounds(store)
+    if not durable:
+        return None
+    newest_reason = f"checkpoint {durable[-1]} has no state for replica {rank}"
+    for round in reversed(durable):
+        rec = replica_state_marker(store, round, rank)
+        if rec is None:
+            continue
+        saved_world = rec.get("world_size")
+        if saved_world not in (None, world_size):
+            # Data shards are rank::world_size, so a stored data position means
+            # nothing under another replica count.
+            newest_reason = f"checkpoint {round} was taken with {saved_world} replicas, now {world_size}"
+            break
+        return ResumePoint(round=round, replica_crc32=rec["crc32"])
+    return ResumePoint(round=durable[-1], replica_crc32=None, reason=newest_reason)
+
+
+# ---------------------------------------------------------------- manifests
 def write_manifest(store: Store, round: int, participants: list[int], *, deadline_s: float,
                    spec_round_meta: dict[str, Any] | None = None) -> bool:
-    """Leader: wait for the global state and every participant's state, then write the manifest.
+    """Wait for the durable global state and every participant's state, then write the manifest.
 
-    Replicas whose state does not arrive by the deadline are left out of the
-    manifest (they resume with fresh inner state). Returns whether written.
+    Any participant may call this; the manifest is write-once, so the first
+    writer wins and the others return False. Replicas whose state does not
+    arrive by the deadline are left out (they resume with fresh inner state).
     """
     prefix = checkpoint_prefix(round)
     deadline = time.monotonic() + deadline_s
+    n = len(participants)
+
+    def stop_if_written(misses: int) -> None:
+        if misses % 8 == 0 and store.exists(f"{prefix}/{_MANIFEST}"):
+            raise _ManifestExists()
+
     try:
-        glob = store.wait_get(f"{prefix}/{_GLOBAL_MARKER}", deadline=deadline)
+        poll_until(lambda: True if global_state_complete(store, round, num_shards=n) else None,
+                   deadline=deadline, policy=PollPolicy(initial_s=0.05, max_s=1.0), between=stop_if_written,
+                   on_timeout=lambda waited: StoreTimeout(f"{prefix} global state", waited))
     except StoreTimeout:
-        logger.warning("checkpoint %d: global state never appeared; no manifest", round)
+        logger.warning("checkpoint %d: global state not durable within %.0fs; no manifest from this replica",
+                       round, deadline_s)
         return False
-    glob_meta = json.loads(bytes(glob))
+    except _ManifestExists:
+        return False
+    markers = shard_markers(store, round).by_count[n]
     replicas: dict[str, Any] = {}
     for rank in participants:
         try:
-            rec = json.loads(bytes(store.wait_get(f"{prefix}/{_replica_marker(rank)}", deadline=deadline)))
+            store.wait_get(f"{prefix}/{_replica_marker(rank)}", deadline=deadline)
         except StoreTimeout:
             logger.warning("checkpoint %d: replica %d state missing; it will resume with fresh inner state",
                            round, rank)
             continue
-        replicas[str(rank)] = {"key": _replica_blob(rank), "bytes": rec["bytes"], "crc32": rec["crc32"]}
+        rec = replica_state_marker(store, round, rank)
+        if rec is not None:
+            replicas[str(rank)] = {"key": _replica_blob(rank), "bytes": rec.get("bytes"), "crc32": rec["crc32"]}
     manifest = {
         "round": round,
-        "global": {"key": _GLOBAL_BLOB, "bytes": glob_meta.get("bytes"), "crc32": glob_meta.get("crc32")},
+        "global": [{"key": f"{_shard_name(i, n)}.safetensors", "bytes": markers[i]["bytes"],
+                    "crc32": markers[i]["crc32"]} for i in range(n)],
         "replicas": replicas,
         "participants": participants,
         "time": time.time(),
@@ -154,53 +423,71 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
     return store.create_json(f"{prefix}/{_MANIFEST}", manifest)
 
 
+class _ManifestExists(Exception):
+    """Another participant already wrote the manifest: stop waiting."""
+
+
 def checkpoint_rounds(store: Store) -> list[int]:
     return sorted(int(n) for n in store.list_dirs("checkpoints") if n.isdigit())
 
 
+def _valid_manifest(manifest: Any, round: int) -> bool:
+    return (isinstance(manifest, dict) and manifest.get("round") == round
+            and isinstance(manifest.get("global"), list) and manifest["global"]
+            and all(isinstance(e, dict) and isinstance(e.get("key"), str) and isinstance(e.get("crc32"), int)
+                    for e in manifest["global"])
+            and isinstance(manifest.get("replicas", {}), dict))
+
+
+def read_manifest(store: Store, round: int) -> dict[str, Any] | None:
+    """Round ``round``'s manifest if present and well-formed, else None (with a warning if malformed)."""
+    prefix = checkpoint_prefix(round)
+    try:
+        manifest = store.get_json(f"{prefix}/{_MANIFEST}")
+    except ObjectNotFound:
+        return None
+    except ChecksumMismatch as exc:
+        logger.warning("checkpoint %s is corrupt (%s); skipping it", prefix, exc)
+        return None
+    if not _valid_manifest(manifest, round):
+        logger.warning("checkpoint %s has a malformed manifest; skipping it", prefix)
+        return None
+    return manifest
+
+
 def latest_checkpoint(store: Store, *, before: int | None = None, verify: bool = True) -> Checkpoint | None:
-    """Newest valid checkpoint (manifest present, objects verified), optionally ``< before``."""
+    """Newest valid checkpoint (manifest present, not void), optionally ``< before``.
+
+    ``verify=True`` reads every listed object once, one object in memory at a
+    time, and checks it against the manifest (what ``resume`` does before it
+    discards anything). Replicas pass ``verify=False`` and verify what they load
+    in the same read (:func:`load_global`, :func:`load_replica`). A torn or
+    corrupt checkpoint is skipped with a warning naming it, and the previous
+    one is used.
+    """
     for round in reversed(checkpoint_rounds(store)):
         if before is not None and round >= before:
             continue
         prefix = checkpoint_prefix(round)
-        try:
-            manifest = store.get_json(f"{prefix}/{_MANIFEST}")
-        except ObjectNotFound:
-            logger.warning("checkpoint %s/%s has no manifest (torn write); skipping it", store.uri, prefix)
+        manifest = read_manifest(store, round)
+        if manifest is None:
+            logger.warning("checkpoint %s/%s has no valid manifest (torn write?); skipping it", store.uri, prefix)
             continue
-        except ChecksumMismatch as exc:
-            logger.warning("checkpoint %s is corrupt (%s); skipping it", prefix, exc)
+        if is_void(store, round):
             continue
         if verify:
             try:
-                entries = [manifest.get("global", {}), *manifest.get("replicas", {}).values()]
+                entries = [*manifest["global"], *manifest.get("replicas", {}).values()]
                 for entry in entries:
-                    if entry.get("crc32") is None:  # a manifest from before global crc32s: framing only
-                        store.get(f"{prefix}/{entry.get('key', _GLOBAL_BLOB)}")
-                        continue
-                    data = store.get(f"{prefix}/{entry['key']}")
-                    if zlib.crc32(data) != entry["crc32"]:
-                        raise ChecksumMismatch(f"{prefix}/{entry['key']}", "crc32 differs from manifest")
-            except (ObjectNotFound, ChecksumMismatch) as exc:
+                    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+                        raise CorruptCheckpoint(f"{prefix}/{_MANIFEST} has a malformed entry")
+                    _read_verified(store, f"{prefix}/{entry['key']}", entry.get("crc32"))
+            except (CorruptCheckpoint, ValueError) as exc:
                 logger.warning("checkpoint %s/%s is corrupt or incomplete (%s); falling back to an earlier one",
                                store.uri, prefix, exc)
                 continue
         return Checkpoint(round=round, manifest=manifest)
     return None
-
-
-def load_global(store: Store, round: int) -> dict[str, Any]:
-    """Round ``round``'s global state tree (the registered torchft state dicts by key)."""
-    return decode_state(store.get(f"{checkpoint_prefix(round)}/{_GLOBAL_BLOB}"))
-
-
-def load_replica(store: Store, ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
-    """Replica ``rank``'s inner state in ``ckpt``, or None if the manifest has none for it."""
-    entry = ckpt.manifest.get("replicas", {}).get(str(rank))
-    if entry is None:
-        return None
-    return decode_state(store.get(f"{checkpoint_prefix(ckpt.round)}/{entry['key']}"))
 
 
 def prune_checkpoints(store: Store, *, keep: int, newest: int) -> list[int]:
@@ -249,18 +536,29 @@ def _as_tuple(obj: Any) -> Any:
 
 __all__ = [
     "Checkpoint",
+    "CorruptCheckpoint",
+    "GlobalStateSlices",
     "checkpoint_prefix",
     "checkpoint_rounds",
+    "declare_void",
     "discard_after",
+    "global_state_complete",
     "global_state_rounds",
     "has_global_state",
+    "is_void",
     "latest_checkpoint",
     "load_global",
     "load_replica",
+    "load_replica_at",
     "prune_checkpoints",
     "replica_state",
+    "replica_state_marker",
     "restore_replica_state",
+    "resume_point",
+    "ResumePoint",
+    "shard_markers",
+    "split_global_state",
+    "write_global_shard",
     "write_global_state",
     "write_manifest",
-    "write_replica_state",
 ]

@@ -135,6 +135,10 @@ def _status_table(status: RunStatus) -> Table:
     for r in status.replicas:
         table.add_row(str(r.rank), r.executor, r.state, "-" if r.last_round is None else str(r.last_round),
                       str(r.restarts), (r.message or "").strip().splitlines()[-1][:80] if r.message else "")
+    notes = [*status.problems] + ([f"store unreachable, showing the last known state: {status.store_error}"]
+                                  if status.store_error else [])
+    if notes:
+        table.caption = "\n".join(notes)
     return table
 
 
@@ -213,8 +217,11 @@ def cancel(run_uri: str, store_option: StoreOptionFlag = None) -> None:
     """Cancel every replica job of a run."""
     run = _open(run_uri, store_option)
     with _user_errors():
-        _report_cancel(runs.cancel(run))
-    console.print(f"cancelled run {run.run_id}")
+        result = runs.cancel(run)
+    _report_cancel(result)
+    console.print(f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
+    if result.warnings:
+        raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------- resume / export
@@ -247,6 +254,8 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
     from composer_cloud.export import export_model
 
     run = _open(run_uri, store_option)
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
     try:
         r = export_model(run, out, round=round)
     except (LookupError, StoreError) as exc:

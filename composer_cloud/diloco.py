@@ -121,6 +121,27 @@ class OuterLoop:
         self.manager.load_state(dict(tree))
         self.diloco._restore_parameters()
 
+    def verify_durable(self, round: int) -> None:
+        """Read round ``round``'s stored global state back and check it equals this replica's, bitwise.
+
+        Raises :class:`~composer_cloud.checkpoint.CorruptCheckpoint` naming the round otherwise. Run at
+        the end of a run: "completed" must mean the final state is durable and right.
+        """
+        from composer_cloud import checkpoint
+        from composer_cloud.rendezvous.state import flatten
+
+        stored, _ = flatten(checkpoint.load_global(self.manager.store, round))
+        live, _ = flatten(self.manager.state())
+        if stored.keys() != live.keys():
+            raise checkpoint.CorruptCheckpoint(f"stored global state of round {round} has other tensors than the "
+                                               "model's")
+        for key, tensor in live.items():
+            mine = tensor.detach().cpu().contiguous().reshape(-1)
+            theirs = stored[key].contiguous().reshape(-1)
+            if theirs.dtype != mine.dtype or not torch.equal(theirs.view(torch.uint8), mine.view(torch.uint8)):
+                raise checkpoint.CorruptCheckpoint(f"stored global state of round {round} differs from the "
+                                                   f"replica's at {key}")
+
     def close(self) -> None:
         """Finish pending uploads and stop the manager's threads."""
         self.manager.close()
@@ -139,6 +160,7 @@ def build_diloco(
     fragment_sync_delay: int = 0,
     use_bucketization: bool = False,
     heal_timeout_s: float = 600.0,
+    takeover_after_s: float | None = None,
     start_round: int = 0,
     on_sync: Callable[[SyncRecord], None] | None = None,
 ) -> OuterLoop:
@@ -147,6 +169,9 @@ def build_diloco(
     Args:
         fragments: a fragment count (parameters split by :func:`split_fragments`)
             or the fragment modules themselves.
+        takeover_after_s: how long to wait for other participants' slices of a
+            committed global state before writing them (default: the quorum timeout,
+            the expected straggler spread).
         start_round: the first round this replica syncs (checkpoint round + 1 on resume).
         on_sync: called with every :class:`SyncRecord` (see the manager).
     """
@@ -163,8 +188,9 @@ def build_diloco(
         assert loop is not None
         loop.diloco._restore_parameters()
 
-    manager = ObjectStoreManager(ar, heal_timeout_s=heal_timeout_s, start_step=start_round, on_heal=on_heal,
-                                 on_sync=on_sync)
+    manager = ObjectStoreManager(
+        ar, heal_timeout_s=heal_timeout_s, start_step=start_round, on_heal=on_heal, on_sync=on_sync,
+        takeover_after_s=allreduce.quorum_timeout_s if takeover_after_s is None else takeover_after_s)
     diloco = DiLoCo(manager, frags, inner_optimizer, outers, sync_every=sync_every,
                     fragment_sync_delay=fragment_sync_delay, use_bucketization=use_bucketization, pin_memory=False)
     loop = OuterLoop(diloco=diloco, manager=manager, fragments=frags, outer_optimizers=outers)

@@ -7,7 +7,9 @@ so a test can SIGKILL the launcher and every replica at exactly that point.
 Phases: ``inner_step`` (between inner steps), ``upload`` (after part of the
 pseudo-gradient was uploaded), ``reduce`` (after this replica published its
 reduced slot, before the commit), ``checkpoint`` (after the replica state
-blob, before its marker and the manifest). Unset, every call is a no-op.
+blob, before its marker and the manifest), ``global_upload`` (after this
+replica's slice of the committed global state, before its marker). Unset,
+every call is a no-op.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from composer_cloud import env
 
 ENV = env.STALL_AT
 MARKER_ENV = env.STALL_MARKER
-PHASES = ("inner_step", "upload", "reduce", "checkpoint")
+PHASES = ("inner_step", "upload", "reduce", "checkpoint", "global_upload")
 
 
 def stall_point(phase: str, round: int, rank: int) -> None:

@@ -34,8 +34,9 @@ import torch
 from composer_cloud import checkpoint as ckpt
 from composer_cloud import env, faults
 from composer_cloud.diloco import OuterLoop, OuterOptimizerConfig, build_diloco, params_digest
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, cleanup_rounds
+from composer_cloud.rendezvous.allreduce import AllReduceConfig, cleanup_rounds, latest_committed_round
 from composer_cloud.rendezvous.manager import SyncRecord
+from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.run import open_run
 
 logger = logging.getLogger("composer_cloud.replica")
@@ -95,8 +96,7 @@ class Replica:
             device=device, settings=spec.trainer.settings(),
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json")))
 
-        # Resume point: the newest valid checkpoint (written by a previous launch or before a restart).
-        start = ckpt.latest_checkpoint(self.store)
+        start = self._resume_point()
         start_round = start.round + 1 if start else 0
         loop = build_diloco(
             store=self.store, rank=self.rank, model=model, inner_optimizer=trainer.optimizer,
@@ -108,7 +108,8 @@ class Replica:
                 io_threads=spec.sync.io_threads),
             outer=OuterOptimizerConfig(lr=spec.outer_optimizer.lr, momentum=spec.outer_optimizer.momentum,
                                        nesterov=spec.outer_optimizer.nesterov),
-            heal_timeout_s=spec.sync.heal_timeout_s, start_round=start_round, on_sync=self._syncs.append)
+            heal_timeout_s=spec.sync.heal_timeout_s, takeover_after_s=spec.sync.quorum_timeout_s,
+            start_round=start_round, on_sync=self._syncs.append)
         manager = loop.manager
         if start is not None:
             self._restore(start, loop, trainer)
@@ -163,6 +164,8 @@ class Replica:
         manager.flush_state()
         for fut in self._pending_io:
             fut.result()
+        if manager.current_step() > 0:
+            loop.verify_durable(manager.current_step() - 1)
         loop.close()
         self.flush_metrics()
         self.heartbeat("completed", round=manager.current_step(), step=step, params_sha256=params_digest(model))
@@ -180,20 +183,27 @@ class Replica:
 
     def _after_commit(self, round: int, participants: list[int], loop: OuterLoop, trainer: Any,
                       row: dict[str, Any]) -> None:
+        """Checkpoint round ``round``: my inner state, then my slice of the global state, then the manifest.
+
+        Ordering: the inner state is written before this replica's global slice
+        (the slice upload waits for it), so a replica killed during the global
+        upload has a complete inner state for ``round`` and resumes it exactly.
+        Every participant then tries to write the manifest (write-once): no
+        checkpoint depends on one replica surviving.
+        """
         spec = self.spec
         if self.rank == min(participants) and hasattr(trainer, "evaluate"):
             row.update(trainer.evaluate())
-        # The leader's global-state upload starts now (background), not at the next inner step.
-        loop.manager.publish_state()
         if (round + 1) % spec.checkpoint_every and round + 1 != spec.rounds:
+            loop.manager.publish_state()  # global state every round: healers need it
             return
         local = None
         if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
             local = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
         # At most one of this replica's state writes in flight: if the store
         # is slower than the rounds, wait here (and record it) rather than
-        # queue full snapshots. The leader's manifest writers are not waited
-        # on: they wait for other replicas, which may be gone.
+        # queue full snapshots. Manifest writers are not waited on: they wait
+        # for other replicas, which may be gone.
         t0 = time.monotonic()
         if self._state_write is not None:
             self._state_write.result()
@@ -204,32 +214,50 @@ class Replica:
         t0 = time.monotonic()
         tree = _snapshot(ckpt.replica_state(trainer, local))
         row["checkpoint_snapshot_s"] = time.monotonic() - t0
-        self._state_write = self._io.submit(ckpt.write_replica_state, self.store, round, self.rank, tree)
+        self._state_write = self._io.submit(ckpt.write_replica_state, self.store, round, self.rank, tree,
+                                            world_size=spec.replicas)
         self._pending_io.append(self._state_write)
-        if self.rank == min(participants):
-            def finish() -> None:
-                ok = ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,
-                                         spec_round_meta={"replicas_launched": spec.replicas})
-                if ok:
-                    ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
-                    cleanup_rounds(self.store, before=round)
-            self._pending_io.append(self._manifest_io.submit(finish))
+        loop.manager.publish_state(after=self._state_write)
 
-    def _restore(self, start: ckpt.Checkpoint, loop: OuterLoop, trainer: Any) -> None:
+        def finish() -> None:
+            if ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,
+                                   spec_round_meta={"replicas_launched": spec.replicas}):
+                ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
+                cleanup_rounds(self.store, before=round)
+        self._pending_io.append(self._manifest_io.submit(finish))
+
+    def _resume_point(self) -> ckpt.ResumePoint | None:
+        """Where to start: the newest durable round, with my own inner state if I wrote it.
+
+        A replica restarted right after a commit it took part in waits (up to
+        ``round_timeout_s``) for that round's global state to become durable:
+        the surviving participants write the missing slices, and resuming that
+        round with my own inner state is exact.
+        """
+        committed = latest_committed_round(self.store)
+        if (committed >= 0 and ckpt.replica_state_marker(self.store, committed, self.rank) is not None
+                and not ckpt.has_global_state(self.store, committed)):
+            logger.info("replica %d: waiting for round %d's global state to become durable", self.rank, committed)
+            try:
+                poll_until(lambda: True if ckpt.has_global_state(self.store, committed) else None,
+                           deadline=time.monotonic() + self.spec.sync.round_timeout_s,
+                           policy=PollPolicy(initial_s=0.2, max_s=2.0),
+                           on_timeout=lambda waited: TimeoutError(waited))
+            except TimeoutError:
+                logger.warning("replica %d: round %d's global state did not become durable within "
+                               "round_timeout_s; resuming from an earlier round", self.rank, committed)
+        return ckpt.resume_point(self.store, self.rank, world_size=self.spec.replicas)
+
+    def _restore(self, start: ckpt.ResumePoint, loop: OuterLoop, trainer: Any) -> None:
         """Load global state into DiLoCo and the model, and this replica's inner state if present."""
         loop.restore(ckpt.load_global(self.store, start.round))
-        saved_world = start.manifest.get("replicas_launched", self.spec.replicas)
-        if saved_world != self.spec.replicas:
-            # Data shards are rank::world_size, so a stored data position means
-            # nothing under another replica count: every replica restarts its
-            # inner state (optimizer, data stream) from the global parameters.
-            logger.warning("checkpoint %d was taken with %d replicas, now %d: fresh inner state from global params",
-                           start.round, saved_world, self.spec.replicas)
+        if start.replica_crc32 is None:
+            logger.warning("%s: fresh inner state from global params", start.reason)
             return
-        tree = ckpt.load_replica(self.store, start, self.rank)
-        if tree is None:
-            logger.warning("checkpoint %d has no state for replica %d: fresh inner state from global params",
-                           start.round, self.rank)
+        try:
+            tree = ckpt.load_replica_at(self.store, start.round, self.rank, start.replica_crc32)
+        except ckpt.CorruptCheckpoint as exc:
+            logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
             return
         local = ckpt.restore_replica_state(trainer, tree)
         if local:

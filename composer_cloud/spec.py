@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session)", re.IGNORECASE)
 
@@ -32,7 +32,8 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # allow_inf_nan=False: a timeout of inf or nan is a typo, never a setting.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -126,13 +127,13 @@ class RunSpec(_Strict):
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
-    rounds: int = Field(default=4, ge=1)
-    inner_steps: int = Field(default=10, ge=1)
-    seed: int = Field(default=0, ge=0)
+    rounds: int = Field(default=4, ge=1, le=10_000_000)
+    inner_steps: int = Field(default=10, ge=1, le=10_000_000)
+    seed: int = Field(default=0, ge=0, lt=2**63)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    checkpoint_every: int = Field(default=1, ge=1)
-    keep_checkpoints: int = Field(default=2, ge=1)
-    max_restarts: int = Field(default=0, ge=0)
+    checkpoint_every: int = Field(default=1, ge=1, le=10_000_000)
+    keep_checkpoints: int = Field(default=2, ge=1, le=10_000)
+    max_restarts: int = Field(default=0, ge=0, le=1000)
     model: ModelSpec = Field(default_factory=ModelSpec)
     inner_optimizer: InnerOptimizerSpec = Field(default_factory=InnerOptimizerSpec)
     outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec)
@@ -144,7 +145,7 @@ class RunSpec(_Strict):
     @field_validator("run_id")
     @classmethod
     def _run_id_safe(cls, v: str) -> str:
-        if v and (not RUN_ID_PATTERN.match(v) or ".." in v):
+        if v and (not RUN_ID_PATTERN.fullmatch(v) or ".." in v):
             raise ValueError(
                 f"{v!r} is not a valid run id: use letters, digits, '.', '_' and '-' "
                 "(no '/', no '..'), starting with a letter or digit"
@@ -203,7 +204,8 @@ def _error_from_validation(exc: ValidationError, source: str) -> SpecError:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = f"unknown key in {source}"
-    elif "input" in err and err["type"] not in ("missing",):
+    elif "input" in err and err["type"] not in ("missing", "value_error") and err["loc"][:1] != ("store_options",):
+        # Custom validators already say what is wrong; never echo store options (a rejected credential).
         msg = f"{msg} (got {err['input']!r})"
     return SpecError(field, msg)
 
@@ -240,6 +242,10 @@ def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None =
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise SpecError("--config", f"file not found: {p}") from None
+        except IsADirectoryError:
+            raise SpecError("--config", f"{p} is a directory; give the run spec's .toml file") from None
+        except (PermissionError, UnicodeDecodeError) as exc:
+            raise SpecError("--config", f"cannot read {p}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise SpecError("--config", f"{p} is not valid TOML: {exc}") from None
     for key, value in (overrides or {}).items():

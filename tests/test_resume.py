@@ -163,3 +163,66 @@ def test_resume_with_more_replicas(tmp_path):
     digests = {json.loads((tmp_path / f"store/grow/replicas/{r}.json").read_bytes()[16:])["params_sha256"]
                for r in range(3)}
     assert len(digests) == 1
+
+
+# ---------------------------------------------------------------- no single point of failure (issue 11)
+def _launch_and_kill_replica_at(tmp_path: Path, store: str, run_id: str, phase: str, round: int,
+                                extra: str) -> subprocess.Popen:
+    """Launch attached, wait until rank 0 stalls at ``phase`` of ``round``, SIGKILL that replica only."""
+    cfg = tmp_path / f"{run_id}.toml"
+    cfg.write_text(extra + SPEC.replace("[sync]\nquorum_timeout_s = 60",
+                                        "[sync]\nquorum_timeout_s = 15\nheal_timeout_s = 30"))
+    marker = tmp_path / f"stalled-{run_id}"
+    env = {**os.environ, faults.ENV: f"{phase}:{round}:0", faults.MARKER_ENV: str(marker)}
+    launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
+                                 "--store", store, "--run-id", run_id], cwd=tmp_path, env=env,
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        assert launcher.poll() is None, "launcher exited before the stall point: " + launcher.stdout.read()
+        assert time.monotonic() < deadline, f"never reached {phase}"
+        time.sleep(0.2)
+    jobs = Path(Store(f"{store}/{run_id}").get_json("executor/0.json")["data"]["dir"])
+    os.kill(json.loads((jobs / "supervisor.json").read_text())["replica_pid"], signal.SIGKILL)
+    return launcher
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("round", [1, 3], ids=["middle-round", "final-round"])
+def test_leader_killed_during_global_upload_run_completes_exactly(kind, round, tmp_path, baselines, request):
+    """The round's leader dies while uploading its slice of the committed global state; with one
+    restart the run completes (exit 0) and its model equals the uninterrupted run's, bitwise."""
+    if kind == "s3":
+        request.getfixturevalue("s3_endpoint")
+    expected = _baseline(kind, tmp_path, baselines)
+    store = _store_uri(kind, tmp_path)
+    run_id = f"leader-{round}"
+    launcher = _launch_and_kill_replica_at(tmp_path, store, run_id, "global_upload", round, "max_restarts = 1\n")
+    out, _ = launcher.communicate(timeout=400)
+    assert launcher.returncode == 0, out
+    run_uri = f"{store}/{run_id}"
+    st = json.loads(_cli(["status", run_uri, "--json"], tmp_path).stdout)
+    assert st["state"] == "completed" and st["last_durable_round"] == 3, st
+    assert st["replicas"][0]["restarts"] == 1, st
+    assert _same_weights(_export(tmp_path, run_uri, "model"), expected)
+
+
+@pytest.mark.slow
+def test_forged_future_commits_never_yield_completed(tmp_path):
+    """Committed records forged for every later round, then every replica dies: not "completed"."""
+    store = _store_uri("file", tmp_path)
+    launcher = _launch_and_kill_replica_at(tmp_path, store, "forged", "inner_step", 1, "")
+    run = Store(f"{store}/forged")
+    for r in range(1, 4):
+        prefix = f"rounds/{r:08d}/0"
+        run.create_json(f"{prefix}/quorum.json", {"participants": [0, 1], "decided_by": 1, "time": time.time(),
+                                                  "reason": "all joined"})
+        run.create_json(f"{prefix}/outcome.json", {"committed": True, "participants": [0, 1], "by": 1,
+                                                   "time": time.time()})
+    out, _ = launcher.communicate(timeout=400)
+    assert launcher.returncode != 0, out
+    st = json.loads(_cli(["status", f"{store}/forged", "--json"], tmp_path).stdout)
+    assert st["state"] != "completed", st
+    assert st["problems"], st
+    assert _cli(["status", f"{store}/forged"], tmp_path).returncode == 0

@@ -11,15 +11,26 @@ composer_cloud.jobs.local supervise ...``) in its own session, so that:
 
 Job files live in ``<run dir>/jobs/<rank>/`` for ``file://`` stores, else in
 ``./runs/.local-jobs/<run_id>/<rank>/``: ``replica.log``, ``supervisor.json``
-(pids), ``exit.json``.
+(pids), ``exit.json``, ``token``.
+
+Handles are read back from the store, which is not trusted (anyone with write
+access to the bucket can edit ``executor/<rank>.json``). Before this executor
+signals a process or writes a file for a handle, the handle must prove it is
+this machine's job: its directory must hold the ``token`` file the launcher
+wrote (0600) with the handle's token, and the process group to signal must be
+the supervisor named in that directory, running ``composer_cloud.jobs.local
+supervise --dir <that directory>``. Anything else is refused with an
+:class:`~composer_cloud.jobs.base.ExecutorError`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,7 +40,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from composer_cloud import env
-from composer_cloud.jobs.base import JobHandle, LaunchPlan, ReplicaState, ReplicaStatus, replica_command
+from composer_cloud.jobs.base import (
+    ExecutorError,
+    JobHandle,
+    LaunchPlan,
+    ReplicaState,
+    ReplicaStatus,
+    replica_command,
+)
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
@@ -42,6 +60,46 @@ def job_dir(run_uri: str, rank: int) -> Path:
         return Path(run_uri[len("file://"):]) / "jobs" / str(rank)
     run_id = run_uri.rstrip("/").rsplit("/", 1)[-1]
     return Path("runs") / ".local-jobs" / run_id / str(rank)
+
+
+_SUPERVISOR_MODULE = "composer_cloud.jobs.local"
+
+
+def _verified_dir(handle: JobHandle) -> Path:
+    """The handle's job directory, once the handle proved it belongs to a job this machine launched."""
+    raw = handle.data.get("dir")
+    token = handle.data.get("token")
+    if not isinstance(raw, str) or not isinstance(token, str) or not token:
+        raise ExecutorError(f"replica {handle.rank}: the local job handle has no job directory or token; "
+                            "it was not written by this version's launcher (refusing to act on it)")
+    d = Path(raw)
+    try:
+        stored = (d / "token").read_text().strip()
+    except OSError:
+        raise ExecutorError(f"replica {handle.rank}: no local job at {d} (launched on another machine, or the "
+                            "handle in the store was altered); refusing to act on it") from None
+    if not hmac.compare_digest(stored, token):
+        raise ExecutorError(f"replica {handle.rank}: the job handle's token does not match {d}/token; "
+                            "the handle in the store was altered; refusing to act on it")
+    return d
+
+
+def _supervisor_pgid(handle: JobHandle, d: Path) -> int | None:
+    """The supervisor's process group, if it is alive and really is the supervisor of ``d``."""
+    if not handle.job_id.isdigit() or int(handle.job_id) <= 1:
+        return None
+    pid = int(handle.job_id)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    args = [a.decode(errors="replace") for a in cmdline]
+    if _SUPERVISOR_MODULE not in args or "--dir" not in args or args[args.index("--dir") + 1:][:1] != [str(d)]:
+        return None
+    try:
+        return os.getpgid(pid) if os.getpgid(pid) == pid else None
+    except ProcessLookupError:
+        return None
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -77,11 +135,15 @@ class LocalProcessExecutor:
     def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
         handles = []
         for rank in ranks:
-            d = job_dir(run_uri, rank)
+            d = job_dir(run_uri, rank).resolve()
             d.mkdir(parents=True, exist_ok=True)
-            for stale in ("exit.json", "supervisor.json", "cancel"):
+            for stale in ("exit.json", "supervisor.json", "cancel", "token"):
                 (d / stale).unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "composer_cloud.jobs.local", "supervise", "--dir", str(d),
+            token = secrets.token_hex(16)
+            fd = os.open(d / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            cmd = [sys.executable, "-m", _SUPERVISOR_MODULE, "supervise", "--dir", str(d),
                    "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
             environ = os.environ.copy()
             environ.setdefault(env.THREADS, str(self.threads))
@@ -92,12 +154,12 @@ class LocalProcessExecutor:
                 proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, env=environ)
             handles.append(JobHandle(executor=self.name, rank=rank, job_id=str(proc.pid),
-                                     data={"dir": str(d.resolve()), "pgid": proc.pid}))
+                                     data={"dir": str(d), "pgid": proc.pid, "token": token}))
             logger.info("launched replica %d as local process group %d", rank, proc.pid)
         return handles
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
-        d = Path(handle.data["dir"])
+        d = _verified_dir(handle)
         exit_rec = _read_json(d / "exit.json")
         if exit_rec is not None:
             code = exit_rec.get("exit_code")
@@ -108,14 +170,14 @@ class LocalProcessExecutor:
                 return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "", restarts)
             return ReplicaStatus(ReplicaState.FAILED, code, exit_rec.get("message", "") + _tail(d / "replica.log"),
                                  restarts)
-        if _alive(int(handle.job_id)):
+        if _supervisor_pgid(handle, d) is not None:
             sup = _read_json(d / "supervisor.json") or {}
             return ReplicaStatus(ReplicaState.RUNNING if sup.get("replica_pid") else ReplicaState.PENDING, None, "",
                                  int(sup.get("restarts", 0) or 0))
         return ReplicaStatus(ReplicaState.FAILED, None, "supervisor vanished without recording an exit code")
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
-        path = Path(handle.data["dir"]) / "replica.log"
+        path = _verified_dir(handle) / "replica.log"
         pos = 0
         while True:
             if path.exists():
@@ -129,19 +191,19 @@ class LocalProcessExecutor:
             time.sleep(0.5)
 
     def cancel(self, handle: JobHandle) -> None:
-        d = Path(handle.data["dir"])
-        (d / "cancel").touch()
-        try:
-            os.killpg(int(handle.data.get("pgid", handle.job_id)), signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while _alive(int(handle.job_id)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        try:
-            os.killpg(int(handle.data.get("pgid", handle.job_id)), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        d = _verified_dir(handle)
+        (d / "cancel").touch()  # the supervisor also polls for this file
+        pgid = _supervisor_pgid(handle, d)
+        if pgid is not None:
+            os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while _alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _supervisor_pgid(handle, d) == pgid:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         if _read_json(d / "exit.json") is None:
             _write_json(d / "exit.json", {"exit_code": None, "cancelled": True, "message": "cancelled"})
 

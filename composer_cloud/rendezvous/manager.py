@@ -25,10 +25,13 @@ How a sync maps onto the store (round ``r`` = ``current_step()``):
   model. An aborted round returns False on every replica and is retried.
 
 Global state: after a commit, DiLoCo's outer step produces the new global
-parameters; at the next manager call (or :meth:`flush_state`) the round's
-leader (lowest participating rank) writes every registered ``save_fn``'s
-state as round ``r``'s global state (:func:`composer_cloud.checkpoint.write_global_state`,
-blob first, write-once marker last). Healing reads only marked states.
+parameters, bitwise identical on every participant. At the next manager call
+(or :meth:`publish_state`) each participant writes its slice of every
+registered ``save_fn``'s state (:func:`composer_cloud.checkpoint.write_global_shard`),
+in the background; a participant that still misses a slice after
+``takeover_after_s`` writes it itself. ``start_quorum`` joins that work, so a
+round's global state is durable before its participants sync again, whoever
+died. Healing reads only durable states.
 
 Every sync is reported to ``on_sync`` (a :class:`SyncRecord`), so the caller
 learns about commits, aborts and heals without inspecting the manager.
@@ -48,7 +51,7 @@ import torch
 
 from composer_cloud import checkpoint
 from composer_cloud.rendezvous.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
-from composer_cloud.rendezvous.store import StoreError
+from composer_cloud.rendezvous.store import StoreError, StoreTimeout
 from composer_cloud.retry import PollPolicy, poll_until
 
 logger = logging.getLogger(__name__)
@@ -98,6 +101,8 @@ class ObjectStoreManager:
     Args:
         allreduce: the replica's object-store all-reduce (holds store, rank, deadlines).
         heal_timeout_s: how long healing may wait for a committed global state.
+        takeover_after_s: how long a participant waits for the other slices of
+            a committed global state before writing the missing ones itself.
         on_heal: called with the healed round after registered states were
             loaded; use it to copy the global parameters into the model
             (``diloco._restore_parameters``).
@@ -113,6 +118,7 @@ class ObjectStoreManager:
         allreduce: ObjectStoreAllReduce,
         *,
         heal_timeout_s: float = 600.0,
+        takeover_after_s: float = 60.0,
         on_heal: Callable[[int], None] | None = None,
         on_sync: Callable[[SyncRecord], None] | None = None,
         start_step: int = 0,
@@ -121,6 +127,7 @@ class ObjectStoreManager:
         self.store = allreduce.store
         self.rank = allreduce.rank
         self.heal_timeout_s = heal_timeout_s
+        self.takeover_after_s = takeover_after_s
         self.on_heal = on_heal
         self.on_sync = on_sync
         self._step = start_step
@@ -130,6 +137,7 @@ class ObjectStoreManager:
         self._exchange: _ThreadFuture | None = None
         self._exchange_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sync-r{self.rank}")
         self._publish: _ThreadFuture | None = None
+        self.bytes_published = 0  # global-state bytes this replica uploaded (own slices + takeovers)
         self._publish_round: int | None = None
         self._round_open = False
         self._skip_sync = False
@@ -245,33 +253,71 @@ class ObjectStoreManager:
         self._exchange = self._exchange_pool.submit(run)
 
     # ------------------------------------------------------------ global state
-    def _maybe_publish_state(self) -> None:
-        """After a commit, the leader starts uploading the new global state."""
+    def _maybe_publish_state(self, after: _ThreadFuture | None = None) -> None:
+        """After a commit, every participant starts writing its slice of the new global state."""
         round, self._publish_round = self._publish_round, None
         if round is None or not self._save_fns:
             return
         last = self.history[-1].result
-        if last is None or not last.participants or last.participants[0] != self.rank:
+        if last is None or self.rank not in last.participants:
             return
         # save_fns return views of DiLoCo's backup tensors and outer optimizer
         # state, which change only at the next sync; flush_state() joins this
         # upload before that sync starts, so encoding in the background is safe.
         tree = {key: fn() for key, fn in self._save_fns.items()}
-        self._publish = self._exchange_pool.submit(self._write_global_state, round, tree)
+        self._publish = self._exchange_pool.submit(self._publish_global_state, round, list(last.participants),
+                                                   tree, after)
 
-    def _write_global_state(self, round: int, tree: dict[str, Any]) -> None:
-        checkpoint.write_global_state(self.store, round, tree, writer=self.rank)
+    def _publish_global_state(self, round: int, participants: list[int], tree: dict[str, Any],
+                              after: _ThreadFuture | None) -> None:
+        """Write my slice; then make sure every slice exists, writing missing ones myself after a grace.
 
-    def publish_state(self) -> None:
-        """Start the leader's upload of the last committed round's global state (background)."""
-        self._maybe_publish_state()
+        Every participant holds the same global state, so a slice whose owner
+        died is written by whoever notices first (same bytes; markers are
+        write-once). Nothing of round ``round`` then depends on one replica.
+        """
+        if after is not None:
+            after.result()  # e.g. the replica's own state first: a kill after this point loses no inner state
+        n = len(participants)
+        slices = checkpoint.split_global_state(tree, n)
+        mine = participants.index(self.rank)
+        self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, mine, writer=self.rank)
+
+        def missing() -> list[int] | None:
+            gone = checkpoint.shard_markers(self.store, round).missing(n)
+            return None if gone else []
+
+        try:
+            poll_until(missing, deadline=time.monotonic() + self.takeover_after_s,
+                       policy=PollPolicy(initial_s=0.05, max_s=1.0), on_timeout=lambda waited: StoreTimeout(
+                           f"global state of round {round}", waited))
+            return
+        except StoreTimeout:
+            pass
+        for index in checkpoint.shard_markers(self.store, round).missing(n):
+            logger.warning("round %d: slice %d of the global state (replica %d's) is missing after %.0fs; "
+                           "writing it", round, index, participants[index], self.takeover_after_s)
+            self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, index,
+                                                                  writer=self.rank)
+
+    def publish_state(self, *, after: _ThreadFuture | None = None) -> None:
+        """Start writing this replica's slice of the last committed round's global state (background).
+
+        ``after``: a future to wait for before the upload starts (ordering, e.g.
+        the replica's inner-state checkpoint first).
+        """
+        self._maybe_publish_state(after)
 
     def flush_state(self) -> None:
-        """Finish any pending global-state upload (call at the end of a run)."""
+        """Finish the pending global-state upload, takeover included (before a sync; at the end of a run)."""
         self._maybe_publish_state()
         if self._publish is not None:
             publish, self._publish = self._publish, None
             publish.result()
+
+    def state(self) -> dict[str, Any]:
+        """The registered global state now (views: valid until the next sync)."""
+        return {key: fn() for key, fn in self._save_fns.items()}
 
     def load_state(self, tree: dict[str, Any]) -> None:
         """Load a global state tree (as written by :func:`checkpoint.write_global_state`) into

@@ -32,7 +32,6 @@ import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec

@@ -16,7 +16,9 @@ jobs are being started raises :class:`LaunchError` (exit code 1).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +84,9 @@ def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any]
     Raises :class:`SpecError` naming the field for anything invalid, including the executor mix.
     """
     spec = load_spec(config, dict(overrides or {})).with_run_id()
+    if spec.store.startswith("file://"):
+        # Absolute, so the run can be opened (status, export, resume) from any directory.
+        spec = spec.model_copy(update={"store": "file://" + os.path.abspath(spec.store[len("file://"):])})
     try:
         assign_ranks(spec.executor, spec.replicas)
     except ValueError as exc:
@@ -226,12 +231,22 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
     ``TimeoutError`` after ``timeout_s`` (None: no limit).
     """
     run = _as_run(run, storage_options)
+    last: list[RunStatus] = []
 
     def finished() -> RunStatus | None:
-        st = run_status(run)
+        try:
+            st = run_status(run)
+        except StoreError as exc:
+            # The store may be down for a while (replicas ride outages out too): report and keep watching.
+            if not last:
+                raise
+            st = dataclasses.replace(last[-1], store_error=f"{type(exc).__name__}: {exc}")
+            if last[-1].store_error is None:
+                logger.warning("cannot read run %s from its store (%s); still watching", run.uri, exc)
+        last[:] = [st]
         if on_update is not None:
             on_update(st)
-        return None if st.state == "running" else st
+        return None if st.state == "running" or st.store_error else st
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     return poll_until(finished, deadline=deadline, policy=PollPolicy(initial_s=interval_s, max_s=interval_s),

@@ -12,8 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
-from composer_cloud.rendezvous.allreduce import latest_committed_round
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError
 from composer_cloud.runs.run import Run, cancel_requested, load_handles
 
 
@@ -37,28 +36,55 @@ class RunStatus:
     rounds: int
     rounds_committed: int
     replicas: list[ReplicaInfo] = field(default_factory=list)
+    #: newest round (0-based, as under ``checkpoints/``) whose global state is durable; None if none yet
+    last_durable_round: int | None = None
+    #: what keeps a finished run from counting as completed, or what status could not read
+    problems: list[str] = field(default_factory=list)
+    #: the store error of the last poll, when the store could not be read (the rest is from the poll before)
+    store_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def rounds_committed(store: Store) -> int:
+    from composer_cloud.rendezvous.allreduce import latest_committed_round  # torch: only when status is read
+
     return latest_committed_round(store, start=0) + 1
 
 
+def _heartbeat(store: Store, rank: int, problems: list[str]) -> dict[str, Any]:
+    try:
+        beat = store.try_get_json(f"replicas/{rank}.json")
+    except StoreError as exc:
+        if isinstance(exc, StoreConfigError):
+            raise
+        problems.append(f"heartbeat of replica {rank} unreadable ({exc})")
+        return {}
+    return beat if isinstance(beat, dict) else {}
+
+
 def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
-    """The run's state from the store (rounds, heartbeats) and the executors (job states)."""
+    """The run's state from the store (rounds, heartbeats, checkpoints) and the executors (job states).
+
+    "completed" means every round committed *and* the final round's global
+    state is durable with a manifest; a run whose jobs all ended short of that
+    is "failed", with ``problems`` saying what is missing.
+    """
+    from composer_cloud import checkpoint as ckpt
+
     store, spec = run.store, run.spec
+    problems: list[str] = []
     handles = load_handles(store)
     committed = rounds_committed(store)
     executors: dict[str, Any] = {}
     infos: list[ReplicaInfo] = []
     for h in handles:
-        beat = store.try_get_json(f"replicas/{h.rank}.json") or {}
+        beat = _heartbeat(store, h.rank, problems)
         status = ReplicaStatus(ReplicaState.PENDING)
         if poll_executors:
             try:
-                ex = executors.setdefault(h.executor, get_executor(h.executor, spec))
+                ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, spec))
                 status = ex.poll(h)
             except Exception as exc:  # noqa: BLE001 - status must still render
                 status = ReplicaStatus(ReplicaState.PENDING, None, f"cannot poll: {exc}")
@@ -66,21 +92,34 @@ def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
         if not status.state.finished and beat.get("state") in ("completed", "failed"):
             state = "succeeded" if beat["state"] == "completed" else "failed"
         restarts = status.restarts if status.restarts is not None else h.restarts
-        infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state, last_round=beat.get("round"),
+        round_seen = beat.get("round")
+        infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state,
+                                 last_round=round_seen if isinstance(round_seen, int) else None,
                                  job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                                 message=beat.get("error", "") or status.message))
+                                 message=str(beat.get("error", "") or status.message)))
+    durable = ckpt.global_state_rounds(store)
+    last_durable = durable[-1] if durable else None
+    final = spec.rounds - 1
+    final_durable = committed >= spec.rounds and last_durable is not None and last_durable >= final
+    if committed >= spec.rounds and not final_durable:
+        problems.append(f"round {spec.rounds}/{spec.rounds} committed but its global state is not durable "
+                        f"(newest durable: {'none' if last_durable is None else f'round {last_durable + 1}'})")
+    elif final_durable and ckpt.read_manifest(store, final) is None:
+        final_durable = False
+        problems.append(f"round {spec.rounds}/{spec.rounds} has no checkpoint manifest yet")
     cancelled = cancel_requested(store)
     finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
     if cancelled:
         state = "cancelled"
-    elif committed >= spec.rounds and (finished or not infos):
+    elif final_durable and (finished or not infos):
         state = "completed"
     elif finished:
         state = "failed"
     else:
         state = "running"
     return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
-                     rounds_committed=committed, replicas=infos)
+                     rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
+                     problems=problems)
 
 
 @dataclass

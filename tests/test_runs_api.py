@@ -1,0 +1,82 @@
+"""The library API under the CLI: runs from Python, and one way to open a run from every command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import composer_cloud as cc
+from composer_cloud.runs import RunNotFound, open_run
+from conftest import SMALL_RUN_TOML
+
+SMALL = """
+replicas = 2
+rounds = 2
+inner_steps = 2
+""" + SMALL_RUN_TOML
+
+
+def _cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_python_api_launches_waits_and_reads_status(tmp_path):
+    cfg = tmp_path / "spec.toml"
+    cfg.write_text(SMALL)
+    run = cc.launch(config=cfg, overrides={"store": f"file://{tmp_path}/store", "run_id": "api"})
+    assert run.uri == f"file://{tmp_path}/store/api" and run.spec.replicas == 2
+    seen: list[str] = []
+    final = cc.wait(run, timeout_s=300, interval_s=0.5, on_update=lambda st: seen.append(st.state))
+    assert final.state == "completed" and final.rounds_committed == 2 and final.last_durable_round == 1
+    assert seen and seen[-1] == "completed"
+    again = cc.get_status(str(tmp_path / "store/api"))  # a plain path names the same run
+    assert again.state == "completed" and [r.state for r in again.replicas] == ["succeeded"] * 2
+
+
+def test_open_run_names_what_is_missing(tmp_path):
+    with pytest.raises(RunNotFound, match="not a composer-cloud run"):
+        open_run(f"file://{tmp_path}/nothing-here")
+
+
+def test_opening_a_run_does_not_import_torch(tmp_path):
+    code = ("import sys, composer_cloud.cli, composer_cloud.runs as r\n"
+            "try:\n    r.open_run(sys.argv[1])\nexcept r.RunNotFound:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('composer_cloud.replica')))")
+    res = subprocess.run([sys.executable, "-c", code, f"file://{tmp_path}/x"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+@pytest.mark.slow
+def test_store_options_from_the_spec_reach_every_command(tmp_path, s3_endpoint):
+    """The store is reachable only with ``store_options.endpoint_url``: no AWS_ENDPOINT_URL anywhere."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+    cfg = tmp_path / "spec.toml"
+    cfg.write_text(f'store_options = {{ endpoint_url = "{s3_endpoint}" }}\n' + SMALL)
+    run_uri = "s3://cc-test/opts/run"
+    res = _cli(["launch", "--config", str(cfg), "--store", "s3://cc-test/opts", "--run-id", "run"], tmp_path, env)
+    assert res.returncode == 0, res.stdout + res.stderr  # the replicas reached the store too
+    # Without the option the store cannot be found: a clear error, no traceback.
+    res = _cli(["status", run_uri], tmp_path, env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    flag = ["--store-option", f"endpoint_url={s3_endpoint}"]
+    st = _cli(["status", run_uri, "--json", *flag], tmp_path, env)
+    assert st.returncode == 0 and json.loads(st.stdout)["state"] == "completed", st.stderr
+    via_env = {**env, "COMPOSER_CLOUD_STORE_OPTIONS": json.dumps({"endpoint_url": s3_endpoint})}
+    assert json.loads(_cli(["status", run_uri, "--json"], tmp_path, via_env).stdout)["state"] == "completed"
+    logs = _cli(["logs", run_uri, "--replica", "0", *flag], tmp_path, env)
+    assert logs.returncode == 0 and "completed" in logs.stdout, logs.stderr
+    res = _cli(["export", run_uri, "--out", str(tmp_path / "model"), *flag], tmp_path, env)
+    assert res.returncode == 0 and (tmp_path / "model/config.json").exists(), res.stderr
+    res = _cli(["cancel", run_uri, *flag], tmp_path, env)
+    assert res.returncode == 0, res.stderr
+    res = _cli(["resume", run_uri, *flag], tmp_path, env)
+    assert res.returncode == 0, res.stdout + res.stderr  # replicas of the resumed run reached the store
