@@ -374,7 +374,8 @@ def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
     ex = HFJobsExecutor(spec)
     n_requests = len(hf_env.requests)
     plan = ex.plan(run_uri_of(spec), [0, 1, 2])
-    assert len(hf_env.requests) == n_requests  # talked to nobody
+    # Talked to nobody about jobs: the one request is the read of the public price list.
+    assert [(r["method"], r["path"]) for r in hf_env.requests[n_requests:]] == [("GET", "/api/jobs/hardware")]
     assert Store(run_uri_of(spec)).list() == []  # built and staged nothing
     assert plan.executor == "hf-jobs" and plan.ranks == [0, 1, 2]
     assert plan.image == spec.hf_jobs.image
@@ -386,6 +387,11 @@ def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
     assert plan.estimated_gpu_hours == pytest.approx(3 * 2 * 2.0)
     assert "a10g-largex2" in plan.gpu
     assert any("launch would fail" in n and "AWS_ACCESS_KEY_ID" in n for n in plan.notes)
+    # a10g-largex2 costs 50000 micro-USD per minute on the test server: $3/h per job, 3 jobs, 2 h timeout.
+    assert plan.hourly_cost_usd == pytest.approx(9.0)
+    assert plan.estimated_cost_usd == pytest.approx(18.0)
+    assert plan.max_cost_usd == pytest.approx(18.0)  # no restarts
+    assert "/api/jobs/hardware" in plan.cost_basis and "a10g-largex2" in plan.cost_basis
 
 
 def test_flavors():
