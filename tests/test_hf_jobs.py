@@ -66,11 +66,31 @@ def server(job_python, tmp_path_factory):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def job_constraints(tmp_path_factory) -> Path:
+    """The shipped pins, at the versions this test environment has (jobs install offline from it)."""
+    from importlib.metadata import version
+
+    lines = []
+    for line in REQUIREMENTS_PATH.read_text().splitlines():
+        name = line.split("#", 1)[0].split("==", 1)[0].strip()
+        if name:
+            lines.append(f"{name}=={version(name).split('+', 1)[0]}")
+    path = tmp_path_factory.mktemp("constraints") / "constraints.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture
-def hf_env(server, monkeypatch):
-    """The standard variables: the executor must pick up HF_ENDPOINT and HF_TOKEN by itself."""
+def hf_env(server, monkeypatch, job_constraints):
+    """The standard variables: the executor must pick up HF_ENDPOINT and HF_TOKEN by itself.
+
+    Jobs install offline from this environment's packages, so their constraints are this
+    environment's versions of the shipped pins (``COMPOSER_CLOUD_CONSTRAINTS``).
+    """
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(job_constraints))
     server.reject_create = None
     return server
 
@@ -508,15 +528,23 @@ def test_cost_estimate_without_a_reachable_server(tmp_path, monkeypatch):
     assert plan.cost_basis.startswith("no price: hf-jobs: listing job hardware failed")
 
 
-def test_bootstrap_embeds_the_pinned_constraints():
+def test_bootstrap_embeds_the_pinned_constraints(tmp_path, monkeypatch):
     import ast
 
+    monkeypatch.delenv("COMPOSER_CLOUD_CONSTRAINTS", raising=False)
     source = bootstrap_source()
     tree = ast.parse(source)
     (value,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
                 and any(getattr(t, "id", "") == "CONSTRAINTS" for t in n.targets)]
     text = ast.literal_eval(value)
     assert text == REQUIREMENTS_PATH.read_text() and "torch==2.13.0" in text
+    override = tmp_path / "pins.txt"
+    override.write_text("torch==9.9.9\n")
+    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(override))
+    assert "CONSTRAINTS = 'torch==9.9.9\\n'" in bootstrap_source()
+    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(tmp_path / "missing.txt"))
+    with pytest.raises(ExecutorError, match="COMPOSER_CLOUD_CONSTRAINTS"):
+        bootstrap_source()
     assert bootstrap_source(constraints="x==1\n").count("CONSTRAINTS = 'x==1\\n'") == 1
 
 

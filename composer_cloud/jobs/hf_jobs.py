@@ -127,14 +127,24 @@ def flavor_gpus(flavor: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+def constraints_text() -> str:
+    """The pins jobs install with: ``$COMPOSER_CLOUD_CONSTRAINTS`` (a file) if set, else ``images/requirements.txt``."""
+    override = os.environ.get(cc_env.CONSTRAINTS)
+    path = Path(override) if override else REQUIREMENTS_PATH
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ExecutorError(f"cannot read the constraints file {path} ({exc}); fix or unset {cc_env.CONSTRAINTS}")
+
+
 def bootstrap_source(*, constraints: str | None = None) -> str:
-    """The bootstrap's source with the pinned constraints embedded (default: ``images/requirements.txt``).
+    """The bootstrap's source with the pinned constraints embedded (default: :func:`constraints_text`).
 
     The constraints travel inside the job's command, so they are read before
     anything is installed, and the job needs no second object from the store.
     """
     source = BOOTSTRAP_PATH.read_text()
-    text = REQUIREMENTS_PATH.read_text() if constraints is None else constraints
+    text = constraints_text() if constraints is None else constraints
     if source.count(_CONSTRAINTS_LINE) != 1:
         raise ExecutorError(f"{BOOTSTRAP_PATH} must contain the line {_CONSTRAINTS_LINE!r} exactly once "
                             "(the launcher fills in the pinned constraints there)")
