@@ -111,6 +111,35 @@ def test_every_third_party_import_is_declared():
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
 
 
+def _top_level_third_party(module: str) -> set[str]:
+    """Third-party roots ``module`` imports when it is imported (module level, not inside functions)."""
+    tree = ast.parse(MODULES[module].read_text())
+    roots = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".", 1)[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.split(".", 1)[0])
+    return {r for r in roots if r != "composer_cloud" and r not in sys.stdlib_module_names and r != "__future__"}
+
+
+#: Modules that need an extra at import time (everything else imports with the core dependencies).
+EXTRA_AT_IMPORT = {"composer_cloud.images.modal_image": {"modal"}}
+
+
+def test_core_modules_import_with_the_core_dependencies_only():
+    """`pip install -e .` (no extras) must run the local demo: extras' packages are imported lazily."""
+    dists = md.packages_distributions()
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    core = {_normalise(re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0]) for r in project["dependencies"]}
+    wrong = {}
+    for module in MODULES:
+        for root in _top_level_third_party(module) - EXTRA_AT_IMPORT.get(module, set()):
+            if not {_normalise(d) for d in dists.get(root, [])} & core:
+                wrong.setdefault(module, []).append(root)
+    assert not wrong, f"imported at module level but only in an extra (import it where it is used): {wrong}"
+
+
 def _graph() -> dict[str, set[str]]:
     """Edges between composer_cloud modules (``from pkg import mod`` resolves to the submodule)."""
     graph: dict[str, set[str]] = {}
