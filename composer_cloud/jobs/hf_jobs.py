@@ -88,11 +88,10 @@ REQUIREMENTS_PATH = BOOTSTRAP_PATH.with_name("requirements.txt")
 _CONSTRAINTS_LINE = "CONSTRAINTS = None"
 #: Retries of idempotent Hub calls (inspect, logs, cancel, list, whoami): 4 calls, about 2 s at most.
 RETRY = RetryPolicy(attempts=4, base_s=0.25, cap_s=4.0)
-#: Secrets (names) that give a job AWS credentials for an s3:// store; a key pair needs both.
+#: Secrets (names) a job needs to read an s3:// store: HF job secrets are environment variables, and a job
+#: has no credentials file, instance role or profile, so only the key pair works (plus AWS_SESSION_TOKEN
+#: for temporary keys).
 AWS_KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-#: Other names that credential a job on their own (a session or a web identity role).
-AWS_CREDENTIAL_ALTERNATIVES = ("AWS_SESSION_TOKEN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_PROFILE",
-                               "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 #: Seconds in the unit of a Jobs hardware price (``JobHardwareInfo.unit_label``).
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600}
 #: Shown instead of the bootstrap's source in a :class:`LaunchPlan`.
@@ -134,7 +133,8 @@ def constraints_text() -> str:
     try:
         return path.read_text()
     except OSError as exc:
-        raise ExecutorError(f"cannot read the constraints file {path} ({exc}); fix or unset {cc_env.CONSTRAINTS}")
+        raise ExecutorError(
+            f"cannot read the constraints file {path} ({exc}); fix or unset {cc_env.CONSTRAINTS}") from exc
 
 
 def bootstrap_source(*, constraints: str | None = None) -> str:
@@ -255,16 +255,14 @@ class HFJobsExecutor:
         """Why jobs would have no credentials for an s3:// store, or None.
 
         Jobs start with a clean environment: the only credentials they get are
-        the job secrets. A key pair (both names) or one of
-        :data:`AWS_CREDENTIAL_ALTERNATIVES` counts; ``store_options.anon = true``
-        (a public bucket) needs none.
+        the job secrets, so both names of :data:`AWS_KEY_PAIR` must be among
+        them; ``store_options.anon = true`` (a public bucket) needs none.
         """
         if scheme_of(self.spec.store) not in ("s3", "s3a") or self.spec.store_options.get("anon"):
             return None
-        names = set(self.spec.hf_jobs.secrets)
-        if set(AWS_KEY_PAIR) <= names or names & set(AWS_CREDENTIAL_ALTERNATIVES):
+        missing = [n for n in AWS_KEY_PAIR if n not in self.spec.hf_jobs.secrets]
+        if not missing:
             return None
-        missing = [n for n in AWS_KEY_PAIR if n not in names]
         return (f"store {self.spec.store} is S3, but [hf_jobs] secrets has no AWS credentials for the jobs "
                 f"(missing {', '.join(missing)}): add secrets = [\"AWS_ACCESS_KEY_ID\", \"AWS_SECRET_ACCESS_KEY\"] "
                 "(plus AWS_ENDPOINT_URL / AWS_DEFAULT_REGION if your store needs them) and export them here; "
