@@ -29,3 +29,7 @@ PREBUILT_WHEEL = "COMPOSER_CLOUD_PREBUILT_WHEEL"
 #: Opt-in live tests against a real Modal account, and the GPU they ask for.
 LIVE_MODAL = "COMPOSER_CLOUD_LIVE_MODAL"
 LIVE_MODAL_GPU = "COMPOSER_CLOUD_LIVE_MODAL_GPU"
+#: Launcher side: a requirements file whose pins the HF Jobs bootstrap installs with (``-c``)
+#: instead of ``composer_cloud/images/requirements.txt`` (another stack on purpose, or a test
+#: environment whose versions differ from the shipped pins).
+CONSTRAINTS = "COMPOSER_CLOUD_CONSTRAINTS"

@@ -113,7 +113,9 @@ class ModalSpec(_Strict):
 class HFJobsSpec(_Strict):
     flavor: str = "a10g-small"
     namespace: str | None = None
-    image: str = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
+    # Python 3.11 with uv; the bootstrap installs torch 2.13.0 (CUDA 13) and the rest from the pinned
+    # constraints: the numeric stack of every executor (composer_cloud.stack.HF_JOBS_DEFAULT_IMAGE).
+    image: str = "ghcr.io/astral-sh/uv:python3.11-bookworm-slim"
     timeout_s: int = Field(default=24 * 3600, gt=0)
     secrets: list[str] = Field(default_factory=list)
 

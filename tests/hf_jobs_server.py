@@ -6,6 +6,7 @@ It implements the routes ``huggingface_hub.HfApi`` calls (huggingface_hub 2.x):
 method   path                                        client method
 =======  ==========================================  ==============================================
 GET      /api/whoami-v2                              ``whoami``
+GET      /api/jobs/hardware                          ``list_jobs_hardware`` (prices: :data:`HARDWARE`)
 POST     /api/jobs/{namespace}                       ``run_job``
 GET      /api/jobs/{namespace}[?label=k=v&stage=S]   ``list_jobs``
 GET      /api/jobs/{namespace}/{id}                  ``inspect_job``
@@ -53,6 +54,27 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
+
+
+def hardware(name: str, pretty: str, micro_usd_per_minute: int, gpu: tuple[str, int, str] | None = None) -> dict:
+    """One ``/api/jobs/hardware`` entry in the service's JSON shape (camelCase keys, price per minute)."""
+    entry: dict[str, Any] = {"name": name, "prettyName": pretty, "cpu": "8 vCPU", "ram": "32 GB",
+                             "ephemeralStorage": "100 GB", "unitCostMicroUSD": micro_usd_per_minute,
+                             "unitCostUSD": micro_usd_per_minute / 1e6, "unitLabel": "minute"}
+    if gpu is not None:
+        model, count, vram = gpu
+        entry["accelerator"] = {"type": "gpu", "model": model, "quantity": str(count), "vram": vram,
+                                "manufacturer": "Nvidia"}
+    return entry
+
+
+#: Test prices served at ``/api/jobs/hardware`` (test data in the service's format, not a price list).
+HARDWARE = [
+    hardware("cpu-basic", "CPU Basic", 167),
+    hardware("a10g-small", "Nvidia A10G - small", 16667, ("A10G", 1, "24 GB")),
+    hardware("a10g-largex2", "2x Nvidia A10G - large", 50000, ("A10G", 2, "48 GB")),
+    hardware("h200", "Nvidia H200", 83333, ("H200", 1, "141 GB")),
+]
 
 
 def _now() -> str:
@@ -158,6 +180,8 @@ class HFJobsServer:
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.owner = {"id": "0" * 24, "name": namespace, "type": "user"}
+        #: Served at ``GET /api/jobs/hardware``; tests may replace it.
+        self.hardware: list[dict[str, Any]] = [dict(h) for h in HARDWARE]
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -346,6 +370,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts, query = self._route()
         if parts == ["api", "whoami-v2"]:
             return self._send_json(200, {"name": self.srv.namespace, "type": "user", "id": self.srv.owner["id"]})
+        if parts == ["api", "jobs", "hardware"]:
+            return self._send_json(200, self.srv.hardware)
         if len(parts) >= 3 and parts[:2] == ["api", "jobs"]:
             namespace = parts[2]
             if namespace != self.srv.namespace:

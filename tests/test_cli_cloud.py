@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_RUN_TOML
-from test_hf_jobs import NAMESPACE, TOKEN, hf_env, job_python, server, wheel  # noqa: F401 - fixtures
+from test_hf_jobs import NAMESPACE, TOKEN, hf_env, job_constraints, job_python, server, wheel  # noqa: F401 - fixtures
 
 SPEC = SMALL_RUN_TOML + f"""
 [hf_jobs]

@@ -24,14 +24,16 @@ from composer_cloud.jobs.hf_jobs import (
     BOOTSTRAP_PLACEHOLDER,
     LABEL_RANK,
     LABEL_RUN,
+    REQUIREMENTS_PATH,
     HFJobsExecutor,
+    bootstrap_source,
     flavor_gpus,
     known_flavors,
 )
 from composer_cloud.jobs.wheel import WHEEL_PREFIX, build_wheel, stage_wheel
 from composer_cloud.rendezvous.store import Store
 from composer_cloud.spec import spec_from_dict
-from hf_jobs_server import HFJobsServer, make_job_python
+from hf_jobs_server import HARDWARE, HFJobsServer, make_job_python
 
 TOKEN = "hf_test_" + secrets.token_hex(8)
 NAMESPACE = "tester"
@@ -64,11 +66,31 @@ def server(job_python, tmp_path_factory):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def job_constraints(tmp_path_factory) -> Path:
+    """The shipped pins, at the versions this test environment has (jobs install offline from it)."""
+    from importlib.metadata import version
+
+    lines = []
+    for line in REQUIREMENTS_PATH.read_text().splitlines():
+        name = line.split("#", 1)[0].split("==", 1)[0].strip()
+        if name:
+            lines.append(f"{name}=={version(name).split('+', 1)[0]}")
+    path = tmp_path_factory.mktemp("constraints") / "constraints.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture
-def hf_env(server, monkeypatch):
-    """The standard variables: the executor must pick up HF_ENDPOINT and HF_TOKEN by itself."""
+def hf_env(server, monkeypatch, job_constraints):
+    """The standard variables: the executor must pick up HF_ENDPOINT and HF_TOKEN by itself.
+
+    Jobs install offline from this environment's packages, so their constraints are this
+    environment's versions of the shipped pins (``COMPOSER_CLOUD_CONSTRAINTS``).
+    """
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(job_constraints))
     server.reject_create = None
     return server
 
@@ -126,7 +148,10 @@ def test_two_jobs_run_the_staged_wheel_and_complete(hf_env, tmp_path, wheel):
     assert any(k.startswith(f"{WHEEL_PREFIX}/") and k.endswith(".whl") for k in store.list("executor"))
 
     lines = list(ex.logs(handles[1]))
-    assert any("composer-cloud bootstrap: installing composer_cloud-" in ln for ln in lines)
+    # Both jobs share the test server's interpreter: the second may find the first's install of the same
+    # wheel (same sha256) and reuse it; either way the bootstrap put this wheel in place.
+    assert any(f"composer-cloud bootstrap: installing {wheel.name}" in ln
+               or f"composer-cloud bootstrap: {wheel.name}" in ln and "already installed" in ln for ln in lines)
     assert "probe rank 1 ok" in lines
 
     # What the server received: the real client's request shapes.
@@ -231,6 +256,11 @@ def test_max_restarts_becomes_attempts(hf_env, tmp_path, wheel):
     assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
     job = hf_env.jobs[handle.job_id]
     assert job.body["attempts"] == 2 and job.exit_codes[0] == 3 and job.exit_codes[-1] == 0
+    # The restart found the wheel it installed (same sha256) and did not install it again.
+    lines = list(ex.logs(handle))
+    second = lines[lines.index("first try fails"):]
+    assert any("already installed; not reinstalling" in ln for ln in second)
+    assert not any("bootstrap: installing" in ln for ln in second)
 
 
 def test_corrupt_wheel_is_never_installed(hf_env, tmp_path, wheel):
@@ -374,7 +404,10 @@ def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
     ex = HFJobsExecutor(spec)
     n_requests = len(hf_env.requests)
     plan = ex.plan(run_uri_of(spec), [0, 1, 2])
-    assert len(hf_env.requests) == n_requests  # talked to nobody
+    # Talked to nobody about jobs: only reads, the price list among them (huggingface_hub may add its own GETs).
+    sent = [(r["method"], r["path"]) for r in hf_env.requests[n_requests:]]
+    assert ("GET", "/api/jobs/hardware") in sent
+    assert all(method == "GET" and not path.startswith(f"/api/jobs/{NAMESPACE}") for method, path in sent), sent
     assert Store(run_uri_of(spec)).list() == []  # built and staged nothing
     assert plan.executor == "hf-jobs" and plan.ranks == [0, 1, 2]
     assert plan.image == spec.hf_jobs.image
@@ -386,6 +419,11 @@ def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
     assert plan.estimated_gpu_hours == pytest.approx(3 * 2 * 2.0)
     assert "a10g-largex2" in plan.gpu
     assert any("launch would fail" in n and "AWS_ACCESS_KEY_ID" in n for n in plan.notes)
+    # a10g-largex2 costs 50000 micro-USD per minute on the test server: $3/h per job, 3 jobs, 2 h timeout.
+    assert plan.hourly_cost_usd == pytest.approx(9.0)
+    assert plan.estimated_cost_usd == pytest.approx(18.0)
+    assert plan.max_cost_usd == pytest.approx(18.0)  # no restarts
+    assert "/api/jobs/hardware" in plan.cost_basis and "a10g-largex2" in plan.cost_basis
 
 
 def test_flavors():
@@ -422,3 +460,116 @@ def test_bootstrap_is_stdlib_only():
     top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
     top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
     assert top <= set(sys.stdlib_module_names), top - set(sys.stdlib_module_names)
+
+
+# ---------------------------------------------------------------------- preflight, cost, bootstrap install
+def _s3_spec(**hf):
+    return spec_from_dict({"run_id": "run-pre", "store": "s3://cc-test/pre", "replicas": 1,
+                           "hf_jobs": {"flavor": "cpu-basic", "namespace": NAMESPACE, **hf}})
+
+
+def test_preflight_refuses_s3_without_aws_credentials_before_anything_is_written(hf_env, monkeypatch, wheel):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-not-real")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-real")
+    ex = HFJobsExecutor(_s3_spec(), wheel=wheel)
+    with pytest.raises(ExecutorError, match="AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY") as err:
+        ex.preflight("s3://cc-test/pre/run-pre", [0])
+    assert "[hf_jobs] secrets" in str(err.value)
+    with pytest.raises(ExecutorError, match=r"missing AWS_SECRET_ACCESS_KEY\)"):
+        HFJobsExecutor(_s3_spec(secrets=["AWS_ACCESS_KEY_ID"])).preflight("s3://cc-test/pre/run-pre", [0])
+
+    # launch refuses the same way before building, staging or creating anything
+    n_requests = len(hf_env.requests)
+    with pytest.raises(ExecutorError, match="no AWS credentials"):
+        ex.launch("s3://cc-test/pre/run-pre", [0])
+    assert ex._staged == {} and len(hf_env.requests) == n_requests
+
+    # the key pair, or a public bucket, pass
+    HFJobsExecutor(_s3_spec(secrets=["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"])).preflight("s3://x/y", [0])
+    public = _s3_spec().model_copy(update={"store_options": {"anon": True}})
+    HFJobsExecutor(public).preflight("s3://x/y", [0])
+
+
+def test_preflight_names_secrets_without_a_value(hf_env, monkeypatch):
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-not-real")
+    ex = HFJobsExecutor(_s3_spec(secrets=["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]))
+    with pytest.raises(ExecutorError, match="AWS_SECRET_ACCESS_KEY, which is not set"):
+        ex.preflight("s3://cc-test/pre/run-pre", [0])
+
+
+def test_cost_estimate_uses_the_servers_unit_costs(hf_env, tmp_path):
+    spec = make_spec(tmp_path, "run-cost", flavor="h200", namespace=NAMESPACE, timeout_s=1800)
+    spec = spec.model_copy(update={"max_restarts": 2})
+    plan = HFJobsExecutor(spec).plan(run_uri_of(spec), [0, 1])
+    per_job_hour = 83333 / 1e6 * 60  # h200 on the test server: 83333 micro-USD per minute
+    assert plan.hourly_cost_usd == pytest.approx(2 * per_job_hour)
+    assert plan.estimated_cost_usd == pytest.approx(2 * per_job_hour * 0.5)  # until the 30 min timeout, once
+    assert plan.max_cost_usd == pytest.approx(3 * plan.estimated_cost_usd)  # 3 attempts (max_restarts = 2)
+    assert "$0.083333/minute" in plan.cost_basis and "3 attempt" in plan.cost_basis
+
+    # Prices the server does not give become an empty estimate that says why, never an error.
+    hf_env.hardware = [h for h in hf_env.hardware if h["name"] != "h200"]
+    try:
+        plan = HFJobsExecutor(spec).plan(run_uri_of(spec), [0])
+        assert plan.estimated_cost_usd is None and plan.max_cost_usd is None
+        assert "no price" in plan.cost_basis and "'h200' is not listed" in plan.cost_basis
+    finally:
+        hf_env.hardware = [dict(h) for h in HARDWARE]
+
+
+def test_cost_estimate_without_a_reachable_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    spec = make_spec(tmp_path, "run-cost-off", namespace=NAMESPACE)
+    plan = HFJobsExecutor(spec).plan(run_uri_of(spec), [0])
+    assert plan.hourly_cost_usd is None and plan.estimated_cost_usd is None
+    assert plan.cost_basis.startswith("no price: hf-jobs: listing job hardware failed")
+
+
+def test_bootstrap_embeds_the_pinned_constraints(tmp_path, monkeypatch):
+    import ast
+
+    monkeypatch.delenv("COMPOSER_CLOUD_CONSTRAINTS", raising=False)
+    source = bootstrap_source()
+    tree = ast.parse(source)
+    (value,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", "") == "CONSTRAINTS" for t in n.targets)]
+    text = ast.literal_eval(value)
+    assert text == REQUIREMENTS_PATH.read_text() and "torch==2.13.0" in text
+    override = tmp_path / "pins.txt"
+    override.write_text("torch==9.9.9\n")
+    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(override))
+    assert "CONSTRAINTS = 'torch==9.9.9\\n'" in bootstrap_source()
+    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(tmp_path / "missing.txt"))
+    with pytest.raises(ExecutorError, match="COMPOSER_CLOUD_CONSTRAINTS"):
+        bootstrap_source()
+    assert bootstrap_source(constraints="x==1\n").count("CONSTRAINTS = 'x==1\\n'") == 1
+
+
+def test_bootstrap_install_commands():
+    from composer_cloud.images import hf_bootstrap
+
+    pip = hf_bootstrap.install_command("install", ["w.whl"], "/tmp/c.txt",
+                                       installer=(["/py", "-m", "pip"], ["--no-input"]))
+    assert pip == ["/py", "-m", "pip", "install", "--no-input", "-c", "/tmp/c.txt", "w.whl"]
+    uv = hf_bootstrap.install_command("install", ["w.whl"], "/tmp/c.txt",
+                                      installer=(["/usr/bin/uv", "pip"], ["--python", "/py"]))
+    assert uv == ["/usr/bin/uv", "pip", "install", "--python", "/py", "-c", "/tmp/c.txt", "w.whl"]
+    assert hf_bootstrap.install_command("uninstall", ["composer-cloud"],
+                                        installer=(["/py", "-m", "pip"], []))[-2:] == ["--yes", "composer-cloud"]
+    assert "--yes" not in hf_bootstrap.install_command("uninstall", ["composer-cloud"],
+                                                       installer=(["/usr/bin/uv", "pip"], ["--python", "/py"]))
+
+
+def test_default_image_is_the_runs_numeric_stack():
+    from composer_cloud import stack
+    from composer_cloud.images import modal_image
+    from composer_cloud.spec import HFJobsSpec
+
+    assert HFJobsSpec().image == stack.HF_JOBS_DEFAULT_IMAGE
+    assert f"python{stack.PYTHON_VERSION}" in HFJobsSpec().image
+    assert modal_image.PYTHON_VERSION == stack.PYTHON_VERSION
+    assert f"torch=={stack.TORCH_VERSION}" in modal_image.pinned_requirements()
+    dockerfile = (Path(modal_image.__file__).parent / "Dockerfile").read_text()
+    assert f"FROM python:{stack.PYTHON_VERSION}-slim" in dockerfile
+    assert "modal" not in [line.split("==")[0] for line in modal_image.pinned_requirements(exclude=())]

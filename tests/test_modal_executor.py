@@ -270,6 +270,39 @@ def test_plan():
         ex.launch(RUN_URI, [0])
 
 
+def test_plan_cost_from_the_dated_price_table():
+    from composer_cloud.jobs.modal_jobs import MODAL_GPU_PRICE_PER_S, MODAL_GPU_PRICES_TAKEN
+
+    spec = make_spec(gpu="H100", gpu_count=2, timeout_s=1800, retries=1).model_copy(update={"max_restarts": 2})
+    plan = ModalExecutor(spec, seam=FakeSeam()).plan(RUN_URI, [0, 1, 2])
+    per_s, confirmed = MODAL_GPU_PRICE_PER_S["H100"]
+    assert confirmed
+    assert plan.hourly_cost_usd == pytest.approx(3 * 2 * per_s * 3600)  # 3 calls x 2 GPUs
+    assert plan.estimated_cost_usd == pytest.approx(plan.hourly_cost_usd * 0.5)  # until the 30 min timeout
+    assert plan.max_cost_usd == pytest.approx(3 * plan.estimated_cost_usd)  # retries = max(1, 2) -> 3 attempts
+    assert MODAL_GPU_PRICES_TAKEN in plan.cost_basis and "H100" in plan.cost_basis
+    assert "unconfirmed" not in plan.cost_basis
+
+    # Aliases map to the priced type; unconfirmed prices say so; unknown types and CPU have no price.
+    a100 = ModalExecutor(make_spec(gpu="A100"), seam=FakeSeam()).plan(RUN_URI, [0])
+    assert a100.hourly_cost_usd == pytest.approx(MODAL_GPU_PRICE_PER_S["A100-40GB"][0] * 3600)
+    assert "unconfirmed" in a100.cost_basis
+    unknown = ModalExecutor(make_spec(gpu="B300"), seam=FakeSeam()).plan(RUN_URI, [0])
+    assert unknown.estimated_cost_usd is None and "no price for GPU 'B300'" in unknown.cost_basis
+    cpu = ModalExecutor(make_spec(gpu="cpu"), seam=FakeSeam()).plan(RUN_URI, [0])
+    assert cpu.hourly_cost_usd is None and "CPU-only" in cpu.cost_basis
+
+
+def test_preflight_refuses_a_local_store_and_bad_options_before_anything_is_sent():
+    seam = FakeSeam()
+    with pytest.raises(ExecutorError, match="cannot launch: store file://"):
+        ModalExecutor(make_spec(store="file:///tmp/runs"), seam=seam).preflight("file:///tmp/runs/run-m", [0])
+    with pytest.raises(ExecutorError, match="gpu_count"):
+        ModalExecutor(make_spec(gpu="H100:2", gpu_count=2), seam=seam).preflight(RUN_URI, [0])
+    ModalExecutor(make_spec(), seam=seam).preflight(RUN_URI, [0])
+    assert seam.spawns == []
+
+
 def test_secret_canary_never_leaves_modal(monkeypatch, caplog, capsys):
     """Secrets are Modal secret names; this process never reads a value, so none can leak."""
     canary = "canary-" + secrets.token_hex(16)
@@ -347,6 +380,8 @@ def test_the_modal_function_runs_locally():
     from composer_cloud.images import modal_image
 
     assert modal_image.app.name == modal_image.APP_NAME
+    # Our source reaches the container once: through the image's add_local_python_source, not the App too.
+    assert modal_image.app._local_state.include_source_default is False
     assert isinstance(modal_image.replica, modal.Function)
     assert modal_image.replica.app is modal_image.app
     assert modal_image.replica.local(argv=["python", "-c", "print('local')"], env={}) == {"exit_code": 0}

@@ -1,15 +1,22 @@
 """Bootstrap for a replica job on an image that does not contain composer-cloud.
 
 Run as ``python -c "<this file's source>" REPLICA_ARGV...``. It needs only the
-standard library, ``pip`` and, for object stores other than ``file://``, an
-fsspec backend (installed on the fly if missing). It:
+standard library, ``pip`` (or ``uv``) and, for object stores other than
+``file://``, an fsspec backend (installed on the fly if missing). It:
 
 1. reads the wheel the launcher staged in the run's store
    (``$COMPOSER_CLOUD_WHEEL_URI``: a URI like ``s3://bucket/prefix/run/executor/wheel/<sha>/<name>.whl``),
 2. verifies the store's framing (magic, crc32, length) and the wheel's sha256
-   (``$COMPOSER_CLOUD_WHEEL_SHA256``) -- a damaged or swapped wheel is never installed,
-3. ``pip install``s it (plus ``$COMPOSER_CLOUD_PIP_ARGS``, e.g. ``--no-index``) into
-   the interpreter running this script,
+   (``$COMPOSER_CLOUD_WHEEL_SHA256``) -- a damaged or swapped wheel is never
+   installed, and a damaged store object fails the job even when the wheel is
+   already installed,
+3. installs it into the interpreter running this script with the pinned
+   constraints the launcher embedded in :data:`CONSTRAINTS` (the text of
+   ``composer_cloud/images/requirements.txt``, so every replica of a run gets the
+   tested versions, whatever the image has), with ``uv pip`` when the image has
+   ``uv`` and ``pip`` otherwise, plus ``$COMPOSER_CLOUD_PIP_ARGS`` (e.g.
+   ``--no-index``); when this interpreter already has the wheel with the same
+   sha256 (a restarted job in the same container), nothing is installed,
 4. ``exec``s REPLICA_ARGV, so the replica's exit code and signals are the job's.
 
 Failures of steps 1-3 exit with :data:`BOOTSTRAP_EXIT_CODE` and a line starting
@@ -21,15 +28,19 @@ non-secret store options from ``$COMPOSER_CLOUD_STORE_OPTIONS`` (JSON). A
 ``file://`` wheel URI only works when the job shares the launcher's filesystem
 (the local Jobs server used by the tests).
 
-Keep this file self-contained: it is shipped as the job's command line.
+Keep this file self-contained and standard-library only: it is shipped as the
+job's command line. Environment names are literals here; their one definition
+is ``composer_cloud/env.py`` (keep them in step).
 """
 
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import zlib
 
@@ -37,6 +48,10 @@ BOOTSTRAP_EXIT_CODE = 97
 _MAGIC = b"CCO1"
 _HEADER = struct.Struct("<4sIQ")  # must match composer_cloud.rendezvous.store
 _FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+#: Pinned versions (requirements.txt text). The launcher replaces this line's value; None: unconstrained.
+CONSTRAINTS = None
+#: Written into the installed package after a successful install: the sha256 of the wheel it came from.
+INSTALLED_MARKER = ".installed-wheel-sha256"
 
 
 def _fail(message):
@@ -45,9 +60,66 @@ def _fail(message):
     sys.exit(BOOTSTRAP_EXIT_CODE)
 
 
-def _pip(args):
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"] + args
+def _installer():
+    """``uv pip`` when the image has uv (much faster for torch-sized wheels), else this interpreter's pip."""
+    uv = shutil.which("uv")
+    if uv:
+        return [uv, "pip"], ["--python", sys.executable]
+    return [sys.executable, "-m", "pip"], ["--disable-pip-version-check", "--no-input"]
+
+
+def install_command(action, args, constraints_path=None, installer=None):
+    """The ``pip``/``uv pip`` command line for ``action`` (install, uninstall) with the shipped constraints."""
+    tool, common = installer or _installer()
+    cmd = tool + [action] + common
+    if action == "install" and constraints_path:
+        cmd += ["-c", constraints_path]
+    if action == "uninstall" and "-m" in tool:
+        cmd += ["--yes"]  # pip asks for confirmation; uv does not
+    return cmd + list(args)
+
+
+def _constraints_file(tmp):
+    if not CONSTRAINTS:
+        print("composer-cloud bootstrap: no pinned constraints embedded; installing unconstrained", flush=True)
+        return None
+    path = os.path.join(tmp, "constraints.txt")
+    with open(path, "w") as f:
+        f.write(CONSTRAINTS)
+    return path
+
+
+def _pip(args, action="install"):
+    if action == "install":
+        extra = os.environ.get("COMPOSER_CLOUD_PIP_ARGS", "").split()
+        cmd = install_command(action, extra + args, _constraints_file(tempfile.mkdtemp(prefix="composer-cloud-")))
+    else:
+        cmd = install_command(action, args)
     return subprocess.call(cmd)
+
+
+def _package_dir():
+    return os.path.join(sysconfig.get_paths()["purelib"], "composer_cloud")
+
+
+def installed_sha256():
+    """sha256 of the wheel composer_cloud was installed from by this bootstrap, or None."""
+    pkg = _package_dir()
+    if not os.path.isfile(os.path.join(pkg, "__init__.py")):
+        return None
+    try:
+        with open(os.path.join(pkg, INSTALLED_MARKER)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _mark_installed(sha256):
+    try:
+        with open(os.path.join(_package_dir(), INSTALLED_MARKER), "w") as f:
+            f.write(sha256 + "\n")
+    except OSError as exc:  # a read-only site-packages only costs a reinstall on restart
+        print("composer-cloud bootstrap: cannot record the installed wheel (%s)" % exc, flush=True)
 
 
 def _read(uri):
@@ -105,14 +177,22 @@ def main(argv):
     got = hashlib.sha256(wheel).hexdigest()
     if got != want:
         _fail("%s has sha256 %s, expected %s; relaunch to stage the wheel again" % (uri, got, want))
-    tmp = tempfile.mkdtemp(prefix="composer-cloud-wheel-")
-    path = os.path.join(tmp, uri.rstrip("/").rsplit("/", 1)[-1])  # pip needs the wheel's own file name
-    with open(path, "wb") as f:
-        f.write(wheel)
-    extra = os.environ.get("COMPOSER_CLOUD_PIP_ARGS", "").split()
-    print("composer-cloud bootstrap: installing %s (sha256 %s)" % (os.path.basename(path), got[:12]), flush=True)
-    if _pip(["--quiet"] + extra + [path]) != 0:
-        _fail("pip install of %s failed (see the lines above)" % os.path.basename(path))
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    if installed_sha256() == got:
+        print("composer-cloud bootstrap: %s (sha256 %s) is already installed; not reinstalling" % (name, got[:12]),
+              flush=True)
+    else:
+        tmp = tempfile.mkdtemp(prefix="composer-cloud-wheel-")
+        path = os.path.join(tmp, name)  # pip needs the wheel's own file name
+        with open(path, "wb") as f:
+            f.write(wheel)
+        if installed_sha256() is not None:
+            # Another build of the same version (pip would keep it as "already installed"): remove it first.
+            _pip(["composer-cloud"], action="uninstall")
+        print("composer-cloud bootstrap: installing %s (sha256 %s)" % (name, got[:12]), flush=True)
+        if _pip([path]) != 0:
+            _fail("installing %s failed (see the lines above)" % name)
+        _mark_installed(got)
     # Run the replica with the interpreter the wheel was installed into.
     if argv[0] in ("python", "python3"):
         argv = [sys.executable] + argv[1:]

@@ -8,15 +8,24 @@ applied through ``Function.with_options``.
 
 Image layers, in order (later layers change more often, so they come last):
 
-1. ``debian_slim`` with Python :data:`PYTHON_VERSION`,
-2. the pinned dependencies of ``requirements.txt`` (minus ``modal``: Modal
-   supplies its own client in the container),
+1. ``debian_slim`` with Python :data:`PYTHON_VERSION` (the run's numeric stack,
+   :mod:`composer_cloud.stack`),
+2. the pinned dependencies of ``requirements.txt``, installed with
+   ``uv_pip_install`` (``modal`` is never among them: Modal supplies its own
+   client in the container),
 3. ``add_local_python_source("composer_cloud")`` *last*: the launcher's source
    tree is mounted at container start (not baked into a layer), so a code change
    never rebuilds the dependency layers. Non-Python package data
    (``composer_cloud/data/*``) is included; caches and dot-files are not.
 
+The App is created with ``include_source=False``: without it Modal would also
+mount the source of the module that defines the function (this one) on its
+own, a second copy next to the explicit ``add_local_python_source``; with it,
+our package reaches the container exactly once.
+
 In the container Modal imports this module by name to find :data:`replica`.
+Imports go one way: this module imports :mod:`composer_cloud.images.container`
+(the function body) and :mod:`composer_cloud.stack`, never ``composer_cloud.jobs``.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from typing import Any
 
 import modal
 
+from composer_cloud.images.container import run_replica_body
+from composer_cloud.stack import PYTHON_VERSION
+
 APP_NAME = "composer-cloud"
 FUNCTION_NAME = "replica"
-PYTHON_VERSION = "3.11"
 REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 #: Patterns (modal.FilePatternMatcher syntax) left out of the mounted source.
 SOURCE_IGNORE = ["**/__pycache__", "**/*.pyc", "**/.*"]
@@ -50,12 +61,13 @@ def pinned_requirements(*, exclude: tuple[str, ...] = ("modal",)) -> list[str]:
 
 image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)
-    .pip_install(*pinned_requirements())
+    .uv_pip_install(*pinned_requirements())
     .env({"PYTHONUNBUFFERED": "1"})
     .add_local_python_source("composer_cloud", ignore=SOURCE_IGNORE)  # last: see module docstring
 )
 
-app = modal.App(APP_NAME, image=image)
+# include_source=False: the explicit add_local_python_source above is the only copy of our source.
+app = modal.App(APP_NAME, image=image, include_source=False)
 
 
 @app.function(timeout=DEFAULT_TIMEOUT_S, serialized=False)
@@ -63,9 +75,7 @@ def replica(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     """Run one replica (``argv``, with the extra non-secret ``env``) to completion.
 
     Secrets arrive as environment variables through Modal secrets. Raises
-    :class:`~composer_cloud.jobs.modal_jobs.ReplicaFailed` on a non-zero exit,
+    :class:`~composer_cloud.images.container.ReplicaFailed` on a non-zero exit,
     so Modal marks the input failed and applies the function's retry policy.
     """
-    from composer_cloud.jobs.modal_jobs import run_replica_body
-
     return run_replica_body(argv, env)

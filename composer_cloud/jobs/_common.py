@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from composer_cloud import env
+from composer_cloud.images.container import FAILURE_TAIL_LINES, failure_message
 from composer_cloud.spec import RunSpec
 
 #: Non-secret JSON of ``spec.store_options`` for code that must open the store
 #: before it can read the spec (the HF bootstrap; the replica may use it too).
 STORE_OPTIONS_ENV = env.STORE_OPTIONS
-#: How many trailing log lines a failed replica's status message carries.
-FAILURE_TAIL_LINES = 20
 
 _EXIT_CODE = re.compile(r"exit(?:ed)?(?: with)? (?:status |code)[:= ]*(-?\d+)", re.IGNORECASE)
 
@@ -48,9 +48,38 @@ def parse_exit_code(message: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def failure_message(head: str, tail: Iterable[str]) -> str:
-    """``head`` plus the last log lines, indented, for a FAILED :class:`ReplicaStatus`."""
-    lines = [ln.rstrip("\n") for ln in tail if ln.strip()]
-    if not lines:
-        return head
-    return head + "\nlast log lines:\n" + "\n".join(f"  | {ln}" for ln in lines)
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """Dollars for ``jobs`` jobs of one executor (see :class:`~composer_cloud.jobs.base.LaunchPlan`).
+
+    Attributes:
+        hourly_usd: all jobs running for one hour.
+        estimated_usd: all jobs running until their timeout, once.
+        max_usd: all jobs running until their timeout on every attempt.
+        basis: where the price came from (and when), or why there is none.
+    """
+
+    hourly_usd: float | None
+    estimated_usd: float | None
+    max_usd: float | None
+    basis: str
+
+    @classmethod
+    def of(cls, *, jobs: int, price_per_job_hour_usd: float | None, timeout_s: float, attempts: int,
+           basis: str) -> "CostEstimate":
+        if price_per_job_hour_usd is None:
+            return cls(None, None, None, basis)
+        hourly = jobs * price_per_job_hour_usd
+        once = hourly * timeout_s / 3600
+        return cls(hourly, once, once * max(1, attempts), basis)
+
+    def plan_fields(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`~composer_cloud.jobs.base.LaunchPlan`."""
+        return {"hourly_cost_usd": self.hourly_usd, "estimated_cost_usd": self.estimated_usd,
+                "max_cost_usd": self.max_usd, "cost_basis": self.basis}
+
+
+__all__ = ["FAILURE_TAIL_LINES", "STORE_OPTIONS_ENV", "CostEstimate", "failure_message", "job_env", "parse_exit_code",
+           "run_id_of", "scheme_of"]

@@ -78,7 +78,17 @@ class JobHandle:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What ``launch`` would do, for ``--dry-run``. Secret *names* only, never values."""
+    """What ``launch`` would do, for ``--dry-run``. Secret *names* only, never values.
+
+    Costs are US dollars for this executor's ranks, from the backend's prices
+    (``cost_basis`` says which and when; ``None`` when no price is known):
+
+    * ``hourly_cost_usd``: while all of this plan's jobs run (multiply by a
+      run's expected duration for a planned-rounds estimate),
+    * ``estimated_cost_usd``: every job running until its timeout once, the
+      same bound as ``estimated_gpu_hours`` (jobs are billed until they exit),
+    * ``max_cost_usd``: the timeout bound with every restart the spec allows.
+    """
 
     executor: str
     ranks: list[int]
@@ -89,6 +99,10 @@ class LaunchPlan:
     gpu: str
     estimated_gpu_hours: float | None
     notes: list[str] = field(default_factory=list)
+    hourly_cost_usd: float | None = None
+    estimated_cost_usd: float | None = None
+    max_cost_usd: float | None = None
+    cost_basis: str = ""
 
 
 def replica_command(run_uri: str, rank: int, *, python: str = "python") -> list[str]:

@@ -1,11 +1,16 @@
 """Replica jobs on Hugging Face Jobs, through ``huggingface_hub``'s Jobs API.
 
 One HF Job per replica. The job runs on ``spec.hf_jobs.image`` (any image with
-``python`` and ``pip``; see ``composer_cloud/images/Dockerfile`` for one with
-the dependencies preinstalled) and its command is the bootstrap in
+``python`` and ``pip`` or ``uv``; the default is Python 3.11 with uv,
+:data:`composer_cloud.stack.HF_JOBS_DEFAULT_IMAGE`; see
+``composer_cloud/images/Dockerfile`` for one with the dependencies
+preinstalled) and its command is the bootstrap in
 ``composer_cloud/images/hf_bootstrap.py`` followed by the replica command: the
 bootstrap installs this package from a wheel the launcher staged in the run's
-store (:mod:`composer_cloud.jobs.wheel`), then ``exec``s the replica.
+store (:mod:`composer_cloud.jobs.wheel`) with the pinned versions of
+``composer_cloud/images/requirements.txt`` as constraints (embedded in the
+command by :func:`bootstrap_source`), so every replica runs the same numeric
+stack (:mod:`composer_cloud.stack`), then ``exec``s the replica.
 
 Invariants:
 
@@ -18,7 +23,12 @@ Invariants:
   so no GPU job is left running without a record to find it by.
 * **No blind retries of create.** ``run_job`` is a POST; retrying it after a
   timeout could start a duplicate job. Reads (inspect, logs) and cancel are
-  idempotent and are retried on transient errors.
+  idempotent and are retried on transient errors with the package's one
+  retry policy (:data:`RETRY`).
+* **Refused before anything is written.** :meth:`HFJobsExecutor.preflight`
+  checks what a launch needs that the launcher can see (store reachable from
+  the jobs, credentials for an S3 store among the secrets, secret values
+  present) and raises before a wheel is staged or a record is written.
 * **Re-attachable.** A handle carries the endpoint and namespace it was created
   with, so ``status``/``logs``/``cancel`` from another machine talk to the same
   server; the token is never stored (``HF_TOKEN`` or the saved login is used).
@@ -36,7 +46,6 @@ import logging
 import os
 import re
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -46,6 +55,7 @@ from urllib.parse import urlparse
 from composer_cloud import env as cc_env
 from composer_cloud.jobs._common import (
     FAILURE_TAIL_LINES,
+    CostEstimate,
     failure_message,
     job_env,
     parse_exit_code,
@@ -62,6 +72,7 @@ from composer_cloud.jobs.base import (
 )
 from composer_cloud.jobs.wheel import WHEEL_PREFIX, StagedWheel, build_and_stage_wheel
 from composer_cloud.rendezvous.store import Store
+from composer_cloud.retry import RetryPolicy
 from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -72,6 +83,17 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 LABEL_RUN = "composer-cloud-run"
 LABEL_RANK = "composer-cloud-rank"
 BOOTSTRAP_PATH = Path(__file__).resolve().parent.parent / "images" / "hf_bootstrap.py"
+REQUIREMENTS_PATH = BOOTSTRAP_PATH.with_name("requirements.txt")
+#: The bootstrap line the launcher fills with the pinned constraints.
+_CONSTRAINTS_LINE = "CONSTRAINTS = None"
+#: Retries of idempotent Hub calls (inspect, logs, cancel, list, whoami): 4 calls, about 2 s at most.
+RETRY = RetryPolicy(attempts=4, base_s=0.25, cap_s=4.0)
+#: Secrets (names) a job needs to read an s3:// store: HF job secrets are environment variables, and a job
+#: has no credentials file, instance role or profile, so only the key pair works (plus AWS_SESSION_TOKEN
+#: for temporary keys).
+AWS_KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+#: Seconds in the unit of a Jobs hardware price (``JobHardwareInfo.unit_label``).
+_UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600}
 #: Shown instead of the bootstrap's source in a :class:`LaunchPlan`.
 BOOTSTRAP_PLACEHOLDER = "<source of composer_cloud/images/hf_bootstrap.py>"
 
@@ -104,8 +126,29 @@ def flavor_gpus(flavor: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def bootstrap_source() -> str:
-    return BOOTSTRAP_PATH.read_text()
+def constraints_text() -> str:
+    """The pins jobs install with: ``$COMPOSER_CLOUD_CONSTRAINTS`` (a file) if set, else ``images/requirements.txt``."""
+    override = os.environ.get(cc_env.CONSTRAINTS)
+    path = Path(override) if override else REQUIREMENTS_PATH
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ExecutorError(
+            f"cannot read the constraints file {path} ({exc}); fix or unset {cc_env.CONSTRAINTS}") from exc
+
+
+def bootstrap_source(*, constraints: str | None = None) -> str:
+    """The bootstrap's source with the pinned constraints embedded (default: :func:`constraints_text`).
+
+    The constraints travel inside the job's command, so they are read before
+    anything is installed, and the job needs no second object from the store.
+    """
+    source = BOOTSTRAP_PATH.read_text()
+    text = constraints_text() if constraints is None else constraints
+    if source.count(_CONSTRAINTS_LINE) != 1:
+        raise ExecutorError(f"{BOOTSTRAP_PATH} must contain the line {_CONSTRAINTS_LINE!r} exactly once "
+                            "(the launcher fills in the pinned constraints there)")
+    return source.replace(_CONSTRAINTS_LINE, f"CONSTRAINTS = {text!r}", 1)
 
 
 class HFJobsExecutor:
@@ -142,6 +185,7 @@ class HFJobsExecutor:
         self._namespace: str | None = spec.hf_jobs.namespace
         self._staged: dict[str, StagedWheel] = {}
         self._final: dict[str, ReplicaStatus] = {}  # terminal statuses never change: cache them
+        self._hardware: dict[str, Any] | None = None  # flavor -> JobHardwareInfo, read once
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
@@ -161,22 +205,15 @@ class HFJobsExecutor:
             self._namespace = str(who["name"])
         return self._namespace
 
-    def _retry(self, what: str, fn: Callable[[], T], *, attempts: int = 4) -> T:
-        """Call ``fn``, retrying transient errors (transport errors, 429, 5xx) with backoff.
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Call ``fn`` under :data:`RETRY` (transient: transport errors, 429, 5xx); errors become ExecutorError.
 
         Only for idempotent calls: never wrap ``run_job`` in this.
         """
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if not _is_transient(exc) or attempt == attempts - 1:
-                    raise self._error(what, exc) from exc
-                delay = min(4.0, 0.25 * 2**attempt)
-                logger.warning("hf-jobs: %s failed (%s); retry %d in %.2fs", what, _describe(exc), attempt + 1,
-                               delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+        try:
+            return RETRY.call(f"hf-jobs: {what}", fn, transient=_is_transient)
+        except Exception as exc:  # noqa: BLE001 - the last error, with what to do
+            raise self._error(what, exc) from exc
 
     def _error(self, what: str, exc: BaseException) -> ExecutorError:
         status = _status_code(exc)
@@ -214,21 +251,99 @@ class HFJobsExecutor:
             env["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]  # so a replica downloads models from the same Hub
         return env
 
-    def _secret_values(self) -> dict[str, str]:
-        """Values of the secrets named in the spec, read from this process's environment."""
+    def _s3_credentials_problem(self) -> str | None:
+        """Why jobs would have no credentials for an s3:// store, or None.
+
+        Jobs start with a clean environment: the only credentials they get are
+        the job secrets, so both names of :data:`AWS_KEY_PAIR` must be among
+        them; ``store_options.anon = true`` (a public bucket) needs none.
+        """
+        if scheme_of(self.spec.store) not in ("s3", "s3a") or self.spec.store_options.get("anon"):
+            return None
+        missing = [n for n in AWS_KEY_PAIR if n not in self.spec.hf_jobs.secrets]
+        if not missing:
+            return None
+        return (f"store {self.spec.store} is S3, but [hf_jobs] secrets has no AWS credentials for the jobs "
+                f"(missing {', '.join(missing)}): add secrets = [\"AWS_ACCESS_KEY_ID\", \"AWS_SECRET_ACCESS_KEY\"] "
+                "(plus AWS_ENDPOINT_URL / AWS_DEFAULT_REGION if your store needs them) and export them here; "
+                "their values are sent as HF job secrets, never stored")
+
+    def _preflight_problems(self) -> list[str]:
+        problems = [p for p in (self._store_problem(), self._s3_credentials_problem()) if p]
         missing = [n for n in self.spec.hf_jobs.secrets if n not in os.environ]
         if missing:
-            raise ExecutorError(
+            problems.append(
                 f"hf_jobs.secrets names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not set "
                 f"in this environment; export {missing[0]}=... before launching (values are sent as HF job "
                 "secrets, never stored) or remove the name from [hf_jobs] secrets")
+        return problems
+
+    def preflight(self, run_uri: str, ranks: Sequence[int]) -> None:
+        """Refuse a launch that cannot work, before anything is built, staged or written.
+
+        Checks what the launcher can see without talking to anyone: the jobs
+        can reach the store, an S3 store's credentials are among the secrets,
+        every secret named in the spec has a value here. Raises
+        :class:`ExecutorError` naming each missing setting. :meth:`launch`
+        calls it too; call it first when other work (records, other
+        executors) would happen before :meth:`launch`.
+        """
+        problems = self._preflight_problems()
+        if problems:
+            raise ExecutorError("hf-jobs: cannot launch: " + "; ".join(problems))
+
+    def _secret_values(self) -> dict[str, str]:
+        """Values of the secrets named in the spec, read from this process's environment (after :meth:`preflight`)."""
         return {n: os.environ[n] for n in self.spec.hf_jobs.secrets}
 
     def _command(self, run_uri: str, rank: int, *, bootstrap: str) -> list[str]:
         return ["python", "-c", bootstrap, *self._replica_argv(run_uri, rank)]
 
+    def hardware_prices(self) -> dict[str, Any]:
+        """Flavor name -> ``huggingface_hub.JobHardwareInfo`` from the server (read once per executor).
+
+        One attempt, no retries: a price is decoration on a dry run, not worth a wait.
+        """
+        if self._hardware is None:
+            try:
+                infos = self._api().list_jobs_hardware()
+            except Exception as exc:  # noqa: BLE001 - reported with what to do
+                raise self._error("listing job hardware", exc) from exc
+            self._hardware = {str(h.name): h for h in infos}
+        return self._hardware
+
+    def cost_estimate(self, jobs: int) -> CostEstimate:
+        """Dollars for ``jobs`` jobs of ``spec.hf_jobs.flavor`` from the server's ``unit_cost_usd``.
+
+        Never raises: without a price the estimate is empty and its basis says why.
+        """
+        hf = self.spec.hf_jobs
+        attempts = self.spec.max_restarts + 1
+        source = f"{self.endpoint}/api/jobs/hardware"
+        try:
+            info = self.hardware_prices().get(hf.flavor)
+        except ExecutorError as err:
+            return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=hf.timeout_s,
+                                   attempts=attempts, basis=f"no price: {err}")
+        unit_s = _UNIT_SECONDS.get(str(getattr(info, "unit_label", "")).lower()) if info is not None else None
+        if info is None or unit_s is None or info.unit_cost_usd is None:
+            why = (f"flavor {hf.flavor!r} is not listed" if info is None
+                   else f"unknown price unit {info.unit_label!r} for {hf.flavor}")
+            return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=hf.timeout_s,
+                                   attempts=attempts, basis=f"no price: {why} at {source}")
+        per_hour = float(info.unit_cost_usd) * 3600 / unit_s
+        return CostEstimate.of(
+            jobs=jobs, price_per_job_hour_usd=per_hour, timeout_s=hf.timeout_s, attempts=attempts,
+            basis=(f"{source} (read at plan time): {hf.flavor} ${float(info.unit_cost_usd):g}/{info.unit_label} "
+                   f"= ${per_hour:.2f}/h per job; estimate = {jobs} job(s) x timeout {hf.timeout_s / 3600:g} h, "
+                   f"max x {attempts} attempt(s)"))
+
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
-        """What :meth:`launch` would do. No wheel is built, nothing is sent."""
+        """What :meth:`launch` would do. No wheel is built, nothing is created.
+
+        The only request is a read of the hardware price list
+        (``GET /api/jobs/hardware``) for the cost estimate.
+        """
         hf = self.spec.hf_jobs
         ranks = list(ranks)
         gpus = flavor_gpus(hf.flavor)
@@ -236,21 +351,16 @@ class HFJobsExecutor:
             f"one HF Job per rank on {self.endpoint} in namespace "
             f"{hf.namespace or '<your user, from the token>'} (command shown for rank {ranks[0] if ranks else 0})",
             f"a wheel of this checkout is built and staged at {run_uri.rstrip('/')}/{WHEEL_PREFIX}/<sha256>/; "
-            "the bootstrap installs it (and its dependencies, unless the image has them) before the replica starts",
+            "the bootstrap installs it with the pinned versions of composer_cloud/images/requirements.txt as "
+            "constraints (torch and the rest, unless the image has them) before the replica starts",
             f"estimated_gpu_hours is an upper bound: {len(ranks)} job(s) x {gpus} GPU(s) x timeout "
             f"{hf.timeout_s / 3600:g} h; jobs are billed until they exit",
             *self._flavor_notes(),
         ]
         if self.spec.max_restarts:
             notes.append(f"attempts={self.spec.max_restarts + 1} per job (max_restarts)")
-        problem = self._store_problem()
-        if problem:
-            notes.append(f"launch would fail: {problem}")
-        missing = [n for n in hf.secrets if n not in os.environ]
-        if missing:
-            notes.append(f"launch would fail: secret(s) {', '.join(missing)} not set in this environment")
-        if scheme_of(self.spec.store) in ("s3", "s3a") and not any(n.startswith("AWS_") for n in hf.secrets):
-            notes.append("store is S3 but no AWS_* variable is in [hf_jobs] secrets; jobs will have no credentials")
+        notes.extend(f"launch would fail: {problem}" for problem in self._preflight_problems())
+        cost = self.cost_estimate(len(ranks))
         return LaunchPlan(
             executor=self.name,
             ranks=ranks,
@@ -261,6 +371,7 @@ class HFJobsExecutor:
             gpu=f"{hf.flavor} ({gpus} GPU{'s' if gpus != 1 else ''})",
             estimated_gpu_hours=len(ranks) * gpus * hf.timeout_s / 3600,
             notes=notes,
+            **cost.plan_fields(),
         )
 
     def stage(self, run_uri: str) -> StagedWheel:
@@ -273,17 +384,15 @@ class HFJobsExecutor:
     def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
         """Create one HF Job per rank; returns handles in ``ranks`` order.
 
-        Order: cheap checks (flavor, store reachability, secrets present) first,
-        then the wheel is staged, then jobs are created. A failure while
-        creating jobs cancels the ones already created (see module docstring).
+        Order: cheap checks (:meth:`preflight`, flavor) first, then the wheel
+        is staged, then jobs are created. A failure while creating jobs
+        cancels the ones already created (see module docstring).
         """
         hf = self.spec.hf_jobs
+        self.preflight(run_uri, ranks)
         for note in self._flavor_notes():
             warnings.warn(note, stacklevel=2)
             logger.warning("hf-jobs: %s", note)
-        problem = self._store_problem()
-        if problem:
-            raise ExecutorError(f"hf-jobs: {problem}")
         secrets = self._secret_values()
         namespace = self.namespace()
         staged = self.stage(run_uri)

@@ -4,7 +4,9 @@ Layout: every Modal SDK call lives in :class:`ModalSDKSeam` (spawn, state,
 logs, cancel). :class:`ModalExecutor` holds everything around it -- launch
 options from the spec, handles, the state mapping, roll-back, error messages --
 and is tested with a fake seam. The code that runs *inside* the container is
-:func:`run_replica_body`, an ordinary function that tests run locally.
+:func:`composer_cloud.images.container.run_replica_body`, an ordinary function
+that tests run locally (re-exported here with :class:`ReplicaFailed`). Imports
+go one way, ``jobs -> images``: the Modal app module never imports this one.
 
 Invariants:
 
@@ -32,18 +34,14 @@ import datetime as _dt
 import logging
 import os
 import re
-import signal
-import subprocess
-import sys
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
+from composer_cloud.images.container import ReplicaFailed, run_replica_body  # noqa: F401 - re-exported
 from composer_cloud.jobs._common import (
-    FAILURE_TAIL_LINES,
-    failure_message,
+    CostEstimate,
     job_env,
     parse_exit_code,
     run_id_of,
@@ -66,6 +64,26 @@ KNOWN_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S
 _NO_GPU = ("", "cpu", "none")
 _APP_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]")
 _MODAL_MAX_RETRIES = 10
+
+#: Modal's published per-second price of one GPU (USD), by GPU type, and whether we could confirm it.
+#: Taken 2026-11-23. modal.com/pricing itself was not readable from here; the confirmed numbers are
+#: those a third-party summary quotes as "verified on May 7, 2026 from official vendor pricing"
+#: (H100 $0.001097/s = $3.9492/h, A100-80GB $2.4984/h, L40S $1.9512/h, T4 $0.5904/h, L4 $0.7992/h).
+#: The unconfirmed ones are Modal's earlier list prices; check modal.com/pricing before relying on them.
+#: CPU and memory of the container are billed on top and are not included.
+MODAL_GPU_PRICES_TAKEN = "2026-11-23"
+MODAL_GPU_PRICE_PER_S: dict[str, tuple[float, bool]] = {
+    "H100": (0.001097, True),
+    "A100-80GB": (0.000694, True),
+    "L40S": (0.000542, True),
+    "L4": (0.000222, True),
+    "T4": (0.000164, True),
+    "A100-40GB": (0.000583, False),
+    "A10": (0.000306, False),
+    "H200": (0.001261, False),
+    "B200": (0.001736, False),
+}
+_GPU_ALIASES = {"A100": "A100-40GB", "A10G": "A10", "H100!": "H100", "B200+": "B200"}
 
 
 # ---------------------------------------------------------------------- seam types
@@ -130,70 +148,19 @@ class ModalSeam(Protocol):
     def cancel(self, call_id: str) -> None: ...
 
 
-# ---------------------------------------------------------------------- in the container
-class ReplicaFailed(RuntimeError):
-    """A replica process exited non-zero. Picklable, so it crosses Modal intact."""
-
-    def __init__(self, exit_code: int, tail: Sequence[str] = ()) -> None:
-        self.exit_code = int(exit_code)
-        self.tail = list(tail)
-        super().__init__(self.exit_code, self.tail)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ReplicaFailed, (self.exit_code, self.tail))
-
-    def __str__(self) -> str:
-        return failure_message(f"replica exited with code {self.exit_code}", self.tail)
-
-
-def run_replica_body(argv: Sequence[str], env: Mapping[str, str], *, tail_lines: int = FAILURE_TAIL_LINES,
-                     out: Any = None) -> dict[str, Any]:
-    """Run ``argv`` with ``os.environ | env`` to completion, echoing its output line by line.
-
-    This is the body of the Modal function (stdout becomes the call's logs) and
-    runs unchanged on a laptop. Returns ``{"exit_code": 0}``; raises
-    :class:`ReplicaFailed` with the exit code and last ``tail_lines`` lines
-    otherwise. If the function is interrupted (Modal cancels the input by
-    raising into it), the replica's whole process group is terminated first.
-    """
-    out = out or sys.stdout
-    argv = list(argv)
-    if argv and argv[0] in ("python", "python3"):
-        argv[0] = sys.executable  # the container's interpreter, whatever PATH says
-    tail: deque[str] = deque(maxlen=tail_lines)
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            out.write(line + "\n")
-            out.flush()
-            tail.append(line)
-        rc = proc.wait()
-    finally:
-        if proc.poll() is None:
-            _terminate_group(proc)
-    if rc != 0:
-        raise ReplicaFailed(rc, list(tail))
-    return {"exit_code": 0}
-
-
-def _terminate_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 # ---------------------------------------------------------------------- the real SDK
 class ModalSDKSeam:
-    """:class:`ModalSeam` on the ``modal`` SDK. The only code here that talks to Modal."""
+    """:class:`ModalSeam` on the ``modal`` SDK. The only code here that talks to Modal.
+
+    Args:
+        show_progress: show Modal's output while the app starts (image build
+            steps, mounts, function creation) on this process's terminal, via
+            ``modal.enable_output()``. The replicas' own logs are not streamed
+            here (``composer-cloud logs`` fetches them).
+    """
+
+    def __init__(self, *, show_progress: bool = True) -> None:
+        self.show_progress = show_progress
 
     @staticmethod
     def with_options_kwargs(options: FunctionOptions) -> dict[str, Any]:
@@ -214,13 +181,19 @@ class ModalSDKSeam:
         return kwargs
 
     def spawn(self, *, app_name: str, options: FunctionOptions, requests: Sequence[SpawnRequest]) -> SpawnResult:
+        import contextlib
+
+        import modal
+
         from composer_cloud.images import modal_image
 
         kwargs = self.with_options_kwargs(options)
         app = modal_image.app
         call_ids: list[str] = []
+        # enable_output: the first launch builds the image (minutes); show its steps rather than hang silently.
+        progress = modal.enable_output() if self.show_progress else contextlib.nullcontext()
         # detach=True: leaving the block does not stop the app; the spawned calls run on.
-        with app.run(detach=True, name=app_name):
+        with progress, app.run(detach=True, name=app_name):
             fn = modal_image.replica.with_options(**kwargs)
             for req in requests:
                 try:
@@ -357,6 +330,53 @@ class ModalExecutor:
                     "use an s3:// store and attach its credentials as a Modal secret")
         return None
 
+    def _credentials_problem(self) -> str | None:
+        """An S3 store with no Modal secret attached (containers get credentials only from secrets)."""
+        if (scheme_of(self.spec.store) in ("s3", "s3a") and not self.spec.modal.secrets
+                and not self.spec.store_options.get("anon")):
+            return (f"store {self.spec.store} is S3 but modal.secrets is empty, so containers would have no "
+                    "credentials: `modal secret create NAME AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...` "
+                    "and set [modal] secrets = [\"NAME\"]")
+        return None
+
+    def preflight(self, run_uri: str, ranks: Sequence[int]) -> None:
+        """Refuse a launch that cannot work, before anything is written; talks to nobody.
+
+        Checks the options (GPU count, secret names) and that containers can
+        reach the store. An S3 store without any Modal secret is only noted in
+        :meth:`plan` (a secret's contents are known to Modal alone, and a
+        missing secret already fails the launch by name). Raises
+        :class:`ExecutorError`.
+        """
+        self.function_options()  # raises on a bad GPU count or an empty secret name
+        problem = self._store_problem()
+        if problem:
+            raise ExecutorError(f"modal: cannot launch: {problem}")
+
+    def cost_estimate(self, jobs: int) -> CostEstimate:
+        """Dollars for ``jobs`` calls from :data:`MODAL_GPU_PRICE_PER_S` (GPU time only). Never raises."""
+        opts = self.function_options()
+        attempts = opts.retries + 1
+        if opts.gpu is None:
+            return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=opts.timeout_s,
+                                   attempts=attempts, basis="no GPU price: CPU-only calls (CPU and memory are "
+                                   "billed per second, see modal.com/pricing)")
+        gpu_type, _, _ = opts.gpu.partition(":")
+        key = _GPU_ALIASES.get(gpu_type.upper(), gpu_type.upper())
+        if key not in MODAL_GPU_PRICE_PER_S:
+            return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=opts.timeout_s,
+                                   attempts=attempts, basis=f"no price for GPU {gpu_type!r} in the table "
+                                   f"taken {MODAL_GPU_PRICES_TAKEN}; see modal.com/pricing")
+        per_s, confirmed = MODAL_GPU_PRICE_PER_S[key]
+        count = self.gpus_per_replica()
+        per_hour = per_s * 3600 * count
+        return CostEstimate.of(
+            jobs=jobs, price_per_job_hour_usd=per_hour, timeout_s=opts.timeout_s, attempts=attempts,
+            basis=(f"Modal's published GPU price table in composer_cloud/jobs/modal_jobs.py (taken "
+                   f"{MODAL_GPU_PRICES_TAKEN}{'' if confirmed else '; this price unconfirmed'}): {key} "
+                   f"${per_s:g}/s x {count} GPU(s) = ${per_hour:.2f}/h per call, GPU only; estimate = {jobs} "
+                   f"call(s) x timeout {opts.timeout_s / 3600:g} h, max x {attempts} attempt(s)"))
+
     def app_name(self, run_uri: str) -> str:
         return _APP_NAME_UNSAFE.sub("-", f"{self.spec.modal.app_name}-{run_id_of(run_uri)}")[:64]
 
@@ -385,14 +405,15 @@ class ModalExecutor:
         problem = self._store_problem()
         if problem:
             notes.append(f"launch would fail: {problem}")
-        if scheme_of(self.spec.store) in ("s3", "s3a") and not opts.secret_names:
-            notes.append("store is S3 but modal.secrets is empty: containers will have no credentials "
-                         "(modal secret create NAME AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...)")
+        credentials = self._credentials_problem()
+        if credentials:
+            notes.append(credentials)
+        cost = self.cost_estimate(len(ranks))
         return LaunchPlan(
             executor=self.name,
             ranks=ranks,
             image=(f"modal: debian_slim python {modal_image.PYTHON_VERSION} + "
-                   f"{len(modal_image.pinned_requirements())} pinned packages "
+                   f"{len(modal_image.pinned_requirements())} pinned packages (uv) "
                    "(composer_cloud/images/requirements.txt) + local composer_cloud source"),
             command=list(self._replica_argv(run_uri, ranks[0] if ranks else 0)),
             env_names=sorted(self._env()),
@@ -400,13 +421,12 @@ class ModalExecutor:
             gpu=opts.gpu or "none (CPU)",
             estimated_gpu_hours=len(ranks) * gpus * opts.timeout_s / 3600,
             notes=notes,
+            **cost.plan_fields(),
         )
 
     def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
         """Spawn one FunctionCall per rank in a detached app; handles in ``ranks`` order."""
-        problem = self._store_problem()
-        if problem:
-            raise ExecutorError(f"modal: {problem}")
+        self.preflight(run_uri, ranks)
         opts = self.function_options()
         for note in self._gpu_notes():
             warnings.warn(note, stacklevel=2)
