@@ -29,3 +29,6 @@ PREBUILT_WHEEL = "COMPOSER_CLOUD_PREBUILT_WHEEL"
 #: Opt-in live tests against a real Modal account, and the GPU they ask for.
 LIVE_MODAL = "COMPOSER_CLOUD_LIVE_MODAL"
 LIVE_MODAL_GPU = "COMPOSER_CLOUD_LIVE_MODAL_GPU"
+#: JSON of the run's :class:`~composer_cloud.usercode.CodeRef` (key, sha256, bytes, modules). Set by the
+#: launcher on each job, so a replica checks the code bundle against a digest that did not come from the store.
+CODE_REF = "COMPOSER_CLOUD_CODE_REF"
