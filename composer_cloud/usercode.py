@@ -232,11 +232,16 @@ def collect_code(
         if spec is None:
             if explicit:
                 raise CodeNotFound(
-                    f"{setting}: module {top!r} of {ref!r} was not found in {base} nor on sys.path, so it "
+                    f"{setting}: module {top!r} of {ref!r} was found neither in {base} nor on sys.path, so it "
                     f"cannot be packaged for the replicas; run from the folder that contains {top}/ or {top}.py, "
                     f"add that folder to PYTHONPATH, or fix the module name")
             continue  # an optional or conditional import the user's code handles itself
-        roots = [] if spec == "builtin" else _user_roots(spec)
+        try:
+            roots = [] if isinstance(spec, str) else _user_roots(spec)
+        except UserCodeError:
+            if explicit:
+                raise
+            continue  # an import of something installed oddly (an egg) is the image's business
         if top == "composer_cloud" or not roots:
             if explicit:  # imports of installed packages are the image's business, not this report's
                 installed.add(top)
