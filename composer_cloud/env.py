@@ -33,3 +33,6 @@ LIVE_MODAL_GPU = "COMPOSER_CLOUD_LIVE_MODAL_GPU"
 #: instead of ``composer_cloud/images/requirements.txt`` (another stack on purpose, or a test
 #: environment whose versions differ from the shipped pins).
 CONSTRAINTS = "COMPOSER_CLOUD_CONSTRAINTS"
+#: JSON of the run's :class:`~composer_cloud.usercode.CodeRef` (key, sha256, bytes, modules). Set by the
+#: launcher on each job, so a replica checks the code bundle against a digest that did not come from the store.
+CODE_REF = "COMPOSER_CLOUD_CODE_REF"

@@ -1,0 +1,659 @@
+"""User code and local files that travel with a run, through the run's store.
+
+A run names user code by ``"module:attr"`` settings (a task factory, a hint
+source, a reward) and may list extra paths (``[code] include``). On the local
+executor those happen to be importable because the replica inherits the
+launcher's directory; on Modal or Hugging Face Jobs nothing but the installed
+packages exists. This module packages the user's code at launch and puts it on
+``sys.path`` in every replica, so the replica's working directory no longer
+matters:
+
+* launcher: :func:`collect_code` -> :func:`upload_code` (and
+  :func:`upload_files` for local files named by the spec);
+* replica: :func:`install_code` (and :func:`fetch_file`).
+
+Invariants:
+
+* **Only the user's code travels.** A reference is resolved to its top-level
+  package or module file. Builtin, frozen, stdlib and site-packages modules and
+  ``composer_cloud`` itself are installed in every image and are never
+  packaged. Absolute imports in packaged files that resolve to other user
+  modules (a sibling ``helpers.py``) are followed and packaged too; dynamic
+  imports are not (list them in ``include``).
+* **Content-addressed and deterministic.** A bundle is a zip with sorted
+  entries, fixed timestamps and permissions and no ``__pycache__``, ``*.pyc``
+  or hidden files (``.git``, ``.env``, ...), so the same code gives the same
+  sha256 and lives at ``code/<sha256>.zip``; files live at
+  ``files/<sha256>/<name>`` and directories, as a zip, at
+  ``dirs/<sha256>/<name>.zip``. Objects are created write-once; an existing
+  object whose bytes do not hash to its name is replaced, never reused.
+* **Nothing read from the store is trusted.** The replica verifies the
+  sha256 (on top of the store's crc32 framing) before using a byte; a
+  mismatch is a :class:`~composer_cloud.rendezvous.store.ChecksumMismatch`
+  naming the key. Archives are checked entry by entry *before* anything is
+  written: absolute paths, ``..``, symlinks, special files, encrypted entries
+  and oversized or over-long archives are refused with :class:`UnsafeArchive`.
+  Nothing is unpickled or executed on extraction.
+* **Atomic, shared caches.** Extraction goes to a temporary directory beside
+  the target and is renamed into place, so a cache entry is either complete or
+  absent; replicas sharing a cache directory race safely (the loser discards
+  its copy and uses the winner's, which has the same sha256).
+"""
+
+from __future__ import annotations
+
+import ast
+import filecmp
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import io
+import logging
+import os
+import re
+import shutil
+import site
+import stat
+import sys
+import sysconfig
+import tempfile
+import uuid
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_cloud.registry import BadReference, is_reference
+from composer_cloud.rendezvous.store import ChecksumMismatch, Store, StoreError
+
+logger = logging.getLogger(__name__)
+
+#: Largest code bundle (sum of uncompressed file sizes) :func:`collect_code` builds by default.
+MAX_CODE_BYTES = 50 * 2**20
+#: Largest single path (a file, or a directory's files together) :func:`upload_files` uploads by default.
+#: Objects travel through memory; larger models belong on the Hugging Face Hub, named by repo id.
+MAX_FILE_BYTES = 2**30
+#: Refuse to extract archives that declare more than this (zip-bomb guard; above both limits).
+MAX_EXTRACT_BYTES = 2 * 2**30
+#: Refuse archives (and bundles) with more entries than this.
+MAX_ENTRIES = 20_000
+
+CODE_PREFIX = "code"
+FILES_PREFIX = "files"
+DIRS_PREFIX = "dirs"
+
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest time zip can represent
+_FILE_MODE = 0o644
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_FILE_KEY_RE = re.compile(rf"({FILES_PREFIX}|{DIRS_PREFIX})/([0-9a-f]{{64}})/([^/]+)")
+_SKIP_DIRS = {"__pycache__"}
+_SKIP_SUFFIXES = (".pyc", ".pyo")
+
+
+# --------------------------------------------------------------------------- errors
+class UserCodeError(ValueError):
+    """User code or files cannot be packaged; the message names the setting or path and what to do."""
+
+
+class CodeNotFound(BadReference, UserCodeError):
+    """A ``"module:attr"`` reference names a module that is neither installed nor found locally."""
+
+
+class BundleTooLarge(UserCodeError):
+    """The code or a file to upload exceeds its size limit."""
+
+
+class UnsafeArchive(StoreError):
+    """An archive read from the store holds an entry that must not be extracted."""
+
+    def __init__(self, key: str, entry: str, reason: str) -> None:
+        self.key = key
+        self.entry = entry
+        super().__init__(f"object {key} holds an unsafe entry {entry!r} ({reason}); nothing was extracted")
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class CodeBundle:
+    """A deterministic zip of user code, ready for :func:`upload_code`.
+
+    Attributes:
+        data: the zip's bytes (its root goes on ``sys.path`` in the replica).
+        sha256: hex digest of ``data``.
+        modules: top-level modules packaged (sorted).
+        files: every entry of the zip (sorted).
+        installed: top-level modules of references left to the image (stdlib,
+            site-packages, ``composer_cloud``), for dry-run reports.
+    """
+
+    data: bytes = field(repr=False)
+    sha256: str
+    modules: tuple[str, ...]
+    files: tuple[str, ...]
+    installed: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    @property
+    def empty(self) -> bool:
+        """True when there is nothing to ship (every reference is installed, nothing included)."""
+        return not self.files
+
+
+@dataclass(frozen=True)
+class CodeRef:
+    """Where a run's code bundle lies in its store, and the sha256 it must have.
+
+    Attributes:
+        key: ``code/<sha256>.zip``, relative to the run's store.
+        sha256: hex digest of the zip's bytes.
+        bytes: size of the zip.
+        modules: top-level modules it provides.
+    """
+
+    key: str
+    sha256: str
+    bytes: int
+    modules: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "modules": list(self.modules)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "CodeRef":
+        """Parse and validate (the JSON may have travelled through an untrusted store)."""
+        try:
+            ref = cls(key=str(obj["key"]), sha256=str(obj["sha256"]), bytes=int(obj["bytes"]),
+                      modules=tuple(str(m) for m in obj["modules"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid code reference {obj!r}: {exc}") from None
+        _check_code_ref(ref)
+        return ref
+
+
+def code_key(sha256: str) -> str:
+    """The store key of the code bundle with this digest."""
+    if not _SHA_RE.fullmatch(sha256):
+        raise ValueError(f"{sha256!r} is not a sha256 hex digest")
+    return f"{CODE_PREFIX}/{sha256}.zip"
+
+
+# --------------------------------------------------------------------------- launcher side
+def collect_code(
+    references: Sequence[str] | Mapping[str, str | None],
+    *,
+    include: Sequence[str | os.PathLike[str]] = (),
+    base_dir: str | os.PathLike[str] | None = None,
+    max_bytes: int = MAX_CODE_BYTES,
+) -> CodeBundle:
+    """Package the user code behind ``references`` plus the ``include`` paths.
+
+    Args:
+        references: ``"module:attr"`` strings, or a mapping from setting name
+            (``"trainer.task"``) to reference, so errors name the setting.
+            Values that are not references (registered names such as
+            ``"python-functions"``, ``None``, ``""``) are skipped.
+        include: files or directories, relative to ``base_dir`` (or absolute
+            inside it); each lands in the bundle at its path relative to
+            ``base_dir``, so the bundle root mirrors ``base_dir``.
+        base_dir: where the user's code lives (default: the current
+            directory). Searched before ``sys.path``, as if it were first on
+            ``sys.path``.
+        max_bytes: limit on the sum of the packaged files' sizes.
+
+    Modules are located without importing them (no user code runs here).
+    Each referenced top-level package goes to ``<name>/...`` and each module
+    file to ``<name>.py`` at the bundle root.
+
+    Raises:
+        CodeNotFound: a reference's module is not found (names the setting).
+        UserCodeError: an ``include`` path is missing or outside ``base_dir``.
+        BundleTooLarge: the bundle would exceed ``max_bytes`` or :data:`MAX_ENTRIES`.
+    """
+    base = Path(os.path.abspath(base_dir if base_dir is not None else os.getcwd()))
+    search = [str(base), *sys.path]
+    entries = _Entries(max_bytes=max_bytes, what="the code bundle")
+    packaged: set[str] = set()
+    installed: set[str] = set()
+    seen: set[str] = set()
+    # (setting, reference or None, top-level module, named explicitly)
+    queue: list[tuple[str, str | None, str, bool]] = [
+        (setting, ref, ref.partition(":")[0].split(".")[0], True) for setting, ref in _named(references)]
+    while queue:
+        setting, ref, top, explicit = queue.pop(0)
+        if top in seen:
+            continue
+        seen.add(top)
+        spec = _find_top_level(top, search)
+        if spec is None:
+            if explicit:
+                raise CodeNotFound(
+                    f"{setting}: module {top!r} of {ref!r} was found neither in {base} nor on sys.path, so it "
+                    f"cannot be packaged for the replicas; run from the folder that contains {top}/ or {top}.py, "
+                    f"add that folder to PYTHONPATH, or fix the module name")
+            continue  # an optional or conditional import the user's code handles itself
+        try:
+            roots = [] if isinstance(spec, str) else _user_roots(spec)
+        except UserCodeError:
+            if explicit:
+                raise
+            continue  # an import of something installed oddly (an egg) is the image's business
+        if top == "composer_cloud" or not roots:
+            if explicit:  # imports of installed packages are the image's business, not this report's
+                installed.add(top)
+            continue
+        if not explicit and spec.origin is None:
+            continue  # only named references may pull in a namespace package (a bare folder)
+        logger.debug("packaging %s from %s", top, ", ".join(map(str, roots)))
+        packaged.add(top)
+        for i, root in enumerate(roots):
+            if root.is_dir():
+                for rel, path in _walk(root):
+                    entries.add(f"{top}/{rel}", path, first_wins=i > 0)  # namespace portions: first wins, as in import
+            else:
+                entries.add(root.name, root)
+        for name in _imported_top_levels(entries.python_files_of(top, roots)):
+            queue.append((setting, None, name, False))
+    for item in include:
+        _add_include(entries, base, item)
+    data = _write_zip(entries.sources, compress=True)
+    bundle = CodeBundle(data=data, sha256=hashlib.sha256(data).hexdigest(), modules=tuple(sorted(packaged)),
+                        files=tuple(sorted(entries.sources)), installed=tuple(sorted(installed)))
+    logger.info("code bundle %s: %d files, %d bytes; packaged %s; installed in the image: %s", bundle.sha256[:12],
+                len(bundle.files), bundle.size, list(bundle.modules) or "-", list(bundle.installed) or "-")
+    return bundle
+
+
+def upload_code(store: Store, bundle: CodeBundle) -> CodeRef:
+    """Write ``bundle`` write-once at ``code/<sha256>.zip`` in ``store`` (the run's store).
+
+    Idempotent: an intact object with the same digest is left as it is.
+    """
+    if hashlib.sha256(bundle.data).hexdigest() != bundle.sha256:
+        raise ValueError("bundle.sha256 does not match bundle.data; build bundles with collect_code")
+    key = code_key(bundle.sha256)
+    _put_verified(store, key, bundle.data, bundle.sha256)
+    return CodeRef(key=key, sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
+
+
+def upload_files(
+    store: Store,
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    base_dir: str | os.PathLike[str] | None = None,
+    max_bytes: int = MAX_FILE_BYTES,
+) -> dict[str, str]:
+    """Upload local files or directories; returns ``{path as given: store key}``.
+
+    A file goes to ``files/<sha256>/<name>``; a directory (a saved model) as
+    an uncompressed deterministic zip to ``dirs/<sha256>/<name>.zip``
+    (hidden entries and ``__pycache__`` skipped). Relative paths are relative
+    to ``base_dir`` (default: the current directory). Pass the keys to
+    :func:`fetch_file` in the replica.
+    """
+    base = Path(os.path.abspath(base_dir if base_dir is not None else os.getcwd()))
+    out: dict[str, str] = {}
+    for given in paths:
+        path = Path(os.path.normpath(base / given))
+        name = path.name or path.resolve().name
+        if not path.exists():
+            raise UserCodeError(f"{os.fspath(given)!r}: no such file or directory (looked at {path})")
+        if path.is_dir():
+            entries = _Entries(max_bytes=max_bytes, what=f"directory {path}")
+            for rel, file in _walk(path):
+                entries.add(rel, file)
+            data = _write_zip(entries.sources, compress=False)  # weights do not compress; STORED is fast
+            sha = hashlib.sha256(data).hexdigest()
+            key = f"{DIRS_PREFIX}/{sha}/{name}.zip"
+        else:
+            size = path.stat().st_size
+            if size > max_bytes:
+                raise BundleTooLarge(
+                    f"{path} is {size} bytes, over the {max_bytes}-byte limit for uploads through the store; "
+                    "publish it (e.g. to the Hugging Face Hub) and name it by id instead")
+            data = path.read_bytes()
+            sha = hashlib.sha256(data).hexdigest()
+            key = f"{FILES_PREFIX}/{sha}/{name}"
+        _put_verified(store, key, data, sha)
+        out[os.fspath(given)] = key
+    return out
+
+
+# --------------------------------------------------------------------------- replica side
+def install_code(store: Store, ref: CodeRef, *, cache_dir: str | os.PathLike[str]) -> Path:
+    """Make the bundle ``ref`` importable here; returns its directory (now first on ``sys.path``).
+
+    Downloads ``ref.key``, verifies its sha256 (a mismatch raises
+    :class:`ChecksumMismatch` naming the key), checks every entry, and
+    extracts it atomically to ``cache_dir/<sha256>/``. An existing extraction
+    is reused without reading the store.
+    """
+    _check_code_ref(ref)
+    target = Path(os.path.abspath(cache_dir)) / ref.sha256
+    if target.is_dir():
+        logger.debug("code %s already extracted at %s", ref.sha256[:12], target)
+    else:
+        data = _get_verified(store, ref.key, ref.sha256)
+        _extract_atomic(data, ref.key, target)
+        logger.info("installed code %s (%s) at %s", ref.sha256[:12], ", ".join(ref.modules) or "-", target)
+    if str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    stale = [m for m in ref.modules if getattr(sys.modules.get(m), "__file__", None)
+             and not sys.modules[m].__file__.startswith(str(target) + os.sep)]
+    if stale:
+        logger.warning("modules %s were imported before the run's code was installed; the old versions stay "
+                       "in use in this process", stale)
+    return target
+
+
+def fetch_file(store: Store, key: str, *, cache_dir: str | os.PathLike[str]) -> Path:
+    """The local path of a key written by :func:`upload_files` (a file, or a directory for ``dirs/`` keys).
+
+    Verifies the sha256 in the key before using the bytes; cached under
+    ``cache_dir/<files|dirs>/<sha256>/<name>`` and reused.
+    """
+    match = _FILE_KEY_RE.fullmatch(key)
+    if not match or match.group(3) in (".", "..") or (match.group(1) == DIRS_PREFIX
+                                                     and not match.group(3).endswith(".zip")):
+        raise ValueError(f"{key!r} is not a key written by upload_files "
+                         f"({FILES_PREFIX}/<sha256>/<name> or {DIRS_PREFIX}/<sha256>/<name>.zip)")
+    kind, sha, name = match.groups()
+    is_dir = kind == DIRS_PREFIX
+    target = Path(os.path.abspath(cache_dir)) / kind / sha / (name[:-len(".zip")] if is_dir else name)
+    if target.exists():
+        return target
+    data = _get_verified(store, key, sha)
+    if is_dir:
+        _extract_atomic(data, key, target)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # same bytes if a concurrent fetch won
+        finally:
+            tmp.unlink(missing_ok=True)
+    logger.info("fetched %s to %s", key, target)
+    return target
+
+
+# --------------------------------------------------------------------------- module lookup
+def _named(references: Sequence[str] | Mapping[str, str | None]) -> list[tuple[str, str]]:
+    if isinstance(references, str):
+        raise TypeError("references must be a sequence (or mapping) of 'module:attr' strings, not one string")
+    pairs = list(references.items()) if isinstance(references, Mapping) else [("reference", r) for r in references]
+    return [(setting, ref) for setting, ref in pairs if isinstance(ref, str) and is_reference(ref)]
+
+
+def _find_top_level(name: str, search: list[str]) -> importlib.machinery.ModuleSpec | str | None:
+    """The spec of top-level module ``name`` as an import with ``search`` as ``sys.path`` would find it.
+
+    Does not import anything. ``"builtin"`` for builtin and frozen modules.
+    """
+    if name in sys.builtin_module_names or importlib.machinery.FrozenImporter.find_spec(name) is not None:
+        return "builtin"
+    # PathFinder applies import's own rules (a regular package anywhere beats namespace portions).
+    spec = importlib.machinery.PathFinder.find_spec(name, search)
+    if spec is None:
+        try:  # other meta-path finders (editable installs) and already-imported modules
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+    return spec
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_roots() -> tuple[Path, ...]:
+    """Directories whose modules every image has: the stdlib, site-packages, and composer_cloud."""
+    kinds = ("stdlib", "platstdlib", "purelib", "platlib")
+    base_vars = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}  # the interpreter under a venv
+    roots = [paths[k] for paths in (sysconfig.get_paths(), sysconfig.get_paths(vars=base_vars)) for k in kinds]
+    roots += getattr(site, "getsitepackages", lambda: [])()
+    roots.append(site.getusersitepackages())
+    roots.append(os.path.dirname(os.path.abspath(__file__)))  # composer_cloud itself
+    return tuple(Path(os.path.realpath(r)) for r in roots if r)
+
+
+def _is_installed(path: Path) -> bool:
+    real = Path(os.path.realpath(path))
+    if {"site-packages", "dist-packages"} & set(real.parts):
+        return True
+    return any(real == root or real.is_relative_to(root) for root in _installed_roots())
+
+
+def _user_roots(spec: importlib.machinery.ModuleSpec) -> list[Path]:
+    """The user's files behind a top-level ``spec``: a package directory (or namespace portions) or a file."""
+    if spec.submodule_search_locations is not None:
+        roots = [Path(p) for p in spec.submodule_search_locations]
+    elif spec.origin and spec.has_location:
+        roots = [Path(spec.origin)]
+    else:
+        return []
+    roots = [r for r in roots if not _is_installed(r)]
+    for r in roots:
+        if not (r.is_dir() or r.is_file()):
+            raise UserCodeError(f"module {spec.name!r} is loaded from {r}, which is not a plain file or folder "
+                                "(a zip or egg?); unpack it or install it in the image")
+    return roots
+
+
+def _imported_top_levels(files: Sequence[Path]) -> list[str]:
+    """Top-level names of absolute imports in ``files`` (relative imports stay inside their package)."""
+    names: set[str] = set()
+    for path in files:
+        try:
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+        except (SyntaxError, ValueError) as exc:
+            logger.warning("not scanning %s for imports: %s", path, exc)
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return sorted(names)
+
+
+# --------------------------------------------------------------------------- packaging
+class _Entries:
+    """Archive name -> source file, with conflict and size checks as entries are added."""
+
+    def __init__(self, *, max_bytes: int, what: str) -> None:
+        self.sources: dict[str, Path] = {}
+        self.sizes: dict[str, int] = {}
+        self.total = 0
+        self.max_bytes = max_bytes
+        self.what = what
+
+    def add(self, arcname: str, path: Path, *, first_wins: bool = False) -> None:
+        old = self.sources.get(arcname)
+        if old is not None:
+            if first_wins or os.path.realpath(old) == os.path.realpath(path) or filecmp.cmp(old, path, shallow=False):
+                return
+            raise UserCodeError(f"{old} and {path} would both be packaged as {arcname!r} with different contents; "
+                                "rename one or drop it from [code] include")
+        self.sources[arcname] = path
+        self.sizes[arcname] = path.stat().st_size
+        self.total += self.sizes[arcname]
+        total = self.total
+        if total > self.max_bytes or len(self.sources) > MAX_ENTRIES:
+            largest = sorted(self.sizes.items(), key=lambda kv: -kv[1])[:5]
+            raise BundleTooLarge(
+                f"{self.what} exceeds its limit ({len(self.sources)} files / {MAX_ENTRIES}, {total} bytes / "
+                f"{self.max_bytes}); largest: " + ", ".join(f"{n} ({s} bytes)" for n, s in largest)
+                + ". Move data out of the code folders and upload it as files, or publish it and name it by id")
+
+    def python_files_of(self, top: str, roots: Sequence[Path]) -> list[Path]:
+        if len(roots) == 1 and roots[0].is_file():
+            return [roots[0]] if roots[0].suffix == ".py" else []
+        return [p for a, p in self.sources.items() if a.startswith(f"{top}/") and a.endswith(".py")]
+
+
+def _walk(root: Path) -> Iterator[tuple[str, Path]]:
+    """Files under ``root`` as (posix path relative to root, path), sorted; skips hidden names and bytecode.
+
+    Symlinked files are read through; symlinked directories are followed once (cycles are cut).
+    """
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
+        rel_dir = Path(dirpath).relative_to(root)
+        for f in sorted(filenames):
+            if f.startswith(".") or f.endswith(_SKIP_SUFFIXES):
+                continue
+            path = Path(dirpath) / f
+            if path.is_file():  # skips dangling links, sockets, fifos
+                yield (rel_dir / f).as_posix(), path
+
+
+def _add_include(entries: _Entries, base: Path, item: str | os.PathLike[str]) -> None:
+    path = Path(os.path.normpath(base / item))
+    rel = os.path.relpath(path, base)
+    if rel == ".." or rel.startswith(".." + os.sep):
+        raise UserCodeError(f"[code] include: {os.fspath(item)!r} is outside {base}; include paths are placed at "
+                            "their path relative to that folder, so move it inside or launch from a parent folder")
+    if not path.exists():
+        raise UserCodeError(f"[code] include: {os.fspath(item)!r} does not exist (looked at {path})")
+    prefix = "" if rel == "." else Path(rel).as_posix() + "/"
+    if path.is_dir():
+        for sub, file in _walk(path):
+            entries.add(prefix + sub, file)
+    else:
+        entries.add(Path(rel).as_posix(), path)
+
+
+def _write_zip(sources: Mapping[str, Path], *, compress: bool) -> bytes:
+    """A zip of ``sources`` whose bytes depend only on the names and contents."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for arcname in sorted(sources):
+            info = zipfile.ZipInfo(arcname, date_time=_ZIP_TIME)
+            info.create_system = 3  # unix, whatever the host
+            info.external_attr = (stat.S_IFREG | _FILE_MODE) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+            zf.writestr(info, sources[arcname].read_bytes())
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- store I/O
+def _put_verified(store: Store, key: str, data: bytes, sha256: str) -> None:
+    """Create ``key`` write-once; if it exists, keep it only if its bytes hash to ``sha256``."""
+    if store.create(key, data):
+        logger.info("uploaded %s (%d bytes)", store.uri_of(key), len(data))
+        return
+    try:
+        existing = store.get(key)
+        if hashlib.sha256(existing).hexdigest() == sha256:
+            logger.debug("%s already in the store", key)
+            return
+        reason = "its sha256 does not match its name"
+    except ChecksumMismatch as exc:
+        reason = str(exc)
+    # A content-addressed key with other content is damaged or forged: no reader may use it, so replace it.
+    logger.warning("replacing %s: %s", key, reason)
+    store.put(key, data)
+
+
+def _get_verified(store: Store, key: str, sha256: str) -> bytes:
+    data = bytes(store.get(key))  # crc32 framing checked by the store
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise ChecksumMismatch(key, f"sha256 {got} does not match the expected {sha256}")
+    return data
+
+
+def _check_code_ref(ref: CodeRef) -> None:
+    if ref.key != code_key(ref.sha256):
+        raise ValueError(f"invalid code reference: key {ref.key!r} is not {CODE_PREFIX}/<sha256>.zip of {ref.sha256}")
+
+
+# --------------------------------------------------------------------------- extraction
+def _safe_members(zf: zipfile.ZipFile, key: str) -> list[tuple[zipfile.ZipInfo, tuple[str, ...]]]:
+    """Every entry with its path parts, after refusing anything unsafe; raises :class:`UnsafeArchive`."""
+    infos = zf.infolist()
+    if len(infos) > MAX_ENTRIES:
+        raise UnsafeArchive(key, infos[MAX_ENTRIES].filename, f"more than {MAX_ENTRIES} entries")
+    out: list[tuple[zipfile.ZipInfo, tuple[str, ...]]] = []
+    files: set[tuple[str, ...]] = set()
+    total = 0
+    for info in infos:
+        name = info.filename
+        mode = info.external_attr >> 16
+        if name.startswith("/") or "\\" in name or "\0" in name or re.match(r"[A-Za-z]:", name):
+            raise UnsafeArchive(key, name, "absolute or non-POSIX path")
+        parts = tuple(name.rstrip("/").split("/")) if info.is_dir() else tuple(name.split("/"))
+        if any(p in ("", ".", "..") for p in parts):
+            raise UnsafeArchive(key, name, "empty, '.' or '..' path component")
+        if stat.S_ISLNK(mode):
+            raise UnsafeArchive(key, name, "symbolic link")
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):
+            raise UnsafeArchive(key, name, "not a regular file or directory")
+        if info.flag_bits & 0x1:
+            raise UnsafeArchive(key, name, "encrypted")
+        if not info.is_dir():
+            if parts in files:
+                raise UnsafeArchive(key, name, "duplicate entry")
+            files.add(parts)
+        total += info.file_size
+        if total > MAX_EXTRACT_BYTES:
+            raise UnsafeArchive(key, name, f"archive expands beyond {MAX_EXTRACT_BYTES} bytes")
+        out.append((info, parts))
+    for parts in files:  # a file may not also be a directory of another entry
+        for i in range(1, len(parts)):
+            if parts[:i] in files:
+                raise UnsafeArchive(key, "/".join(parts), f"{'/'.join(parts[:i])} is also a file")
+    return out
+
+
+def _extract_atomic(data: bytes, key: str, target: Path) -> None:
+    """Check every entry, extract to a temporary sibling of ``target``, then rename it into place."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as exc:
+        raise UnsafeArchive(key, "", f"not a zip archive: {exc}") from None
+    with zf:
+        members = _safe_members(zf, key)  # all checks before the first byte is written
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        try:
+            for info, parts in members:
+                dest = tmp.joinpath(*parts)
+                if info.is_dir():
+                    dest.mkdir(parents=True, exist_ok=True)
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                _copy_member(zf, info, dest, key)
+            tmp.chmod(0o755)  # mkdtemp makes it 0700
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():
+                    raise
+                logger.debug("%s was extracted concurrently; using that copy", target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, key: str) -> None:
+    written = 0
+    try:
+        with zf.open(info) as src, open(dest, "xb") as out:
+            while chunk := src.read(1 << 20):
+                written += len(chunk)
+                if written > info.file_size:  # never trust the declared size to bound the output
+                    raise UnsafeArchive(key, info.filename, "expands beyond its declared size")
+                out.write(chunk)
+    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError) as exc:
+        raise UnsafeArchive(key, info.filename, f"cannot be extracted: {exc}") from None
+    dest.chmod(_FILE_MODE)
