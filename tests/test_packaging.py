@@ -61,8 +61,12 @@ def _imports(module: str) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            out.add(target)
-            out.update(f"{target}.{alias.name}" for alias in node.names)
+            subs = {f"{target}.{alias.name}" for alias in node.names}
+            out.update(subs)
+            # ``from pkg import submodule`` depends on the submodule; the package's __init__ is
+            # an edge only when a name of its own is imported.
+            if not subs <= MODULES.keys():
+                out.add(target)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
