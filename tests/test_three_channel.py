@@ -263,6 +263,34 @@ def test_unsupported_grpo_options_are_refused():
         )
 
 
+def test_settings_that_disagree_with_the_grpo_config_are_refused():
+    # One settings object feeds the loss and the GRPOConfig; a config built apart from it must agree.
+    from datasets import Dataset
+
+    m, tok = _model()
+    with pytest.raises(ValueError, match=r"GRPOConfig.loss_type = 'dapo', settings give 'grpo'.*settings.grpo_kwargs"):
+        ThreeChannelGRPOTrainer(
+            model=m,
+            reward_funcs=_reward,
+            args=_grpo_args("dapo"),
+            train_dataset=Dataset.from_list([{"prompt": "x"}]),
+            processing_class=tok,
+            settings=_pair_settings("grpo"),
+        )
+
+
+def test_the_package_keeps_its_public_names():
+    import composer_cloud.trainer.three_channel as tc
+    from composer_cloud.trainer.loss import ThreeChannelConfig
+
+    assert set(tc.__all__) <= set(dir(tc))
+    for name in tc.__all__:
+        assert getattr(tc, name) is not None
+    assert issubclass(ThreeChannelSettings, ThreeChannelConfig) and tc.ThreeChannelConfig is ThreeChannelConfig
+    with pytest.raises(AttributeError):
+        tc.ChannelArgs  # noqa: B018 - merged into ThreeChannelSettings
+
+
 # --------------------------------------------------------------------------- the InnerTrainer
 class HashTask:
     """A test task whose reward varies between completions (so GRPO's advantages are non-zero)."""
