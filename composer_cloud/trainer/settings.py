@@ -73,7 +73,8 @@ def parse_settings(cls: type[S], settings: Mapping[str, Any], *, trainer: str) -
     try:
         return cls(**values)
     except ValidationError as exc:
-        raise ValueError(f"[trainer] for {trainer!r}: " + "; ".join(_describe(e, values) for e in exc.errors())) from None
+        problems = [_describe(e, values) for e in exc.errors()]
+        raise ValueError(f"[trainer] for {trainer!r}: " + "; ".join(problems)) from None
 
 
 def _describe(error: Mapping[str, Any], values: Mapping[str, Any]) -> str:

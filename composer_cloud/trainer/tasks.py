@@ -131,7 +131,9 @@ def resolve_hint_source(spec: str | HintSource | None, task: VerifiableTask) -> 
     except TypeError:
         source = factory()
     if not isinstance(source, HintSource):
-        raise TypeError(f"trainer.hint_source {spec!r} returned {type(source).__name__}, which has no hints(rows) method")
+        raise TypeError(
+            f"trainer.hint_source {spec!r} returned {type(source).__name__}, which has no hints(rows) method"
+        )
     return source
 
 

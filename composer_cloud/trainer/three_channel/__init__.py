@@ -38,7 +38,11 @@ _EXPORTS: dict[str, str] = {
 
 if TYPE_CHECKING:
     from composer_cloud.trainer.three_channel.adapter import ThreeChannelTrainer, build_three_channel_trainer
-    from composer_cloud.trainer.three_channel.compat import TRL_SUPPORTED, TRLCompatibilityError, check_trl_compatibility
+    from composer_cloud.trainer.three_channel.compat import (
+        TRL_SUPPORTED,
+        TRLCompatibilityError,
+        check_trl_compatibility,
+    )
     from composer_cloud.trainer.three_channel.grpo import ThreeChannelGRPOTrainer
     from composer_cloud.trainer.three_channel.settings import ThreeChannelConfig, ThreeChannelSettings
     from composer_cloud.trainer.three_channel.state import PromptStream, RNGState

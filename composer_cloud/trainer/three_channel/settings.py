@@ -96,7 +96,8 @@ class ThreeChannelConfig:
     def __post_init__(self) -> None:
         if self.loss_type == "dr_grpo" and self.completion_length is None:
             raise ValueError(
-                "trainer.max_completion_length: loss_type 'dr_grpo' needs it (its normaliser is B * max_completion_length)"
+                "trainer.max_completion_length: loss_type 'dr_grpo' needs it "
+                "(its normaliser is B * max_completion_length)"
             )
 
     @property
@@ -219,7 +220,9 @@ class ThreeChannelSettings(ThreeChannelConfig):
         try:
             self.hint_template.format(hint="", prompt="")
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"trainer.hint_template: {exc!r}; use only '{{hint}}' and '{{prompt}}' (double other braces)")
+            raise ValueError(
+                f"trainer.hint_template: {exc!r}; use only '{{hint}}' and '{{prompt}}' (double other braces)"
+            ) from None
         if self.task not in TASKS and not is_reference(self.task):
             raise ValueError(f"trainer.task {self.task!r}: use one of {sorted(TASKS)} or 'package.module:factory'")
         if not (
