@@ -75,7 +75,7 @@ def warm_start(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return state
 
 
-def build(args: argparse.Namespace, state: dict[str, torch.Tensor], *, alpha: float, beta: float):
+def build(args: argparse.Namespace, state: dict[str, torch.Tensor], *, sdpo_weight: float, dpo_weight: float):
     model, tok = load_model("tiny", seed=args.seed)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -83,8 +83,8 @@ def build(args: argparse.Namespace, state: dict[str, torch.Tensor], *, alpha: fl
         "batch_size": args.batch_size,
         "num_generations": args.num_generations,
         "max_completion_length": args.max_completion_length,
-        "alpha": alpha,
-        "beta": beta,
+        "sdpo_weight": sdpo_weight,
+        "dpo_weight": dpo_weight,
         "replay_batch_size": args.replay_batch_size,
         "eval_examples": args.eval_examples,
         "sandbox_workers": args.sandbox_workers,
@@ -126,11 +126,11 @@ def controlled_timing(args: argparse.Namespace, state: dict[str, torch.Tensor]) 
     """
     import dataclasses
 
-    tr = build(args, state, alpha=args.alpha, beta=args.beta)
+    tr = build(args, state, sdpo_weight=args.sdpo_weight, dpo_weight=args.dpo_weight)
     tr.step()  # one real generation batch (and the replay reference log-probs)
     g = tr.grpo
     inputs = dict(g._buffered_inputs[0], replay=g.replay.sample(args.replay_batch_size))
-    configs = {"one": dataclasses.replace(g.loss_config, alpha=0.0, beta=0.0), "three": g.loss_config}
+    configs = {"one": dataclasses.replace(g.settings, sdpo_weight=0.0, dpo_weight=0.0), "three": g.settings}
     times: dict[str, list[float]] = {"one": [], "three": []}
     for i in range(args.timing_repeats + 2):
         for name in (["one", "three"] if i % 2 == 0 else ["three", "one"]):
@@ -166,12 +166,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     state = warm_start(args)
     controlled = controlled_timing(args, state)
     logger.info("controlled timing: %s", controlled)
-    configs = {"channel 1 only": (0.0, 0.0), "three channels": (args.alpha, args.beta)}
+    configs = {"channel 1 only": (0.0, 0.0), "three channels": (args.sdpo_weight, args.dpo_weight)}
     if args.ablations:
-        configs.update({"channels 1+2": (args.ablation_alpha, 0.0), "channels 1+3": (0.0, args.beta)})
-    trainers = {name: build(args, state, alpha=a, beta=b) for name, (a, b) in configs.items()}
+        configs.update({"channels 1+2": (args.ablation_sdpo_weight, 0.0), "channels 1+3": (0.0, args.dpo_weight)})
+    trainers = {name: build(args, state, sdpo_weight=a, dpo_weight=b) for name, (a, b) in configs.items()}
     results: dict[str, dict[str, Any]] = {
-        name: {"alpha": a, "beta": b, "metrics": [], "step_s": [], "gen_s": [], "loss_s": []} for name, (a, b) in configs.items()
+        name: {"sdpo_weight": a, "dpo_weight": b, "metrics": [], "step_s": [], "gen_s": [], "loss_s": []} for name, (a, b) in configs.items()
     }
     for name, tr in trainers.items():
         results[name]["eval_before"] = tr.evaluate()
@@ -334,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=24)
     p.add_argument("--replay-batch-size", type=int, default=2)
-    p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--sdpo-weight", type=float, default=0.1, help="trainer.sdpo_weight (channel 2)")
     p.add_argument("--ablations", action="store_true", help="also run channels 1+2 and channels 1+3")
-    p.add_argument("--ablation-alpha", type=float, default=0.5, help="alpha of the channels 1+2 ablation")
-    p.add_argument("--beta", type=float, default=0.5)
+    p.add_argument("--ablation-sdpo-weight", type=float, default=0.5, help="sdpo_weight of the channels 1+2 ablation")
+    p.add_argument("--dpo-weight", type=float, default=0.5, help="trainer.dpo_weight (channel 3)")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--eval-every", type=int, default=10, help="held-out greedy eval every N steps (0: only before/after)")
     p.add_argument("--eval-examples", type=int, default=32)

@@ -135,7 +135,7 @@ def test_pg_gradient_is_zero_below_clip_low_for_negative_advantage():
     assert grad[0, 0].item() == 0.0 and grad[0, 1].item() > 0
 
 
-def _reference_pg(logp, old, adv, mask, eps, eps_high, loss_type, ref=None, kl_beta=0.0, L=None, num_items=None, bias_correction=True):
+def _reference_pg(logp, old, adv, mask, eps, eps_high, loss_type, ref=None, kl_coef=0.0, L=None, num_items=None, bias_correction=True):
     """Independent loop-based implementation of the four aggregations."""
     B, T = logp.shape
     per = torch.zeros(B, T, dtype=logp.dtype)
@@ -144,9 +144,9 @@ def _reference_pg(logp, old, adv, mask, eps, eps_high, loss_type, ref=None, kl_b
             r = math.exp(logp[i, t] - old[i, t])
             a = float(adv[i])
             val = -min(r * a, min(max(r, 1 - eps), 1 + eps_high) * a)
-            if kl_beta:
+            if kl_coef:
                 d = float(ref[i, t] - logp[i, t])
-                val += kl_beta * (math.exp(d) - d - 1) * (r if bias_correction else 1.0)
+                val += kl_coef * (math.exp(d) - d - 1) * (r if bias_correction else 1.0)
             per[i, t] = val
     m = mask.to(per.dtype)
     if loss_type == "grpo":
@@ -159,8 +159,8 @@ def _reference_pg(logp, old, adv, mask, eps, eps_high, loss_type, ref=None, kl_b
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("kl_beta", [0.0, 0.05])
-def test_pg_loss_aggregations(loss_type, kl_beta):
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_pg_loss_aggregations(loss_type, kl_coef):
     g = _gen(11)
     B, T = 4, 6
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
@@ -168,16 +168,16 @@ def test_pg_loss_aggregations(loss_type, kl_beta):
     ref = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     mask = (torch.arange(T)[None] < torch.tensor([6, 4, 2, 5])[:, None]).long()
-    kwargs = dict(epsilon=0.2, epsilon_high=0.28, loss_type=loss_type, ref_logp=ref, kl_beta=kl_beta, max_completion_length=8)
+    kwargs = dict(epsilon=0.2, epsilon_high=0.28, loss_type=loss_type, ref_logp=ref, kl_coef=kl_coef, max_completion_length=8)
     got = pg_loss(logp, old, adv, mask, **kwargs)
-    want = _reference_pg(logp, old, adv, mask, 0.2, 0.28, loss_type, ref, kl_beta, L=8)
+    want = _reference_pg(logp, old, adv, mask, 0.2, 0.28, loss_type, ref, kl_coef, L=8)
     assert got.item() == pytest.approx(float(want), rel=1e-10)
     got = pg_loss(logp, old, adv, mask, kl_bias_correction=False, **kwargs)
-    want = _reference_pg(logp, old, adv, mask, 0.2, 0.28, loss_type, ref, kl_beta, L=8, bias_correction=False)
+    want = _reference_pg(logp, old, adv, mask, 0.2, 0.28, loss_type, ref, kl_coef, L=8, bias_correction=False)
     assert got.item() == pytest.approx(float(want), rel=1e-10)
     if loss_type == "dapo":
         got = pg_loss(logp, old, adv, mask, num_items=40.0, **kwargs)
-        want = _reference_pg(logp, old, adv, mask, 0.2, 0.28, loss_type, ref, kl_beta, num_items=40.0)
+        want = _reference_pg(logp, old, adv, mask, 0.2, 0.28, loss_type, ref, kl_coef, num_items=40.0)
         assert got.item() == pytest.approx(float(want), rel=1e-10)
 
 
@@ -193,7 +193,7 @@ def test_pg_on_policy_default_and_errors():
     with pytest.raises(ValueError, match="max_completion_length"):
         pg_loss(logp, None, adv, mask, loss_type="dr_grpo")
     with pytest.raises(ValueError, match="ref_logp"):
-        pg_loss(logp, None, adv, mask, kl_beta=0.1)
+        pg_loss(logp, None, adv, mask, kl_coef=0.1)
     with pytest.raises(ValueError, match="loss_type"):
         pg_loss(logp, None, adv, mask, loss_type="ppo")  # type: ignore[arg-type]
 
@@ -252,7 +252,7 @@ def _channel_inputs(requires_grad=True):
 
 def test_three_channel_total_is_the_weighted_sum():
     pg, sd, dp = _channel_inputs()
-    cfg = ThreeChannelConfig(pg_weight=1.0, alpha=0.7, beta=0.3, loss_type="bnpo", jsd_beta=0.4, dpo_beta=0.2)
+    cfg = ThreeChannelConfig(pg_weight=1.0, sdpo_weight=0.7, dpo_weight=0.3, loss_type="bnpo", jsd_beta=0.4, dpo_beta=0.2)
     out = three_channel_loss(cfg, pg=pg, sdpo=sd, dpo=dp)
     p = pg_loss(pg.logp, None, pg.advantages, pg.mask, loss_type="bnpo")
     s = gjsd_loss(sd.student_logits, sd.teacher_logits, sd.mask, beta=0.4)
@@ -269,16 +269,16 @@ def test_three_channel_total_is_the_weighted_sum():
 def test_three_channel_skips_zero_weight_and_absent_channels():
     pg, sd, dp = _channel_inputs()
     # zero weight: the channel's inputs get no gradient at all (not computed)
-    out = three_channel_loss(ThreeChannelConfig(alpha=0.0, beta=0.5), pg=pg, sdpo=sd, dpo=dp)
+    out = three_channel_loss(ThreeChannelConfig(sdpo_weight=0.0, dpo_weight=0.5), pg=pg, sdpo=sd, dpo=dp)
     assert out.active == ("pg", "dpo") and "sdpo" not in out.metrics
     out.total.backward()
     assert sd.student_logits.grad is None
     assert dp.policy_chosen_logp.grad is not None
     # absent inputs: skipped even with a non-zero weight
-    out = three_channel_loss(ThreeChannelConfig(alpha=1.0, beta=1.0), pg=pg)
+    out = three_channel_loss(ThreeChannelConfig(sdpo_weight=1.0, dpo_weight=1.0), pg=pg)
     assert out.active == ("pg",) and set(out.metrics) >= {"pg", "total"} and "dpo" not in out.metrics
     with pytest.raises(ValueError, match="every channel is skipped"):
-        three_channel_loss(ThreeChannelConfig(pg_weight=0.0, alpha=1.0), pg=pg)
+        three_channel_loss(ThreeChannelConfig(pg_weight=0.0, sdpo_weight=1.0), pg=pg)
 
 
 def test_config_validation():
@@ -287,6 +287,6 @@ def test_config_validation():
     with pytest.raises(ValueError):
         ThreeChannelConfig(jsd_beta=1.5)
     with pytest.raises(ValueError):
-        ThreeChannelConfig(alpha=-1.0)
+        ThreeChannelConfig(sdpo_weight=-1.0)
     with pytest.raises(ValueError):
         ThreeChannelConfig(dpo_variant="ipo")  # type: ignore[arg-type]

@@ -29,7 +29,6 @@ from composer_cloud.trainer.replay import (
 from composer_cloud.trainer.tasks import ColumnHints, build_demo_pairs
 from composer_cloud.trainer.three_channel import (
     TRL_SUPPORTED,
-    ChannelArgs,
     ThreeChannelGRPOTrainer,
     ThreeChannelSettings,
     ThreeChannelTrainer,
@@ -80,17 +79,19 @@ def test_hook_check_names_the_supported_range_when_a_signature_changed():
 
 
 # --------------------------------------------------------------------------- parity with stock GRPO
+def _pair_settings(loss_type: str, **kw) -> ThreeChannelSettings:
+    # 8 completions of at most 7 tokens, 4 per prompt; TRL's default for truncated completions
+    return ThreeChannelSettings(
+        loss_type=loss_type, batch_size=8, num_generations=4, max_completion_length=7, mask_truncated_completions=False, **kw
+    )
+
+
 def _grpo_args(loss_type: str, **kw):
     from trl import GRPOConfig
 
     return GRPOConfig(
         output_dir="/tmp/composer-cloud-test-grpo",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=7,
-        loss_type=loss_type,
-        epsilon=0.2,
-        epsilon_high=0.28,
+        **_pair_settings(loss_type).grpo_kwargs(),  # per_device_train_batch_size=8, num_generations=4, ...
         use_cpu=True,
         bf16=False,
         activation_checkpointing=False,
@@ -104,7 +105,7 @@ def _reward(prompts, completions, **kw):
     return [float(hashlib.sha256(c.encode()).digest()[0]) / 255 for c in completions]
 
 
-def _build_pair(loss_type: str, *, alpha=0.0, beta=0.0):
+def _build_pair(loss_type: str, *, sdpo_weight=0.0, dpo_weight=0.0):
     """A stock GRPOTrainer and a three-channel one on two identical models."""
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -118,7 +119,7 @@ def _build_pair(loss_type: str, *, alpha=0.0, beta=0.0):
         args=_grpo_args(loss_type),
         train_dataset=ds,
         processing_class=tok,
-        channel_args=ChannelArgs(alpha=alpha, beta=beta),
+        settings=_pair_settings(loss_type, sdpo_weight=sdpo_weight, dpo_weight=dpo_weight),
     )
     stock.current_gradient_accumulation_steps = 1
     m1.train(), m2.train()
@@ -166,7 +167,7 @@ def _loss_and_grads(trainer, model, inputs):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_loss_equals_stock_grpo_when_alpha_and_beta_are_zero(loss_type):
+def test_loss_equals_stock_grpo_when_sdpo_and_dpo_weights_are_zero(loss_type):
     stock, ours, tok = _build_pair(loss_type)
     cases = [
         ("on-policy", dict(old_noise=None, ref_noise=None), 0.0),
@@ -176,7 +177,7 @@ def test_loss_equals_stock_grpo_when_alpha_and_beta_are_zero(loss_type):
     for name, kw, kl in cases:
         inputs = _inputs(len(tok), model=stock.model, stock=stock, **kw)
         stock.beta = kl  # stock reads inputs["ref_per_token_logps"] when beta != 0
-        ours.loss_config = dataclasses.replace(ours.loss_config, kl_beta=kl)
+        ours.settings = dataclasses.replace(ours.settings, kl_coef=kl)
         # channel 2/3 inputs present but weights 0: they must be ignored
         ours_inputs = dict(inputs, has_hint=torch.ones(8, dtype=torch.bool), teacher_prompt_ids=inputs["prompt_ids"], teacher_prompt_mask=inputs["prompt_mask"])
         l_stock, g_stock = _loss_and_grads(stock, stock.model, inputs)
@@ -190,9 +191,9 @@ def test_loss_equals_stock_grpo_when_alpha_and_beta_are_zero(loss_type):
 
 
 def test_channel_one_is_unchanged_when_channel_two_shares_the_forward():
-    # With alpha > 0 the student forward goes through full logits instead of TRL's
+    # With sdpo_weight > 0 the student forward goes through full logits instead of TRL's
     # fused head; the pg term must still equal stock GRPO's loss.
-    stock, ours, tok = _build_pair("dapo", alpha=0.5)
+    stock, ours, tok = _build_pair("dapo", sdpo_weight=0.5)
     inputs = _inputs(len(tok), model=stock.model, stock=stock, old_noise=0.4, ref_noise=None)
     hinted = dict(inputs)
     hinted["teacher_prompt_ids"] = torch.cat([torch.full((8, 3), 5), inputs["prompt_ids"]], 1)
@@ -210,7 +211,7 @@ def test_channel_one_is_unchanged_when_channel_two_shares_the_forward():
 def test_channel_two_is_the_jsd_between_hinted_teacher_and_student_on_the_same_tokens():
     from composer_cloud.trainer.loss import gjsd_loss
 
-    _, ours, tok = _build_pair("dapo", alpha=1.0)
+    _, ours, tok = _build_pair("dapo", sdpo_weight=1.0)
     model = ours.model
     g = torch.Generator().manual_seed(3)
     # two rows, unpadded, so the reference computation below needs no padding logic
@@ -237,14 +238,14 @@ def test_channel_two_is_the_jsd_between_hinted_teacher_and_student_on_the_same_t
         t_logits = model(input_ids=torch.cat([teacher_prompt, completion], 1)).logits[:, 8:-1]
     keep = torch.ones(2, 6, dtype=torch.bool)
     keep[:, -1] = False  # EOS positions are left out of channel 2 by default
-    want = gjsd_loss(s_logits, t_logits, keep, beta=ours.loss_config.jsd_beta)
+    want = gjsd_loss(s_logits, t_logits, keep, beta=ours.settings.jsd_beta)
     assert out.metrics["sdpo"].item() == pytest.approx(want.item(), rel=1e-5)
     assert want.item() > 1e-4
     # with EOS included the value changes, and a row without a hint drops out
-    ours.channel_args = dataclasses.replace(ours.channel_args, sdpo_exclude_eos=False)
+    ours.settings = dataclasses.replace(ours.settings, sdpo_exclude_eos=False)
     with torch.no_grad():
         out = ours.compute_three_channel_loss(model, dict(inputs, has_hint=torch.tensor([False, True])))
-    want = gjsd_loss(s_logits[1:], t_logits[1:], torch.ones(1, 6), beta=ours.loss_config.jsd_beta)
+    want = gjsd_loss(s_logits[1:], t_logits[1:], torch.ones(1, 6), beta=ours.settings.jsd_beta)
     assert out.metrics["sdpo"].item() == pytest.approx(want.item(), rel=1e-5)
 
 
@@ -260,6 +261,34 @@ def test_unsupported_grpo_options_are_refused():
             train_dataset=Dataset.from_list([{"prompt": "x"}]),
             processing_class=tok,
         )
+
+
+def test_settings_that_disagree_with_the_grpo_config_are_refused():
+    # One settings object feeds the loss and the GRPOConfig; a config built apart from it must agree.
+    from datasets import Dataset
+
+    m, tok = _model()
+    with pytest.raises(ValueError, match=r"GRPOConfig.loss_type = 'dapo', settings give 'grpo'.*settings.grpo_kwargs"):
+        ThreeChannelGRPOTrainer(
+            model=m,
+            reward_funcs=_reward,
+            args=_grpo_args("dapo"),
+            train_dataset=Dataset.from_list([{"prompt": "x"}]),
+            processing_class=tok,
+            settings=_pair_settings("grpo"),
+        )
+
+
+def test_the_package_keeps_its_public_names():
+    import composer_cloud.trainer.three_channel as tc
+    from composer_cloud.trainer.loss import ThreeChannelConfig
+
+    assert set(tc.__all__) <= set(dir(tc))
+    for name in tc.__all__:
+        assert getattr(tc, name) is not None
+    assert issubclass(ThreeChannelSettings, ThreeChannelConfig) and tc.ThreeChannelConfig is ThreeChannelConfig
+    with pytest.raises(AttributeError):
+        tc.ChannelArgs  # noqa: B018 - merged into ThreeChannelSettings
 
 
 # --------------------------------------------------------------------------- the InnerTrainer
@@ -298,8 +327,8 @@ def _trainer(seed: int = 0, *, model=None, **overrides) -> ThreeChannelTrainer:
             "batch_size": 8,
             "num_generations": 4,
             "max_completion_length": 8,
-            "alpha": 0.5,
-            "beta": 0.5,
+            "sdpo_weight": 0.5,
+            "dpo_weight": 0.5,
             "replay_batch_size": 2,
             "eval_examples": 4,
             # a random model never emits EOS within 8 tokens: keep its completions in the loss
@@ -341,11 +370,11 @@ def test_tiny_cpu_run_all_three_channels_give_finite_nonzero_gradients():
     assert inputs["has_hint"].any() and not inputs["has_hint"].all()  # rows without a hint are masked out
     params = [p for p in tr.model.parameters()]
     norms = {}
-    cfg = g.loss_config
+    cfg = g.settings
     only = {
-        "pg": dataclasses.replace(cfg, alpha=0.0, beta=0.0),
-        "sdpo": dataclasses.replace(cfg, pg_weight=0.0, beta=0.0),
-        "dpo": dataclasses.replace(cfg, pg_weight=0.0, alpha=0.0),
+        "pg": dataclasses.replace(cfg, sdpo_weight=0.0, dpo_weight=0.0),
+        "sdpo": dataclasses.replace(cfg, pg_weight=0.0, dpo_weight=0.0),
+        "dpo": dataclasses.replace(cfg, pg_weight=0.0, sdpo_weight=0.0),
     }
     grads = {}
     for channel, c in only.items():
@@ -391,7 +420,7 @@ def test_successful_completions_are_left_out_of_channel_two():
     model, tok = _model()
     task = EvenTask()
     settings = ThreeChannelSettings(
-        batch_size=8, num_generations=4, max_completion_length=8, alpha=0.5, beta=0.0, mask_truncated_completions=False
+        batch_size=8, num_generations=4, max_completion_length=8, sdpo_weight=0.5, dpo_weight=0.0, mask_truncated_completions=False
     )
     tr = ThreeChannelTrainer(
         model=model,
@@ -410,7 +439,7 @@ def test_successful_completions_are_left_out_of_channel_two():
     assert (rewards >= 1.0).any() and (rewards < 1.0).any()
     assert torch.equal(out["has_hint"], hinted & (rewards < 1.0))
     # and with the rule off, every hinted row takes part
-    g.channel_args = dataclasses.replace(g.channel_args, sdpo_skip_successful=False)
+    g.settings = dataclasses.replace(g.settings, sdpo_skip_successful=False)
     with tr.rng.scope():
         out = g._generate_and_score_completions(rows)
     assert torch.equal(out["has_hint"], hinted)
@@ -458,17 +487,17 @@ def test_save_load_step_is_bitwise_identical_to_an_uninterrupted_run(num_iterati
 
 
 def test_kl_reference_is_the_starting_model_and_survives_a_restart():
-    a = _trainer(kl_beta=0.04)
+    a = _trainer(kl_coef=0.04)
     start = {k: v.clone() for k, v in a.model.state_dict().items()}
     m = a.step()
-    assert m["kl"] >= 0.0 and a.grpo.loss_config.kl_beta == 0.04
+    assert m["kl"] >= 0.0 and a.grpo.settings.kl_coef == 0.04
     for k, v in a.grpo.ref_model.state_dict().items():
         assert torch.equal(v, start[k]), k  # frozen copy of the model as the run started
     tensors, meta = _roundtrip(*a.state_dict())
     # a restart builds the trainer on the checkpointed (trained) parameters...
     model_b, _ = _model()
     model_b.load_state_dict(a.model.state_dict())
-    b = _trainer(model=model_b, kl_beta=0.04)
+    b = _trainer(model=model_b, kl_coef=0.04)
     assert any(not torch.equal(v, start[k]) for k, v in b.grpo.ref_model.state_dict().items())
     # ...and the checkpoint puts the original reference back
     b.load_state_dict(tensors, meta)
@@ -501,7 +530,7 @@ def test_default_trainer_on_the_demo_task_through_the_registry():
         inner_optimizer={"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "grad_clip": 1.0},
     )
     tr = build_trainer("three-channel", ctx)
-    assert tr.grpo.loss_config.sdpo_active and tr.grpo.loss_config.dpo_active
+    assert tr.grpo.settings.sdpo_active and tr.grpo.settings.dpo_active
     assert len(tr.grpo.replay) == len(load_pairs(default_pairs_uri()))
     assert tr.grpo.replay.has_reference  # computed at build with the initial model
     m = tr.step()
@@ -514,7 +543,7 @@ def test_default_trainer_on_the_demo_task_through_the_registry():
     ctx0 = dataclasses.replace(ctx, rank=0, model=_model()[0])
     tr0 = build_trainer("three-channel", ctx0)
     assert not {r["prompt"] for r in tr0.stream.rows} & {r["prompt"] for r in tr.stream.rows}
-    with pytest.raises(ValueError, match="unknown three-channel settings"):
+    with pytest.raises(ValueError, match="trainer.batch_sise is not a three-channel setting; did you mean trainer.batch_size"):
         build_trainer("three-channel", dataclasses.replace(ctx, settings={"batch_sise": 8}))
 
 

@@ -10,9 +10,10 @@ resume bit-exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing the trainer registry (the launcher does) must not load torch
+    import torch
 
 
 @dataclass

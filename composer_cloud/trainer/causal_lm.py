@@ -17,6 +17,7 @@ import torch
 from composer_cloud.corpus import heldout_corpus, train_corpus
 from composer_cloud.trainer.base import TrainerContext
 from composer_cloud.trainer.optim import build_inner_optimizer, load_optimizer_state, optimizer_state
+from composer_cloud.trainer.settings import CausalLMSettings
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +35,20 @@ def _pack(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
 
 
 class CausalLMTrainer:
-    """Next-token prediction with AdamW; one :meth:`step` = one optimizer step."""
+    """Next-token prediction with AdamW; one :meth:`step` = one optimizer step.
+
+    Settings: :class:`~composer_cloud.trainer.settings.CausalLMSettings` (an
+    unknown or mistyped key is a ``ValueError`` naming ``trainer.<key>``).
+    """
 
     def __init__(self, ctx: TrainerContext) -> None:
-        settings = ctx.settings
+        self.settings = settings = CausalLMSettings.from_settings(ctx.settings)
         self.model = ctx.model
         self.device = ctx.device
-        self.batch_size = int(settings.get("batch_size", 8))
-        seq_len = int(settings.get("seq_len", 64))
-        rows = _pack(ctx.tokenizer, train_corpus(int(settings.get("corpus_size", 4000))), seq_len)
+        self.batch_size = settings.batch_size
+        rows = _pack(ctx.tokenizer, train_corpus(settings.corpus_size), settings.seq_len)
         self.rows = rows[ctx.rank :: ctx.world_size]
-        self.heldout = _pack(ctx.tokenizer, heldout_corpus(), seq_len)[: int(settings.get("eval_rows", 64))]
+        self.heldout = _pack(ctx.tokenizer, heldout_corpus(), settings.seq_len)[: settings.eval_rows]
         self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
         self.grad_clip = float(ctx.inner_optimizer.get("grad_clip", 1.0))
         self.generator = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)

@@ -1,6 +1,6 @@
 """The three-channel loss as pure tensor functions (torch only, no TRL, no model).
 
-``total = pg_weight * pg + alpha * sdpo + beta * dpo`` where
+``total = pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo`` where
 
 * **pg** (channel 1) is the clipped-ratio policy gradient of GRPO / DAPO on
   sampled completions scored by a verifiable reward;
@@ -22,6 +22,12 @@ Units and conventions used throughout:
   the response tokens, shape ``(N,)``;
 * every function returns a scalar (0-dim) loss to be minimised.
 
+Parameter names follow the TRL function each one mirrors: ``gjsd_loss(beta=)``
+is ``GKDTrainer.generalized_jsd_loss``'s interpolation, ``dpo_loss(beta=)``
+DPO's inverse temperature. Their config fields carry a prefix (``jsd_beta``,
+``dpo_beta``, ``kl_coef``) because one config holds all of them; see
+:mod:`composer_cloud.trainer.three_channel.settings`.
+
 The aggregations of :func:`pg_loss` are the ones of TRL 1.16's
 ``GRPOTrainer._compute_loss`` for ``importance_sampling_level="token"`` and one
 process without gradient accumulation; :func:`gjsd_loss` is TRL's
@@ -32,19 +38,21 @@ both is tested in ``tests/test_loss.py`` and ``tests/test_three_channel.py``.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+# The loss's hyper-parameters are part of the trainer's one settings class (defined, and validated, there).
+from composer_cloud.trainer.three_channel.settings import (
+    DPO_VARIANTS,
+    LOSS_TYPES,
+    DPOVariant,
+    LossType,
+    ThreeChannelConfig,
+)
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-DPOVariant = Literal["sigmoid", "simpo"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
-DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- channel 1
@@ -58,7 +66,7 @@ def pg_loss(
     epsilon_high: float = 0.28,
     loss_type: LossType = "dapo",
     ref_logp: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
+    kl_coef: float = 0.0,
     max_completion_length: int | None = None,
     num_items: torch.Tensor | float | None = None,
     kl_bias_correction: bool = True,
@@ -68,7 +76,7 @@ def pg_loss(
     Per token ``t`` of completion ``i`` with ratio ``r = exp(logp - old_logp)``::
 
         l_it = -min(r * A_i, clip(r, 1 - epsilon, 1 + epsilon_high) * A_i)
-               + kl_beta * w * (exp(ref - logp) - (ref - logp) - 1)   # k3 estimator of KL(pi || ref)
+               + kl_coef * w * (exp(ref - logp) - (ref - logp) - 1)   # k3 estimator of KL(pi || ref)
 
     where ``w = r`` (differentiable, so it changes the KL gradient even
     on-policy, where its value is 1) when ``kl_bias_correction`` is on, as in
@@ -94,8 +102,8 @@ def pg_loss(
         epsilon: lower clip range (TRL's ``epsilon``/``epsilon_low``).
         epsilon_high: upper clip range (DAPO's "clip-higher").
         loss_type: one of ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``.
-        ref_logp: ``(B, T)`` reference log-probs; required when ``kl_beta != 0``.
-        kl_beta: weight of the per-token k3 KL penalty (TRL's ``beta``).
+        ref_logp: ``(B, T)`` reference log-probs; required when ``kl_coef != 0``.
+        kl_coef: weight of the per-token k3 KL penalty (TRL's ``beta``).
         max_completion_length: required for ``dr_grpo`` (its constant normaliser).
         num_items: ``dapo`` normaliser (tokens); defaults to ``mask.sum()``.
         kl_bias_correction: multiply the KL term by the ratio (TRL's default).
@@ -115,13 +123,13 @@ def pg_loss(
     coef_1 = torch.exp(logp - old_logp)
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if kl_beta != 0.0:
+    if kl_coef != 0.0:
         if ref_logp is None:
-            raise ValueError("kl_beta != 0 needs ref_logp")
+            raise ValueError("kl_coef != 0 needs ref_logp")
         per_token_kl = k3_kl(logp, ref_logp)
         if kl_bias_correction:
             per_token_kl = per_token_kl * coef_1
-        per_token_loss = per_token_loss + kl_beta * per_token_kl
+        per_token_loss = per_token_loss + kl_coef * per_token_kl
 
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -270,61 +278,6 @@ def simpo_loss(
 
 
 # --------------------------------------------------------------------------- combined
-@dataclass(frozen=True)
-class ThreeChannelConfig:
-    """Weights and hyper-parameters of :func:`three_channel_loss`.
-
-    ``alpha`` and ``beta`` are the channel weights of the formula
-    ``total = pg_weight * pg + alpha * sdpo + beta * dpo``; the KL coefficient
-    of channel 1 is ``kl_beta``, the JSD interpolation ``jsd_beta`` and the DPO
-    temperature ``dpo_beta``.
-    """
-
-    pg_weight: float = 1.0
-    alpha: float = 0.1
-    beta: float = 0.5
-    # channel 1
-    loss_type: LossType = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28
-    kl_beta: float = 0.0
-    kl_bias_correction: bool = True
-    max_completion_length: int | None = None
-    # channel 2
-    jsd_beta: float = 0.5
-    jsd_temperature: float = 1.0
-    # channel 3
-    dpo_beta: float = 0.1
-    dpo_variant: DPOVariant = "sigmoid"
-    simpo_gamma: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.dpo_variant not in DPO_VARIANTS:
-            raise ValueError(f"dpo_variant must be one of {DPO_VARIANTS}, got {self.dpo_variant!r}")
-        if not 0.0 <= self.jsd_beta <= 1.0:
-            raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
-        for name in ("pg_weight", "alpha", "beta", "kl_beta", "epsilon", "epsilon_high", "jsd_temperature"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be finite and >= 0, got {value}")
-        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-
-    @property
-    def pg_active(self) -> bool:
-        return self.pg_weight != 0.0
-
-    @property
-    def sdpo_active(self) -> bool:
-        return self.alpha != 0.0
-
-    @property
-    def dpo_active(self) -> bool:
-        return self.beta != 0.0
-
-
 @dataclass
 class PGInputs:
     """Channel 1 inputs; see :func:`pg_loss` for shapes."""
@@ -380,7 +333,7 @@ def three_channel_loss(
     sdpo: SDPOInputs | None = None,
     dpo: DPOInputs | None = None,
 ) -> LossOutput:
-    """``total = pg_weight * pg + alpha * sdpo + beta * dpo``.
+    """``total = pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo``.
 
     A channel whose weight is 0 or whose inputs are ``None`` is skipped: its
     loss is not computed and it contributes neither value nor gradient. (To
@@ -404,8 +357,8 @@ def three_channel_loss(
             epsilon_high=config.epsilon_high,
             loss_type=config.loss_type,
             ref_logp=pg.ref_logp,
-            kl_beta=config.kl_beta,
-            max_completion_length=config.max_completion_length,
+            kl_coef=config.kl_coef,
+            max_completion_length=config.completion_length,
             num_items=pg.num_items,
             kl_bias_correction=config.kl_bias_correction,
         )
@@ -421,7 +374,7 @@ def three_channel_loss(
                 epsilon_high=config.epsilon_high,
             )
         )
-        if config.kl_beta != 0.0 and pg.ref_logp is not None:
+        if config.kl_coef != 0.0 and pg.ref_logp is not None:
             with torch.no_grad():
                 m = pg.mask.to(pg.logp.dtype)
                 metrics["kl"] = (k3_kl(pg.logp, pg.ref_logp) * m).sum() / m.sum().clamp(min=1.0)
@@ -435,7 +388,7 @@ def three_channel_loss(
             beta=config.jsd_beta,
             temperature=config.jsd_temperature,
         )
-        terms.append(config.alpha * value)
+        terms.append(config.sdpo_weight * value)
         metrics["sdpo"] = value.detach()
         active.append("sdpo")
 
@@ -451,7 +404,7 @@ def three_channel_loss(
             chosen_length=dpo.chosen_length,
             rejected_length=dpo.rejected_length,
         )
-        terms.append(config.beta * value)
+        terms.append(config.dpo_weight * value)
         metrics["dpo"] = value.detach()
         metrics.update(_dpo_stats(dpo, config))
         active.append("dpo")

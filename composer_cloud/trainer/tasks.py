@@ -20,12 +20,12 @@ that corpus can solve some of them; a freshly initialised tiny model scores
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
+from composer_cloud.registry import is_reference, load_object
 from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits
 
 if TYPE_CHECKING:
@@ -123,16 +123,17 @@ def resolve_hint_source(spec: str | HintSource | None, task: VerifiableTask) -> 
         return NoHints()
     if spec.startswith("column:"):
         return ColumnHints(spec.partition(":")[2])
-    module, sep, attr = spec.partition(":")
-    if not sep:
-        raise ValueError(f"hint_source {spec!r}: use 'default', 'none', 'column:NAME' or 'module:factory'")
-    factory = getattr(importlib.import_module(module), attr)
+    if not is_reference(spec):
+        raise ValueError(f"trainer.hint_source {spec!r}: use 'default', 'none', 'column:NAME' or 'module:factory'")
+    factory = load_object(spec, setting="trainer.hint_source")
     try:
         source = factory(task)
     except TypeError:
         source = factory()
     if not isinstance(source, HintSource):
-        raise TypeError(f"hint_source {spec!r} returned {type(source).__name__}, which has no hints(rows) method")
+        raise TypeError(
+            f"trainer.hint_source {spec!r} returned {type(source).__name__}, which has no hints(rows) method"
+        )
     return source
 
 
@@ -327,10 +328,9 @@ def build_task(spec: str | VerifiableTask, **kwargs: Any) -> VerifiableTask:
         return spec
     if spec in TASKS:
         return TASKS[spec](**kwargs)
-    module, sep, attr = spec.partition(":")
-    if not sep:
-        raise ValueError(f"task {spec!r}: use one of {sorted(TASKS)} or 'module:factory'")
-    return getattr(importlib.import_module(module), attr)(**kwargs)
+    if not is_reference(spec):
+        raise ValueError(f"trainer.task {spec!r}: use one of {sorted(TASKS)} or 'module:factory'")
+    return load_object(spec, setting="trainer.task")(**kwargs)
 
 
 def make_reward_func(task: VerifiableTask) -> Callable[..., list[float | None]]:

@@ -1,0 +1,149 @@
+"""The ``[trainer]`` table: one schema per registered trainer, checked without torch or TRL.
+
+Each trainer's settings are a frozen pydantic dataclass (strict types, no
+extra keys) in a module that imports neither torch nor TRL, so the launcher
+can call :func:`check_settings` before any job starts (a bad key costs a
+``ValueError`` at the terminal, not a billed container start). The replica
+builds its trainer from the same class, so the launcher and the replica can
+never disagree about what is valid.
+
+Every error names the key as the user wrote it, ``trainer.<key>``:
+an unknown key (with the closest valid key as a suggestion), a renamed key
+(with its new name), a wrong type, or a value out of range. Values are echoed
+only for scalars: option tables (``*_options``) may hold credentials.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from typing import Annotated, Any, ClassVar, Mapping, TypeVar
+
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
+
+from composer_cloud.registry import load_object
+
+logger = logging.getLogger(__name__)
+
+#: pydantic config of every settings class: TOML types as written (no "8" -> 8), no unknown keys.
+SETTINGS_CONFIG = ConfigDict(strict=True, extra="forbid")
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+#: trainer name -> ``"module:Class"`` of its settings (the same names as ``composer_cloud.trainer.TRAINERS``).
+TRAINER_SETTINGS: dict[str, str] = {
+    "causal-lm": "composer_cloud.trainer.settings:CausalLMSettings",
+    "three-channel": "composer_cloud.trainer.three_channel.settings:ThreeChannelSettings",
+}
+
+S = TypeVar("S")
+
+
+def parse_settings(cls: type[S], settings: Mapping[str, Any], *, trainer: str) -> S:
+    """Build ``cls`` from a ``[trainer]`` table, or raise one ``ValueError`` naming every bad key.
+
+    ``settings`` may carry ``name`` (the table's own selector); it must equal
+    ``trainer``. ``cls.RENAMED`` (optional) maps old keys to new ones: an old
+    key fails with a message naming its replacement rather than being ignored
+    or silently mapped (a silently mapped key would hide that the meaning or
+    the default changed).
+    """
+    values = dict(settings)
+    name = values.pop("name", trainer)
+    if name != trainer:
+        raise ValueError(f"trainer.name is {name!r}, but these settings were checked for trainer {trainer!r}")
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
+    problems: list[str] = []
+    for key in sorted(set(values) - set(fields)):
+        if key in renamed:
+            problems.append(f"trainer.{key} was renamed to trainer.{renamed[key]}")
+            continue
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+        hint = f"; did you mean trainer.{close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
+        problems.append(f"trainer.{key} is not a {trainer} setting{hint}")
+    if problems:
+        raise ValueError(f"[trainer] for {trainer!r}: " + "; ".join(problems))
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        problems = [_describe(e, values) for e in exc.errors()]
+        raise ValueError(f"[trainer] for {trainer!r}: " + "; ".join(problems)) from None
+
+
+def _describe(error: Mapping[str, Any], values: Mapping[str, Any]) -> str:
+    """One pydantic error as ``trainer.<key>: what is wrong``."""
+    loc = error.get("loc") or ()
+    if not loc:  # raised by a __post_init__ cross-field check, which names its keys itself
+        cause = (error.get("ctx") or {}).get("error")
+        return str(cause) if cause is not None else str(error.get("msg"))
+    key = str(loc[0])
+    value = values.get(key)
+    if error.get("type", "").endswith("_type"):
+        shown = f"got {type(value).__name__}"
+    elif isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 80):
+        shown = f"got {value!r}"
+    else:
+        shown = "got a value that is out of range"
+    return f"trainer.{key}: {error.get('msg')} ({shown})"
+
+
+def check_settings(name: str, settings: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming ``trainer.<key>`` when ``settings`` are not valid for trainer ``name``.
+
+    Imports neither torch nor TRL (only the trainer's settings module). What
+    it cannot know without running user code or touching the network is left
+    to the replica: whether a ``"module:factory"`` task or hint source
+    imports, whether a pairs URI exists.
+
+    Example::
+
+        check_settings("three-channel", {"batchsize": 8})
+        # ValueError: [trainer] for 'three-channel': trainer.batchsize is not a
+        # three-channel setting; did you mean trainer.batch_size?
+    """
+    if name not in TRAINER_SETTINGS:
+        raise ValueError(f"trainer.name: unknown trainer {name!r}; choose one of {sorted(TRAINER_SETTINGS)}")
+    cls = load_object(TRAINER_SETTINGS[name], setting="trainer.name")
+    cls.from_settings(settings)
+
+
+# --------------------------------------------------------------------------- causal-lm
+@dataclass(frozen=True, config=SETTINGS_CONFIG)
+class CausalLMSettings:
+    """The ``[trainer]`` table for ``name = "causal-lm"`` (all keys optional).
+
+    Attributes:
+        batch_size: rows of ``seq_len`` tokens per optimizer step.
+        seq_len: tokens per row (the corpus is packed, eos-separated, into rows).
+        corpus_size: snippets of the built-in corpus, over all replicas (each
+            replica trains on its ``rank::world_size`` share of the rows).
+        eval_rows: held-out rows scored by ``evaluate()``.
+    """
+
+    TRAINER: ClassVar[str] = "causal-lm"
+
+    batch_size: PositiveInt = 8
+    seq_len: PositiveInt = 64
+    corpus_size: PositiveInt = 4000
+    eval_rows: PositiveInt = 64
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "CausalLMSettings":
+        """From a ``[trainer]`` table; ``ValueError`` naming ``trainer.<key>`` on bad input."""
+        return parse_settings(cls, settings, trainer=cls.TRAINER)
+
+
+__all__ = [
+    "SETTINGS_CONFIG",
+    "TRAINER_SETTINGS",
+    "CausalLMSettings",
+    "check_settings",
+    "parse_settings",
+]

@@ -1,0 +1,260 @@
+"""The three-channel trainer's settings: one class, checked without torch or TRL.
+
+:class:`ThreeChannelConfig` holds the hyper-parameters of the loss
+(:func:`composer_cloud.trainer.loss.three_channel_loss`);
+:class:`ThreeChannelSettings` extends it with everything else of the
+``[trainer]`` table (sampling, the task, channels 2 and 3, the sandbox). Each
+key is defined once, here; ``ThreeChannelGRPOTrainer`` and the loss read the
+same object, and the ``GRPOConfig`` it runs under is derived from it
+(:meth:`ThreeChannelSettings.grpo_kwargs`).
+
+Names. ``total = pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo``.
+The paper's ``alpha``/``beta`` channel weights are spelled out because TRL
+users read ``beta`` as a coefficient *inside* one loss, and TRL itself uses it
+for three different ones, each kept here under its trainer's prefix:
+
+* ``kl_coef``: GRPO's KL penalty, ``GRPOConfig.beta`` (whose documentation
+  calls it "KL coefficient"; verl and OpenRLHF call it ``kl_coef`` too);
+* ``jsd_beta``: the generalized-JSD interpolation, ``GKDConfig.beta``;
+* ``dpo_beta``: the DPO / SimPO inverse temperature, ``DPOConfig.beta``.
+
+The old keys ``alpha``, ``beta`` and ``kl_beta`` fail with the new name
+(:data:`ThreeChannelSettings.RENAMED`) instead of being silently mapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, ClassVar, Literal, Mapping
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from composer_cloud.registry import is_reference
+from composer_cloud.trainer.settings import (
+    SETTINGS_CONFIG,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    parse_settings,
+)
+from composer_cloud.trainer.tasks import DEFAULT_HINT_TEMPLATE, TASKS
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+DPOVariant = Literal["sigmoid", "simpo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
+
+
+@dataclass(frozen=True, config=SETTINGS_CONFIG)
+class ThreeChannelConfig:
+    """Hyper-parameters of :func:`~composer_cloud.trainer.loss.three_channel_loss`.
+
+    ``total = pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo``; a
+    channel whose weight is 0 is not computed (nor its forward pass).
+
+    Attributes:
+        pg_weight: weight of channel 1 (GRPO policy gradient); 0 turns GRPO off.
+        sdpo_weight: weight of channel 2 (self-distillation from the hinted model).
+        dpo_weight: weight of channel 3 (DPO / SimPO on replayed pairs).
+        loss_type: channel-1 aggregation, as ``GRPOConfig.loss_type``.
+        epsilon: lower clip range of the ratio (``GRPOConfig.epsilon``).
+        epsilon_high: upper clip range (DAPO's clip-higher, ``GRPOConfig.epsilon_high``).
+        kl_coef: weight of the per-token k3 KL to the starting model
+            (``GRPOConfig.beta``); 0 needs no reference model.
+        kl_bias_correction: multiply the KL term by the ratio
+            (``GRPOConfig.use_bias_correction_kl``).
+        max_completion_length: new tokens at most; ``dr_grpo``'s normaliser.
+        jsd_beta: generalized-JSD interpolation in ``[0, 1]`` (0 forward KL,
+            1 reverse KL; ``GKDConfig.beta``).
+        jsd_temperature: softmax temperature of the JSD.
+        dpo_beta: DPO inverse temperature (SimPO: its ``beta``; ``DPOConfig.beta``).
+        dpo_variant: ``"sigmoid"`` (DPO, needs reference log-probs) or ``"simpo"``.
+        simpo_gamma: SimPO target margin (nats per token).
+    """
+
+    pg_weight: NonNegativeFloat = 1.0
+    sdpo_weight: NonNegativeFloat = 0.1
+    dpo_weight: NonNegativeFloat = 0.5
+    # channel 1
+    loss_type: LossType = "dapo"
+    epsilon: NonNegativeFloat = 0.2
+    epsilon_high: NonNegativeFloat = 0.28
+    kl_coef: NonNegativeFloat = 0.0
+    kl_bias_correction: bool = True
+    max_completion_length: PositiveInt | None = None
+    # channel 2
+    jsd_beta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    jsd_temperature: PositiveFloat = 1.0
+    # channel 3
+    dpo_beta: PositiveFloat = 0.1
+    dpo_variant: DPOVariant = "sigmoid"
+    simpo_gamma: FiniteFloat = 0.5
+
+    def __post_init__(self) -> None:
+        if self.loss_type == "dr_grpo" and self.completion_length is None:
+            raise ValueError(
+                "trainer.max_completion_length: loss_type 'dr_grpo' needs it "
+                "(its normaliser is B * max_completion_length)"
+            )
+
+    @property
+    def completion_length(self) -> int | None:
+        """New tokens at most per completion (``None``: not fixed)."""
+        return self.max_completion_length
+
+    @property
+    def pg_active(self) -> bool:
+        return self.pg_weight != 0.0
+
+    @property
+    def sdpo_active(self) -> bool:
+        return self.sdpo_weight != 0.0
+
+    @property
+    def dpo_active(self) -> bool:
+        return self.dpo_weight != 0.0
+
+
+# ThreeChannelSettings field -> GRPOConfig field; max_completion_length is sent as ``completion_length``.
+_GRPO_FIELDS: dict[str, str] = {
+    "batch_size": "per_device_train_batch_size",
+    "num_generations": "num_generations",
+    "max_completion_length": "max_completion_length",
+    "temperature": "temperature",
+    "loss_type": "loss_type",
+    "epsilon": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "kl_coef": "beta",
+    "kl_bias_correction": "use_bias_correction_kl",
+    "scale_rewards": "scale_rewards",
+    "mask_truncated_completions": "mask_truncated_completions",
+    "num_iterations": "num_iterations",
+    "steps_per_generation": "steps_per_generation",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+}
+
+
+@dataclass(frozen=True, config=SETTINGS_CONFIG)
+class ThreeChannelSettings(ThreeChannelConfig):
+    """The ``[trainer]`` table for ``name = "three-channel"`` (all keys optional).
+
+    The loss keys are those of :class:`ThreeChannelConfig`. Sizes:
+    ``batch_size`` completions per micro-batch (per optimizer step when
+    ``gradient_accumulation_steps`` is 1), in groups of ``num_generations``
+    per prompt; ``max_completion_length`` new tokens at most (default: the
+    spec's ``seq_len``). See ``docs/trainer.md`` for the table with defaults.
+
+    Attributes (beyond the loss's):
+        batch_size, seq_len, num_generations, temperature, scale_rewards,
+        mask_truncated_completions, num_iterations, steps_per_generation,
+            gradient_accumulation_steps: sampling and batching, as the
+            ``GRPOConfig`` fields of :meth:`grpo_kwargs`.
+        hint_source: ``"default"`` (the task's), ``"none"``, ``"column:NAME"``
+            or ``"module:factory"``.
+        hint_template: how a hint is put before a plain-text prompt; has
+            ``{hint}`` and ends with ``{prompt}``.
+        sdpo_skip_successful: leave completions whose reward is at least
+            ``success_reward`` out of channel 2 (TRL SDPO's
+            ``dont_reprompt_on_self_success``): a correct answer needs no teacher.
+        success_reward: the reward that counts as success.
+        sdpo_exclude_eos: leave EOS tokens out of channel 2. The hint changes
+            what the teacher's context looks like as a document, which skews
+            its end-of-answer prediction more than its content prediction;
+            a model that cannot use hints well (e.g. the tiny demo model) is
+            otherwise taught to stop less and less often.
+        max_teacher_prompt_length: the teacher's prompt keeps its last this-many tokens.
+        replay_batch_size: pairs per optimizer step in channel 3.
+        pairs: ``"builtin"``, ``"none"``, or an fsspec URI / path of a pairs JSONL.
+        pairs_storage_options: fsspec options for ``pairs`` (may hold credentials: never logged).
+        task: a registered task name or ``"module:factory"``; ``task_options`` are its keyword arguments.
+        sandbox_*: limits of the demo task's test sandbox (seconds, MiB, worker processes).
+        eval_examples: held-out rows scored by ``evaluate()``.
+    """
+
+    TRAINER: ClassVar[str] = "three-channel"
+    #: old ``[trainer]`` key -> new key; an old key is an error that names the new one.
+    RENAMED: ClassVar[dict[str, str]] = {"alpha": "sdpo_weight", "beta": "dpo_weight", "kl_beta": "kl_coef"}
+
+    batch_size: PositiveInt = 8
+    seq_len: PositiveInt = 64
+    num_generations: Annotated[int, Field(ge=2)] = 4  # group-relative advantages need two or more
+    temperature: PositiveFloat = 1.0
+    # channel 1 (beyond the loss's keys)
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    mask_truncated_completions: bool = True
+    num_iterations: PositiveInt = 1
+    steps_per_generation: PositiveInt = 1
+    gradient_accumulation_steps: PositiveInt = 1
+    # channel 2
+    hint_source: str = "default"
+    hint_template: str = DEFAULT_HINT_TEMPLATE
+    sdpo_skip_successful: bool = True
+    success_reward: FiniteFloat = 1.0
+    sdpo_exclude_eos: bool = True
+    max_teacher_prompt_length: PositiveInt = 1024
+    # channel 3
+    replay_batch_size: PositiveInt = 2
+    pairs: Annotated[str, Field(min_length=1)] = "builtin"
+    pairs_storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # task
+    task: str = "python-functions"
+    task_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sandbox_timeout_s: PositiveFloat = 5.0
+    sandbox_per_test_timeout_s: PositiveFloat = 1.0
+    sandbox_memory_mb: PositiveInt = 256
+    sandbox_workers: PositiveInt = 2
+    eval_examples: NonNegativeInt = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size % self.num_generations:
+            raise ValueError(
+                f"trainer.batch_size ({self.batch_size}) must be a multiple of "
+                f"trainer.num_generations ({self.num_generations})"
+            )
+        if "{hint}" not in self.hint_template or not self.hint_template.endswith("{prompt}"):
+            raise ValueError("trainer.hint_template must contain '{hint}' and end with '{prompt}'")
+        try:
+            self.hint_template.format(hint="", prompt="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"trainer.hint_template: {exc!r}; use only '{{hint}}' and '{{prompt}}' (double other braces)"
+            ) from None
+        if self.task not in TASKS and not is_reference(self.task):
+            raise ValueError(f"trainer.task {self.task!r}: use one of {sorted(TASKS)} or 'package.module:factory'")
+        if not (
+            self.hint_source in ("default", "none")
+            or (self.hint_source.startswith("column:") and self.hint_source != "column:")
+            or is_reference(self.hint_source)
+        ):
+            raise ValueError(
+                f"trainer.hint_source {self.hint_source!r}: use 'default', 'none', 'column:NAME' "
+                "or 'package.module:factory'"
+            )
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "ThreeChannelSettings":
+        """From a ``[trainer]`` table; ``ValueError`` naming ``trainer.<key>`` on bad input."""
+        return parse_settings(cls, settings, trainer=cls.TRAINER)
+
+    @property
+    def completion_length(self) -> int:
+        """``max_completion_length``, or ``seq_len`` when that is not set."""
+        return self.max_completion_length or self.seq_len
+
+    def grpo_kwargs(self) -> dict[str, Any]:
+        """The ``GRPOConfig`` keyword arguments these settings determine (TRL's names).
+
+        ``ThreeChannelGRPOTrainer`` checks that its ``GRPOConfig`` agrees with
+        its settings on exactly these, so build the config as
+        ``GRPOConfig(**settings.grpo_kwargs(), output_dir=..., ...)``.
+        """
+        out = {grpo: getattr(self, ours) for ours, grpo in _GRPO_FIELDS.items()}
+        out["max_completion_length"] = self.completion_length
+        return out
+
+
+__all__ = ["DPO_VARIANTS", "LOSS_TYPES", "DPOVariant", "LossType", "ThreeChannelConfig", "ThreeChannelSettings"]
