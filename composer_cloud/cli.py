@@ -121,6 +121,13 @@ def _print_plan(spec: RunSpec, plans: list[Any]) -> None:
         table.add_row("secrets (names)", ", ".join(p.secret_names) or "-")
         table.add_row("gpu", p.gpu)
         table.add_row("est. GPU-hours", "-" if p.estimated_gpu_hours is None else f"{p.estimated_gpu_hours:.2f}")
+        if p.hourly_cost_usd is not None:
+            table.add_row("cost per hour (all jobs)", f"${p.hourly_cost_usd:,.2f}")
+        if p.estimated_cost_usd is not None:
+            table.add_row("cost if every job runs to its timeout", f"${p.estimated_cost_usd:,.2f}")
+        if p.max_cost_usd is not None:
+            table.add_row("cost upper bound (restarts included)", f"${p.max_cost_usd:,.2f}")
+        table.add_row("price source", p.cost_basis or "-")
         for note in p.notes:
             table.add_row("note", note)
         console.print(table)
@@ -135,7 +142,7 @@ def _status_table(status: RunStatus) -> Table:
     for r in status.replicas:
         table.add_row(str(r.rank), r.executor, r.state, "-" if r.last_round is None else str(r.last_round),
                       str(r.restarts), (r.message or "").strip().splitlines()[-1][:80] if r.message else "")
-    notes = [*status.problems] + ([f"store unreachable, showing the last known state: {status.store_error}"]
+    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
                                   if status.store_error else [])
     if notes:
         table.caption = "\n".join(notes)

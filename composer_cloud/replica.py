@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +39,7 @@ from composer_cloud.rendezvous.allreduce import AllReduceConfig, cleanup_rounds,
 from composer_cloud.rendezvous.manager import SyncRecord
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.run import open_run
+from composer_cloud.stack import runtime_versions
 
 logger = logging.getLogger("composer_cloud.replica")
 
@@ -70,11 +72,13 @@ class Replica:
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Any] = []
         self._state_write: Any = None
-        self._syncs: list[SyncRecord] = []  # filled by the manager's on_sync, drained after each step
+        self._syncs: list[SyncRecord] = []
+        self.versions: dict[str, str] = {}  # python/torch/CUDA/... of this process, in every heartbeat  # filled by the manager's on_sync, drained after each step
 
     # ------------------------------------------------------------ records
     def heartbeat(self, state: str, **extra: Any) -> None:
-        record = {"rank": self.rank, "state": state, "time": time.time(), "pid": os.getpid(), **extra}
+        record = {"rank": self.rank, "state": state, "time": time.time(), "pid": os.getpid(),
+                  "versions": self.versions, **extra}
         self.store.put_json(f"replicas/{self.rank}.json", record)
 
     def flush_metrics(self) -> None:
@@ -82,10 +86,27 @@ class Replica:
         self.store.put(f"metrics/{self.rank}.jsonl", body)
 
     # ------------------------------------------------------------ main loop
+    def install_user_code(self) -> None:
+        """Put the run's user code (``[code]``, ``module:factory`` settings) on ``sys.path``, verified.
+
+        The digest comes from the job's environment when the executor set it
+        (not from the store, which anyone with bucket access could change).
+        """
+        from composer_cloud.usercode import CodeRef, install_code
+
+        raw = os.environ.get(env.CODE_REF)
+        ref_json = json.loads(raw) if raw else self.spec.code.ref
+        if not ref_json:
+            return
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-cloud" / "code"
+        where = install_code(self.store, CodeRef.from_json(ref_json), cache_dir=cache)
+        logger.info("user code %s installed at %s", ref_json.get("modules"), where)
+
     def run(self) -> None:
         from composer_cloud.model import load_spec_model
         from composer_cloud.trainer import TrainerContext, build_trainer
 
+        self.install_user_code()
         spec = self.spec
         device = torch.device("cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
                               else "cpu")
@@ -113,6 +134,7 @@ class Replica:
         manager = loop.manager
         if start is not None:
             self._restore(start, loop, trainer)
+        self.versions = runtime_versions(device=device.type)
         self.heartbeat("running", round=manager.current_step())
         logger.info("replica %d/%d on %s: %s, starting at round %d of %d", self.rank, spec.replicas, device,
                     spec.model.name, start_round, spec.rounds)

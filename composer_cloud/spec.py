@@ -101,6 +101,19 @@ class TrainerSpec(_Strict):
         return dict(self.model_extra or {}) | {"batch_size": self.batch_size, "seq_len": self.seq_len}
 
 
+class CodeSpec(_Strict):
+    """User code that travels with the run (see :mod:`composer_cloud.usercode`).
+
+    Modules named by ``"module:factory"`` settings (``trainer.task``,
+    ``trainer.hint_source``) are packaged automatically; ``include`` adds files
+    or folders, relative to the directory ``launch`` runs in. ``ref`` is set by
+    the launcher (the bundle's key and sha256), never by hand.
+    """
+
+    include: list[str] = Field(default_factory=list)
+    ref: dict[str, Any] | None = None
+
+
 class ModalSpec(_Strict):
     gpu: str = "H100"
     gpu_count: int = Field(default=1, ge=1, le=8)
@@ -141,6 +154,7 @@ class RunSpec(_Strict):
     outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec)
     sync: SyncSpec = Field(default_factory=SyncSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    code: CodeSpec = Field(default_factory=CodeSpec)
     modal: ModalSpec = Field(default_factory=ModalSpec)
     hf_jobs: HFJobsSpec = Field(default_factory=HFJobsSpec)
 

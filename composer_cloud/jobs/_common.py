@@ -7,13 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from composer_cloud import env
+from composer_cloud import env as cc_env
 from composer_cloud.images.container import FAILURE_TAIL_LINES, failure_message
 from composer_cloud.spec import RunSpec
 
 #: Non-secret JSON of ``spec.store_options`` for code that must open the store
 #: before it can read the spec (the HF bootstrap; the replica may use it too).
-STORE_OPTIONS_ENV = env.STORE_OPTIONS
+STORE_OPTIONS_ENV = cc_env.STORE_OPTIONS
 
 _EXIT_CODE = re.compile(r"exit(?:ed)?(?: with)? (?:status |code)[:= ]*(-?\d+)", re.IGNORECASE)
 
@@ -37,6 +37,8 @@ def job_env(spec: RunSpec) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if spec.store_options:
         env[STORE_OPTIONS_ENV] = json.dumps(spec.store_options, sort_keys=True)
+    if spec.code.ref:  # the digest travels with the job, not only through the (untrusted) store
+        env[cc_env.CODE_REF] = json.dumps(spec.code.ref, sort_keys=True)
     return env
 
 

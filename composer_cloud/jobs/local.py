@@ -123,6 +123,7 @@ class LocalProcessExecutor:
     def __init__(self, spec: "RunSpec | None" = None) -> None:
         self.max_restarts = spec.max_restarts if spec is not None else 0
         self.store_options = dict(spec.store_options) if spec is not None else {}
+        self.code_ref = spec.code.ref if spec is not None else None
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
 
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
@@ -150,6 +151,8 @@ class LocalProcessExecutor:
             environ.setdefault("PYTHONUNBUFFERED", "1")
             if self.store_options:  # non-secret (the spec refuses credentials); replicas open the run with them
                 environ[env.STORE_OPTIONS] = json.dumps(self.store_options, sort_keys=True)
+            if self.code_ref:
+                environ[env.CODE_REF] = json.dumps(self.code_ref, sort_keys=True)
             with open(os.devnull, "rb") as devnull:
                 proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, env=environ)

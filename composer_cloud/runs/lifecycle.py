@@ -126,6 +126,40 @@ def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:
 
 
 # ---------------------------------------------------------------- lifecycle
+def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
+    """Everything checkable before anything is written; returns the user-code bundle (or None).
+
+    Trainer settings (names ``trainer.<key>``), user code named by
+    ``"module:factory"`` settings and ``[code] include`` (must be found and is
+    packaged), each executor's own preflight (credentials, reachable store).
+    Raises :class:`SpecError` naming the field.
+    """
+    from composer_cloud.trainer import check_settings
+    from composer_cloud.usercode import UserCodeError, collect_code
+
+    settings = spec.trainer.settings()
+    try:
+        check_settings(spec.trainer.name, settings)
+    except ValueError as exc:
+        raise SpecError("", str(exc)) from None
+    references = {f"trainer.{k}": v for k, v in settings.items()
+                  if k in ("task", "hint_source", "reward") and isinstance(v, str)}
+    try:
+        bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
+    except UserCodeError as exc:
+        raise SpecError("code", str(exc)) from None
+    run_uri = join_uri(spec.store, spec.run_id)
+    for name, ranks in assign_ranks(spec.executor, spec.replicas):
+        ex = get_executor(name, spec)
+        preflight = getattr(ex, "preflight", None)
+        if preflight is not None:
+            try:
+                preflight(run_uri, ranks)
+            except ExecutorError as exc:
+                raise SpecError(name.replace("-", "_"), str(exc)) from None
+    return None if bundle.empty else bundle
+
+
 def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
            overrides: Mapping[str, Any] | None = None) -> Run:
     """Launch a new run and return it once its replica jobs were started (it does not wait).
@@ -137,18 +171,36 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     Raises:
         SpecError, StoreConfigError: bad input; nothing was written.
         RunExists: the run id is taken; nothing was written.
-        LaunchError: a backend failed after the spec was stored.
+        LaunchError: a backend failed; what this launch wrote was removed again
+            if no job had started, else the run stays for ``resume``/``cancel``.
     """
+    from composer_cloud.usercode import CodeRef, code_key, upload_code
+
     if spec is None:
         spec = build_spec(config=config, overrides=overrides)
     elif config is not None or overrides:
         raise SpecError("spec", "give either a spec or config/overrides, not both")
     spec = spec.with_run_id()
+    bundle = check_before_launch(spec)
     store = _open_store_for(spec)
+    if bundle is not None:  # the digest is fixed before the spec is stored; jobs get it in their environment
+        ref = CodeRef(key=code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
+        spec = spec.model_copy(update={"code": spec.code.model_copy(update={"ref": ref.to_json()})})
     # Write-once: two launches racing on one run id cannot both start.
     if store.exists(SPEC_KEY) or not store.create_json(SPEC_KEY, spec.to_json_dict()):
         raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
-    _start_jobs(store, spec)
+    try:
+        if bundle is not None:
+            upload_code(store, bundle)
+        _start_jobs(store, spec)
+    except (LaunchError, StoreError) as exc:
+        if not store.list("executor"):
+            # No job started: roll back, so the id is free again and nothing claims to be running.
+            store.delete("code", recursive=True)
+            store.delete(SPEC_KEY)
+            raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
+        raise LaunchError(f"{exc} (jobs that did start are recorded; `composer-cloud cancel {store.uri}` "
+                          "stops them)") from None
     logger.info("launched %d replicas of run %s at %s", spec.replicas, spec.run_id, store.uri)
     return Run(uri=store.uri, store=store, spec=spec)
 

@@ -14,6 +14,7 @@ from typing import Any
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError
 from composer_cloud.runs.run import Run, cancel_requested, load_handles
+from composer_cloud.stack import version_skew
 
 
 @dataclass
@@ -40,6 +41,8 @@ class RunStatus:
     last_durable_round: int | None = None
     #: what keeps a finished run from counting as completed, or what status could not read
     problems: list[str] = field(default_factory=list)
+    #: things worth knowing that do not stop the run (e.g. replicas on different numeric stacks)
+    warnings: list[str] = field(default_factory=list)
     #: the store error of the last poll, when the store could not be read (the rest is from the poll before)
     store_error: str | None = None
 
@@ -79,8 +82,11 @@ def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
     committed = rounds_committed(store)
     executors: dict[str, Any] = {}
     infos: list[ReplicaInfo] = []
+    stacks: list[dict[str, Any]] = []
     for h in handles:
         beat = _heartbeat(store, h.rank, problems)
+        if isinstance(beat.get("versions"), dict) and beat["versions"]:
+            stacks.append({"rank": h.rank, "versions": beat["versions"]})
         status = ReplicaStatus(ReplicaState.PENDING)
         if poll_executors:
             try:
@@ -119,7 +125,7 @@ def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
         state = "running"
     return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                      rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
-                     problems=problems)
+                     problems=problems, warnings=[f"replicas run different stacks: {w}" for w in version_skew(stacks)])
 
 
 @dataclass
