@@ -214,10 +214,13 @@ class ObjectStoreAllReduce:
         if position == 0:
             return _Chain(0, frozenset(), everyone)
         excluded = frozenset(r for out in aborts[:position] for r in out.excluded)
-        try:
-            previous = read_quorum(self.store, round, attempt - 1, replicas=cfg.replicas)
-        except InvalidRecord:
-            previous = None
+        previous = None
+        if aborts[0].check != "quorum":  # the retry waits for the last attempt's participants, if known
+            try:
+                previous = read_quorum(self.store, round, attempt - 1, replicas=cfg.replicas,
+                                       min_replicas=cfg.min_replicas)
+            except InvalidRecord:
+                pass
         base = frozenset(previous.participants) if previous is not None else everyone
         return _Chain(position, excluded, base - excluded)
 
