@@ -54,7 +54,7 @@ import torch
 from composer_cloud import faults
 from composer_cloud.rendezvous import codec as wire
 from composer_cloud.rendezvous.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
-                                              nonfinite_count, slot_digest, verify_reduced)
+                                              slot_digest, verify_reduced)
 from composer_cloud.rendezvous.rounds import (InvalidRecord, Outcome, attempt_prefix, attempts, cleanup_rounds,
                                               committed_attempt, join_rank, latest_committed_round, read_outcome,
                                               read_quorum, read_record, round_prefix)
@@ -195,7 +195,8 @@ class ObjectStoreAllReduce:
         """
         attempt = 0
         while (out := self.outcome(round, attempt)) is not None:
-            if out.committed:
+            # A damaged record may hide a commit: once the run has moved on to round + 1, it was one.
+            if out.committed or (out.unreadable and self.store.list_dirs(round_prefix(round + 1))):
                 raise BehindError(round)
             attempt += 1
         return attempt
@@ -372,8 +373,7 @@ class ObjectStoreAllReduce:
         timings = result.timings
         try:
             # 0. my own payload first: a replica whose local state went NaN says so before uploading.
-            check_finite(flat, rank=self.rank, slot=None)
-            my_norms = [l2(flat[s:e]) for s, e in slots]
+            my_norms = [check_finite(flat[s:e], rank=self.rank, slot=None) for s, e in slots]
 
             # 1. scatter: encode and upload every slot of my payload.
             t = time.monotonic()
@@ -486,15 +486,14 @@ class ObjectStoreAllReduce:
             except wire.PayloadError as exc:
                 raise RejectedPayload(f"pseudo-gradient of replica {p}, slot {slot}: {exc.problem}",
                                       check="malformed", slot=slot, excluded=[p]) from None
-            check_finite(part, rank=p, slot=slot)
-            norms.append(l2(part))
+            norms.append(check_finite(part, rank=p, slot=slot))
             acc = part if acc is None else acc.add_(part)
         if missing:
             raise RoundTimeout(round, missing, "pseudo-gradients missing")
         check_outliers(participants, norms, slot=slot, outlier_factor=cfg.outlier_factor)
         assert acc is not None
         acc.div_(len(participants))
-        if nonfinite_count(acc):  # finite inputs can still overflow float32 when summed
+        if not math.isfinite(l2(acc)):  # finite inputs can still overflow float32 when summed
             worst = participants[max(range(len(norms)), key=norms.__getitem__)]
             raise RejectedPayload(f"pseudo-gradient slot {slot}: the sum overflows float32 (largest norm: "
                                   f"replica {worst})", check="nonfinite", slot=slot, excluded=[worst])
