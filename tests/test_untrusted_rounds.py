@@ -390,3 +390,32 @@ def test_diloco_run_survives_junk_records_and_matches_plain_torch(store_uri):
     for r, attempt in ((0, 1), (1, 0), (2, 1), (3, 1)):
         assert committed_attempt(st, r) == attempt, r
     assert latest_committed_round(st, start=0) == rounds - 1
+
+
+def test_stray_attempt_directories_are_not_joined_and_cleanup_skips_stray_names(store_uri):
+    from composer_cloud.rendezvous.allreduce import cleanup_rounds
+
+    st = Store(store_uri)
+    st.put("rounds/00000000/5/join/0.json", b"{}")        # a far-ahead attempt nobody opened
+    st.put("rounds/00000000/README", b"x")
+    st.put("rounds/\u00b2\u00b2/0/grad/0/0", b"x")          # isdigit() but not int()-able
+    out = run_round(store_uri, 2, min_replicas=2)
+    for rank in (0, 1):
+        assert_committed(*out[rank], ranks=[0, 1], attempt=0)
+    assert cleanup_rounds(st, before=1) == 1
+    assert not st.list(f"{Q0}/grad") and st.exists(f"{Q0}/outcome.json")
+
+
+def test_damaged_outcome_of_a_round_the_run_has_left_is_not_rejoined(store_uri):
+    from composer_cloud.rendezvous.allreduce import BehindError
+
+    st = Store(store_uri)
+    ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1))
+    ar.allreduce(0, torch.ones(4))
+    flip_byte(st, f"{Q0}/outcome.json")
+    # Nobody has moved on yet: the damaged attempt counts as aborted and round 0 is retried.
+    assert ar.open_attempt(0) == 1
+    st.put("rounds/00000001/0/join/0.json", b"{}")
+    with pytest.raises(BehindError):
+        ar.open_attempt(0)
+    ar.close()
