@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import zlib
 from typing import Any
 
@@ -27,6 +28,15 @@ from workers import diloco_worker, payload, reference_diloco
 
 NUMEL = 999
 Q0 = "rounds/00000000/0"
+
+
+@pytest.fixture(params=["file", "s3"])
+def any_store_uri(request, tmp_path) -> str:
+    """A file:// store, and an s3:// one on the session's moto server (listing and create differ there)."""
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    request.getfixturevalue("s3_endpoint")
+    return f"s3://cc-test/untrusted-{uuid.uuid4().hex[:8]}"
 
 
 def cfg(world: int, **kw: Any) -> AllReduceConfig:
@@ -118,12 +128,12 @@ def test_config_rejects_bad_check_settings(store_uri):
 
 
 # --------------------------------------------------------------------------- stray and garbage records
-def test_stray_join_objects_are_skipped_with_one_warning(store_uri, caplog):
-    st = Store(store_uri)
+def test_stray_join_objects_are_skipped_with_one_warning(any_store_uri, caplog):
+    st = Store(any_store_uri)
     for name in ("README", "7.json", "01.json", "x/0.json", "-1.json"):
         st.put(f"{Q0}/join/{name}", b"not a join record")
     with caplog.at_level(logging.WARNING, logger="composer_cloud.rendezvous.rounds"):
-        out = run_round(store_uri, 2, min_replicas=2)
+        out = run_round(any_store_uri, 2, min_replicas=2)
     for rank in (0, 1):
         assert_committed(*out[rank], ranks=[0, 1], attempt=0)
     readme = [r for r in caplog.records if "join/README" in r.getMessage()]
@@ -131,15 +141,15 @@ def test_stray_join_objects_are_skipped_with_one_warning(store_uri, caplog):
 
 
 @pytest.mark.parametrize("garbage", [b"\x00garbage", b'{"participants": [0, 1, 9]}', b'{"participants": [0]}'])
-def test_garbage_quorum_of_the_current_attempt_moves_everyone_to_the_next(store_uri, garbage):
-    Store(store_uri).create(f"{Q0}/quorum.json", garbage)
-    out = run_round(store_uri, 3)
+def test_garbage_quorum_of_the_current_attempt_moves_everyone_to_the_next(any_store_uri, garbage):
+    Store(any_store_uri).create(f"{Q0}/quorum.json", garbage)
+    out = run_round(any_store_uri, 3)
     for rank in range(3):
         res, x = out[rank]
         assert_committed(res, x, ranks=[0, 1, 2], attempt=1)
     # Whoever came first met the garbage; later arrivals may go straight to attempt 1.
     assert max(res.attempts for res, _ in out.values()) == 2
-    rec = outcome(store_uri)
+    rec = outcome(any_store_uri)
     assert rec["committed"] is False and rec["check"] == "quorum" and "invalid quorum record" in rec["reason"]
 
 
@@ -182,9 +192,9 @@ def test_run_status_survives_a_corrupt_old_outcome(store_uri):
     assert rounds_committed(st) == 2
 
 
-def test_forged_committed_outcomes_are_not_commits(store_uri):
-    st = Store(store_uri)
-    out = run_round(store_uri, 2, min_replicas=2)
+def test_forged_committed_outcomes_are_not_commits(any_store_uri):
+    st = Store(any_store_uri)
+    out = run_round(any_store_uri, 2, min_replicas=2)
     assert all(res.committed for res, _ in out.values())
     # No quorum record at all, participants that differ from the quorum, a record for another attempt.
     st.create_json("rounds/00000005/0/outcome.json", {"committed": True, "participants": [0, 1]})
@@ -195,7 +205,7 @@ def test_forged_committed_outcomes_are_not_commits(store_uri):
     assert latest_committed_round(st, start=1) == 0
     assert committed_attempt(st, 5) is None
     # Replicas reaching round 1 treat the forged attempt as aborted and commit the next one.
-    out = run_round(store_uri, 2, round=1, min_replicas=2)
+    out = run_round(any_store_uri, 2, round=1, min_replicas=2)
     for rank in (0, 1):
         assert_committed(*out[rank], ranks=[0, 1], attempt=1)
     assert latest_committed_round(st, start=0) == 1
@@ -282,21 +292,21 @@ class NaNUploadStore(Store):
 
 
 @pytest.mark.parametrize("where", ["payload", "upload"])
-def test_nan_pseudo_gradient_aborts_the_attempt_naming_the_rank(store_uri, where):
+def test_nan_pseudo_gradient_aborts_the_attempt_naming_the_rank(any_store_uri, where):
     bad = payload(2, NUMEL)
     if where == "payload":
         bad[17] = float("nan")
-    out = run_round(store_uri, 3, payloads={2: bad} if where == "payload" else None,
-                    stores={2: NaNUploadStore(store_uri)} if where == "upload" else None)
+    out = run_round(any_store_uri, 3, payloads={2: bad} if where == "payload" else None,
+                    stores={2: NaNUploadStore(any_store_uri)} if where == "upload" else None)
     for rank in (0, 1):
         assert_committed(*out[rank], ranks=[0, 1], attempt=1)
     res2, x2 = out[2]
     assert isinstance(res2, RoundResult) and not res2.committed and 2 in res2.excluded, res2
     assert "replica 2" in res2.reason
-    rec = outcome(store_uri)
+    rec = outcome(any_store_uri)
     assert rec["committed"] is False and rec["check"] == "nonfinite" and rec["excluded"] == [2]
     assert "replica 2" in rec["reason"] and "non-finite" in rec["reason"]
-    quorum = Store(store_uri).get_json("rounds/00000000/1/quorum.json")
+    quorum = Store(any_store_uri).get_json("rounds/00000000/1/quorum.json")
     assert quorum["participants"] == [0, 1] and quorum["excluded"] == [2]
 
 

@@ -292,7 +292,8 @@ class ObjectStoreAllReduce:
         ranks = set()
         for k in self.store.list(f"{prefix}/join"):
             name = k[len(base):] if k.startswith(base) else k
-            rank = join_rank(name, replicas=self.config.replicas) if "/" not in name else None
+            rank = join_rank(name, replicas=self.config.replicas, where=f"{self.store.uri}/{base[:-1]}") \
+                if "/" not in name else None
             if rank is not None:
                 ranks.add(rank)
         return ranks

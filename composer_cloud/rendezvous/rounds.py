@@ -114,20 +114,23 @@ def _as_dict(obj: Any, key: str) -> dict[str, Any]:
     return obj
 
 
-def join_rank(name: str, *, replicas: int) -> int | None:
-    """The rank a ``join/`` object name announces, or None (with one warning) if it is not ``<rank>.json``."""
+def join_rank(name: str, *, replicas: int, where: str = "join") -> int | None:
+    """The rank a ``join/`` object name announces, or None if it is not ``<rank>.json``.
+
+    A stray name is warned about once per ``where/name`` (the join directory's full path).
+    """
     m = _JOIN_NAME.fullmatch(name)
     if m is None or int(m.group(1)) >= replicas:
-        warn_once(f"join:{name}", "ignoring stray object join/%s: not <rank>.json with rank in [0, %d)",
-                  name, replicas)
+        warn_once(f"join:{where}/{name}", "ignoring stray object %s/%s: not <rank>.json with rank in [0, %d)",
+                  where, name, replicas)
         return None
     return int(m.group(1))
 
 
-def attempt_number(name: str) -> int | None:
+def attempt_number(name: str, *, where: str = "rounds/<r>") -> int | None:
     """The attempt a ``rounds/<r>/`` child name stands for, or None (a stray name, warned about once)."""
     if _ATTEMPT_NAME.fullmatch(name) is None:
-        warn_once(f"attempt:{name}", "ignoring stray name %r under rounds/: not an attempt number", name)
+        warn_once(f"attempt:{where}/{name}", "ignoring stray name %r under %s: not an attempt number", name, where)
         return None
     return int(name)
 
@@ -271,7 +274,8 @@ def read_outcome(store: Store, round: int, attempt: int, *, replicas: int | None
 # --------------------------------------------------------------------------- discovery
 def attempts(store: Store, round: int) -> list[int]:
     """Attempt numbers that exist under ``round`` (stray names skipped), ascending."""
-    found = (attempt_number(n) for n in store.list_dirs(round_prefix(round)))
+    where = f"{store.uri}/{round_prefix(round)}"
+    found = (attempt_number(n, where=where) for n in store.list_dirs(round_prefix(round)))
     return sorted(a for a in found if a is not None)
 
 
@@ -322,7 +326,7 @@ def cleanup_rounds(store: Store, *, before: int) -> int:
         if _ROUND_NAME.fullmatch(name) is None or int(name) >= before:
             continue
         for attempt in store.list_dirs(f"rounds/{name}"):
-            if attempt_number(attempt) is None:
+            if attempt_number(attempt, where=f"{store.uri}/rounds/{name}") is None:
                 continue
             for sub in ("grad", "reduced", "join"):
                 store.delete(f"rounds/{name}/{attempt}/{sub}", recursive=True)
