@@ -586,19 +586,6 @@ class ObjectStoreAllReduce:
                                                                         f"round_timeout_s ({waited:.1f}s)"))
 
 
-_attempts = attempts  # the name round discovery used before it moved to rounds.py
-
-__all__ = [
-    "AllReduceConfig",
-    "BehindError",
-    "InvalidRecord",
-    "ObjectNotFound",
-    "ObjectStoreAllReduce",
-    "RoundResult",
-    "RoundTimeout",
-    "attempt_prefix",
-    "cleanup_rounds",
-    "committed_attempt",
-    "latest_committed_round",
-    "round_prefix",
-]
+__all__ = ["AllReduceConfig", "BehindError", "InvalidRecord", "ObjectNotFound", "ObjectStoreAllReduce", "RoundResult",
+           "RoundTimeout", "attempt_prefix", "cleanup_rounds", "committed_attempt", "latest_committed_round",
+           "round_prefix"]
