@@ -266,6 +266,40 @@ def test_forged_reduced_slot_is_not_applied_and_the_retry_commits_the_mean(store
     assert rec["excluded"] == []  # the culprit is unknown: nobody is left out of the retry
 
 
+class WaitForOutcomeStore(Store):
+    """A reader that fetches reduced slot ``slot`` only once the attempt has an outcome (a slow reader)."""
+
+    def __init__(self, uri: str, *, slot: int) -> None:
+        super().__init__(uri)
+        self.slot = slot
+
+    def get(self, key):
+        if key == f"{Q0}/reduced/{self.slot}":
+            deadline = time.monotonic() + 20
+            while not os.path.exists(self.path(f"{Q0}/outcome.json")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return super().get(key)
+
+
+def test_a_reader_never_applies_a_slot_that_failed_its_checks_even_after_a_commit(store_uri):
+    # The forged slot's reducer does not read its own slot back, so it commits first; the
+    # readers that then meet the forged bytes do not apply them (they heal at the next sync).
+    class Forger(ForgingStore):
+        def get(self, key):
+            return Store.get(self, key)
+
+    stores = {1: Forger(store_uri, slot=1), 0: WaitForOutcomeStore(store_uri, slot=1),
+              2: WaitForOutcomeStore(store_uri, slot=1)}
+    out = run_round(store_uri, 3, stores=stores)
+    assert_committed(*out[1], ranks=[0, 1, 2], attempt=0)
+    for rank in (0, 2):
+        res, x = out[rank]
+        assert isinstance(res, RoundResult) and not res.committed and res.participated, res
+        assert "after the round committed" in res.reason and "reduced slot 1" in res.reason
+        torch.testing.assert_close(x, payload(rank, NUMEL), atol=0, rtol=0)  # untouched
+    assert outcome(store_uri)["committed"] is True
+
+
 def test_persistent_forgery_gives_up_after_max_attempts_without_killing_anyone(store_uri):
     forger = ForgingStore(store_uri, slot=1, attempts=(0, 1, 2, 3))
     out = run_round(store_uri, 3, stores={1: forger}, max_attempts=2)

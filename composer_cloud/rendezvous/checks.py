@@ -20,6 +20,11 @@ cost O(payload) compute and O(W) tiny objects, so traffic stays O(P):
   and that the digest's entry for its own input equals the norm of what it
   sent (within ``norm_rtol``). A failure aborts the attempt without
   excluding anyone (the culprit is unknown) and the attempt is retried.
+  A reducer keeps its own slot in memory and does not read it back, so it
+  may commit before a reader meets a replaced slot; that reader then does not
+  apply the result (it heals at its next sync). Invariant: no replica applies
+  bytes that failed its own checks, and all that apply, apply the same bytes
+  (the digest is write-once).
 
 Residual risk, without a run key: a writer with read and write access to the
 bucket can still create consistent objects (a digest and a slot that match,
