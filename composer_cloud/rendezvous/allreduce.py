@@ -1,42 +1,48 @@
 """Object-store all-reduce: average a flat tensor over the replicas of a round.
 
 Replicas never talk to each other; every step of a round is an object in the
-store. Layout under the run's store (``r`` zero-padded round, ``a`` attempt)::
-
-    rounds/<r>/<a>/join/<rank>.json     "I reached sync r" (overwritable, informational)
-    rounds/<r>/<a>/quorum.json          write-once participant set
-    rounds/<r>/<a>/grad/<rank>/<slot>   encoded part ``slot`` of a participant's payload
-    rounds/<r>/<a>/reduced/<slot>       encoded mean of part ``slot`` over participants
-    rounds/<r>/<a>/outcome.json         write-once: committed, or aborted with a reason
+store (layout and record schemas: ``rounds.py``; payload checks: ``checks.py``).
 
 Protocol for one attempt (``W`` = number of participants, ``i`` = my index):
 
-1. Join, then decide the quorum: as soon as every launched replica has joined,
+1. Join, then decide the quorum: as soon as every expected replica has joined,
    or when the quorum deadline passes with at least ``min_replicas`` joined,
    some replica creates ``quorum.json`` (write-once: racing writers agree on
    the first). Everyone reads the participant set from that record only.
-2. Scatter: split the payload into ``W`` contiguous slots, upload each.
-3. Reduce: participant ``i`` reads slot ``i`` of every participant, sums in
-   float32 in participant order (deterministic), divides by ``W`` and uploads
-   the encoded mean. If a reducer disappears, another participant recomputes
-   its slot (same inputs, same order, same bytes).
-4. Gather: read every reduced slot; everyone decodes the same bytes, so all
-   participants end with bitwise-identical results.
-5. Commit: create ``outcome.json`` ``{"committed": true}``. If a participant's
-   payload never arrives, ``{"committed": false}`` is created instead; the
-   write-once record makes the decision unique, and nobody applies a result
-   whose outcome is not "committed". An aborted round is retried as attempt
-   ``a + 1`` at the next sync.
+2. Scatter: check my payload is finite, split it into ``W`` contiguous slots,
+   upload each.
+3. Reduce: participant ``i`` reads slot ``i`` of every participant, checks
+   each part (well-formed, finite, no outlier norm), sums in float32 in
+   participant order (deterministic), divides by ``W``, uploads the encoded
+   mean and then its write-once digest. If a reducer disappears, another
+   participant recomputes its slot (same inputs, same order, same bytes).
+4. Gather: read every reduced slot and check it against its digest; everyone
+   decodes the same bytes, so all participants end with bitwise-identical results.
+5. Commit: create ``outcome.json`` ``{"committed": true}``. A missing payload
+   or a failed check creates ``{"committed": false, "reason": ...}`` instead;
+   the write-once record makes the decision unique, and nobody applies a
+   result whose outcome is not a valid commit.
+
+Retries. An attempt aborted by an integrity check (a bad payload, a reduced
+slot that does not match its digest, an invalid quorum or outcome record) is
+retried at once as attempt ``a + 1`` within the same call, without the ranks
+the check named (``excluded``: their pseudo-gradient of this round is bad;
+they return uncommitted and heal from the committed state at their next
+sync). At most ``max_attempts`` attempts run back to back; the decision
+depends only on write-once records, so every participant takes the same one.
+A round aborted for a missing replica, or after ``max_attempts``, is retried
+at the next sync with fresh payloads and nobody excluded.
 
 Traffic per participant: ``P`` up (scatter) + ``P (W-1)/W`` down (reduce) +
-``P/W`` up + ``P (W-1)/W`` down (gather) = ``(3 - 1/W) P``, independent of the
-number of replicas (``P`` = encoded payload bytes).
+``P/W`` up + ``P (W-1)/W`` down (gather) = ``(3 - 1/W) P``, plus ``2 W`` tiny
+digest objects: independent of the number of replicas (``P`` = encoded payload bytes).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +53,14 @@ import torch
 
 from composer_cloud import faults
 from composer_cloud.rendezvous import codec as wire
-from composer_cloud.rendezvous.store import ObjectNotFound, Store, StoreError, StoreTimeout, iter_chunks
+from composer_cloud.rendezvous.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
+                                              slot_digest, verify_reduced)
+from composer_cloud.rendezvous.rounds import (InvalidRecord, Outcome, attempt_prefix, attempts, cleanup_rounds,
+                                              committed_attempt, join_rank, latest_committed_round, read_outcome,
+                                              read_quorum, read_record, round_prefix)
+from composer_cloud.rendezvous.store import (ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout,
+                                             iter_chunks)
+from composer_cloud.retry import poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +104,12 @@ class AllReduceConfig:
         quorum_timeout_s: after joining, how long to wait for the others.
         round_timeout_s: deadline for every other wait of the round.
         io_threads: parallel transfers per replica.
+        outlier_factor: a participant's slot whose L2 norm exceeds this many
+            times the median of the participants' norms for that slot aborts
+            the attempt and is excluded (needs >= 3 participants; ``None``
+            disables the check; must be > 1).
+        max_attempts: attempts of a round run back to back within one sync
+            when integrity checks abort them (``1``: never retry at once).
     """
 
     replicas: int
@@ -99,11 +118,13 @@ class AllReduceConfig:
     quorum_timeout_s: float = 60.0
     round_timeout_s: float = 600.0
     io_threads: int = 8
+    outlier_factor: float | None = 10.0
+    max_attempts: int = 3
 
 
 @dataclass
 class RoundResult:
-    """What happened in one attempt of a round, from one replica's view."""
+    """What happened in a round, from one replica's view (its last attempt, and how many it ran)."""
 
     round: int
     attempt: int
@@ -117,14 +138,17 @@ class RoundResult:
     bytes_written: int = 0
     payload_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    attempts: int = 1
+    excluded: list[int] = field(default_factory=list)
 
 
-def round_prefix(round: int) -> str:
-    return f"rounds/{round:08d}"
+@dataclass(frozen=True)
+class _Chain:
+    """Where an attempt stands in a run of back-to-back retries (derived from write-once records only)."""
 
-
-def attempt_prefix(round: int, attempt: int) -> str:
-    return f"{round_prefix(round)}/{attempt}"
+    position: int  # 0: first attempt of a sync; k: k-th immediate retry
+    excluded: frozenset[int]  # ranks left out by the aborts of this run
+    expected: frozenset[int]  # who the quorum waits for
 
 
 class ObjectStoreAllReduce:
@@ -135,6 +159,13 @@ class ObjectStoreAllReduce:
             raise ValueError(f"rank {rank} out of range for {config.replicas} replicas")
         if config.codec not in wire.CODECS:
             raise ValueError(f"sync.codec: unknown codec {config.codec!r}; choose one of {wire.CODECS}")
+        if not 1 <= config.min_replicas <= config.replicas:
+            raise ValueError(f"min_replicas: {config.min_replicas} must be in [1, replicas={config.replicas}]")
+        factor = config.outlier_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
+            raise ValueError(f"sync.outlier_factor: {factor!r} must be a finite number > 1, or null to disable")
+        if not isinstance(config.max_attempts, int) or config.max_attempts < 1:
+            raise ValueError(f"sync.max_attempts: {config.max_attempts!r} must be an integer >= 1")
         self.store = store
         self.rank = rank
         self.config = config
@@ -144,61 +175,128 @@ class ObjectStoreAllReduce:
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------ round discovery
-    def outcome(self, round: int, attempt: int) -> dict[str, Any] | None:
-        return self.store.try_get_json(f"{attempt_prefix(round, attempt)}/outcome.json")
+    def outcome(self, round: int, attempt: int) -> Outcome | None:
+        """The attempt's validated outcome (an unusable record reads as an abort), None if undecided."""
+        return read_outcome(self.store, round, attempt, replicas=self.config.replicas)
 
     def attempts(self, round: int) -> list[int]:
-        return _attempts(self.store, round)
+        return attempts(self.store, round)
 
     def latest_committed_round(self, *, start: int = 0) -> int:
         return latest_committed_round(self.store, start=start)
 
     def open_attempt(self, round: int) -> int:
-        """The attempt a replica arriving at ``round`` should join.
+        """The attempt a replica arriving at ``round`` should join: the first without an outcome.
 
-        Raises :class:`BehindError` if ``round`` already committed.
+        Attempt ``a + 1`` only opens once attempt ``a`` has its outcome, so
+        the first undecided one is where the others are (a stray attempt
+        directory further on is never joined). Raises :class:`BehindError`
+        if ``round`` already committed.
         """
-        attempts = self.attempts(round)
-        if not attempts:
-            return 0
-        last = attempts[-1]
-        out = self.outcome(round, last)
-        if out is None:
-            return last
-        if out.get("committed"):
-            raise BehindError(round)
-        return last + 1
+        attempt = 0
+        while (out := self.outcome(round, attempt)) is not None:
+            # A damaged record may hide a commit: once the run has moved on to round + 1, it was one.
+            if out.committed or (out.unreadable and self.store.list_dirs(round_prefix(round + 1))):
+                raise BehindError(round)
+            attempt += 1
+        return attempt
+
+    def _chain(self, round: int, attempt: int) -> _Chain:
+        """How ``attempt`` follows the attempts before it (same answer on every replica)."""
+        cfg = self.config
+        aborts: list[Outcome] = []
+        a = attempt - 1
+        while a >= 0 and (out := self.outcome(round, a)) is not None and not out.committed and out.retry:
+            aborts.append(out)
+            a -= 1
+        # Back-to-back runs are cut into blocks of max_attempts: a block's first attempt is a new sync.
+        position = len(aborts) % cfg.max_attempts
+        everyone = frozenset(range(cfg.replicas))
+        if position == 0:
+            return _Chain(0, frozenset(), everyone)
+        excluded = frozenset(r for out in aborts[:position] for r in out.excluded)
+        previous = None
+        if aborts[0].check != "quorum":  # the retry waits for the last attempt's participants, if known
+            try:
+                previous = read_quorum(self.store, round, attempt - 1, replicas=cfg.replicas,
+                                       min_replicas=cfg.min_replicas)
+            except InvalidRecord:
+                pass
+        base = frozenset(previous.participants) if previous is not None else everyone
+        return _Chain(position, excluded, base - excluded)
+
+    def _retry_at_once(self, round: int, attempt: int) -> bool:
+        """Whether aborted ``attempt`` is retried now as ``attempt + 1`` (and this replica takes part)."""
+        nxt = self._chain(round, attempt + 1)
+        return (nxt.position != 0 and self.rank not in nxt.excluded
+                and len(nxt.expected) >= self.config.min_replicas)
 
     # ------------------------------------------------------------ quorum
-    def join_and_decide_quorum(self, round: int, attempt: int) -> tuple[list[int], float]:
-        """Announce this replica and return ``(participants, seconds waited)``."""
+    def join_and_decide_quorum(self, round: int, attempt: int, *, excluded: frozenset[int] = frozenset(),
+                               expected: frozenset[int] | None = None) -> tuple[list[int], float]:
+        """Announce this replica and return ``(participants, seconds waited)``.
+
+        The quorum is decided once every rank in ``expected`` (default: all
+        replicas) joined, or at the quorum deadline; ``excluded`` ranks never
+        take part. Raises :class:`InvalidRecord` if the attempt's quorum
+        record is unusable (the attempt must then be abandoned: the record is
+        write-once), :class:`RoundTimeout` if too few replicas joined.
+        """
+        cfg = self.config
         prefix = attempt_prefix(round, attempt)
+        key = f"{prefix}/quorum.json"
         t0 = time.monotonic()
         self.store.put(f"{prefix}/join/{self.rank}.json",
                        json.dumps({"rank": self.rank, "time": time.time()}).encode(), durable=False)
-        deadline = t0 + self.config.quorum_timeout_s
-        delay = self.store.poll.initial_s
-        while True:
-            quorum = self.store.try_get_json(f"{prefix}/quorum.json")
-            if quorum is not None:
-                return [int(r) for r in quorum["participants"]], time.monotonic() - t0
-            joined = sorted(int(k.rsplit("/", 1)[1].split(".")[0]) for k in self.store.list(f"{prefix}/join"))
-            now = time.monotonic()
-            everyone = len(joined) >= self.config.replicas
-            if everyone or now >= deadline:
-                if len(joined) < self.config.min_replicas:
-                    missing = sorted(set(range(self.config.replicas)) - set(joined))
-                    raise RoundTimeout(
-                        round, missing,
-                        f"only {len(joined)} of min_replicas={self.config.min_replicas} replicas joined "
-                        f"within quorum_timeout_s={self.config.quorum_timeout_s}")
-                record = {"participants": joined, "decided_by": self.rank, "time": time.time(),
-                          "reason": "all joined" if everyone else "quorum deadline"}
-                if self.store.create_json(f"{prefix}/quorum.json", record):
-                    logger.info("round %d.%d quorum %s (%s)", round, attempt, joined, record["reason"])
-                continue  # read back whichever record won
-            time.sleep(delay)
-            delay = min(self.store.poll.max_s, delay * self.store.poll.factor)
+        expected = (frozenset(range(cfg.replicas)) if expected is None else expected) - excluded
+        deadline = t0 + cfg.quorum_timeout_s
+
+        def decided() -> list[int] | None:
+            quorum = read_quorum(self.store, round, attempt, replicas=cfg.replicas, min_replicas=cfg.min_replicas)
+            if quorum is None:
+                return None
+            if set(quorum.participants) & excluded:
+                raise InvalidRecord(key, f"participants include ranks {sorted(set(quorum.participants) & excluded)} "
+                                         "that this round's earlier attempts excluded")
+            return quorum.participants
+
+        def probe() -> list[int] | None:
+            if (participants := decided()) is not None:
+                return participants
+            joined = sorted(self._joined(prefix) - excluded)
+            everyone = expected <= set(joined)
+            if not everyone and time.monotonic() < deadline:
+                return None
+            if len(joined) < cfg.min_replicas:
+                missing = sorted(set(range(cfg.replicas)) - set(joined) - excluded)
+                raise RoundTimeout(
+                    round, missing,
+                    f"only {len(joined)} of min_replicas={cfg.min_replicas} replicas joined "
+                    f"within quorum_timeout_s={cfg.quorum_timeout_s}")
+            record = {"round": round, "attempt": attempt, "participants": joined, "excluded": sorted(excluded),
+                      "decided_by": self.rank, "time": time.time(),
+                      "reason": "all joined" if everyone else "quorum deadline"}
+            if self.store.create_json(key, record):
+                logger.info("round %d.%d quorum %s (%s)", round, attempt, joined, record["reason"])
+            return decided()  # whichever record won the race
+
+        # The probe decides at the quorum deadline itself; the poll deadline is only a backstop.
+        participants = poll_until(
+            probe, deadline=deadline + cfg.round_timeout_s, policy=self.store.poll,
+            on_timeout=lambda waited: RoundTimeout(round, sorted(expected), f"no quorum after {waited:.1f}s"))
+        return participants, time.monotonic() - t0
+
+    def _joined(self, prefix: str) -> set[int]:
+        """Ranks with a well-named ``join/<rank>.json`` (stray objects are skipped with a warning)."""
+        base = f"{prefix}/join/"
+        ranks = set()
+        for k in self.store.list(f"{prefix}/join"):
+            name = k[len(base):] if k.startswith(base) else k
+            rank = join_rank(name, replicas=self.config.replicas, where=f"{self.store.uri}/{base[:-1]}") \
+                if "/" not in name else None
+            if rank is not None:
+                ranks.add(rank)
+        return ranks
 
     # ------------------------------------------------------------ the round
     def allreduce(self, round: int, flat: torch.Tensor) -> RoundResult:
@@ -214,27 +312,59 @@ class ObjectStoreAllReduce:
         t0 = time.monotonic()
         r0, w0 = self.store.bytes_read, self.store.bytes_written
         attempt = self.open_attempt(round)
-        participants, quorum_wait = self.join_and_decide_quorum(round, attempt)
-        result = RoundResult(round=round, attempt=attempt, participants=participants,
-                             participated=self.rank in participants, committed=False, quorum_wait_s=quorum_wait)
-        if not result.participated:
-            out = self._wait_outcome(round, attempt, participants)
-            result.committed = bool(out.get("committed"))
-            result.reason = "not in quorum (late)"
-        else:
-            try:
-                self._exchange(round, attempt, participants, flat, result)
-            except BaseException as exc:
-                # Tell the peers now rather than let them wait out the round deadline.
-                self._abort(round, attempt, f"replica {self.rank} failed: {exc!r}", [self.rank])
-                raise
+        tries = 0
+        while True:
+            tries += 1
+            result, retry = self._attempt(round, attempt, flat)
+            if not retry:
+                break
+            logger.warning("round %d attempt %d aborted (%s); retrying at once as attempt %d",
+                           round, attempt, result.reason, attempt + 1)
+            attempt += 1
+        result.attempts = tries
         result.wall_s = time.monotonic() - t0
         result.bytes_read = self.store.bytes_read - r0
         result.bytes_written = self.store.bytes_written - w0
         return result
 
+    def _attempt(self, round: int, attempt: int, flat: torch.Tensor) -> tuple[RoundResult, bool]:
+        """Run one attempt; returns its result and whether to retry at once as ``attempt + 1``."""
+        chain = self._chain(round, attempt)
+        if self.rank in chain.excluded:
+            return RoundResult(round=round, attempt=attempt, participants=[], participated=False, committed=False,
+                               reason=f"excluded from round {round} by an earlier attempt's check",
+                               excluded=sorted(chain.excluded)), False
+        try:
+            participants, quorum_wait = self.join_and_decide_quorum(
+                round, attempt, excluded=chain.excluded, expected=chain.expected)
+        except InvalidRecord as exc:
+            # Write-once: a bad quorum record cannot be replaced, so the attempt is dead.
+            # Recording the abort lets everyone (and later arrivals) move on to a + 1.
+            out = self._abort(round, attempt, f"invalid quorum record ({exc.problem})", check="quorum", retry=True)
+            result = RoundResult(round=round, attempt=attempt, participants=[], participated=False,
+                                 committed=False, reason=out.reason)
+            return result, out.retry and self._retry_at_once(round, attempt)
+        result = RoundResult(round=round, attempt=attempt, participants=participants,
+                             participated=self.rank in participants, committed=False, quorum_wait_s=quorum_wait)
+        if not result.participated:
+            out = self._wait_outcome(round, attempt, participants)
+            result.committed = out.committed
+            result.reason = "not in quorum (late)"
+            return result, False
+        try:
+            out = self._exchange(round, attempt, participants, flat, result)
+        except BaseException as exc:
+            # Tell the peers now rather than let them wait out the round deadline.
+            self._abort(round, attempt, f"replica {self.rank} failed: {exc!r}", missing=[self.rank])
+            raise
+        if result.committed:
+            return result, False
+        result.excluded = list(out.excluded)
+        return result, out.retry and self._retry_at_once(round, attempt)
+
     def _exchange(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
-                  result: RoundResult) -> None:
+                  result: RoundResult) -> Outcome:
+        """Scatter, reduce, gather, commit; returns the attempt's final outcome."""
         cfg = self.config
         prefix = attempt_prefix(round, attempt)
         w = len(participants)
@@ -242,72 +372,98 @@ class ObjectStoreAllReduce:
         slots = list(iter_chunks(flat.numel(), w))
         deadline = time.monotonic() + cfg.round_timeout_s
         timings = result.timings
-
-        # 1. scatter: encode and upload every slot of my payload.
-        t = time.monotonic()
-        encoded = list(self._pool.map(lambda se: wire.encode(cfg.codec, flat[se[0]:se[1]]), slots))
-        result.payload_bytes = sum(len(e) for e in encoded)
-        own_slot = encoded[me]
-        uploads = [self._pool.submit(self.store.put, f"{prefix}/grad/{self.rank}/{j}", encoded[j], durable=False)
-                   for j in range(w)]
-        del encoded
-        uploads[0].result()
-        faults.stall_point("upload", round, self.rank)
-        for u in uploads:
-            u.result()
-        timings["scatter_s"] = time.monotonic() - t
-
-        # 2. reduce my slot; my own part comes from memory (same bytes as uploaded).
-        t = time.monotonic()
         try:
-            reduced_mine = self._reduce_slot(round, prefix, participants, me, deadline, own=(self.rank, own_slot))
-        except RoundTimeout as exc:
-            self._abort(round, attempt, str(exc), exc.missing_ranks)
-            result.reason = str(exc)
-            return
-        self.store.put(f"{prefix}/reduced/{me}", reduced_mine, durable=False)
-        faults.stall_point("reduce", round, self.rank)
-        timings["reduce_s"] = time.monotonic() - t
+            # 0. my own payload first: a replica whose local state went NaN says so before uploading.
+            my_norms = [check_finite(flat[s:e], rank=self.rank, slot=None) for s, e in slots]
 
-        # 3. gather every reduced slot (recomputing a slot whose reducer vanished).
-        t = time.monotonic()
-        gathered: list[Any] = []
-        for j in range(w):
-            if j == me:
-                gathered.append(None)
-            else:
-                gathered.append(self._pool.submit(self._fetch_reduced, round, prefix, participants, j, deadline))
-        out = torch.empty_like(flat)
-        try:
+            # 1. scatter: encode and upload every slot of my payload.
+            t = time.monotonic()
+            encoded = list(self._pool.map(lambda se: wire.encode(cfg.codec, flat[se[0]:se[1]]), slots))
+            result.payload_bytes = sum(len(e) for e in encoded)
+            own_slot = encoded[me]
+            uploads = [self._pool.submit(self.store.put, f"{prefix}/grad/{self.rank}/{j}", encoded[j],
+                                         durable=False) for j in range(w)]
+            del encoded
+            uploads[0].result()
+            faults.stall_point("upload", round, self.rank)
+            for u in uploads:
+                u.result()
+            timings["scatter_s"] = time.monotonic() - t
+
+            # 2. reduce my slot; my own part comes from memory (same bytes as uploaded).
+            t = time.monotonic()
+            s, e = slots[me]
+            reduced_mine, norms = self._reduce_slot(round, attempt, participants, me, e - s, deadline,
+                                                    own=(self.rank, own_slot))
+            self._publish_reduced(round, attempt, me, reduced_mine, e - s, norms)
+            faults.stall_point("reduce", round, self.rank)
+            timings["reduce_s"] = time.monotonic() - t
+
+            # 3. gather every reduced slot (recomputing a slot whose reducer vanished) and check it.
+            t = time.monotonic()
+            gathered = [None if j == me else
+                        self._pool.submit(self._fetch_reduced, round, attempt, participants, j, e - s, deadline)
+                        for j, (s, e) in enumerate(slots)]
+            out = torch.empty_like(flat)
             for j, (s, e) in enumerate(slots):
-                data = reduced_mine if j == me else gathered[j].result()
-                out[s:e] = wire.decode(cfg.codec, data, key=f"{prefix}/reduced/{j}")
+                if j == me:
+                    out[s:e] = wire.decode(cfg.codec, reduced_mine, numel=e - s)
+                    continue
+                key = f"{prefix}/reduced/{j}"
+                record, data = gathered[j].result()
+                try:
+                    decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
+                except wire.PayloadError as exc:
+                    raise RejectedPayload(f"reduced slot {j}: {exc}", check="reduced", slot=j) from None
+                verify_reduced(record, data, decoded, key=key, round=round, attempt=attempt, slot=j,
+                               participants=participants, me=me, my_norm=my_norms[j], codec=cfg.codec)
+                out[s:e] = decoded
+            timings["gather_s"] = time.monotonic() - t
         except RoundTimeout as exc:
-            self._abort(round, attempt, str(exc), exc.missing_ranks)
-            result.reason = str(exc)
-            return
-        timings["gather_s"] = time.monotonic() - t
+            return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
+        except RejectedPayload as exc:
+            return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
+                                        excluded=exc.excluded, slot=exc.slot, retry=True)
 
-        # 4. commit. Only an outcome record that says "committed" lets anyone apply the result.
-        record = {"committed": True, "participants": participants, "by": self.rank, "time": time.time()}
+        # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
+        record = {"round": round, "attempt": attempt, "committed": True, "participants": participants,
+                  "by": self.rank, "time": time.time()}
         self.store.create_json(f"{prefix}/outcome.json", record)
-        final = self.store.get_json(f"{prefix}/outcome.json")
-        if final.get("committed"):
+        final = read_outcome(self.store, round, attempt, replicas=cfg.replicas, participants=participants)
+        if final is not None and final.committed:
             flat.copy_(out)
             result.committed = True
-        else:
-            result.reason = f"aborted by replica {final.get('by')}: {final.get('reason')}"
+            return final
+        final = final or Outcome(committed=False, reason="outcome record vanished", check="outcome", retry=True)
+        result.reason = f"aborted by replica {final.by}: {final.reason}"
+        return final
 
-    def _reduce_slot(self, round: int, prefix: str, participants: list[int], slot: int, deadline: float,
-                     own: tuple[int, bytes] | None = None, parallel: bool = True) -> bytes:
-        """Sum slot ``slot`` over participants in order, divide, encode. Raises RoundTimeout."""
+    def _finish_aborted(self, round: int, attempt: int, participants: list[int], result: RoundResult,
+                        reason: str, **record: Any) -> Outcome:
+        out = self._abort(round, attempt, reason, participants=participants, **record)
+        if out.committed:
+            # A peer committed before this replica's check failed (an object changed between reads):
+            # do not apply what failed here; heal from the committed state at the next sync.
+            result.reason = f"check failed after the round committed ({reason}); not applied"
+            return Outcome(committed=False, reason=result.reason)
+        result.reason = out.reason if out.by is None or out.by == self.rank else \
+            f"aborted by replica {out.by}: {out.reason}"
+        return out
+
+    def _reduce_slot(self, round: int, attempt: int, participants: list[int], slot: int, numel: int,
+                     deadline: float, own: tuple[int, bytes] | None = None,
+                     parallel: bool = True) -> tuple[bytes, list[float]]:
+        """Check, sum in participant order, divide, encode slot ``slot``; returns it and the input norms.
+
+        Raises :class:`RoundTimeout` (parts missing) or :class:`RejectedPayload` (a part failed a check).
+        """
         cfg = self.config
+        prefix = attempt_prefix(round, attempt)
 
         def fetch(rank: int) -> bytes | memoryview:
             if own is not None and rank == own[0]:
                 return own[1]
-            key = f"{prefix}/grad/{rank}/{slot}"
-            return self._wait_in_round(round, prefix, key, deadline, rank)
+            return self._wait_in_round(round, attempt, f"{prefix}/grad/{rank}/{slot}", deadline, rank)
 
         if parallel:
             futures = [self._pool.submit(fetch, p) for p in participants]
@@ -315,133 +471,121 @@ class ObjectStoreAllReduce:
             futures = [_Immediate(fetch, p) for p in participants]
         acc: torch.Tensor | None = None
         missing: list[int] = []
+        norms: list[float] = []
         for p, fut in zip(participants, futures):
+            key = f"{prefix}/grad/{p}/{slot}"
             try:
-                part = wire.decode(cfg.codec, fut.result(), key=f"{prefix}/grad/{p}/{slot}")
+                part = wire.decode(cfg.codec, fut.result(), key=key, numel=numel)
             except RoundTimeout as exc:
                 if exc.aborted:
                     raise
                 missing.append(p)
                 continue
+            except ChecksumMismatch as exc:
+                # Damaged in storage or transit: nobody to blame, a fresh attempt re-uploads it.
+                raise RejectedPayload(str(exc), check="corrupt", slot=slot) from None
+            except wire.PayloadError as exc:
+                raise RejectedPayload(f"pseudo-gradient of replica {p}, slot {slot}: {exc.problem}",
+                                      check="malformed", slot=slot, excluded=[p]) from None
+            norms.append(check_finite(part, rank=p, slot=slot))
             acc = part if acc is None else acc.add_(part)
         if missing:
             raise RoundTimeout(round, missing, "pseudo-gradients missing")
+        check_outliers(participants, norms, slot=slot, outlier_factor=cfg.outlier_factor)
         assert acc is not None
         acc.div_(len(participants))
-        return wire.encode(cfg.codec, acc)
+        if not math.isfinite(l2(acc)):  # finite inputs can still overflow float32 when summed
+            worst = participants[max(range(len(norms)), key=norms.__getitem__)]
+            raise RejectedPayload(f"pseudo-gradient slot {slot}: the sum overflows float32 (largest norm: "
+                                  f"replica {worst})", check="nonfinite", slot=slot, excluded=[worst])
+        return wire.encode(cfg.codec, acc), norms
 
-    def _fetch_reduced(self, round: int, prefix: str, participants: list[int], slot: int, deadline: float) -> bytes | memoryview:
-        key = f"{prefix}/reduced/{slot}"
+    def _publish_reduced(self, round: int, attempt: int, slot: int, data: bytes, numel: int,
+                         norms: list[float]) -> dict[str, Any]:
+        """Upload a reduced slot, then its write-once digest (readers wait for the digest)."""
+        key = f"{attempt_prefix(round, attempt)}/reduced/{slot}"
+        self.store.put(key, data, durable=False)
+        digest = slot_digest(round=round, attempt=attempt, slot=slot, data=data, numel=numel, input_norms=norms,
+                             by=self.rank)
+        if not self.store.create_json(f"{key}.json", digest):
+            # Another participant took over this slot (same inputs, same bytes), or someone forged it.
+            try:
+                problem = digest_mismatch(digest, read_record(self.store, f"{key}.json"), key=f"{key}.json")
+            except InvalidRecord as exc:
+                problem = exc
+            if problem is not None:
+                raise RejectedPayload(f"reduced slot {slot}: the digest in the store is not this reducer's "
+                                      f"({problem.problem})", check="reduced", slot=slot)
+        return digest
+
+    def _fetch_reduced(self, round: int, attempt: int, participants: list[int], slot: int, numel: int,
+                       deadline: float) -> tuple[Any, bytes | memoryview]:
+        """Wait for reduced slot ``slot`` and its digest; returns ``(digest record, slot bytes)``."""
+        key = f"{attempt_prefix(round, attempt)}/reduced/{slot}"
         # Wait for the reducer for half the round's remaining time, then take over its slot.
         takeover_at = time.monotonic() + 0.5 * max(0.0, deadline - time.monotonic())
         try:
-            return self._wait_in_round(round, prefix, key, takeover_at, participants[slot])
+            record = json.loads(bytes(self._wait_in_round(round, attempt, f"{key}.json", takeover_at,
+                                                          participants[slot])))
         except RoundTimeout as exc:
             if exc.aborted:
                 raise
-        logger.warning("%s: reducer %d did not publish; recomputing the slot", key, participants[slot])
-        # Fetch inline: this already runs on the pool, and waiting on more pool
-        # work from a pool thread could exhaust it.
-        data = self._reduce_slot(round, prefix, participants, slot, deadline, parallel=False)
-        self.store.put(key, data, durable=False)
-        return data
+            logger.warning("%s: reducer %d did not publish; recomputing the slot", key, participants[slot])
+            # Fetch inline: this already runs on the pool, and waiting on more pool
+            # work from a pool thread could exhaust it.
+            data, norms = self._reduce_slot(round, attempt, participants, slot, numel, deadline, parallel=False)
+            return self._publish_reduced(round, attempt, slot, data, numel, norms), data
+        except (ChecksumMismatch, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RejectedPayload(f"reduced slot {slot}: unreadable digest ({exc})", check="reduced",
+                                  slot=slot) from None
+        try:
+            return record, self.store.get(key)
+        except (ObjectNotFound, ChecksumMismatch) as exc:
+            raise RejectedPayload(f"reduced slot {slot}: {exc}", check="reduced", slot=slot) from None
 
-    def _wait_in_round(self, round: int, prefix: str, key: str, deadline: float, owner: int) -> memoryview:
+    def _wait_in_round(self, round: int, attempt: int, key: str, deadline: float, owner: int) -> memoryview:
         """Wait for ``key`` until ``deadline``, but stop early if the attempt was aborted.
 
         Raises :class:`RoundTimeout` naming ``owner`` (the replica expected to
         write ``key``); ``aborted`` is set when a peer aborted the attempt.
         """
-        start = time.monotonic()
-        delay = self.store.poll.initial_s
-        checks = 0
-        while True:
-            found = self.store.try_get(key)
-            if found is not None:
-                return found
-            checks += 1
-            if checks % 8 == 0:
-                out = self.store.try_get_json(f"{prefix}/outcome.json")
-                if out is not None and not out.get("committed"):
-                    exc = RoundTimeout(round, out.get("missing", []), f"aborted by replica {out.get('by')}: "
-                                       f"{out.get('reason')}")
-                    exc.aborted = True
-                    raise exc
-            now = time.monotonic()
-            if now >= deadline:
-                raise RoundTimeout(round, [owner], f"{key} did not arrive within {now - start:.1f}s")
-            time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(self.store.poll.max_s, delay * self.store.poll.factor)
+        def between(misses: int) -> None:
+            if misses % 8:
+                return
+            out = self.outcome(round, attempt)
+            if out is not None and not out.committed:
+                exc = RoundTimeout(round, out.missing, f"aborted by replica {out.by}: {out.reason}")
+                exc.aborted = True
+                raise exc
 
-    def _abort(self, round: int, attempt: int, reason: str, missing: list[int]) -> None:
-        prefix = attempt_prefix(round, attempt)
-        record = {"committed": False, "reason": reason, "missing": missing, "by": self.rank, "time": time.time()}
-        if self.store.create_json(f"{prefix}/outcome.json", record):
-            logger.warning("round %d.%d aborted: %s", round, attempt, reason)
-
-    def _wait_outcome(self, round: int, attempt: int, participants: list[int]) -> dict[str, Any]:
-        key = f"{attempt_prefix(round, attempt)}/outcome.json"
-        deadline = time.monotonic() + self.config.round_timeout_s
         try:
-            self.store.wait_get(key, deadline=deadline)
-        except StoreTimeout:
-            raise RoundTimeout(round, participants, "no outcome recorded within round_timeout_s") from None
-        return self.store.get_json(key)
+            return self.store.wait_get(key, deadline=deadline, between=between)
+        except StoreTimeout as exc:
+            raise RoundTimeout(round, [owner], f"{key} did not arrive within {exc.waited_s:.1f}s") from None
+
+    def _abort(self, round: int, attempt: int, reason: str, *, participants: list[int] | None = None,
+               missing: Sequence[int] = (), excluded: Sequence[int] = (), check: str | None = None,
+               slot: int | None = None, retry: bool = False) -> Outcome:
+        """Create the attempt's abort record (unless an outcome exists); returns the outcome that won."""
+        record: dict[str, Any] = {"round": round, "attempt": attempt, "committed": False, "reason": reason,
+                                  "missing": sorted(missing), "excluded": sorted(excluded), "check": check,
+                                  "retry": retry, "by": self.rank, "time": time.time()}
+        if slot is not None:
+            record["slot"] = slot
+        if self.store.create_json(f"{attempt_prefix(round, attempt)}/outcome.json", record):
+            logger.warning("round %d.%d aborted: %s", round, attempt, reason)
+        out = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
+        return out or Outcome(committed=False, reason=reason, check=check, retry=retry, by=self.rank)
+
+    def _wait_outcome(self, round: int, attempt: int, participants: list[int]) -> Outcome:
+        return poll_until(
+            lambda: read_outcome(self.store, round, attempt, replicas=self.config.replicas,
+                                 participants=participants),
+            deadline=time.monotonic() + self.config.round_timeout_s, policy=self.store.poll,
+            on_timeout=lambda waited: RoundTimeout(round, participants, "no outcome recorded within "
+                                                                        f"round_timeout_s ({waited:.1f}s)"))
 
 
-def _attempts(store: Store, round: int) -> list[int]:
-    return sorted(int(n) for n in store.list_dirs(round_prefix(round)) if n.isdigit())
-
-
-def committed_attempt(store: Store, round: int) -> int | None:
-    """The attempt of ``round`` that committed, if any."""
-    for a in reversed(_attempts(store, round)):
-        out = store.try_get_json(f"{attempt_prefix(round, a)}/outcome.json")
-        if out is not None and out.get("committed"):
-            return a
-    return None
-
-
-def latest_committed_round(store: Store, *, start: int = 0) -> int:
-    """Highest committed round at or after ``start - 1`` (``start - 1`` if none newer).
-
-    Rounds commit in order, so scanning forward from a known committed round
-    is enough; ``-1`` means nothing committed yet. Needs only the store, so
-    status queries use it without joining the run.
-    """
-    r = start
-    while committed_attempt(store, r) is not None:
-        r += 1
-    return r - 1
-
-
-def cleanup_rounds(store: Store, *, before: int) -> int:
-    """Delete transient objects of rounds ``< before``; returns rounds removed.
-
-    Only payloads are deleted (``grad/``, ``reduced/``, ``join/``); quorum and
-    outcome records stay as the run's history (they are tiny).
-    """
-    removed = 0
-    for name in store.list_dirs("rounds"):
-        if not name.isdigit() or int(name) >= before:
-            continue
-        for attempt in store.list_dirs(f"rounds/{name}"):
-            for sub in ("grad", "reduced", "join"):
-                store.delete(f"rounds/{name}/{attempt}/{sub}", recursive=True)
-        removed += 1
-    return removed
-
-
-__all__ = [
-    "AllReduceConfig",
-    "BehindError",
-    "ObjectNotFound",
-    "ObjectStoreAllReduce",
-    "RoundResult",
-    "RoundTimeout",
-    "attempt_prefix",
-    "cleanup_rounds",
-    "committed_attempt",
-    "latest_committed_round",
-    "round_prefix",
-]
+__all__ = ["AllReduceConfig", "BehindError", "InvalidRecord", "ObjectNotFound", "ObjectStoreAllReduce", "RoundResult",
+           "RoundTimeout", "attempt_prefix", "cleanup_rounds", "committed_attempt", "latest_committed_round",
+           "round_prefix"]

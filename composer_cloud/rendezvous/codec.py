@@ -33,17 +33,6 @@ CODECS: tuple[str, ...] = ("fp32", "bf16", "int8")
 INT8_CHUNK = 512
 
 
-def encoded_nbytes(codec: str, numel: int) -> int:
-    """Approximate payload size (without the safetensors header) of ``numel`` elements."""
-    if codec == "fp32":
-        return 4 * numel
-    if codec == "bf16":
-        return 2 * numel
-    if codec == "int8":
-        return numel + 4 * -(-numel // INT8_CHUNK)
-    raise ValueError(f"unknown codec {codec!r}")
-
-
 def encode(codec: str, x: torch.Tensor) -> bytes:
     """Encode a 1-D float tensor (any float dtype; promoted to fp32 first)."""
     if x.dim() != 1:
@@ -60,16 +49,64 @@ def encode(codec: str, x: torch.Tensor) -> bytes:
     raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
 
 
-def decode(codec: str, data: bytes | memoryview, *, key: str = "<payload>") -> torch.Tensor:
-    """Decode to a 1-D float32 tensor. ``key`` names the object in errors."""
-    tensors = st_load(bytes(data))
-    if codec == "fp32":
-        return tensors["data"]
-    if codec == "bf16":
-        return tensors["data"].to(torch.float32)
+class PayloadError(ValueError):
+    """An encoded payload is not what its codec writes (wrong tensors, dtypes or sizes).
+
+    Raised by :func:`decode` with the object's key; a payload read from the
+    store is untrusted, so this is an expected failure, not a bug.
+    """
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}")
+
+
+def decode(codec: str, data: bytes | memoryview, *, key: str = "<payload>", numel: int | None = None) -> torch.Tensor:
+    """Decode to a 1-D float32 tensor of ``numel`` elements (when given).
+
+    ``key`` names the object in errors. Raises :class:`PayloadError` when the
+    bytes are not a well-formed payload of ``codec`` (not safetensors, other
+    tensor names, dtypes or shapes, a header that names another codec, or a
+    length other than ``numel``). Values are not checked: non-finite values
+    decode as they are (the all-reduce checks them).
+    """
+    if codec not in CODECS:
+        raise ValueError(f"{key}: unknown codec {codec!r}; choose one of {CODECS}")
+    try:
+        tensors = st_load(bytes(data))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
+        raise PayloadError(key, f"not a safetensors payload ({type(exc).__name__}: {exc})") from None
+    expected = {"fp32": {"data": torch.float32}, "bf16": {"data": torch.bfloat16},
+                "int8": {"q": torch.int8, "scale": torch.float32}}[codec]
+    got = {name: t.dtype for name, t in tensors.items()}
+    if got != expected:
+        raise PayloadError(key, f"tensors {got} do not match codec {codec!r} ({expected})")
+    if any(t.dim() != 1 for t in tensors.values()):
+        raise PayloadError(key, "tensors must be 1-D")
     if codec == "int8":
-        return _int8_dequantize(tensors["q"], tensors["scale"])
-    raise ValueError(f"{key}: unknown codec {codec!r}")
+        q, scale = tensors["q"], tensors["scale"]
+        if scale.numel() != -(-q.numel() // INT8_CHUNK):
+            raise PayloadError(key, f"{scale.numel()} int8 scales for {q.numel()} elements "
+                                    f"(chunk {INT8_CHUNK})")
+        out = _int8_dequantize(q, scale)
+    else:
+        out = tensors["data"].to(torch.float32)
+    if numel is not None and out.numel() != numel:
+        raise PayloadError(key, f"{out.numel()} elements, expected {numel}")
+    return out
+
+
+def norm_rtol(codec: str) -> float:
+    """Relative bound on how far a codec moves a vector's L2 norm: ``|‖dec(enc(x))‖ - ‖x‖| <= rtol ‖x‖``.
+
+    From the per-element bounds above: fp32 is exact (float32 rounding of the
+    norm itself only); bf16 moves every element by at most ``2**-8 |x_i|``;
+    int8 moves a chunk by at most ``sqrt(INT8_CHUNK) * max|x_chunk| / 254 <=
+    0.089 ‖x_chunk‖`` (``INT8_CHUNK = 512``), hence the whole vector by at
+    most ``0.089 ‖x‖``. Used to cross-check published norms, never to compare values.
+    """
+    return {"fp32": 1e-5, "bf16": 2**-8 + 1e-5, "int8": (INT8_CHUNK ** 0.5) / 254 + 1e-5}[codec]
 
 
 def _int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
