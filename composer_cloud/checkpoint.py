@@ -2,12 +2,11 @@
 
 Layout for committed round ``r`` (zero-padded to 8 digits so listings sort)::
 
-    checkpoints/<r>/global-<i>-of-<n>.safetensors  slice i of the global state (params + outer optimizer)
-    checkpoints/<r>/global-<i>-of-<n>.json         write-once marker: slice i complete (bytes, crc32)
+    checkpoints/<r>/global-a<a>-<i>-of-<n>.safetensors  slice i of the global state committed by attempt a
+    checkpoints/<r>/global-a<a>-<i>-of-<n>.json         write-once marker: slice i complete (bytes, crc32)
     checkpoints/<r>/replica-<k>.safetensors        replica k's inner state (optimizer, data position, RNG)
     checkpoints/<r>/replica-<k>.json               marker: replica k's state complete
     checkpoints/<r>/manifest.json                  written LAST: every object with its crc32
-    checkpoints/<r>/void.json                      write-once: round r's commit was abandoned (see below)
 
 Invariants:
 
@@ -25,10 +24,11 @@ Invariants:
 * **Verified in one read.** A marker and the manifest record the blob's crc32,
   which equals the crc32 in the store's framing of the blob, so checking it
   costs no second pass: every object is verified by the same read that loads it.
-* **Void rounds.** If a committed round's global state can never become durable
-  (every participant died before its slice was written), a replica records
-  ``void.json`` for it; round discovery then treats the round as not committed
-  and the run re-runs it from the previous durable state.
+* **Void commits.** If a committed round's global state can never become
+  durable (every participant died before writing its slice), a replica voids
+  that attempt's commit (:func:`composer_cloud.rendezvous.rounds.declare_void`);
+  the round is then run again as a new attempt. Slices are named by attempt,
+  so a voided attempt's slices are never mixed with the new ones.
 * Old checkpoints beyond ``keep`` are deleted only after a newer manifest exists.
 """
 
@@ -48,6 +48,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from composer_cloud import faults
+from composer_cloud.rendezvous import rounds
 from composer_cloud.rendezvous.state import decode_state, encode_state, flatten, read_metadata, unflatten
 from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout
 from composer_cloud.retry import PollPolicy, poll_until
@@ -55,8 +56,7 @@ from composer_cloud.retry import PollPolicy, poll_until
 logger = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
-_VOID = "void.json"
-_SHARD = re.compile(r"^global-(\d+)-of-(\d+)\.json$")
+_SHARD = re.compile(r"^global-a(\d+)-(\d+)-of-(\d+)\.json$")
 
 
 def checkpoint_prefix(round: int) -> str:
@@ -64,8 +64,8 @@ def checkpoint_prefix(round: int) -> str:
     return f"checkpoints/{round:08d}"
 
 
-def _shard_name(index: int, num_shards: int) -> str:
-    return f"global-{index}-of-{num_shards}"
+def _shard_name(attempt: int, index: int, num_shards: int) -> str:
+    return f"global-a{attempt}-{index}-of-{num_shards}"
 
 
 def _replica_blob(rank: int) -> str:
@@ -132,33 +132,38 @@ def split_global_state(tree: dict[str, Any], num_shards: int) -> GlobalStateSlic
     return GlobalStateSlices(tensors=tensors, skeleton=skeleton, groups=groups)
 
 
-def write_global_shard(store: Store, round: int, slices: GlobalStateSlices, index: int, *, writer: int) -> int:
-    """Write slice ``index`` of round ``round``'s global state unless its marker exists. Returns bytes written.
+def write_global_shard(store: Store, round: int, slices: GlobalStateSlices, index: int, *, writer: int,
+                       attempt: int = 0) -> int:
+    """Write slice ``index`` of the global state that ``round``'s ``attempt`` committed, unless its marker
+    exists. Returns bytes written.
 
     Idempotent and safe to race: every writer writes the same bytes, the blob
     put is atomic, and the marker is write-once.
     """
     prefix = checkpoint_prefix(round)
-    name = _shard_name(index, slices.num_shards)
+    name = _shard_name(attempt, index, slices.num_shards)
     if store.exists(f"{prefix}/{name}.json"):
         return 0
     blob = slices.encode(index, round=round)
     store.put(f"{prefix}/{name}.safetensors", blob)
     faults.stall_point("global_upload", round, writer)
-    store.create_json(f"{prefix}/{name}.json", {"round": round, "shard": index, "num_shards": slices.num_shards,
+    store.create_json(f"{prefix}/{name}.json", {"round": round, "attempt": attempt, "shard": index,
+                                                "num_shards": slices.num_shards,
                                                 "bytes": len(blob), "crc32": zlib.crc32(blob), "by": writer})
     return len(blob)
 
 
-def write_global_state(store: Store, round: int, tree: dict[str, Any], *, writer: int, num_shards: int = 1) -> int:
+def write_global_state(store: Store, round: int, tree: dict[str, Any], *, writer: int, num_shards: int = 1,
+                       attempt: int = 0) -> int:
     """Write every slice of ``tree`` (a single writer; tests and tools). Returns bytes written."""
     slices = split_global_state(tree, num_shards)
-    return sum(write_global_shard(store, round, slices, i, writer=writer) for i in range(num_shards))
+    return sum(write_global_shard(store, round, slices, i, writer=writer, attempt=attempt)
+               for i in range(num_shards))
 
 
 @dataclass(frozen=True)
 class ShardMarkers:
-    """The global-state markers present for one round: ``num_shards`` -> {index: marker record}."""
+    """The global-state markers of one round's attempt: ``num_shards`` -> {index: marker record}."""
 
     by_count: dict[int, dict[int, dict[str, Any]]]
 
@@ -175,15 +180,31 @@ class ShardMarkers:
         return [i for i in range(num_shards) if i not in have]
 
 
-def shard_markers(store: Store, round: int) -> ShardMarkers:
-    """Read the slice markers of ``round`` (unreadable or malformed ones are skipped with a warning)."""
+def state_attempt(store: Store, round: int) -> int | None:
+    """The attempt whose global state is round ``round``'s: its committed (not void) attempt.
+
+    A round with no round records at all (written by a tool, or a store whose
+    round records were removed) has attempt 0 by convention.
+    """
+    committed = rounds.committed_attempt(store, round)
+    if committed is not None:
+        return committed
+    return None if rounds.attempts(store, round) else 0
+
+
+def shard_markers(store: Store, round: int, *, attempt: int | None = None) -> ShardMarkers:
+    """The slice markers of ``round``'s ``attempt`` (default: :func:`state_attempt`); bad ones are skipped."""
+    if attempt is None:
+        attempt = state_attempt(store, round)
+        if attempt is None:
+            return ShardMarkers({})
     prefix = checkpoint_prefix(round)
     by_count: dict[int, dict[int, dict[str, Any]]] = {}
     for name in store.list_dirs(prefix):
         m = _SHARD.match(name)
-        if not m:
+        if not m or int(m.group(1)) != attempt:
             continue
-        index, n = int(m.group(1)), int(m.group(2))
+        index, n = int(m.group(2)), int(m.group(3))
         if not 0 <= index < n:
             continue
         try:
@@ -193,18 +214,19 @@ def shard_markers(store: Store, round: int) -> ShardMarkers:
         except (StoreError, ValueError) as exc:
             logger.warning("ignoring global-state marker %s/%s (%s)", prefix, name, exc)
             continue
-        by_count.setdefault(n, {})[index] = rec
+        by_count.setdefault(n, {})[index] = {**rec, "key": f"{_shard_name(attempt, index, n)}.safetensors"}
     return ShardMarkers(by_count)
 
 
-def global_state_complete(store: Store, round: int, *, num_shards: int | None = None) -> bool:
+def global_state_complete(store: Store, round: int, *, num_shards: int | None = None,
+                          attempt: int | None = None) -> bool:
     """Whether round ``round``'s global state is durable (every slice's marker exists)."""
-    return shard_markers(store, round).complete(num_shards) is not None
+    return shard_markers(store, round, attempt=attempt).complete(num_shards) is not None
 
 
 def has_global_state(store: Store, round: int) -> bool:
-    """Whether round ``round``'s global state is durable and the round is not void."""
-    return global_state_complete(store, round) and not is_void(store, round)
+    """Whether round ``round``'s committed (not void) global state is durable."""
+    return global_state_complete(store, round)
 
 
 def global_state_rounds(store: Store) -> list[int]:
@@ -238,7 +260,7 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
     tensors: dict[str, torch.Tensor] = {}
     skeleton: Any = None
     for i in range(n):
-        key = f"{checkpoint_prefix(round)}/{_shard_name(i, n)}.safetensors"
+        key = f"{checkpoint_prefix(round)}/{markers.by_count[n][i]['key']}"
         raw = bytes(_read_verified(store, key, markers.by_count[n][i]["crc32"]))
         try:
             meta = read_metadata(raw)
@@ -251,25 +273,6 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
         return unflatten(tensors, skeleton)
     except KeyError as exc:
         raise CorruptCheckpoint(f"{checkpoint_prefix(round)}: global state lacks tensor {exc}") from None
-
-
-# ---------------------------------------------------------------- void rounds
-def is_void(store: Store, round: int) -> bool:
-    """Whether round ``round``'s commit was abandoned (its global state could not be made durable)."""
-    return store.exists(f"{checkpoint_prefix(round)}/{_VOID}")
-
-
-def declare_void(store: Store, round: int, *, by: int, reason: str) -> bool:
-    """Record (write-once) that round ``round`` is void. Returns whether this call created the record."""
-    created = store.create_json(f"{checkpoint_prefix(round)}/{_VOID}",
-                                {"round": round, "by": by, "reason": reason, "time": time.time()})
-    if created:
-        logger.warning("round %d declared void by replica %d: %s", round, by, reason)
-    return created
-
-
-def void_rounds(store: Store) -> set[int]:
-    return {r for r in checkpoint_rounds(store) if is_void(store, r)}
 
 
 # ---------------------------------------------------------------- replica state
@@ -373,7 +376,7 @@ def resume_point(store: Store, rank: int, *, world_size: int) -> ResumePoint | N
 
 
 # ---------------------------------------------------------------- manifests
-def write_manifest(store: Store, round: int, participants: list[int], *, deadline_s: float,
+def write_manifest(store: Store, round: int, participants: list[int], *, deadline_s: float, attempt: int = 0,
                    spec_round_meta: dict[str, Any] | None = None) -> bool:
     """Wait for the durable global state and every participant's state, then write the manifest.
 
@@ -390,7 +393,7 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
             raise _ManifestExists()
 
     try:
-        poll_until(lambda: True if global_state_complete(store, round, num_shards=n) else None,
+        poll_until(lambda: True if global_state_complete(store, round, num_shards=n, attempt=attempt) else None,
                    deadline=deadline, policy=PollPolicy(initial_s=0.05, max_s=1.0), between=stop_if_written,
                    on_timeout=lambda waited: StoreTimeout(f"{prefix} global state", waited))
     except StoreTimeout:
@@ -399,7 +402,7 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
         return False
     except _ManifestExists:
         return False
-    markers = shard_markers(store, round).by_count[n]
+    markers = shard_markers(store, round, attempt=attempt).by_count[n]
     replicas: dict[str, Any] = {}
     for rank in participants:
         try:
@@ -413,8 +416,9 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
             replicas[str(rank)] = {"key": _replica_blob(rank), "bytes": rec.get("bytes"), "crc32": rec["crc32"]}
     manifest = {
         "round": round,
-        "global": [{"key": f"{_shard_name(i, n)}.safetensors", "bytes": markers[i]["bytes"],
-                    "crc32": markers[i]["crc32"]} for i in range(n)],
+        "attempt": attempt,
+        "global": [{"key": markers[i]["key"], "bytes": markers[i]["bytes"], "crc32": markers[i]["crc32"]}
+                   for i in range(n)],
         "replicas": replicas,
         "participants": participants,
         "time": time.time(),
@@ -473,7 +477,8 @@ def latest_checkpoint(store: Store, *, before: int | None = None, verify: bool =
         if manifest is None:
             logger.warning("checkpoint %s/%s has no valid manifest (torn write?); skipping it", store.uri, prefix)
             continue
-        if is_void(store, round):
+        if state_attempt(store, round) != manifest.get("attempt", 0):
+            logger.warning("checkpoint %s/%s belongs to a voided commit; skipping it", store.uri, prefix)
             continue
         if verify:
             try:
@@ -540,12 +545,10 @@ __all__ = [
     "GlobalStateSlices",
     "checkpoint_prefix",
     "checkpoint_rounds",
-    "declare_void",
     "discard_after",
     "global_state_complete",
     "global_state_rounds",
     "has_global_state",
-    "is_void",
     "latest_checkpoint",
     "load_global",
     "load_replica",
@@ -557,6 +560,7 @@ __all__ = [
     "resume_point",
     "ResumePoint",
     "shard_markers",
+    "state_attempt",
     "split_global_state",
     "write_global_shard",
     "write_global_state",

@@ -190,7 +190,9 @@ def build_diloco(
 
     manager = ObjectStoreManager(
         ar, heal_timeout_s=heal_timeout_s, start_step=start_round, on_heal=on_heal, on_sync=on_sync,
-        takeover_after_s=allreduce.quorum_timeout_s if takeover_after_s is None else takeover_after_s)
+        takeover_after_s=allreduce.quorum_timeout_s if takeover_after_s is None else takeover_after_s,
+        # A committed round nobody can finish is voided after the round deadline (within the heal budget).
+        void_after_s=min(allreduce.round_timeout_s, 0.5 * heal_timeout_s))
     diloco = DiLoCo(manager, frags, inner_optimizer, outers, sync_every=sync_every,
                     fragment_sync_delay=fragment_sync_delay, use_bucketization=use_bucketization, pin_memory=False)
     loop = OuterLoop(diloco=diloco, manager=manager, fragments=frags, outer_optimizers=outers)

@@ -176,8 +176,8 @@ class Replica:
                        "wall_s": time.monotonic() - round_start}
                 if round_rewards:
                     row["reward_mean"] = sum(round_rewards) / len(round_rewards)
-                if rec.committed:
-                    self._after_commit(rec.round, res.participants if res else [], loop, trainer, row)
+                if rec.committed and res is not None:
+                    self._after_commit(rec.round, res.attempt, res.participants, loop, trainer, row)
                 self.metrics.append(row)
                 self._reap_io()
                 self.flush_metrics()
@@ -203,7 +203,7 @@ class Replica:
                 still.append(fut)
         self._pending_io = still
 
-    def _after_commit(self, round: int, participants: list[int], loop: OuterLoop, trainer: Any,
+    def _after_commit(self, round: int, attempt: int, participants: list[int], loop: OuterLoop, trainer: Any,
                       row: dict[str, Any]) -> None:
         """Checkpoint round ``round``: my inner state, then my slice of the global state, then the manifest.
 
@@ -243,7 +243,7 @@ class Replica:
 
         def finish() -> None:
             if ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,
-                                   spec_round_meta={"replicas_launched": spec.replicas}):
+                                   attempt=attempt, spec_round_meta={"replicas_launched": spec.replicas}):
                 ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
                 cleanup_rounds(self.store, before=round)
         self._pending_io.append(self._manifest_io.submit(finish))

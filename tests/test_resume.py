@@ -167,11 +167,14 @@ def test_resume_with_more_replicas(tmp_path):
 
 # ---------------------------------------------------------------- no single point of failure (issue 11)
 def _launch_and_kill_replica_at(tmp_path: Path, store: str, run_id: str, phase: str, round: int,
-                                extra: str) -> subprocess.Popen:
+                                extra: str, sync: str = "heal_timeout_s = 30\n") -> subprocess.Popen:
     """Launch attached, wait until rank 0 stalls at ``phase`` of ``round``, SIGKILL that replica only."""
     cfg = tmp_path / f"{run_id}.toml"
-    cfg.write_text(extra + SPEC.replace("[sync]\nquorum_timeout_s = 60",
-                                        "[sync]\nquorum_timeout_s = 15\nheal_timeout_s = 30"))
+    spec = SPEC.replace("[sync]\nquorum_timeout_s = 60\nround_timeout_s = 120\n",
+                        "[sync]\nquorum_timeout_s = 15\n" + (sync if "round_timeout_s" in sync else
+                                                              sync + "round_timeout_s = 120\n"))
+    assert spec != SPEC
+    cfg.write_text(extra + spec)
     marker = tmp_path / f"stalled-{run_id}"
     env = {**os.environ, faults.ENV: f"{phase}:{round}:0", faults.MARKER_ENV: str(marker)}
     launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
@@ -226,3 +229,19 @@ def test_forged_future_commits_never_yield_completed(tmp_path):
     assert st["state"] != "completed", st
     assert st["problems"], st
     assert _cli(["status", f"{store}/forged"], tmp_path).returncode == 0
+
+
+@pytest.mark.slow
+def test_every_participant_lost_before_the_state_is_durable_voids_and_reruns_the_round(tmp_path, baselines):
+    """Both replicas die while round 1's global state is incomplete: nobody can finish it. With one
+    restart each, the commit is voided, round 1 runs again, and the model equals the uninterrupted one."""
+    expected = _baseline("file", tmp_path, baselines)
+    store = _store_uri("file", tmp_path)
+    launcher = _launch_and_kill_replica_at(tmp_path, store, "void", "global_upload", 1, "max_restarts = 1\n",
+                                           sync="round_timeout_s = 20\nheal_timeout_s = 60\n")
+    jobs = Path(Store(f"{store}/void").get_json("executor/1.json")["data"]["dir"])
+    os.kill(json.loads((jobs / "supervisor.json").read_text())["replica_pid"], signal.SIGKILL)
+    out, _ = launcher.communicate(timeout=500)
+    assert launcher.returncode == 0, out
+    assert Store(f"{store}/void").exists("rounds/00000001/0/void.json")
+    assert _same_weights(_export(tmp_path, f"{store}/void", "model"), expected)

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from composer_cloud import checkpoint
+from composer_cloud.rendezvous import rounds
 from composer_cloud.rendezvous.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
 from composer_cloud.rendezvous.store import StoreError, StoreTimeout
 from composer_cloud.retry import PollPolicy, poll_until
@@ -101,6 +102,8 @@ class ObjectStoreManager:
     Args:
         allreduce: the replica's object-store all-reduce (holds store, rank, deadlines).
         heal_timeout_s: how long healing may wait for a committed global state.
+        void_after_s: how long a healer waits for a committed round's state to
+            become durable before voiding that commit (its participants are gone).
         takeover_after_s: how long a participant waits for the other slices of
             a committed global state before writing the missing ones itself.
         on_heal: called with the healed round after registered states were
@@ -119,6 +122,7 @@ class ObjectStoreManager:
         *,
         heal_timeout_s: float = 600.0,
         takeover_after_s: float = 60.0,
+        void_after_s: float = 300.0,
         on_heal: Callable[[int], None] | None = None,
         on_sync: Callable[[SyncRecord], None] | None = None,
         start_step: int = 0,
@@ -128,6 +132,8 @@ class ObjectStoreManager:
         self.rank = allreduce.rank
         self.heal_timeout_s = heal_timeout_s
         self.takeover_after_s = takeover_after_s
+        self.void_after_s = void_after_s
+        self._last_commit: tuple[int, int] | None = None  # (round, attempt) this replica last committed
         self.on_heal = on_heal
         self.on_sync = on_sync
         self._step = start_step
@@ -165,16 +171,28 @@ class ObjectStoreManager:
         self.flush_state()
         if self._pending or self._exchange is not None:
             raise RuntimeError("start_quorum called while a previous sync is still open")
-        latest = self._ar.latest_committed_round(start=self._step)
         self._skip_sync = False
-        if latest >= self._step:
-            logger.info("replica %d is behind (at round %d, committed %d): healing", self.rank, self._step, latest)
-            healed = self._heal(latest)
-            # Our pseudo-gradient was measured from stale parameters and the
-            # round it was meant for is over: skip this sync (nothing is sent,
-            # nobody waits for us) and train from the healed parameters.
+        if self._last_commit is not None and self._commit_was_voided(*self._last_commit):
+            # Our state comes from a commit that was abandoned: go back to the newest durable state.
+            round = self._last_commit[0]
+            self._last_commit = None
+            logger.warning("replica %d: the commit of round %d was voided; healing back", self.rank, round)
+            healed = self._heal(0, latest=self._ar.latest_committed_round(start=0))
+            if healed is None:
+                raise HealError(f"replica {self.rank}: round {round} was voided and no earlier state is durable; "
+                                "restart the replica (it resumes from the newest checkpoint)")
             self._skip_sync = True
             self._record(SyncRecord(healed, None, committed=False, healed_to=healed))
+        latest = self._ar.latest_committed_round(start=self._step)
+        if not self._skip_sync and latest >= self._step:
+            logger.info("replica %d is behind (at round %d, committed %d): healing", self.rank, self._step, latest)
+            healed = self._heal(self._step)
+            if healed is not None:
+                # Our pseudo-gradient was measured from stale parameters and the
+                # round it was meant for is over: skip this sync (nothing is sent,
+                # nobody waits for us) and train from the healed parameters.
+                self._skip_sync = True
+                self._record(SyncRecord(healed, None, committed=False, healed_to=healed))
         self._round_open = True
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> _Work:
@@ -197,6 +215,7 @@ class ObjectStoreManager:
         if result.participated and result.committed:
             self._step += 1
             self._publish_round = round
+            self._last_commit = (round, result.attempt)
             self._record(SyncRecord(round, result, committed=True))
             return True
         if not result.committed:
@@ -204,7 +223,7 @@ class ObjectStoreManager:
             self._record(SyncRecord(round, result, committed=False))
             return False
         # Left out of a committed round: heal from its committed state.
-        healed = self._heal(self._ar.latest_committed_round(start=round))
+        healed = self._heal(round)
         self._record(SyncRecord(round, result, committed=False, healed_to=healed))
         return False
 
@@ -265,10 +284,10 @@ class ObjectStoreManager:
         # state, which change only at the next sync; flush_state() joins this
         # upload before that sync starts, so encoding in the background is safe.
         tree = {key: fn() for key, fn in self._save_fns.items()}
-        self._publish = self._exchange_pool.submit(self._publish_global_state, round, list(last.participants),
-                                                   tree, after)
+        self._publish = self._exchange_pool.submit(self._publish_global_state, round, last.attempt,
+                                                   list(last.participants), tree, after)
 
-    def _publish_global_state(self, round: int, participants: list[int], tree: dict[str, Any],
+    def _publish_global_state(self, round: int, attempt: int, participants: list[int], tree: dict[str, Any],
                               after: _ThreadFuture | None) -> None:
         """Write my slice; then make sure every slice exists, writing missing ones myself after a grace.
 
@@ -281,10 +300,11 @@ class ObjectStoreManager:
         n = len(participants)
         slices = checkpoint.split_global_state(tree, n)
         mine = participants.index(self.rank)
-        self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, mine, writer=self.rank)
+        self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, mine, writer=self.rank,
+                                                              attempt=attempt)
 
         def missing() -> list[int] | None:
-            gone = checkpoint.shard_markers(self.store, round).missing(n)
+            gone = checkpoint.shard_markers(self.store, round, attempt=attempt).missing(n)
             return None if gone else []
 
         try:
@@ -294,11 +314,11 @@ class ObjectStoreManager:
             return
         except StoreTimeout:
             pass
-        for index in checkpoint.shard_markers(self.store, round).missing(n):
+        for index in checkpoint.shard_markers(self.store, round, attempt=attempt).missing(n):
             logger.warning("round %d: slice %d of the global state (replica %d's) is missing after %.0fs; "
                            "writing it", round, index, participants[index], self.takeover_after_s)
             self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, index,
-                                                                  writer=self.rank)
+                                                                  writer=self.rank, attempt=attempt)
 
     def publish_state(self, *, after: _ThreadFuture | None = None) -> None:
         """Start writing this replica's slice of the last committed round's global state (background).
@@ -328,21 +348,53 @@ class ObjectStoreManager:
         for key, load_fn in self._load_fns.items():
             load_fn(tree[key])
 
-    def _heal(self, target: int) -> int:
-        """Load the newest committed global state at or after ``target``; returns its round."""
+    def _commit_was_voided(self, round: int, attempt: int) -> bool:
+        return rounds.committed_attempt(self.store, round) != attempt
 
-        def healable() -> int | None:
-            latest = self._ar.latest_committed_round(start=max(target, 0))
-            for round in range(latest, target - 1, -1):
+    def _heal(self, floor: int, *, latest: int | None = None) -> int | None:
+        """Load the newest durable committed global state of a round ``>= floor``; returns its round.
+
+        Waits while the newest committed round's state is being completed by its
+        participants. If no round ``>= floor`` becomes durable within
+        ``void_after_s`` (every participant of the newest commit died before
+        writing its slice), that commit is voided and the search goes on below
+        it; None means nothing ``>= floor`` is committed any more (the round will
+        be run again). Raises :class:`HealError` after ``heal_timeout_s``.
+        """
+        give_up = time.monotonic() + self.heal_timeout_s
+        void_at = time.monotonic() + self.void_after_s
+        poll = PollPolicy(initial_s=0.2, max_s=1.0)
+
+        def durable() -> tuple[int | None] | None:
+            newest = self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
+            if newest < floor:
+                return (None,)
+            for round in range(newest, floor - 1, -1):
                 if checkpoint.has_global_state(self.store, round):
-                    return round
+                    return (round,)
             return None
 
-        round = poll_until(
-            healable, deadline=time.monotonic() + self.heal_timeout_s, policy=PollPolicy(initial_s=0.2, max_s=1.0),
-            on_timeout=lambda waited: HealError(
-                f"replica {self.rank}: no committed global state for round >= {target} appeared within "
-                f"heal_timeout_s={self.heal_timeout_s}"))
+        while True:
+            deadline = min(give_up, void_at)
+            try:
+                (round,) = poll_until(durable, deadline=deadline, policy=poll,
+                                      on_timeout=lambda waited: StoreTimeout("a durable global state", waited))
+                break
+            except StoreTimeout:
+                if time.monotonic() >= give_up:
+                    raise HealError(f"replica {self.rank}: no committed global state for round >= {floor} became "
+                                    f"durable within heal_timeout_s={self.heal_timeout_s}") from None
+            newest = self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
+            attempt = rounds.committed_attempt(self.store, newest) if newest >= 0 else None
+            if attempt is not None:
+                rounds.declare_void(self.store, newest, attempt, by=self.rank,
+                                    reason=f"its global state was not durable {self.void_after_s:.0f}s after "
+                                           f"replica {self.rank} needed it; no participant is left to finish it")
+            latest = None
+            void_at = time.monotonic() + self.void_after_s
+        if round is None:
+            logger.info("replica %d: no committed round >= %d any more (voided); nothing to heal", self.rank, floor)
+            return None
         self.load_state(checkpoint.load_global(self.store, round))
         self._step = round + 1
         if self.on_heal is not None:

@@ -8,6 +8,7 @@ Layout under a run's store (``r`` zero-padded round, ``a`` attempt)::
     rounds/<r>/<a>/reduced/<slot>       encoded mean of part ``slot`` over participants
     rounds/<r>/<a>/reduced/<slot>.json  write-once digest of that mean (see ``checks.py``)
     rounds/<r>/<a>/outcome.json         write-once: committed, or aborted with a reason
+    rounds/<r>/<a>/void.json            write-once: the commit was abandoned (:func:`declare_void`)
 
 The bucket is not trusted (DESIGN.md invariant 10). Every record is parsed
 here into a typed value or rejected with :class:`InvalidRecord` naming the key
@@ -60,6 +61,9 @@ class InvalidRecord(StoreError):
         self.problem = problem
         self.unreadable = unreadable  # the bytes could not be read at all (it may have been a valid record)
         super().__init__(f"{key}: {problem}; the record was not used")
+
+
+VOID = "void.json"
 
 
 def round_prefix(round: int) -> str:
@@ -265,10 +269,29 @@ def read_outcome(store: Store, round: int, attempt: int, *, replicas: int | None
         if out.participants != participants:
             raise InvalidRecord(key, f"committed with participants {out.participants[:16]}, but the quorum "
                                      f"record names {participants[:16]}")
+        if store.exists(f"{attempt_prefix(round, attempt)}/{VOID}"):
+            # The commit was abandoned: its global state never became durable (see declare_void).
+            return Outcome(committed=False, reason="void: the committed state was never made durable",
+                           participants=out.participants, by=out.by)
         return out
     except InvalidRecord as exc:
         warn_once(f"outcome:{store.uri}/{key}:{exc.problem}", "%s", exc)
         return Outcome.invalid(exc)
+
+
+def declare_void(store: Store, round: int, attempt: int, *, by: int, reason: str) -> bool:
+    """Abandon the commit of ``round``'s ``attempt`` (write-once); returns whether this call did it.
+
+    Only for a commit whose global state can never become durable (every
+    participant died before writing its slice): round discovery then treats the
+    attempt as aborted, and the round is run again as a new attempt from the
+    previous durable state. Replicas that applied the voided commit heal back.
+    """
+    created = store.create_json(f"{attempt_prefix(round, attempt)}/{VOID}",
+                                {"round": round, "attempt": attempt, "by": by, "reason": reason})
+    if created:
+        logger.warning("round %d attempt %d declared void by replica %d: %s", round, attempt, by, reason)
+    return created
 
 
 # --------------------------------------------------------------------------- discovery
