@@ -41,17 +41,18 @@ import re
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from typing import TYPE_CHECKING, Any
 
 from composer_cloud import faults
 from composer_cloud.rendezvous import rounds
-from composer_cloud.rendezvous.state import decode_state, encode_state, flatten, read_metadata, unflatten
 from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout
 from composer_cloud.retry import PollPolicy, poll_until
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, safetensors and the state codec are imported where tensors are handled, so that reading a
+# run's checkpoint records (status, resume planning) does not load torch.
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class GlobalStateSlices:
         """Slice ``index`` as safetensors bytes; the tree's skeleton rides in every slice's metadata."""
         meta = {"round": str(round), "shard": str(index), "num_shards": str(self.num_shards),
                 "skeleton": json.dumps(self.skeleton)}
+        from safetensors.torch import save as st_save
+
         return st_save({k: self.tensors[k] for k in self.groups[index]}, metadata=meta)
 
 
@@ -120,6 +123,8 @@ def split_global_state(tree: dict[str, Any], num_shards: int) -> GlobalStateSlic
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    from composer_cloud.rendezvous.state import flatten
+
     tensors, skeleton = flatten(tree)
     sizes = [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
     total = sum(n for _, n in sizes) or 1
@@ -257,6 +262,10 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
     if n is None:
         raise CorruptCheckpoint(f"{checkpoint_prefix(round)}: global state incomplete "
                                 f"(slices present: { {k: sorted(v) for k, v in markers.by_count.items()} })")
+    from safetensors.torch import load as st_load
+
+    from composer_cloud.rendezvous.state import read_metadata, unflatten
+
     tensors: dict[str, torch.Tensor] = {}
     skeleton: Any = None
     for i in range(n):
@@ -278,6 +287,8 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
 # ---------------------------------------------------------------- replica state
 def replica_state(trainer: Any, local_params: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """Everything one replica needs to resume bit-exactly, as a state tree."""
+    import torch
+
     tensors, meta = trainer.state_dict()
     return {
         "trainer": tensors,
@@ -290,6 +301,8 @@ def replica_state(trainer: Any, local_params: dict[str, torch.Tensor] | None) ->
 
 def restore_replica_state(trainer: Any, tree: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load :func:`replica_state` output; returns the stored local params (may be empty)."""
+    import torch
+
     trainer.load_state_dict(tree["trainer"], tree["trainer_meta"])
     torch.set_rng_state(tree["torch_rng"])
     random.setstate(_as_tuple(tree["python_rng"]))
@@ -304,6 +317,8 @@ def write_replica_state(store: Store, round: int, rank: int, tree: dict[str, Any
     nothing under another replica count.
     """
     prefix = checkpoint_prefix(round)
+    from composer_cloud.rendezvous.state import encode_state
+
     blob = encode_state(tree, metadata={"round": str(round), "rank": str(rank)})
     store.put(f"{prefix}/{_replica_blob(rank)}", blob)
     faults.stall_point("checkpoint", round, rank)
@@ -326,6 +341,8 @@ def load_replica_at(store: Store, round: int, rank: int, crc32: int | None = Non
     key = f"{checkpoint_prefix(round)}/{_replica_blob(rank)}"
     data = _read_verified(store, key, crc32)
     try:
+        from composer_cloud.rendezvous.state import decode_state
+
         return decode_state(data)
     except Exception as exc:  # noqa: BLE001
         raise CorruptCheckpoint(f"{key} is not a valid replica state ({type(exc).__name__}: {exc})") from None

@@ -225,6 +225,9 @@ def cancel(run_uri: str, store_option: StoreOptionFlag = None) -> None:
     run = _open(run_uri, store_option)
     with _user_errors():
         result = runs.cancel(run)
+    if result.noop:
+        console.print(result.noop)
+        return
     _report_cancel(result)
     console.print(f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
     if result.warnings:
@@ -244,10 +247,14 @@ def resume(
     run = _open(run_uri, store_option)
     with _user_errors():
         result = runs.resume(run, executor=executor, replicas=replicas)
+    if result.noop:
+        console.print(result.noop)
+        return
     for warning in result.warnings:
         err_console.print(f"warning: {warning}", highlight=False)
     console.print(f"resuming {run.run_id} from "
-                  + (f"checkpoint {result.from_round}" if result.from_round >= 0 else "the start"))
+                  + (f"the end of round {result.from_round + 1}/{run.spec.rounds}" if result.from_round >= 0
+                     else "the start"))
     if detach:
         return
     raise typer.Exit(_watch(result.run))

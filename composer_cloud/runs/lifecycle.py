@@ -37,7 +37,7 @@ from composer_cloud.runs.run import (
     request_cancel,
     save_handles,
 )
-from composer_cloud.runs.status import RunStatus, run_status
+from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
 from composer_cloud.spec import RunSpec, SpecError, load_spec, spec_from_dict
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ class ResumeResult:
     from_round: int
     handles: list[JobHandle]
     warnings: list[str] = field(default_factory=list)
+    #: set when nothing was done, saying why (e.g. the run already completed)
+    noop: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class CancelResult:
     run: Run
     cancelled: list[int]
     warnings: list[str] = field(default_factory=list)
+    #: set when nothing was done, saying why (the run had already finished)
+    noop: str = ""
 
 
 RunRef = Run | str
@@ -217,6 +221,13 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
 
     run = _as_run(run, storage_options)
     spec = run.spec
+    latest: ckpt.Checkpoint | None = None
+    finished = run_status(run).state == "completed"
+    if finished:  # nothing runs: the checkpoint cannot change under us
+        latest = ckpt.latest_checkpoint(run.store)  # verified: every object read once
+        if executor is None and replicas is None and latest is not None and latest.round == spec.rounds - 1:
+            return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
+                f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
     updates: dict[str, Any] = {}
     if executor is not None:
         updates["executor"] = executor
@@ -232,7 +243,8 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     # Stop whatever is left of the previous launch before touching its rounds.
     warnings = _cancel_jobs(run)[1]
     warnings = [f"could not cancel a job of the previous launch: {w}" for w in warnings]
-    latest = ckpt.latest_checkpoint(store)
+    if not finished:
+        latest = ckpt.latest_checkpoint(store)  # after the cancel: nothing writes checkpoints any more
     from_round = latest.round if latest else -1
     ckpt.discard_after(store, from_round)
     store.delete("control/cancel.json")
@@ -263,6 +275,9 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
 def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> CancelResult:
     """Record the cancellation and stop every replica job of the run."""
     run = _as_run(run, storage_options)
+    current = run_status(run)
+    if current.state != "running":
+        return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     request_cancel(run.store)
     cancelled, warnings = _cancel_jobs(run)
     return CancelResult(run=run, cancelled=cancelled, warnings=warnings)
@@ -284,10 +299,11 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
     """
     run = _as_run(run, storage_options)
     last: list[RunStatus] = []
+    tracker = StatusTracker(run)
 
     def finished() -> RunStatus | None:
         try:
-            st = run_status(run)
+            st = tracker.poll()
         except StoreError as exc:
             # The store may be down for a while (replicas ride outages out too): report and keep watching.
             if not last:

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
+from composer_cloud import checkpoint as ckpt
+from composer_cloud.rendezvous.rounds import latest_committed_round
 from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError
 from composer_cloud.runs.run import Run, cancel_requested, load_handles
 from composer_cloud.stack import version_skew
@@ -51,8 +53,6 @@ class RunStatus:
 
 
 def rounds_committed(store: Store) -> int:
-    from composer_cloud.rendezvous.allreduce import latest_committed_round  # torch: only when status is read
-
     return latest_committed_round(store, start=0) + 1
 
 
@@ -67,65 +67,95 @@ def _heartbeat(store: Store, rank: int, problems: list[str]) -> dict[str, Any]:
     return beat if isinstance(beat, dict) else {}
 
 
-def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
-    """The run's state from the store (rounds, heartbeats, checkpoints) and the executors (job states).
+class StatusTracker:
+    """Polls one run again and again without redoing finished work (the ``wait``/watch loop).
 
-    "completed" means every round committed *and* the final round's global
-    state is durable with a manifest; a run whose jobs all ended short of that
-    is "failed", with ``problems`` saying what is missing.
+    * one executor object per backend for the tracker's life, not one per poll;
+    * round discovery resumes from the last committed round it saw (rounds
+      commit in order; a durable round is committed), not from round 0;
+    * a job seen in a terminal state is not polled again.
     """
-    from composer_cloud import checkpoint as ckpt
 
-    store, spec = run.store, run.spec
-    problems: list[str] = []
-    handles = load_handles(store)
-    committed = rounds_committed(store)
-    executors: dict[str, Any] = {}
-    infos: list[ReplicaInfo] = []
-    stacks: list[dict[str, Any]] = []
-    for h in handles:
-        beat = _heartbeat(store, h.rank, problems)
-        if isinstance(beat.get("versions"), dict) and beat["versions"]:
-            stacks.append({"rank": h.rank, "versions": beat["versions"]})
-        status = ReplicaStatus(ReplicaState.PENDING)
-        if poll_executors:
-            try:
-                ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, spec))
-                status = ex.poll(h)
-            except Exception as exc:  # noqa: BLE001 - status must still render
-                status = ReplicaStatus(ReplicaState.PENDING, None, f"cannot poll: {exc}")
-        state = status.state.value
-        if not status.state.finished and beat.get("state") in ("completed", "failed"):
-            state = "succeeded" if beat["state"] == "completed" else "failed"
-        restarts = status.restarts if status.restarts is not None else h.restarts
-        round_seen = beat.get("round")
-        infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state,
-                                 last_round=round_seen if isinstance(round_seen, int) else None,
-                                 job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                                 message=str(beat.get("error", "") or status.message)))
-    durable = ckpt.global_state_rounds(store)
-    last_durable = durable[-1] if durable else None
-    final = spec.rounds - 1
-    final_durable = committed >= spec.rounds and last_durable is not None and last_durable >= final
-    if committed >= spec.rounds and not final_durable:
-        problems.append(f"round {spec.rounds}/{spec.rounds} committed but its global state is not durable "
-                        f"(newest durable: {'none' if last_durable is None else f'round {last_durable + 1}'})")
-    elif final_durable and ckpt.read_manifest(store, final) is None:
-        final_durable = False
-        problems.append(f"round {spec.rounds}/{spec.rounds} has no checkpoint manifest yet")
-    cancelled = cancel_requested(store)
-    finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
-    if cancelled:
-        state = "cancelled"
-    elif final_durable and (finished or not infos):
-        state = "completed"
-    elif finished:
-        state = "failed"
-    else:
-        state = "running"
-    return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
-                     rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
-                     problems=problems, warnings=[f"replicas run different stacks: {w}" for w in version_skew(stacks)])
+    def __init__(self, run: Run, *, poll_executors: bool = True) -> None:
+        self.run = run
+        self.poll_executors = poll_executors
+        self._executors: dict[str, Any] = {}
+        self._terminal: dict[tuple[int, str], ReplicaStatus] = {}
+        self._committed = 0  # rounds known committed (a count)
+
+    def _job_status(self, h: Any) -> ReplicaStatus:
+        if not self.poll_executors:
+            return ReplicaStatus(ReplicaState.PENDING)
+        key = (h.rank, h.job_id)
+        if key in self._terminal:
+            return self._terminal[key]
+        try:
+            ex = self._executors.get(h.executor) or self._executors.setdefault(
+                h.executor, get_executor(h.executor, self.run.spec))
+            status = ex.poll(h)
+        except Exception as exc:  # noqa: BLE001 - status must still render
+            return ReplicaStatus(ReplicaState.PENDING, None, f"cannot poll: {exc}")
+        if status.state.finished:
+            self._terminal[key] = status
+        return status
+
+    def poll(self) -> RunStatus:
+        """The run's state from the store (rounds, heartbeats, checkpoints) and the executors (job states).
+
+        "completed" means every round committed *and* the final round's global
+        state is durable with a manifest; a run whose jobs all ended short of that
+        is "failed", with ``problems`` saying what is missing.
+        """
+        store, spec = self.run.store, self.run.spec
+        problems: list[str] = []
+        handles = load_handles(store)
+        committed = latest_committed_round(store, start=self._committed) + 1
+        self._committed = committed
+        infos: list[ReplicaInfo] = []
+        stacks: list[dict[str, Any]] = []
+        for h in handles:
+            beat = _heartbeat(store, h.rank, problems)
+            if isinstance(beat.get("versions"), dict) and beat["versions"]:
+                stacks.append({"rank": h.rank, "versions": beat["versions"]})
+            status = self._job_status(h)
+            state = status.state.value
+            if not status.state.finished and beat.get("state") in ("completed", "failed"):
+                state = "succeeded" if beat["state"] == "completed" else "failed"
+            restarts = status.restarts if status.restarts is not None else h.restarts
+            round_seen = beat.get("round")
+            infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state,
+                                     last_round=round_seen if isinstance(round_seen, int) else None,
+                                     job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
+                                     message=str(beat.get("error", "") or status.message)))
+        durable = ckpt.global_state_rounds(store)
+        last_durable = durable[-1] if durable else None
+        final = spec.rounds - 1
+        final_durable = committed >= spec.rounds and last_durable is not None and last_durable >= final
+        if committed >= spec.rounds and not final_durable:
+            problems.append(f"round {spec.rounds}/{spec.rounds} committed but its global state is not durable "
+                            f"(newest durable: {'none' if last_durable is None else f'round {last_durable + 1}'})")
+        elif final_durable and ckpt.read_manifest(store, final) is None:
+            final_durable = False
+            problems.append(f"round {spec.rounds}/{spec.rounds} has no checkpoint manifest yet")
+        cancelled = cancel_requested(store)
+        finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
+        if cancelled:
+            state = "cancelled"
+        elif final_durable and (finished or not infos):
+            state = "completed"
+        elif finished:
+            state = "failed"
+        else:
+            state = "running"
+        return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
+                         rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
+                         problems=problems,
+                         warnings=[f"replicas run different stacks: {w}" for w in version_skew(stacks)])
+
+
+def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
+    """The run's state now (one poll; see :class:`StatusTracker` for repeated polls)."""
+    return StatusTracker(run, poll_executors=poll_executors).poll()
 
 
 @dataclass
