@@ -6,6 +6,7 @@ failed or was cancelled, 2 bad input (nothing was written to the store).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -25,7 +26,7 @@ from composer_cloud.rendezvous.store import StoreConfigError, StoreError, join_u
 from composer_cloud.runs import LaunchError, Run, RunExists, RunNotFound, RunStatus
 from composer_cloud.spec import RunSpec, SpecError
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
 console = Console()
 err_console = Console(stderr=True)
@@ -69,6 +70,38 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
 def _open(run_uri: str, store_option: list[str] | None) -> Run:
     with _user_errors():
         return runs.open_run(run_uri, storage_options=_storage_options(store_option))
+
+
+def _version(value: bool) -> None:
+    if value:
+        from composer_cloud import __version__
+
+        console.print(f"composer-cloud {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """DiLoCo post-training across independent serverless jobs, synced through an object store."""
+
+
+@app.command("ls")
+def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path")] = "file://./runs",
+              as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+              store_option: StoreOptionFlag = None) -> None:
+    """List the runs under a store: id, state, rounds."""
+    with _user_errors():
+        found = runs.list_runs(store, storage_options=_storage_options(store_option))
+    if as_json:
+        sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in found], indent=2) + "\n")
+        return
+    table = Table(title=f"runs under {store}")
+    for col in ("run id", "state", "rounds", "uri"):
+        table.add_column(col)
+    for r in found:
+        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", r.uri)
+    console.print(table)
 
 
 # ---------------------------------------------------------------- launch

@@ -38,6 +38,16 @@ def test_python_api_launches_waits_and_reads_status(tmp_path):
     assert seen and seen[-1] == "completed"
     again = cc.get_status(str(tmp_path / "store/api"))  # a plain path names the same run
     assert again.state == "completed" and [r.state for r in again.replicas] == ["succeeded"] * 2
+    (tmp_path / "store/not-a-run").mkdir()
+    listed = cc.runs.list_runs(str(tmp_path / "store"))
+    assert [(r.run_id, r.state, r.rounds_committed) for r in listed] == [("api", "completed", 2)]
+    res = _cli(["ls", str(tmp_path / "store"), "--json"], tmp_path, dict(os.environ))
+    assert res.returncode == 0 and json.loads(res.stdout)[0]["run_id"] == "api", res.stderr
+
+
+def test_version_flag(tmp_path):
+    res = _cli(["--version"], tmp_path, dict(os.environ))
+    assert res.returncode == 0 and res.stdout.strip() == f"composer-cloud {cc.__version__}"
 
 
 def test_open_run_names_what_is_missing(tmp_path):

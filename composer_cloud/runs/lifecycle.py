@@ -31,6 +31,7 @@ from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.run import (
     SPEC_KEY,
     Run,
+    RunNotFound,
     load_handles,
     normalize_run_uri,
     open_run,
@@ -321,5 +322,43 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
                       on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
-__all__ = ["CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+@dataclass(frozen=True)
+class RunListing:
+    """One run found under a store: id, URI, state, committed rounds, and when its spec was written."""
+
+    run_id: str
+    uri: str
+    state: str
+    rounds_committed: int
+    rounds: int
+    created: float | None
+
+
+def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
+              poll_executors: bool = False) -> list[RunListing]:
+    """Runs directly under ``store`` (directories with a ``spec.json``), newest first.
+
+    States come from the store alone unless ``poll_executors`` (a run whose jobs
+    died without a word then still reads "running"); entries that cannot be read
+    are listed with state ``unreadable`` rather than failing the listing.
+    """
+    uri = normalize_run_uri(store)
+    root = Store(uri, storage_options=dict(storage_options or {}))
+    out: list[RunListing] = []
+    for name in root.list_dirs():
+        if not root.exists(f"{name}/{SPEC_KEY}"):
+            continue
+        run_uri = join_uri(root.uri, name)
+        try:
+            run = open_run(run_uri, storage_options=storage_options)
+            st = run_status(run, poll_executors=poll_executors)
+            created = run.store.modified(SPEC_KEY) if hasattr(run.store, "modified") else None
+            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds, created))
+        except (StoreError, SpecError, RunNotFound) as exc:
+            logger.warning("cannot read run %s: %s", run_uri, exc)
+            out.append(RunListing(name, run_uri, "unreadable", 0, 0, None))
+    return sorted(out, key=lambda r: (r.created or 0.0, r.run_id), reverse=True)
+
+
+__all__ = ["RunListing", "list_runs", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]
