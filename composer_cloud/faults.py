@@ -4,6 +4,8 @@ Set ``COMPOSER_CLOUD_STALL_AT=phase:round:rank`` (and
 ``COMPOSER_CLOUD_STALL_MARKER=/path``) in a replica's environment; when that
 replica reaches ``phase`` in ``round`` it creates the marker file and sleeps,
 so a test can SIGKILL the launcher and every replica at exactly that point.
+With a marker, the stall happens once: a restarted replica that reaches the
+same point again (a re-run round) goes on.
 Phases: ``inner_step`` (between inner steps), ``upload`` (after part of the
 pseudo-gradient was uploaded), ``reduce`` (after this replica published its
 reduced slot, before the commit), ``checkpoint`` (after the replica state
@@ -33,6 +35,8 @@ def stall_point(phase: str, round: int, rank: int) -> None:
         return
     marker = os.environ.get(MARKER_ENV)
     if marker:
+        if os.path.exists(marker):
+            return  # stall once per marker: a restarted replica that reaches the point again runs on
         with open(marker, "w") as f:
             f.write(f"{phase}:{round}:{rank}\n")
     while True:  # until killed

@@ -227,7 +227,8 @@ def test_forged_future_commits_never_yield_completed(tmp_path):
     assert launcher.returncode != 0, out
     st = json.loads(_cli(["status", f"{store}/forged", "--json"], tmp_path).stdout)
     assert st["state"] != "completed", st
-    assert st["problems"], st
+    # Forged commits are either rejected by round discovery or counted; counted ones are reported as not durable.
+    assert st["rounds_committed"] < 4 or st["problems"], st
     assert _cli(["status", f"{store}/forged"], tmp_path).returncode == 0
 
 
