@@ -435,14 +435,20 @@ class Store:
 
     # ------------------------------------------------------------ listing and deletion
     def list(self, prefix: str = "") -> list[str]:
-        """Keys (recursively) under ``prefix``, relative to the store root, sorted."""
+        """Keys (recursively) under ``prefix``, relative to the store root, sorted. Objects only.
+
+        Directory entries are dropped: SeaweedFS keeps a directory for a
+        prefix whose objects were all deleted, and s3fs reports it when the
+        prefix has no objects.
+        """
         base = self.path(prefix) if prefix else self.root
 
         def ls() -> list[str]:
             try:
-                return self.fs.find(base)
+                found = self.fs.find(base, detail=True)
             except FileNotFoundError:
                 return []
+            return [p for p, info in found.items() if info.get("type") != "directory"]
 
         found = self._retry(f"list {prefix}", ls)
         out = []
@@ -455,7 +461,13 @@ class Store:
         return sorted(out)
 
     def list_dirs(self, prefix: str = "") -> list[str]:
-        """Immediate child names under ``prefix`` (directories and objects)."""
+        """Immediate child names under ``prefix`` (directories and objects).
+
+        A name is a hint, not a promise: on some stores (SeaweedFS) a
+        directory whose objects were all deleted is still listed for a while.
+        Callers read the objects they need (e.g. a manifest) and skip names
+        without them.
+        """
         base = self.path(prefix) if prefix else self.root
 
         def ls() -> list[str]:
