@@ -390,11 +390,16 @@ class Store:
                 return self.fs.cat_file(path)
             except FileNotFoundError:
                 raise ObjectNotFound(key) from None
+            except Exception as exc:
+                # botocore verifies the response's x-amz-checksum-* header when the store sends one.
+                if type(exc).__name__ == "FlexibleChecksumError":
+                    raise ChecksumMismatch(key, f"response checksum mismatch: {exc}") from None
+                raise
 
         for tries_left in (1, 0) if not self.local else (0,):
-            data = self._retry(f"get {key}", read)
-            self._count(read=len(data))
             try:
+                data = self._retry(f"get {key}", read)
+                self._count(read=len(data))
                 return unframe(key, data, signing_key=self._signing_key)
             except ChecksumMismatch as exc:
                 if not tries_left:
