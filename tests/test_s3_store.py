@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.store import ChecksumMismatch, Store, StoreConfigError
+from composer_cloud.rendezvous.store import ChecksumMismatch, SignatureMismatch, Store, StoreConfigError
+from composer_cloud.retry import RetryPolicy
+from storeproxy import StoreProxy
 
 
 def test_s3_put_get_create_list(s3_store):
@@ -72,3 +74,75 @@ def test_unreachable_endpoint_is_a_clear_error(s3_store, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
     with pytest.raises(StoreConfigError, match="cannot reach store s3://cc-test/runs at http://127.0.0.1:1"):
         Store("s3://cc-test/runs").check_access()
+
+
+# ---------------------------------------------------------------- faults through a loopback proxy
+def _via(proxy: StoreProxy, bucket: str, prefix: str, **kw) -> Store:
+    return Store(f"s3://{bucket}/{prefix}", storage_options={"endpoint_url": proxy.endpoint}, **kw)
+
+
+def test_a_store_rides_out_a_refused_connection_window(s3_store, caplog):
+    with StoreProxy(s3_store.endpoint) as proxy:
+        st = _via(proxy, s3_store.bucket, "outage", outage_s=120, retry=RetryPolicy(base_s=0.05, cap_s=0.5))
+        st.put("before", b"1")
+        proxy.set_mode("refuse", for_s=3)
+        with caplog.at_level("WARNING", logger="composer_cloud.retry"):
+            results: dict[str, object] = {}
+            threads = [threading.Thread(target=lambda: results.__setitem__("get", bytes(st.get("before")))),
+                       threading.Thread(target=lambda: results.__setitem__("create", st.create("rec", b"r"))),
+                       threading.Thread(target=lambda: results.__setitem__("put", st.put("after", b"2")))]
+            [t.start() for t in threads]
+            [t.join(timeout=120) for t in threads]
+        assert proxy.mode == "pass"
+        assert results == {"get": b"1", "create": True, "put": 16 + 1}
+        assert bytes(st.get("rec")) == b"r" and bytes(st.get("after")) == b"2"
+    messages = [r.getMessage() for r in caplog.records if "s3://cc-test/outage" in r.getMessage()]
+    assert len(messages) == 2, messages  # once when it started, once when it ended, for all three threads
+    assert "retrying for up to 120s" in messages[0] and "reachable again" in messages[1]
+
+
+def test_slowdown_answers_are_retried_by_one_layer_only(s3_store):
+    with StoreProxy(s3_store.endpoint) as proxy:
+        st = _via(proxy, s3_store.bucket, "slow", retry=RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05))
+        st.put("k", b"v")
+        proxy.set_mode("error")
+        with pytest.raises(OSError, match="Service Unavailable|SlowDown|reduce your request rate"):
+            st.get("k")
+        # 4 attempts by our RetryPolicy; s3fs and botocore add none (they would multiply it).
+        assert proxy.counts["error"] == 4
+        proxy.set_mode("error", for_s=0.5)
+        assert bytes(_via(proxy, s3_store.bucket, "slow", outage_s=60).get("k")) == b"v"
+
+
+def test_an_outage_without_budget_fails_in_bounded_attempts_naming_the_store(s3_store):
+    with StoreProxy(s3_store.endpoint) as proxy:
+        proxy.set_mode("refuse")
+        st = _via(proxy, s3_store.bucket, "down", retry=RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05))
+        with pytest.raises(StoreConfigError, match=f"cannot reach store s3://cc-test/down at {proxy.endpoint}"):
+            st.check_access()
+        with pytest.raises(Exception) as err:
+            st.get("anything")
+        assert type(err.value).__name__ == "EndpointConnectionError"
+
+
+def test_a_response_corrupted_in_transit_is_read_again_then_reported(s3_store):
+    with StoreProxy(s3_store.endpoint) as proxy:
+        st = _via(proxy, s3_store.bucket, "transit")
+        st.put("obj", b"0123456789" * 100)
+        proxy.set_mode("corrupt")
+        with pytest.raises(ChecksumMismatch, match="obj"):
+            st.get("obj")
+        assert proxy.counts["corrupted"] == 2  # one re-read, then the error
+        proxy.set_mode("pass")
+        assert bytes(st.get("obj")) == b"0123456789" * 100
+
+
+def test_signed_objects_on_s3(s3_store):
+    key = b"r" * 32
+    signed = Store(f"s3://{s3_store.bucket}/signed", signing_key=key)
+    assert signed.create_json("q.json", {"ranks": [0, 1]})
+    assert not signed.create_json("q.json", {"ranks": [0]})
+    assert signed.get_json("q.json") == {"ranks": [0, 1]}
+    Store(f"s3://{s3_store.bucket}/signed").put_json("forged.json", {"ranks": [7]})
+    with pytest.raises(SignatureMismatch, match="forged.json"):
+        signed.get_json("forged.json")

@@ -552,7 +552,7 @@ def open_filesystem(uri: str, storage_options: dict[str, Any]) -> tuple[Any, str
     unless ``endpoint_url`` is given in ``storage_options``.
 
     One retry layer: s3fs (its ``retries`` attribute set to 1) and botocore (``standard`` mode,
-    ``max_attempts=1``) make one attempt per call, with socket timeouts of
+    ``total_max_attempts=1``) make one attempt per call, with socket timeouts of
     :data:`CONNECT_TIMEOUT_S` / :data:`READ_TIMEOUT_S`; :class:`Store`'s
     :class:`~composer_cloud.retry.RetryPolicy` does all retrying. Options
     given in ``storage_options`` win.
@@ -571,7 +571,7 @@ def open_filesystem(uri: str, storage_options: dict[str, Any]) -> tuple[Any, str
         if endpoint:
             options["client_kwargs"] = {**options.get("client_kwargs", {}), "endpoint_url": endpoint}
         config = dict(options.get("config_kwargs", {}))
-        config.setdefault("retries", {"mode": "standard", "max_attempts": 1})
+        config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
         config.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
         config.setdefault("read_timeout", READ_TIMEOUT_S)
         options["config_kwargs"] = config
