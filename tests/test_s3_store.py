@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.store import ChecksumMismatch, SignatureMismatch, Store, StoreConfigError
+from composer_cloud.rendezvous.store import (
+    ChecksumMismatch,
+    SignatureMismatch,
+    Store,
+    StoreConfigError,
+    StoreUnavailable,
+)
 from composer_cloud.retry import RetryPolicy
 from storeproxy import StoreProxy
 
@@ -106,7 +112,7 @@ def test_slowdown_answers_are_retried_by_one_layer_only(s3_store):
         st = _via(proxy, s3_store.bucket, "slow", retry=RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05))
         st.put("k", b"v")
         proxy.set_mode("error")
-        with pytest.raises(OSError, match="Service Unavailable|SlowDown|reduce your request rate"):
+        with pytest.raises(StoreUnavailable, match="Service Unavailable|SlowDown|reduce your request rate"):
             st.get("k")
         # 4 attempts by our RetryPolicy; s3fs and botocore add none (they would multiply it).
         assert proxy.counts["error"] == 4
@@ -120,9 +126,9 @@ def test_an_outage_without_budget_fails_in_bounded_attempts_naming_the_store(s3_
         st = _via(proxy, s3_store.bucket, "down", retry=RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05))
         with pytest.raises(StoreConfigError, match=f"cannot reach store s3://cc-test/down at {proxy.endpoint}"):
             st.check_access()
-        with pytest.raises(Exception) as err:
+        with pytest.raises(StoreUnavailable, match=f"store s3://cc-test/down unavailable: get anything") as err:
             st.get("anything")
-        assert type(err.value).__name__ == "EndpointConnectionError"
+        assert type(err.value.__cause__).__name__ == "EndpointConnectionError"
 
 
 def test_a_response_corrupted_in_transit_is_read_again_then_reported(s3_store):
@@ -146,3 +152,41 @@ def test_signed_objects_on_s3(s3_store):
     Store(f"s3://{s3_store.bucket}/signed").put_json("forged.json", {"ranks": [7]})
     with pytest.raises(SignatureMismatch, match="forged.json"):
         signed.get_json("forged.json")
+
+
+def test_a_replica_process_rides_out_an_outage_through_the_proxy(s3_store, tmp_path):
+    """The proxy serves other processes (AWS_ENDPOINT_URL), as replicas reach it in end-to-end tests."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "reader.py"
+    script.write_text(
+        "import sys\n"
+        "from composer_cloud.rendezvous.store import Store\n"
+        "from composer_cloud.retry import RetryPolicy\n"
+        "st = Store(sys.argv[1], outage_s=60, retry=RetryPolicy(base_s=0.05, cap_s=0.5))\n"
+        "open(sys.argv[2], 'w').close()\n"  # ready: the test starts the outage now
+        "import time; time.sleep(1)\n"
+        "print(st.get_json('spec.json')['v'], st.create_json('rec.json', {'by': 'child'}))\n")
+    with StoreProxy(s3_store.endpoint) as proxy:
+        uri = f"s3://{s3_store.bucket}/child"
+        Store(uri).put_json("spec.json", {"v": 7})
+        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}
+        ready = tmp_path / "ready"
+        child = subprocess.Popen([sys.executable, str(script), uri, str(ready)], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.set_mode("refuse", for_s=4)
+            out, err = child.communicate(timeout=120)
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert child.returncode == 0, err
+    assert out.split() == ["7", "True"]
+    assert "reachable again" in err
+    assert Store(uri).get_json("rec.json") == {"by": "child"}

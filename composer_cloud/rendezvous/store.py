@@ -27,7 +27,7 @@ Transient backend errors (connection refused/reset, timeouts, HTTP 5xx, S3
 ``SlowDown``) are retried by :class:`~composer_cloud.retry.RetryPolicy` only:
 s3fs and botocore are configured not to retry (:func:`open_filesystem`).
 ``Store(outage_s=...)`` sets how long a store may be unreachable before a call
-fails: ``0`` (default) gives up after a few seconds of retries (one-shot
+fails with :class:`StoreUnavailable`: ``0`` (default) gives up after a few seconds of retries (one-shot
 commands), replicas pass ``spec.sync.store_outage_s`` to ride out an outage.
 """
 
@@ -42,6 +42,7 @@ import math
 import os
 import struct
 import threading
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -108,6 +109,20 @@ class StoreTimeout(StoreError):
         self.key = key
         self.waited_s = waited_s
         super().__init__(f"timed out after {waited_s:.1f}s waiting for {key}")
+
+
+class StoreUnavailable(StoreError):
+    """The store kept failing with transient errors (unreachable, 5xx, throttled) for the whole outage budget.
+
+    ``__cause__`` is the last backend error; ``waited_s`` is how long the outage had lasted.
+    """
+
+    def __init__(self, store: str, what: str, waited_s: float, exc: BaseException) -> None:
+        self.store = store
+        self.what = what
+        self.waited_s = waited_s
+        super().__init__(f"store {store} unavailable: {what} failed for {waited_s:.1f}s "
+                         f"({type(exc).__name__}: {exc}); check the endpoint and the network")
 
 
 class StoreConfigError(StoreError):
@@ -192,12 +207,8 @@ def derive_signing_key(run_key: bytes, run_id: str) -> bytes:
 
 # --------------------------------------------------------------------------- store
 def _is_precondition_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` is an HTTP 412 answer (``If-None-Match: *`` on an existing key).
-
-    s3fs maps a 412 to ``FileExistsError`` only if the XML body names the
-    ``If-None-Match`` condition (AWS, moto do); SeaweedFS, and stores that
-    send no body, get ``OSError(EINVAL)``. The status code is what counts.
-    """
+    """Whether ``exc`` is an HTTP 412 answer. s3fs gives ``FileExistsError`` only if the body names the
+    ``If-None-Match`` condition (AWS, moto); SeaweedFS and body-less 412s get ``OSError(EINVAL)``."""
     http = http_error_of(exc)
     return http is not None and (http[0] == 412 or http[1] in ("PreconditionFailed", "412"))
 
@@ -254,7 +265,6 @@ class Store:
 
     def __repr__(self) -> str:  # never shows storage options or the signing key
         return f"Store({self.uri!r}, outage_s={self.outage_s}, signed={self.signed})"
-
     # ------------------------------------------------------------ plumbing
     @property
     def signed(self) -> bool:
@@ -280,7 +290,14 @@ class Store:
             self._counters[1] += written
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        return self.retry.call(what, fn, transient=is_transient, outage=self.outage)
+        """``fn`` under this store's retry policy; transient errors that outlast it become :class:`StoreUnavailable`."""
+        try:
+            return self.retry.call(what, fn, transient=is_transient, outage=self.outage)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            since = self.outage.since
+            raise StoreUnavailable(self.uri, what, time.monotonic() - since if since else 0.0, exc) from exc
 
     def path(self, key: str) -> str:
         _check_key(key)
@@ -296,9 +313,8 @@ class Store:
     def put(self, key: str, payload: bytes | bytearray | memoryview, *, durable: bool = True) -> int:
         """Atomically write ``payload`` at ``key`` (overwriting). Returns bytes written.
 
-        ``durable=False`` skips the local ``fsync``: for transient round
-        payloads, where rename already gives atomicity and a torn object left
-        by a power loss fails its checksum (the round is then retried).
+        ``durable=False`` skips the local ``fsync``: for transient round payloads, where rename already
+        gives atomicity and a torn object left by a power loss fails its checksum (the round is retried).
         """
         data = self._frame(key, payload)
         path = self.path(key)
@@ -316,10 +332,8 @@ class Store:
         existed (someone else won). Exactly one of any set of racing callers
         gets True. An HTTP 412 means "exists" whatever its body says.
 
-        A create whose request may have reached the store before a transient
-        error (a lost response) is retried; if the retry finds the key
-        existing, the stored bytes decide: ours (True) or another writer's
-        (False).
+        A create whose response was lost (a transient error after the request may have reached the
+        store) is retried; if the retry finds the key, the stored bytes decide: ours or another's.
         """
         data = self._frame(key, payload)
         path = self.path(key)
@@ -380,8 +394,7 @@ class Store:
     def get(self, key: str) -> memoryview:
         """Read and verify ``key``. Raises :class:`ObjectNotFound` or :class:`ChecksumMismatch`.
 
-        On S3 an object that fails verification is read once more before the
-        error is raised: a response damaged in transit costs one extra GET.
+        On S3 an object that fails verification is read once more (damaged in transit: one extra GET).
         """
         path = self.path(key)
 
@@ -521,11 +534,12 @@ class Store:
             raise StoreConfigError(
                 f"access to bucket {bucket!r} of store {self.uri}{where} was denied ({exc}); check the "
                 "credentials in the standard AWS_* environment variables or profile") from None
+        except StoreUnavailable as exc:
+            cause = exc.__cause__
+            raise StoreConfigError(
+                f"cannot reach store {self.uri}{where} ({type(cause).__name__}: {cause}); check the endpoint "
+                "(AWS_ENDPOINT_URL) and the network") from None
         except Exception as exc:  # noqa: BLE001 - surfaced with context
-            if is_transient(exc):
-                raise StoreConfigError(
-                    f"cannot reach store {self.uri}{where} ({type(exc).__name__}: {exc}); check the endpoint "
-                    "(AWS_ENDPOINT_URL) and the network") from None
             raise StoreConfigError(f"cannot use store {self.uri}{where}: {type(exc).__name__}: {exc}") from None
 
 
