@@ -37,6 +37,8 @@ from typing import Any
 
 from composer_cloud.rendezvous.store import ObjectNotFound, Store, StoreConfigError, join_uri
 
+__all__ = ["PROBE_PREFIX", "ConformanceReport", "PropertyCheck", "StoreConfigError", "format_report", "probe_store"]
+
 logger = logging.getLogger(__name__)
 
 #: Where the probe writes, under the store root; removed afterwards.
