@@ -277,6 +277,18 @@ def test_a_create_whose_response_was_lost_still_knows_it_won(store_uri, monkeypa
     assert not st.create("quorum.json", b"someone else's")  # the retry finds other bytes: we lost
     assert bytes(st.get("quorum.json")) == b"mine"
 
+    from botocore.exceptions import ReadTimeoutError  # not an OSError: the response timed out after the PUT
+
+    def put_then_time_out(self, path, data, **kw):
+        real(self, path, data, **kw)
+        if lost["n"]:
+            lost["n"] -= 1
+            raise ReadTimeoutError(endpoint_url="http://store")
+
+    monkeypatch.setattr(Store, "_local_put", put_then_time_out)
+    lost["n"] = 1
+    assert st.create("commit.json", b"mine")
+
 
 # ---------------------------------------------------------------- signed objects
 KEY = b"k" * 32

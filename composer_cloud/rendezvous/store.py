@@ -349,7 +349,7 @@ class Store:
                 return True
             except FileExistsError:
                 pass
-            except OSError as exc:
+            except Exception as exc:  # botocore's timeouts are not OSError; a 412 may be an OSError(EINVAL)
                 if not _is_precondition_failed(exc):
                     maybe_ours = maybe_ours or is_transient(exc)
                     raise
