@@ -8,8 +8,10 @@ from composer_cloud.rendezvous.conformance import (
     PROBE_PREFIX,
     ConformanceReport,
     PropertyCheck,
+    StoreNotConforming,
     format_report,
     probe_store,
+    require_conformance,
 )
 from composer_cloud.rendezvous.store import Store, StoreConfigError
 from storeproxy import StoreProxy
@@ -55,6 +57,15 @@ def test_a_store_that_ignores_if_none_match_is_refused_by_name(s3_store):
     assert "FAIL  conditional_create" in text and "If-None-Match" in text
     # The stripped creates still wrote objects: the probe removed them.
     assert Store(f"s3://{s3_store.bucket}/split-brain").list(PROBE_PREFIX) == []
+
+    with StoreProxy(s3_store.endpoint) as proxy:
+        proxy.set_mode("strip-if-none-match")
+        with pytest.raises(StoreConfigError, match="split-brain does not provide conditional_create, "
+                                                   "concurrent_create") as err:
+            require_conformance(f"s3://{s3_store.bucket}/split-brain",
+                                storage_options={"endpoint_url": proxy.endpoint})
+    assert isinstance(err.value, StoreNotConforming) and not err.value.report.ok
+    assert require_conformance(f"s3://{s3_store.bucket}/split-brain").ok
 
 
 def test_an_unreachable_store_raises_store_config_error_naming_it(monkeypatch):

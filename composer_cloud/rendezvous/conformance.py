@@ -37,7 +37,8 @@ from typing import Any
 
 from composer_cloud.rendezvous.store import ObjectNotFound, Store, StoreConfigError, join_uri
 
-__all__ = ["PROBE_PREFIX", "ConformanceReport", "PropertyCheck", "StoreConfigError", "format_report", "probe_store"]
+__all__ = ["PROBE_PREFIX", "ConformanceReport", "PropertyCheck", "StoreConfigError", "StoreNotConforming",
+           "format_report", "probe_store", "require_conformance"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,27 @@ def probe_store(uri: str, *, storage_options: dict[str, Any] | None = None) -> C
     report = ConformanceReport(store=root.uri, checks=checks)
     if not report.ok:
         logger.warning("store %s fails: %s", root.uri, ", ".join(c.name for c in report.failures()))
+    return report
+
+
+class StoreNotConforming(StoreConfigError):
+    """The store lacks a property the all-reduce needs; ``report`` says which (the message names them)."""
+
+    def __init__(self, report: ConformanceReport) -> None:
+        self.report = report
+        names = ", ".join(c.name for c in report.failures())
+        super().__init__(f"store {report.store} does not provide {names}; it cannot hold a run "
+                         f"(see docs/store.md)\n{format_report(report)}")
+
+
+def require_conformance(uri: str, *, storage_options: dict[str, Any] | None = None) -> ConformanceReport:
+    """:func:`probe_store`, raising :class:`StoreNotConforming` (a :class:`StoreConfigError`) if a property fails.
+
+    For ``launch``: it already turns ``StoreConfigError`` into exit 2 before anything is written.
+    """
+    report = probe_store(uri, storage_options=storage_options)
+    if not report.ok:
+        raise StoreNotConforming(report)
     return report
 
 
