@@ -86,6 +86,22 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """DiLoCo post-training across independent serverless jobs, synced through an object store."""
 
 
+@app.command()
+def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/prefix, file:///dir, ...)")],
+           store_option: StoreOptionFlag = None) -> None:
+    """Check that a store provides what a run needs (write-once create, read/list-after-write, delete).
+
+    Exit 0: it does; 2: it does not (the failing properties are named) or cannot be reached.
+    """
+    from composer_cloud.rendezvous.conformance import format_report, probe_store
+
+    with _user_errors():
+        report = probe_store(runs.normalize_run_uri(store), storage_options=_storage_options(store_option))
+    console.print(format_report(report), highlight=False)
+    if not report.ok:
+        raise typer.Exit(2)
+
+
 @app.command("ls")
 def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path")] = "file://./runs",
               as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,

@@ -64,6 +64,8 @@ class Replica:
         self.run_uri = run_uri
         self.rank = rank
         run = open_run(run_uri)
+        # Ride out store outages up to the spec's budget (the spec had to be read first).
+        run = open_run(run_uri, outage_s=run.spec.sync.store_outage_s)
         self.store, self.spec = run.store, run.spec
         if not 0 <= rank < self.spec.replicas:
             raise ValueError(f"--rank {rank} out of range: the run has {self.spec.replicas} replicas")
@@ -126,7 +128,8 @@ class Replica:
             allreduce=AllReduceConfig(
                 replicas=spec.replicas, min_replicas=spec.min_replicas, codec=spec.sync.codec,
                 quorum_timeout_s=spec.sync.quorum_timeout_s, round_timeout_s=spec.sync.round_timeout_s,
-                io_threads=spec.sync.io_threads),
+                io_threads=spec.sync.io_threads, outlier_factor=spec.sync.outlier_factor,
+                max_attempts=spec.sync.max_attempts),
             outer=OuterOptimizerConfig(lr=spec.outer_optimizer.lr, momentum=spec.outer_optimizer.momentum,
                                        nesterov=spec.outer_optimizer.nesterov),
             heal_timeout_s=spec.sync.heal_timeout_s, takeover_after_s=spec.sync.quorum_timeout_s,

@@ -84,13 +84,18 @@ class SyncSpec(_Strict):
     codec: Literal["fp32", "bf16", "int8"] = "fp32"
     fragments: int = Field(default=1, ge=1)
     fragment_sync_delay: int = Field(default=0, ge=0)
-    quorum_timeout_s: float = Field(default=60.0, gt=0)
-    round_timeout_s: float = Field(default=600.0, gt=0)
-    heal_timeout_s: float = Field(default=600.0, gt=0)
+    quorum_timeout_s: float = Field(default=60.0, gt=0, le=7 * 86400)
+    round_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
+    heal_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
     io_threads: int = Field(default=8, ge=1, le=128)
     #: How long (seconds) a replica keeps retrying a store that fails with transient errors (connection
     #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
     store_outage_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median
+    #: aborts the attempt and is left out of its retry (null: no outlier check; applies with >= 3 participants).
+    outlier_factor: float | None = Field(default=10.0, gt=1)
+    #: Attempts of a round run back to back within one sync after an integrity check failed.
+    max_attempts: int = Field(default=3, ge=1, le=100)
 
 
 class TrainerSpec(_Strict):

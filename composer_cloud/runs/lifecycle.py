@@ -36,6 +36,7 @@ from composer_cloud.runs.run import (
     normalize_run_uri,
     open_run,
     request_cancel,
+    run_signing_key,
     save_handles,
 )
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
@@ -111,11 +112,22 @@ def plan(spec: RunSpec) -> list[LaunchPlan]:
     return plans
 
 
-def _open_store_for(spec: RunSpec) -> Store:
-    """The run's store, after checking the store root is reachable (nothing is written)."""
+def _open_store_for(spec: RunSpec, *, probe: bool = True) -> Store:
+    """The run's store, after proving the store provides what a run needs.
+
+    The conformance probe (write-once create, read/list-after-write, delete;
+    :mod:`composer_cloud.rendezvous.conformance`) writes only under its own
+    scratch prefix and removes it; a store that fails is refused with
+    :class:`StoreConfigError` naming the property and the store.
+    """
+    from composer_cloud.rendezvous.conformance import require_conformance
+
     root = Store(spec.store, storage_options=spec.store_options)
     root.check_access()
-    return Store(join_uri(root.uri, spec.run_id), storage_options=spec.store_options)
+    if probe:
+        require_conformance(root.uri, storage_options=spec.store_options)
+    return Store(join_uri(root.uri, spec.run_id), storage_options=spec.store_options,
+                 signing_key=run_signing_key(spec.run_id))
 
 
 def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:

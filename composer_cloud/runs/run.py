@@ -25,7 +25,15 @@ from typing import Any
 
 from composer_cloud import env
 from composer_cloud.jobs.base import JobHandle
-from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreConfigError, StoreError
+from composer_cloud.rendezvous.store import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    Store,
+    StoreConfigError,
+    StoreError,
+    derive_signing_key,
+    signing_key_from_env,
+)
 from composer_cloud.spec import RunSpec, SpecError, spec_from_dict
 
 logger = logging.getLogger(__name__)
@@ -78,7 +86,13 @@ def store_options_from_env() -> dict[str, Any]:
     return options
 
 
-def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None) -> Run:
+def run_signing_key(run_id: str) -> bytes | None:
+    """The per-run HMAC key when ``$COMPOSER_CLOUD_RUN_KEY`` is set (a secret, never stored), else None."""
+    run_key = signing_key_from_env()
+    return None if run_key is None else derive_signing_key(run_key, run_id)
+
+
+def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outage_s: float = 0.0) -> Run:
     """Open the run at ``uri`` and read its spec.
 
     Args:
@@ -91,10 +105,15 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None) -> R
         RunNotFound: no run at ``uri``.
         StoreConfigError: the store cannot be reached with these options.
         SpecError: the stored spec is invalid (names the field).
+
+    ``outage_s``: how long store calls ride out an outage (0 for one-shot
+    commands: fail within seconds; replicas pass ``sync.store_outage_s``). With
+    ``$COMPOSER_CLOUD_RUN_KEY`` set, every object is signed and verified (HMAC).
     """
     uri = normalize_run_uri(uri)
     given = dict(storage_options) if storage_options is not None else store_options_from_env()
-    store = Store(uri, storage_options=given)
+    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1])
+    store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     try:
         data = store.get_json(SPEC_KEY)
     except ObjectNotFound:
@@ -106,10 +125,12 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None) -> R
         raise
     except StoreError as exc:
         raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - an unreachable endpoint, bad credentials: say which store
+        raise StoreConfigError(f"cannot read run {uri}: {type(exc).__name__}: {exc}") from None
     spec = spec_from_dict(data, source=f"{uri}/{SPEC_KEY}")
     options = {**spec.store_options, **given}
     if options != given:
-        store = Store(uri, storage_options=options)
+        store = Store(uri, storage_options=options, outage_s=outage_s, signing_key=key)
     return Run(uri=store.uri, store=store, spec=spec)
 
 
