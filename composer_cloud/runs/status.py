@@ -82,6 +82,16 @@ class StatusTracker:
         self._executors: dict[str, Any] = {}
         self._terminal: dict[tuple[int, str], ReplicaStatus] = {}
         self._committed = 0  # rounds known committed (a count)
+        self._durable: int | None = None  # newest round seen durable
+
+    def _newest_durable(self) -> int | None:
+        """Newest round with a durable global state, checking newest first and nothing below the last seen."""
+        floor = -1 if self._durable is None else self._durable
+        for round in sorted((r for r in ckpt.checkpoint_rounds(self.run.store) if r > floor), reverse=True):
+            if ckpt.has_global_state(self.run.store, round):
+                self._durable = round
+                break
+        return self._durable
 
     def _job_status(self, h: Any) -> ReplicaStatus:
         if not self.poll_executors:
@@ -127,8 +137,7 @@ class StatusTracker:
                                      last_round=round_seen if isinstance(round_seen, int) else None,
                                      job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
                                      message=str(beat.get("error", "") or status.message)))
-        durable = ckpt.global_state_rounds(store)
-        last_durable = durable[-1] if durable else None
+        last_durable = self._newest_durable()
         final = spec.rounds - 1
         final_durable = committed >= spec.rounds and last_durable is not None and last_durable >= final
         if committed >= spec.rounds and not final_durable:
