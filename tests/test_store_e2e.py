@@ -53,3 +53,25 @@ def test_three_replicas_complete_on_seaweedfs(tmp_path, s3_server_seaweedfs, mon
     run = Store(f"s3://{server.bucket}/e2e/sw")
     digests = {run.get_json(f"replicas/{r}.json")["params_sha256"] for r in range(3)}
     assert len(digests) == 1  # bitwise-identical global parameters on every replica
+
+
+@pytest.mark.slow
+def test_a_run_signed_with_a_run_key_rejects_unsigned_objects(tmp_path):
+    """With COMPOSER_CLOUD_RUN_KEY every object is signed: the run completes, a reader without the key
+    is refused by name, and an object written without the key is not accepted."""
+    cfg = tmp_path / "spec.toml"
+    cfg.write_text("replicas = 2\nrounds = 2\ninner_steps = 2\n" + SMALL_RUN_TOML)
+    key = "k" * 48
+    env = {**os.environ, "COMPOSER_CLOUD_RUN_KEY": key}
+    store = f"file://{tmp_path}/store"
+    res = _cli(["launch", "--config", str(cfg), "--store", store, "--run-id", "signed"], tmp_path, env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    st = _cli(["status", f"{store}/signed", "--json"], tmp_path, env)
+    assert st.returncode == 0 and json.loads(st.stdout)["state"] == "completed", st.stderr
+    # The key authenticates writers; reading needs none (the bucket's own access control keeps data private).
+    unsigned = {k: v for k, v in os.environ.items() if k != "COMPOSER_CLOUD_RUN_KEY"}
+    assert _cli(["status", f"{store}/signed"], tmp_path, unsigned).returncode == 0
+    # A bucket writer without the key replaces the spec: with the key, the run is refused by name.
+    Store(f"{store}/signed").put_json("spec.json", {"replicas": 1})
+    res = _cli(["status", f"{store}/signed"], tmp_path, env)
+    assert res.returncode == 2 and "spec.json" in res.stderr and key not in res.stderr + res.stdout, res.stderr
