@@ -153,7 +153,7 @@ def launch(
         if dry_run:
             _print_plan(spec, runs.plan(spec))
             return
-        run = runs.launch(spec)
+        run = runs.launch(spec, base_dir=config.resolve().parent if config is not None else None)
     console.print(f"launched [bold]{spec.replicas}[/] replicas of run [bold]{spec.run_id}[/] → {run.uri}")
     if detach:
         console.print(f"follow with: composer-cloud status {run.uri}")

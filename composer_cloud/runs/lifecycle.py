@@ -147,8 +147,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """Everything checkable before anything is written; returns the user-code bundle (or None).
 
     Trainer settings (names ``trainer.<key>``), user code named by
-    ``"module:factory"`` settings and ``[code] include`` (must be found and is
-    packaged), each executor's own preflight (credentials, reachable store).
+    ``"module:factory"`` settings and ``[code] include`` (must be found, relative
+    to ``base_dir`` or on ``sys.path``, and is packaged), each executor's own preflight (credentials, reachable store).
     Raises :class:`SpecError` naming the field.
     """
     from composer_cloud.trainer import check_settings
@@ -178,12 +178,14 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
 
 
 def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
-           overrides: Mapping[str, Any] | None = None) -> Run:
+           overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> Run:
     """Launch a new run and return it once its replica jobs were started (it does not wait).
 
     Args:
         spec: a full spec; otherwise one is built from ``config`` and ``overrides``
             (dotted names, e.g. ``{"replicas": 4, "sync.codec": "bf16"}``).
+        base_dir: where user code (``module:factory`` settings, ``[code] include``) is
+            looked for first; default: the spec file's directory, else the current one.
 
     Raises:
         SpecError, StoreConfigError: bad input; nothing was written.
@@ -198,7 +200,10 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     elif config is not None or overrides:
         raise SpecError("spec", "give either a spec or config/overrides, not both")
     spec = spec.with_run_id()
-    bundle = check_before_launch(spec)
+    # User code and [code] include paths are found relative to the spec file (else the current directory).
+    if base_dir is None and config is not None:
+        base_dir = Path(config).resolve().parent
+    bundle = check_before_launch(spec, base_dir=Path(base_dir) if base_dir is not None else None)
     store = _open_store_for(spec)
     if bundle is not None:  # the digest is fixed before the spec is stored; jobs get it in their environment
         ref = CodeRef(key=code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
