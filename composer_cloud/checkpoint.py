@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 from composer_cloud import faults
 from composer_cloud.rendezvous import rounds
-from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout
+from composer_cloud.rendezvous.store import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    Store,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+)
 from composer_cloud.retry import PollPolicy, poll_until
 
 if TYPE_CHECKING:
@@ -216,6 +223,8 @@ def shard_markers(store: Store, round: int, *, attempt: int | None = None) -> Sh
             rec = store.get_json(f"{prefix}/{name}")
             if not (isinstance(rec, dict) and isinstance(rec.get("crc32"), int) and isinstance(rec.get("bytes"), int)):
                 raise ValueError("fields bytes/crc32 missing")
+        except StoreUnavailable:
+            raise  # the store is down: that says nothing about the marker
         except (StoreError, ValueError) as exc:
             logger.warning("ignoring global-state marker %s/%s (%s)", prefix, name, exc)
             continue
@@ -331,6 +340,8 @@ def replica_state_marker(store: Store, round: int, rank: int) -> dict[str, Any] 
     """Replica ``rank``'s marker for checkpoint ``round`` (None if absent or unreadable)."""
     try:
         rec = store.try_get_json(f"{checkpoint_prefix(round)}/{_replica_marker(rank)}")
+    except StoreUnavailable:
+        raise
     except StoreError:
         return None
     return rec if isinstance(rec, dict) and isinstance(rec.get("crc32"), int) else None

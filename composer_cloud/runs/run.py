@@ -31,6 +31,7 @@ from composer_cloud.rendezvous.store import (
     Store,
     StoreConfigError,
     StoreError,
+    StoreUnavailable,
     derive_signing_key,
     signing_key_from_env,
 )
@@ -149,6 +150,8 @@ def load_handles(store: Store) -> list[JobHandle]:
             continue
         try:
             out.append(JobHandle.from_json(store.get_json(key)))
+        except StoreUnavailable:
+            raise
         except (StoreError, KeyError, TypeError, ValueError) as exc:
             logger.warning("ignoring %s: not a valid job handle (%s)", key, exc)
     return sorted(out, key=lambda h: h.rank)

@@ -14,7 +14,7 @@ from typing import Any
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud import checkpoint as ckpt
 from composer_cloud.rendezvous.rounds import latest_committed_round
-from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError
+from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, StoreUnavailable
 from composer_cloud.runs.run import Run, cancel_requested, load_handles
 from composer_cloud.stack import version_skew
 
@@ -60,7 +60,7 @@ def _heartbeat(store: Store, rank: int, problems: list[str]) -> dict[str, Any]:
     try:
         beat = store.try_get_json(f"replicas/{rank}.json")
     except StoreError as exc:
-        if isinstance(exc, StoreConfigError):
+        if isinstance(exc, (StoreConfigError, StoreUnavailable)):
             raise
         problems.append(f"heartbeat of replica {rank} unreadable ({exc})")
         return {}
