@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Round-checkpoint cost: bytes, snapshot/encode/write/read times, peak memory, share of a round.
 
-    python benchmarks/checkpoint.py                  # tiny (file://, S3), mid (file://), 0.5B (file://): ~3-5 min
+    python benchmarks/checkpoint.py                  # tiny (file://, S3), mid (file://), 0.5B (file://): ~7 min
     python benchmarks/checkpoint.py --skip-big       # without the 0.5B case (~1.5 min)
     python benchmarks/checkpoint.py --models tiny,mid --mid-s3 --json out.json
     python benchmarks/checkpoint.py --big-h 100 --big-step-s 0.5   # the assumed 0.5B round (see below)
