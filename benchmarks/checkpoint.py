@@ -1,28 +1,28 @@
 #!/usr/bin/env python
 """Round-checkpoint cost: bytes, snapshot/encode/write/read times, peak memory, share of a round.
 
-    python benchmarks/checkpoint.py                  # tiny (file://, S3), mid (file://), 0.5B (file://): ~3-5 min
+    python benchmarks/checkpoint.py                  # tiny (file://, S3), mid (file://), 0.5B (file://): ~7 min
     python benchmarks/checkpoint.py --skip-big       # without the 0.5B case (~1.5 min)
     python benchmarks/checkpoint.py --models tiny,mid --mid-s3 --json out.json
     python benchmarks/checkpoint.py --big-h 100 --big-step-s 0.5   # the assumed 0.5B round (see below)
 
-Needs ~17 GiB of free RAM and ~9 GB of disk for the 0.5B case (writing one
+Needs ~17 GiB of free RAM and ~13 GB of disk for the 0.5B case (writing one
 3.95 GB state object peaks at 4x its size); a phase is skipped, with the
 reason, when memory is short, and a case is aborted if the machine's
 available memory falls below ``--memory-floor-gb`` (the machine may be shared).
 
-What a checkpoint costs a round (``composer_cloud/replica.py``
-``_after_commit`` and ``rendezvous/manager.py``, since commit 3897ab5):
+What a checkpoint costs a round (``composer_cloud/replica.py`` ``_after_commit``,
+``rendezvous/manager.py`` ``_publish_global_state``, ``composer_cloud/checkpoint.py``):
 
-* on the critical path: the leader's ``manager.publish_state()`` calls every
+* on the critical path: every participant's ``manager.publish_state()`` calls every
   fragment's ``save_fn`` (torchft clones ``original_parameters``; the outer
-  optimizer state is referenced) **every round**; on checkpoint rounds every
-  replica takes ``_snapshot(checkpoint.replica_state(trainer))`` (a copy of
-  its AdamW state, data position and RNG);
-* in the background: the leader's global-state encode + upload (manager
-  thread; joined by ``flush_state()`` at the next ``start_quorum``, so any
-  part that outlasts the H inner steps blocks the leader there), each
-  replica's ``write_replica_state`` and the leader's manifest (``_io`` pool).
+  optimizer state is referenced) **every committed round**; on checkpoint rounds every
+  replica takes ``_snapshot(checkpoint.replica_state(trainer))``;
+* in the background: each of the W participants encodes and uploads its 1/W
+  slice of the global state (``split_global_state`` + ``write_global_shard``;
+  joined by ``flush_state()`` at the next ``start_quorum``), and writes missing
+  slices itself after ``takeover_after_s``; each replica's
+  ``write_replica_state``; any participant's ``write_manifest`` (``_io`` pool).
 
 Models:
 
@@ -40,36 +40,46 @@ Models:
     downloaded). Global state ≈ 2 × 1.98 GB, replica state ≈ 2 × 1.98 GB.
 
 For each (model, store) a fresh child process (so memory of one case never
-inflates another) runs the library's own code on a scratch store:
+inflates another) runs the library's own public functions on a scratch store:
 
 1. **global snapshot** — ``{key: save_fn()}`` as ``_maybe_publish_state``
-   builds it; **global write** — ``ObjectStoreManager._write_global_state``
-   (``encode_state`` → ``Store.put(global.safetensors)`` → ``global.json``);
-2. **replica snapshot** — ``replica._snapshot(checkpoint.replica_state(...))``;
-   **replica write** — ``checkpoint.write_replica_state``;
-3. **concurrent writes** (tiny, mid) — both writes at once, as on the leader;
-4. ``write_manifest``;
-5. **resume read** — ``latest_checkpoint`` (verify=True: reads and checks
-   every listed object), ``load_global``, ``load_replica``; every decoded
-   tensor is compared (crc32 of its bytes) with what was written;
-6. **rounds** (tiny) — alternating plain rounds (H inner steps) and leader
-   checkpoint rounds done as the runtime does them (snapshots on the
-   critical path, both writes in background threads during the H steps, the
-   global upload joined at the end like ``start_quorum`` does): the measured
-   difference is "checkpoint cost as % of a round". The replica write's
-   remaining tail, if any, is joined and reported separately.
+   builds it; **global write** — the whole state by one writer
+   (``write_global_shard`` of ``split_global_state(tree, 1)``);
+2. **global upload per participant** at W = ``--world-sizes`` (2, 4, 8):
+   before = the 951ee6d leader's upload of the whole state (``encode_state`` →
+   ``global.safetensors`` → ``global.json``, the three lines of the old
+   ``ObjectStoreManager._write_global_state``); after = ``write_global_shard``
+   of slice i by participant i, each with its own ``Store`` object so that
+   ``Store.bytes_written`` is that participant's upload (max, mean, slowest);
+3. **replica snapshot** and ``write_replica_state``; repeats (small states) and
+   both writes at once;
+4. ``write_manifest`` of a checkpoint with ``--resume-w`` replicas (global
+   state in W slices, every replica's state);
+5. **resume reads**, each on a fresh ``Store`` (its ``bytes_read``): the
+   launcher's ``latest_checkpoint(verify=True)``, and one replica's startup
+   (``resume_point`` + ``load_global`` + ``load_replica_at``), every decoded
+   tensor compared (crc32) with what was written; **before**: the same
+   checkpoint written and read by ``git show 951ee6d:composer_cloud/checkpoint.py``
+   (loaded as a separate module, ``old_checkpoint_951ee6d``): its launcher's
+   ``latest_checkpoint(verify=True)`` and its replica startup
+   (``latest_checkpoint`` + ``load_global`` + ``load_replica``);
+6. **rounds** (tiny) — alternating plain rounds (H inner steps), global-only
+   rounds and checkpoint rounds of participant 0 of W = ``--resume-w``, done as
+   the runtime does them (snapshots on the critical path, its slice and its
+   replica write in background threads during the H steps, the slice upload
+   joined at the end like ``start_quorum`` does).
 
 For ``0.5b`` the round is an explicit assumption (``--big-h`` inner steps ×
 ``--big-step-s`` seconds per step on an H100), stated in the output.
 
-Timings come from benchmark-side wrappers around the library functions
-(``encode_state``, ``frame``/``unframe``, ``decode_state``, ``Store``
-methods); the library is not modified. Peak memory per phase is the kernel's
-high-water mark (``VmHWM``, reset via ``/proc/self/clear_refs``) above the
-phase's starting RSS. Small states (tiny) are written ``--repeats`` more
-times (medians and minima reported). A machine-state line (copy, crc32 and
-fsync throughput, load average) is measured first and stored as
-``calibration``.
+No library module is patched. Store time is measured by a wrapper *instance*
+around the ``Store`` object passed to the library (``TimedStore``); a library
+call's time minus its store time is its encode/decode time. Peak memory per
+phase is the kernel's high-water mark (``VmHWM``, reset via
+``/proc/self/clear_refs``) above the phase's starting RSS. Small states (tiny)
+are written ``--repeats`` more times (medians and minima reported). A
+machine-state line (copy, crc32 and fsync throughput, load average) is
+measured first and stored as ``calibration``.
 
 S3 runs against a loopback ``moto_server`` (tests/s3server.py); it is
 in-memory, so only tiny (and with ``--mid-s3`` mid) go through it. Its
@@ -112,6 +122,9 @@ SYNTHETIC = {
                  num_key_value_heads=2, intermediate_size=4864),
 }
 ROUND = 7  # any committed round number; the key is checkpoints/00000007/...
+ROUND_OLD = 50  # the old leader's whole-state upload (before)
+ROUND_SWEEP = 200  # checkpoints/<200 + W>: the W-participant global state; 200 + resume_w is the resume checkpoint
+OLD_COMMIT = "951ee6d"  # the last commit with the leader-written global state (checkpoint.py, manager.py)
 
 
 # =========================================================================== child side
@@ -372,6 +385,28 @@ def _tiny_setup() -> tuple[Any, Any, int]:
     return model, trainer, count_parameters(model)
 
 
+def _write_whole_global(store: Any, round: int, tree: dict[str, Any]) -> int:
+    """The whole global state by one writer (W = 1)."""
+    from composer_cloud import checkpoint as ckpt
+
+    return ckpt.write_global_state(store, round, tree, writer=0, num_shards=1)
+
+
+def _write_my_slice(store: Any, round: int, tree: dict[str, Any], world: int, index: int) -> int:
+    """What one participant uploads after a commit: its 1/W slice (``_publish_global_state`` without the
+    takeover wait, which only writes when another participant died)."""
+    from composer_cloud import checkpoint as ckpt
+
+    return ckpt.write_global_shard(store, round, ckpt.split_global_state(tree, world), index, writer=index)
+
+
+def _after_then(after: Any, fn: Any, *args: Any) -> float:
+    """Wait for ``after`` (a future or None), then time ``fn`` (as ``publish_state(after=...)`` orders them)."""
+    if after is not None:
+        after.result()
+    return _timed_call(fn, *args)
+
+
 def _timed_call(fn: Any, *args: Any) -> float:
     t0 = time.perf_counter()
     fn(*args)
@@ -396,6 +431,58 @@ def run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: st
         raise SystemExit(1) from None
 
 
+def load_old_checkpoint_module(commit: str = OLD_COMMIT) -> types.ModuleType:
+    """The pre-sharding ``composer_cloud/checkpoint.py`` (leader-written global state), from git.
+
+    Loaded as a separate module object (``old_checkpoint_<commit>``); the library's own modules are
+    not touched. Its one import that no longer exists (``manager.global_state_prefix``) is replaced
+    by that function's body at ``commit`` (``rendezvous/manager.py``: ``f"checkpoints/{round:08d}"``).
+    """
+    import subprocess
+
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:composer_cloud/checkpoint.py"],
+                         capture_output=True, text=True, check=True).stdout
+    old_import = "from composer_cloud.rendezvous.manager import global_state_prefix\n"
+    if old_import not in src:
+        raise RuntimeError(f"{commit}:composer_cloud/checkpoint.py no longer has the expected import")
+    src = src.replace(old_import, 'def global_state_prefix(round: int) -> str:\n'
+                                  '    return f"checkpoints/{round:08d}"\n')
+    mod = types.ModuleType(f"old_checkpoint_{commit}")
+    mod.__file__ = f"<git {commit}:composer_cloud/checkpoint.py>"
+    sys.modules[mod.__name__] = mod  # a new name of its own (dataclasses look their module up here)
+    exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - our own code from our own git history
+    return mod
+
+
+def old_write_global_state(store: Any, round: int, tree: dict[str, Any], *, writer: int = 0) -> int:
+    """The leader's upload before sharding (``ObjectStoreManager._write_global_state`` at 951ee6d,
+    ``rendezvous/manager.py:256-260``): one blob of the whole state, then the write-once marker."""
+    from composer_cloud.rendezvous.state import encode_state
+
+    prefix = f"checkpoints/{round:08d}"
+    blob = encode_state(tree, metadata={"round": str(round)})
+    store.put(f"{prefix}/global.safetensors", blob)
+    store.create_json(f"{prefix}/global.json", {"round": round, "bytes": len(blob), "by": writer})
+    return len(blob)
+
+
+_STORE_OPS = ("store.put", "store.put_json", "store.create_json", "store.exists", "store.get", "store.get_json",
+              "store.wait_get", "store.list_dirs")
+
+
+def _split_timers(total_s: float, tm: dict[str, float]) -> dict[str, float]:
+    """Wall of a library call split into store I/O (timed on the store wrapper) and the rest (encode/decode)."""
+    io = sum(tm.get(k, 0.0) for k in _STORE_OPS)
+    return {"store_io_s": round(io, 4), "compute_s": round(max(0.0, total_s - io), 4)}
+
+
+def _fresh_store(uri: str) -> Any:
+    """A new Store object on the same store: its own ``bytes_read``/``bytes_written`` counters."""
+    from composer_cloud.rendezvous.store import Store
+
+    return Store(uri)
+
+
 def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: str) -> None:
     import psutil
     import torch
@@ -405,24 +492,13 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
     guard.start()
 
     from composer_cloud import checkpoint as ckpt
-    from composer_cloud.rendezvous import manager as manager_mod
-    from composer_cloud.rendezvous import store as store_mod
-    from composer_cloud.rendezvous.manager import ObjectStoreManager
     from composer_cloud.rendezvous.store import Store
 
     snapshot = _replica_snapshot_fn()
     timers = Timers()
-    # Benchmark-side wrappers around the library's own functions.
-    manager_mod.encode_state = timers.wrap("encode", manager_mod.encode_state)
-    ckpt.encode_state = timers.wrap("encode", ckpt.encode_state)
-    ckpt.decode_state = timers.wrap("decode", ckpt.decode_state)
-    store_mod.frame = timers.wrap("frame", store_mod.frame)  # crc32 + header + copies, inside Store.put
-    store_mod.unframe = timers.wrap("unframe", store_mod.unframe)  # crc32 check, inside Store.get
-
     real = Store(store_uri)
     real.check_access()
-    store = TimedStore(real, timers)
-    shim = types.SimpleNamespace(store=store, rank=0)  # what _write_global_state uses of the manager
+    store = TimedStore(real, timers)  # a wrapper instance around the store we pass in; no module is patched
     result: dict[str, Any] = {"model": model_name, "store": store_uri.split("://")[0], "store_uri": store_uri,
                               "phases": {}}
     phases = result["phases"]
@@ -453,7 +529,13 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
                     f"{avail / 2**30:.1f} GiB available")
         return None
 
-    # ---------------------------------------------------------------- 1. global state (round leader)
+    def global_tree() -> dict[str, Any]:
+        return (live_g or synthetic_global_live(shapes)).snapshot()
+
+    def replica_tree() -> dict[str, Any]:
+        return snapshot(ckpt.replica_state(trainer or SyntheticTrainer(shapes), None))
+
+    # ---------------------------------------------------------------- 1. global state, one writer (W = 1)
     rec: dict[str, Any] = {}
     skip = short_of_memory(1.6)
     if skip:
@@ -463,7 +545,7 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
             t0 = time.perf_counter()
             live_g = synthetic_global_live(shapes)
             rec["build_s"] = round(time.perf_counter() - t0, 4)
-        with phase(rec):  # critical path, every round
+        with phase(rec):  # critical path, every round: {key: save_fn()} as _maybe_publish_state builds it
             t0 = time.perf_counter()
             gtree = live_g.snapshot()
             rec["snapshot_s"] = round(time.perf_counter() - t0, 4)
@@ -472,6 +554,7 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
     phases["global_snapshot"] = rec
     rec = {}
     skip = skip or short_of_memory(3.1)
+    digest_global: dict[str, int] = {}
     if skip:
         rec["skipped"] = skip
     else:
@@ -480,15 +563,54 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
             digest_global = _tensor_digest(gtree)
             timers.take()
             t0 = time.perf_counter()
-            ObjectStoreManager._write_global_state(shim, ROUND, gtree)  # encode -> put blob -> create marker
+            slices = ckpt.split_global_state(gtree, 1)
+            rec["split_s"] = round(time.perf_counter() - t0, 4)
+            t0 = time.perf_counter()
+            rec["bytes"] = ckpt.write_global_shard(store, ROUND, slices, 0, writer=0)  # exists, encode, put, marker
             rec["write_total_s"] = round(time.perf_counter() - t0, 4)
             rec["timers"] = timers.take()
-        rec["bytes"] = real.get_json(f"checkpoints/{ROUND:08d}/global.json")["bytes"]
-    gtree = None
+            rec.update(_split_timers(rec["write_total_s"], rec["timers"]))
+            slices = None
+        real.delete(ckpt.checkpoint_prefix(ROUND), recursive=True)
     phases["global_write"] = rec
     save()
 
-    # ---------------------------------------------------------------- 2. replica state (every replica)
+    # ---------------------------------------------------------------- 2. global upload per participant, W = 2,4,8
+    sweep: dict[str, Any] = {}
+    if skip:
+        sweep["skipped"] = skip
+    else:
+        # Before: the old leader uploads the whole state (951ee6d); bytes from its own Store's counter.
+        leader = _fresh_store(store_uri)
+        t0 = time.perf_counter()
+        old_write_global_state(leader, ROUND_OLD, gtree, writer=0)
+        sweep["before"] = {"leader_bytes": leader.bytes_written, "leader_wall_s": round(time.perf_counter() - t0, 4)}
+        real.delete(ckpt.checkpoint_prefix(ROUND_OLD), recursive=True)
+        for w in opts["world_sizes"]:
+            t0 = time.perf_counter()
+            slices = ckpt.split_global_state(gtree, w)
+            split_s = time.perf_counter() - t0
+            parts = []
+            for i in range(w):  # one Store object per simulated participant (run one after the other)
+                p = _fresh_store(store_uri)
+                t0 = time.perf_counter()
+                ckpt.write_global_shard(p, ROUND_SWEEP + w, slices, i, writer=i)
+                parts.append({"bytes_written": p.bytes_written, "wall_s": round(time.perf_counter() - t0, 4),
+                              "tensors": len(slices.groups[i])})
+            slices = None
+            ok = ckpt.global_state_complete(real, ROUND_SWEEP + w, num_shards=w)
+            if w != opts["resume_w"]:
+                real.delete(ckpt.checkpoint_prefix(ROUND_SWEEP + w), recursive=True)
+            b = [q["bytes_written"] for q in parts]
+            sweep[str(w)] = {"split_s": round(split_s, 4), "participants": parts, "complete": ok,
+                             "max_bytes": max(b), "mean_bytes": round(statistics.mean(b)), "total_bytes": sum(b),
+                             "slowest_wall_s": max(q["wall_s"] for q in parts)}
+            save()
+    phases["global_upload_by_w"] = sweep
+    gtree = None
+    save()
+
+    # ---------------------------------------------------------------- 3. replica state (every replica)
     rec = {}
     skip = short_of_memory(2.1)
     if skip:
@@ -507,6 +629,8 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
     phases["replica_snapshot"] = rec
     rec = {}
     skip = skip or short_of_memory(3.1)
+    digest_replica: dict[str, int] = {}
+    resume_round = ROUND_SWEEP + opts["resume_w"]
     if skip:
         rec["skipped"] = skip
     else:
@@ -515,107 +639,187 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
             digest_replica = _tensor_digest(rtree)
             timers.take()
             t0 = time.perf_counter()
-            ckpt.write_replica_state(store, ROUND, 0, rtree)  # encode -> put blob -> crc32 -> put marker
+            # encode -> put blob -> crc32 -> put marker; rank 0 of the resume checkpoint
+            rec["bytes"] = ckpt.write_replica_state(store, resume_round, 0, rtree, world_size=opts["resume_w"])
             rec["write_total_s"] = round(time.perf_counter() - t0, 4)
             rec["timers"] = timers.take()
-        rec["bytes"] = real.get_json(f"checkpoints/{ROUND:08d}/replica-0.json")["bytes"]
-    rtree = None
+            rec.update(_split_timers(rec["write_total_s"], rec["timers"]))
     phases["replica_write"] = rec
     save()
     if any("skipped" in phases[k] for k in ("global_write", "replica_write")):
         phases["read"] = {"skipped": "a write phase was skipped"}
         save()
         return
+    # The other replicas of the resume checkpoint (same tree; only the bytes matter for read volume).
+    for rank in range(1, opts["resume_w"]):
+        ckpt.write_replica_state(real, resume_round, rank, rtree, world_size=opts["resume_w"])
+    if model_name != "tiny":
+        rtree = None
 
-    # ---------------------------------------------------------------- 3. repeats and concurrent writes
+    # ---------------------------------------------------------------- 4. repeats and concurrent writes
     if payload <= opts["repeat_max_mb"] * MB and opts["repeats"] > 0:
         rep: dict[str, list[float]] = defaultdict(list)
         for i in range(opts["repeats"]):
             t0 = time.perf_counter()
             g = live_g.snapshot()
             rep["global_snapshot_s"].append(time.perf_counter() - t0)
-            rep["global_write_s"].append(_timed_call(ObjectStoreManager._write_global_state, shim, 100 + i, g))
+            rep["global_write_s"].append(_timed_call(_write_whole_global, real, 100 + i, g))
             t0 = time.perf_counter()
             r = snapshot(ckpt.replica_state(trainer, None))
             rep["replica_snapshot_s"].append(time.perf_counter() - t0)
-            rep["replica_write_s"].append(_timed_call(ckpt.write_replica_state, store, 100 + i, 0, r))
-            real.delete(f"checkpoints/{100 + i:08d}", recursive=True)
+            rep["replica_write_s"].append(_timed_call(ckpt.write_replica_state, real, 100 + i, 0, r))
+            real.delete(ckpt.checkpoint_prefix(100 + i), recursive=True)
         timers.take()
         result["repeats"] = {k: [round(x, 4) for x in v] for k, v in rep.items()}
         save()
     if not short_of_memory(8.5):
-        # On the leader both writes run at once (manager thread + replica _io pool).
-        if live_g is not None:
-            g, r = live_g.snapshot(), snapshot(ckpt.replica_state(trainer, None))
-        else:
-            g, r = synthetic_global_live(shapes).snapshot(), ckpt.replica_state(SyntheticTrainer(shapes), None)
+        # On a participant both writes run at once (its global slice + its replica state); W = 1 here.
+        g, r = global_tree(), replica_tree()
         rec = {}
         with phase(rec):
             with ThreadPoolExecutor(2) as pool:
-                fg = pool.submit(_timed_call, ObjectStoreManager._write_global_state, shim, ROUND + 1, g)
-                fr = pool.submit(_timed_call, ckpt.write_replica_state, store, ROUND + 1, 0, r)
+                fg = pool.submit(_timed_call, _write_whole_global, real, ROUND + 1, g)
+                fr = pool.submit(_timed_call, ckpt.write_replica_state, real, ROUND + 1, 0, r)
                 rec["global_write_s"], rec["replica_write_s"] = round(fg.result(), 4), round(fr.result(), 4)
         g = r = None
-        timers.take()
-        real.delete(f"checkpoints/{ROUND + 1:08d}", recursive=True)
+        real.delete(ckpt.checkpoint_prefix(ROUND + 1), recursive=True)
         phases["concurrent_writes"] = rec
         save()
 
-    # ---------------------------------------------------------------- 4. manifest (leader, background)
+    # ---------------------------------------------------------------- 5. manifest (any participant)
     rec = {}
+    participants = list(range(opts["resume_w"]))
+    timers.take()
     with phase(rec):
-        rec["ok"] = ckpt.write_manifest(store, ROUND, [0], deadline_s=30)
+        rec["ok"] = ckpt.write_manifest(store, resume_round, participants, deadline_s=30)
     rec["timers"] = timers.take()
     phases["manifest"] = rec
     save()
 
-    # ---------------------------------------------------------------- 5. resume read + verify
-    reads: dict[str, Any] = {}
-    before = real.bytes_read
+    # ---------------------------------------------------------------- 6. resume reads (after), each on a fresh Store
+    manifest = ckpt.read_manifest(real, resume_round)
+    g_bytes = sum(e["bytes"] for e in manifest["global"])
+    r_bytes = {int(k): v["bytes"] for k, v in manifest["replicas"].items()}
+    reads: dict[str, Any] = {"world_size": opts["resume_w"], "global_bytes": g_bytes, "replica_bytes": r_bytes,
+                             "checkpoint_bytes": g_bytes + sum(r_bytes.values()),
+                             "replica_needs_bytes": g_bytes + r_bytes[0]}
     rec = {}
+    s = _fresh_store(store_uri)
     with phase(rec):
-        found = ckpt.latest_checkpoint(store)  # verify=True: reads every listed object
+        found = ckpt.latest_checkpoint(TimedStore(s, timers), verify=True)  # what `resume` runs in the launcher
     rec["round"] = found.round if found else None
-    rec["bytes_read"] = real.bytes_read - before
+    rec["bytes_read"] = s.bytes_read
+    rec["x_needed"] = round(s.bytes_read / reads["checkpoint_bytes"], 4)
     rec["timers"] = timers.take()
     reads["latest_checkpoint"] = rec
-    for kind, load, digest in (("load_global", lambda: ckpt.load_global(store, ROUND), digest_global),
-                               ("load_replica", lambda: ckpt.load_replica(store, found, 0), digest_replica)):
-        rec = {}
-        before = real.bytes_read
+    # One (re)starting replica: resume_point, load_global, load_replica_at (its own state only).
+    s = _fresh_store(store_uri)
+    ts = TimedStore(s, timers)
+    startup: dict[str, Any] = {}
+    with phase(startup):
+        t0 = time.perf_counter()
+        point = ckpt.resume_point(ts, 0, world_size=opts["resume_w"])
+        startup["resume_point_s"] = round(time.perf_counter() - t0, 4)
+        startup["resume_point_bytes"] = s.bytes_read
+        startup["round"] = point.round if point else None
         skip = short_of_memory(3.05)
-        if skip:
-            rec["skipped"] = skip
-            reads[kind] = rec
-            continue
-        with phase(rec):
-            t0 = time.perf_counter()
-            tree = load()
-            rec["load_s"] = round(time.perf_counter() - t0, 4)
-            t0 = time.perf_counter()
-            got = _tensor_digest(tree)
-            rec["verify_s"] = round(time.perf_counter() - t0, 4)
-            rec["verified"] = got == digest
-            rec["tensors"] = len(got)
-            tree = None
-        rec["bytes_read"] = real.bytes_read - before
-        rec["timers"] = timers.take()
-        reads[kind] = rec
+        if skip or point is None:
+            startup["skipped"] = skip or "no resume point"
+        else:
+            for kind, load, digest in (
+                    ("load_global", lambda: ckpt.load_global(ts, point.round), digest_global),
+                    ("load_replica", lambda: ckpt.load_replica_at(ts, point.round, 0, point.replica_crc32),
+                     digest_replica)):
+                r = {}
+                before = s.bytes_read
+                timers.take()
+                t0 = time.perf_counter()
+                tree = load()
+                r["load_s"] = round(time.perf_counter() - t0, 4)
+                r["timers"] = timers.take()
+                r["get_s"] = r["timers"].get("store.get", 0.0)
+                got = _tensor_digest(tree)
+                r["verified"] = got == digest
+                r["tensors"] = len(got)
+                tree = None
+                r["bytes_read"] = s.bytes_read - before
+                startup[kind] = r
+    startup["bytes_read"] = s.bytes_read
+    startup["x_needed"] = round(s.bytes_read / reads["replica_needs_bytes"], 4)
+    reads["replica_startup"] = startup
+    # (for the per-object table) the same loads under their old names
+    reads["load_global"] = startup.get("load_global", {"skipped": startup.get("skipped", "-")})
+    reads["load_replica"] = startup.get("load_replica", {"skipped": startup.get("skipped", "-")})
     phases["read"] = reads
     save()
 
-    # ---------------------------------------------------------------- 6. rounds with and without a checkpoint
+    # ---------------------------------------------------------------- 7. resume reads (before), the 951ee6d code
+    real.delete(ckpt.checkpoint_prefix(resume_round), recursive=True)
+    result["before_resume"] = _old_resume_reads(opts, store_uri, global_tree, replica_tree if rtree is None
+                                                else (lambda: rtree), short_of_memory)
+    save()
+
+    # ---------------------------------------------------------------- 8. rounds with and without a checkpoint
     if trainer is not None and opts["rounds"] > 0:
-        result["rounds"] = _time_rounds(opts, trainer, live_g, store, real, shim, snapshot)
+        result["rounds"] = _time_rounds(opts, trainer, live_g, real, snapshot)
         timers.take()
         save()
 
 
-def _time_rounds(opts: dict[str, Any], trainer: Any, live_g: GlobalLive, store: Any, real: Any, shim: Any,
+def _old_resume_reads(opts: dict[str, Any], store_uri: str, global_tree: Any, replica_tree: Any,
+                      short_of_memory: Any) -> dict[str, Any]:
+    """The same checkpoint (W = ``resume_w`` replicas) written and read by the pre-sharding code (951ee6d)."""
+    out: dict[str, Any] = {"code": f"git show {OLD_COMMIT}:composer_cloud/checkpoint.py"}
+    skip = short_of_memory(4.1)
+    if skip:
+        out["skipped"] = skip
+        return out
+    try:
+        old = load_old_checkpoint_module()
+    except Exception as exc:  # noqa: BLE001 - no git, or the file moved: say so, compute instead
+        out["skipped"] = f"old code not loadable ({type(exc).__name__}: {exc})"
+        return out
+    uri = store_uri.rstrip("/") + "-old"
+    w = opts["resume_w"]
+    base = _fresh_store(uri)
+    base.check_access()
+    g = global_tree()
+    g_bytes = old_write_global_state(base, ROUND, g)
+    g = None
+    r = replica_tree()
+    r_bytes = {}
+    for rank in range(w):
+        old.write_replica_state(base, ROUND, rank, r)
+        r_bytes[rank] = base.get_json(f"checkpoints/{ROUND:08d}/replica-{rank}.json")["bytes"]
+    r = None
+    out["manifest_written"] = old.write_manifest(base, ROUND, list(range(w)), deadline_s=30)
+    out.update({"world_size": w, "global_bytes": g_bytes, "replica_bytes": r_bytes,
+                "checkpoint_bytes": g_bytes + sum(r_bytes.values()), "replica_needs_bytes": g_bytes + r_bytes[0]})
+    s = _fresh_store(uri)
+    t0 = time.perf_counter()
+    found = old.latest_checkpoint(s, verify=True)  # old launcher `resume`
+    out["latest_checkpoint"] = {"bytes_read": s.bytes_read, "wall_s": round(time.perf_counter() - t0, 4),
+                                "x_needed": round(s.bytes_read / out["checkpoint_bytes"], 4),
+                                "round": found.round if found else None}
+    # Old replica startup (951ee6d replica.py:147, 267, 279): latest_checkpoint(verify) + load_global + load_replica.
+    s = _fresh_store(uri)
+    t0 = time.perf_counter()
+    found = old.latest_checkpoint(s)
+    old.load_global(s, found.round)  # decoded and dropped: only the bytes read matter here
+    old.load_replica(s, found, 0)
+    out["replica_startup"] = {"bytes_read": s.bytes_read, "wall_s": round(time.perf_counter() - t0, 4),
+                              "x_needed": round(s.bytes_read / out["replica_needs_bytes"], 4)}
+    base.delete("checkpoints", recursive=True)
+    return out
+
+
+def _time_rounds(opts: dict[str, Any], trainer: Any, live_g: GlobalLive, real: Any,
                  snapshot: Any) -> dict[str, Any]:
-    """Alternate plain rounds, global-only rounds and checkpoint rounds on the leader, as the runtime does them."""
+    """Alternate plain rounds, global-only rounds and checkpoint rounds of participant 0 of W = ``resume_w``,
+    as the runtime does them (its global slice every committed round; its replica state on checkpoint rounds)."""
     from composer_cloud import checkpoint as ckpt
-    from composer_cloud.rendezvous.manager import ObjectStoreManager
+
+    world = opts["resume_w"]
 
     h = opts["h"]
     publish = ThreadPoolExecutor(1, thread_name_prefix="sync")  # the manager's exchange/publish thread
@@ -628,13 +832,12 @@ def _time_rounds(opts: dict[str, Any], trainer: Any, live_g: GlobalLive, store: 
                 r += 1
                 t0 = time.perf_counter()
                 fg = fr = None
-                if kind != "plain":
-                    fg = publish.submit(_timed_call, ObjectStoreManager._write_global_state, shim, r,
-                                        live_g.snapshot())  # publish_state(): save_fn on the critical path
-                if kind == "checkpoint":
+                if kind == "checkpoint":  # replica._after_commit: snapshot, replica write first ...
                     tree = snapshot(ckpt.replica_state(trainer, None))
-                    fr = io.submit(_timed_call, ckpt.write_replica_state, store, r, 0, tree)
+                    fr = io.submit(_timed_call, ckpt.write_replica_state, real, r, 0, tree)
                     tree = None
+                if kind != "plain":  # ... then publish_state(after=that write): save_fn now, my slice after it
+                    fg = publish.submit(_after_then, fr, _write_my_slice, real, r, live_g.snapshot(), world, 0)
                 out[f"{kind}_critical_s"].append(time.perf_counter() - t0)
                 for _ in range(h):
                     trainer.step()
@@ -743,7 +946,8 @@ def summarize(case: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
         med, lo = _med(first, more)
         s[f"{key}_s"], s[f"{key}_min_s"] = round(med, 4), round(lo, 4)
     s["write_samples"] = 1 + len(rep.get("global_write_s", []))
-    # Current runtime (replica.py _after_commit): save_fn + replica snapshot block; writes are background.
+    # Current runtime (replica.py _after_commit): every participant's save_fn (every committed round) +
+    # replica snapshot (checkpoint rounds) block; writes are background. (Key names kept from the leader era.)
     s["critical_leader_every_round_s"] = s["global_snapshot_s"]
     s["critical_leader_ckpt_round_s"] = round(s["global_snapshot_s"] + s["replica_snapshot_s"], 4)
     s["critical_other_replicas_s"] = s["replica_snapshot_s"]
@@ -776,12 +980,66 @@ def summarize(case: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
         s["global_upload_excess_s"] = round(max(0.0, s["global_write_s"] - round_s), 4)
     rd = ph.get("read", {})
     if "latest_checkpoint" in rd:
-        s["resume_read_s"] = round(sum(_g(rd, k, "wall_s", default=0) for k in
-                                       ("latest_checkpoint", "load_global", "load_replica")), 4)
-        s["resume_bytes_read"] = sum(_g(rd, k, "bytes_read", default=0) for k in
-                                     ("latest_checkpoint", "load_global", "load_replica"))
+        s["launcher_resume_read_s"] = _g(rd, "latest_checkpoint", "wall_s")
+        s["replica_startup_read_s"] = _g(rd, "replica_startup", "wall_s")
+        s["launcher_resume_x"] = _g(rd, "latest_checkpoint", "x_needed")
+        s["replica_startup_x"] = _g(rd, "replica_startup", "x_needed")
         s["verified"] = all(_g(rd, k, "verified", default=False) for k in ("load_global", "load_replica"))
     return s
+
+
+def upload_rows(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """Global-state bytes each replica uploads per committed round: old leader vs. each participant's slice."""
+    sw = _g(case, "phases", "global_upload_by_w", default={})
+    if "before" not in sw:
+        return []
+    before = sw["before"]
+    rows = []
+    for w in sorted(int(k) for k in sw if k.isdigit()):
+        d = sw[str(w)]
+        rows.append({"model": case["model"], "store": case["store"], "W": w,
+                     "before_leader_mb": before["leader_bytes"] / MB, "before_others_mb": 0.0,
+                     "after_max_mb": d["max_bytes"] / MB, "after_mean_mb": d["mean_bytes"] / MB,
+                     "max_over_before": d["max_bytes"] / before["leader_bytes"],
+                     "mean_over_before": d["mean_bytes"] / before["leader_bytes"],
+                     "ideal": 1 / w, "before_wall_s": before["leader_wall_s"],
+                     "after_slowest_wall_s": d["slowest_wall_s"],
+                     "wall_ratio": d["slowest_wall_s"] / before["leader_wall_s"] if before["leader_wall_s"] else None,
+                     "complete": d["complete"]})
+    return rows
+
+
+def resume_rows(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """Bytes read at resume, after (this code) and before (951ee6d), as multiples of what is needed."""
+    rd = _g(case, "phases", "read", default={})
+    if "latest_checkpoint" not in rd:
+        return []
+    old = case.get("before_resume", {})
+    rows = []
+    for what, key, need in (("launcher resume: latest_checkpoint(verify=True)", "latest_checkpoint",
+                             "checkpoint_bytes"),
+                            ("replica startup (own state)", "replica_startup", "replica_needs_bytes")):
+        after = rd[key]
+        row = {"model": case["model"], "store": case["store"], "W": rd["world_size"], "what": what,
+               "needed_mb": rd[need] / MB, "after_read_mb": after["bytes_read"] / MB, "after_x": after["x_needed"],
+               "after_s": after.get("wall_s")}
+        if key in old:
+            row.update(before_needed_mb=old[need] / MB, before_read_mb=old[key]["bytes_read"] / MB,
+                       before_x=old[key]["x_needed"], before_s=old[key]["wall_s"])
+        else:
+            row["before_note"] = old.get("skipped", "not measured")
+        rows.append(row)
+    if "replica_startup" in old:
+        w = rd["world_size"]
+        # Every replica starts up: the store serves W times one replica's startup reads.
+        rows.append({"model": case["model"], "store": case["store"], "W": w,
+                     "what": f"all {w} replicas' startups together", "needed_mb": w * rd["replica_needs_bytes"] / MB,
+                     "after_read_mb": w * rd["replica_startup"]["bytes_read"] / MB,
+                     "after_x": rd["replica_startup"]["x_needed"], "after_s": None,
+                     "before_needed_mb": w * old["replica_needs_bytes"] / MB,
+                     "before_read_mb": w * old["replica_startup"]["bytes_read"] / MB,
+                     "before_x": old["replica_startup"]["x_needed"], "before_s": None})
+    return rows
 
 
 def print_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -> None:
@@ -790,8 +1048,8 @@ def print_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -
 
     con = Console(width=200)
     t = Table(title="Per state object, one replica (first write; seconds, MB)")
-    cols = ("model", "params", "store", "state", "MB", "snapshot", "encode", "frame", "put", "write total",
-            "peak +MB write", "read(verify)", "load", "decode", "ok")
+    cols = ("model", "params", "store", "state", "MB", "snapshot", "encode", "store I/O", "write total",
+            "peak +MB write", "read(verify)", "load", "get", "ok")
     for col in cols:
         t.add_column(col, justify="left" if col in ("model", "store", "state") else "right")
     for c in cases:
@@ -801,32 +1059,34 @@ def print_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -
             w, sn = ph.get(f"{state}_write", {}), ph.get(f"{state}_snapshot", {})
             if "write_total_s" not in w:
                 why = w.get("skipped") or sn.get("skipped") or c.get("error", "failed")
-                t.add_row(c["model"], f"{c.get('params', 0) / 1e6:.1f}M", c["store"], state, *["-"] * 10, why[:40])
+                t.add_row(c["model"], f"{c.get('params', 0) / 1e6:.1f}M", c["store"], state, *["-"] * 9, why[:40])
                 continue
-            tm = w.get("timers", {})
             r = rd.get(f"load_{state}", {})
             peak = w.get("peak_over_start_mb", 0.0)
             t.add_row(
                 c["model"], f"{c['params'] / 1e6:.1f}M", c["store"], state, f"{w['bytes'] / MB:.1f}",
-                f"{sn.get('snapshot_s', float('nan')):.3f}", f"{tm.get('encode', 0):.3f}", f"{tm.get('frame', 0):.3f}",
-                f"{tm.get('store.put', 0):.3f}", f"{w['write_total_s']:.3f}",
+                f"{sn.get('snapshot_s', float('nan')):.3f}", f"{w.get('compute_s', float('nan')):.3f}",
+                f"{w.get('store_io_s', float('nan')):.3f}", f"{w['write_total_s']:.3f}",
                 f"{peak:.0f} ({peak * MB / max(1, w['bytes']):.1f}x)",
                 f"{_g(rd, 'latest_checkpoint', 'wall_s', default=float('nan')):.3f}",
-                f"{r.get('load_s', float('nan')):.3f}", f"{_g(r, 'timers', 'decode', default=float('nan')):.3f}",
+                f"{r.get('load_s', float('nan')):.3f}", f"{r.get('get_s', float('nan')):.3f}",
                 {True: "yes", False: "NO"}.get(r.get("verified"), r.get("skipped", "-")[:20]))
     con.print(t)
     con.print("  snapshot = critical-path copy (global: torchft save_fn clone of the params; replica: "
-              "replica._snapshot of AdamW state + data position + RNG). "
-              "encode = encode_state (safetensors, whole file in memory); "
-              "frame = store.frame inside Store.put (crc32 + bytes(view) + header concatenation: two full copies); "
-              "put = Store.put incl. frame (file:// = write + fsync + rename); write total = the library call incl. "
-              "marker. peak +MB write = kernel VmHWM above the RSS at the start of the write (the snapshot being "
-              "written is not included: add 1x). read(verify) = latest_checkpoint (reads and checks ALL objects); "
-              "load = load_global/load_replica (reads again + decode).")
+              "replica._snapshot of AdamW state + data position + RNG). global = the whole state by one writer "
+              "(write_global_shard of split_global_state(tree, 1)); replica = write_replica_state. "
+              "store I/O = time inside the Store calls (put incl. framing, marker, exists; timed on a wrapper "
+              "around the store object); encode = write total - store I/O (safetensors encode, crc32). "
+              "peak +MB write = kernel VmHWM above the RSS at the start of the write (the snapshot being "
+              "written is not included: add 1x). read(verify) = latest_checkpoint(verify=True) of the W-replica "
+              "checkpoint (reads every object once); load = load_global / load_replica_at of one replica's startup, "
+              "get = its time in Store.get (the rest is decode).")
+    print_upload_and_resume(con, cases)
 
     t2 = Table(title="Per round, current runtime: snapshots block, writes run in the background")
-    for col in ("model", "store", "global MB", "replica MB", "writes", "critical: leader s", "critical: others s",
-                "background: leader s", "round s", "critical %", "background %", "measured ckpt round",
+    for col in ("model", "store", "global MB", "replica MB", "writes", "critical: ckpt round s",
+                "critical: global-only round s", "background: W=1 s", "round s", "critical %", "background %",
+                "measured ckpt round",
                 "round"):
         t2.add_column(col, justify="left" if col in ("model", "store", "round") else "right")
     for c, s in zip(cases, summaries):
@@ -842,7 +1102,7 @@ def print_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -
             bg += f" ({s['background_leader_concurrent_s']:.3f} together)"
         t2.add_row(c["model"], c["store"], f"{s['global_bytes'] / MB:.1f}", f"{s['replica_bytes'] / MB:.1f}",
                    str(s["write_samples"]), f"{s['critical_leader_ckpt_round_s']:.3f}",
-                   f"{s['critical_other_replicas_s']:.3f}", bg,
+                   f"{s['critical_leader_every_round_s']:.3f}", bg,
                    f"{s['round_s']:.2f}" if has else "-",
                    f"{s['critical_pct_of_round']:.1f}%" if has else "-",
                    f"{s['background_pct_of_round']:.1f}%" if has else "-", meas, s["round_basis"].split(":")[0])
@@ -850,15 +1110,77 @@ def print_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -
     for c, s in zip(cases, summaries):
         if s and "round_s" in s:
             con.print(f"  round of {c['model']}/{c['store']}: {s['round_basis']}")
-    con.print("  critical: leader = save_fn clone (every round) + replica snapshot (checkpoint rounds); "
-              "others = replica snapshot. "
-              "background: leader = global write (every round) + replica write (checkpoint rounds), "
-              "sequential sum (and both at once where measured); must fit in a round, else the global upload's "
-              "excess blocks the leader at the next sync and replica writes queue up, each holding its snapshot. "
-              "measured ckpt round (tiny) = a leader checkpoint round done as the runtime does it "
+    con.print("  critical (every participant): ckpt round = save_fn clone + replica snapshot; global-only round "
+              "= save_fn clone. background: W=1 = the whole global write + replica write (one participant holding "
+              "all of the global state; with W participants its global part is ~1/W, see the upload table), "
+              "sequential sum (and both at once where measured); must fit in a round, else the slice upload's "
+              "excess blocks at the next sync. "
+              "measured ckpt round (tiny) = a checkpoint round of participant 0 of W = --resume-w done as the "
+              "runtime does it (replica write, then its slice) "
               "vs a plain round of H inner steps "
               "(medians, same process, 1 torch thread; the background work competes with training for this machine's "
               "cores). Medians over 'writes' samples per state.")
+
+
+def print_upload_and_resume(con: Any, cases: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    t = Table(title="Global-state upload per replica per committed round (MB): before = the leader uploads all, "
+                    "after = each participant its slice")
+    for col in ("model", "store", "W", "before: leader", "before: others", "after: max", "after: mean",
+                "max/before", "mean/before", "1/W", "before s (leader)", "after s (slowest)", "slowest/before",
+                "durable"):
+        t.add_column(col, justify="left" if col in ("model", "store") else "right")
+    for c in cases:
+        for r in upload_rows(c):
+            t.add_row(r["model"], r["store"], str(r["W"]), f"{r['before_leader_mb']:.1f}", "0",
+                      f"{r['after_max_mb']:.1f}", f"{r['after_mean_mb']:.1f}", f"{r['max_over_before']:.3f}",
+                      f"{r['mean_over_before']:.3f}", f"{r['ideal']:.3f}", f"{r['before_wall_s']:.3f}",
+                      f"{r['after_slowest_wall_s']:.3f}", f"{r['wall_ratio']:.2f}" if r["wall_ratio"] else "-",
+                      "yes" if r["complete"] else "NO")
+    con.print(t)
+    con.print("  bytes = Store.bytes_written (framed blob + marker) of one Store object per simulated participant; "
+              "participants run one after the other on this machine (wall = each one's own write). Slices are "
+              "whole tensors (the tied embedding is ~27% of the 0.5B state), so the largest slice exceeds 1/W.")
+    t = Table(title="Resume read volume (Store.bytes_read of a fresh Store object), as a multiple of what is needed")
+    for col in ("model", "store", "W", "reader", "needed MB", "after MB", "after x", "after s", "before MB",
+                "before x", "before s"):
+        t.add_column(col, justify="left" if col in ("model", "store", "reader") else "right")
+    for c in cases:
+        for r in resume_rows(c):
+            t.add_row(r["model"], r["store"], str(r["W"]), r["what"], f"{r['needed_mb']:.1f}",
+                      f"{r['after_read_mb']:.1f}", f"{r['after_x']:.3f}",
+                      "-" if r.get("after_s") is None else f"{r['after_s']:.2f}",
+                      f"{r['before_read_mb']:.1f}" if "before_read_mb" in r else r.get("before_note", "-")[:30],
+                      f"{r['before_x']:.3f}" if "before_x" in r else "-",
+                      "-" if r.get("before_s") is None else f"{r['before_s']:.2f}")
+    con.print(t)
+    con.print(f"  needed: launcher = the checkpoint's blobs (global slices + every replica state); replica = global "
+              f"+ its own state. before = the same checkpoint written and read by the {OLD_COMMIT} code "
+              "(git show, loaded as a separate module): its replica startup ran latest_checkpoint(verify=True) "
+              "(every object) then load_global and load_replica (again).")
+
+
+def markdown_upload_resume(cases: list[dict[str, Any]]) -> str:
+    lines = ["| model | store | W | before: leader MB | before: others MB | after: max MB | after: mean MB "
+             "| max / before | mean / before | 1/W | before s (leader) | after s (slowest participant) |",
+             "|" + "---|" * 12]
+    for c in cases:
+        for r in upload_rows(c):
+            lines.append(f"| {r['model']} | {r['store']} | {r['W']} | {r['before_leader_mb']:.1f} | 0 "
+                         f"| {r['after_max_mb']:.1f} | {r['after_mean_mb']:.1f} | {r['max_over_before']:.3f} "
+                         f"| {r['mean_over_before']:.3f} | {r['ideal']:.3f} | {r['before_wall_s']:.3f} "
+                         f"| {r['after_slowest_wall_s']:.3f} |")
+    lines += ["", "| model | store | W | reader | needed MB | after: read MB | after: x needed | before: read MB "
+              "| before: x needed |", "|" + "---|" * 9]
+    for c in cases:
+        for r in resume_rows(c):
+            lines.append(f"| {r['model']} | {r['store']} | {r['W']} | {r['what']} | {r['needed_mb']:.1f} "
+                         f"| {r['after_read_mb']:.1f} | {r['after_x']:.3f} "
+                         f"| {r['before_read_mb']:.1f} | {r['before_x']:.3f} |" if "before_x" in r else
+                         f"| {r['model']} | {r['store']} | {r['W']} | {r['what']} | {r['needed_mb']:.1f} "
+                         f"| {r['after_read_mb']:.1f} | {r['after_x']:.3f} | - | {r.get('before_note', '-')} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]], calib: dict[str, Any]) -> str:
@@ -867,22 +1189,22 @@ def markdown_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]
         return "-" if x is None else f"{x:.{nd}f}"
 
     lines = [f"Machine at the start: {calib}", "",
-             "| model | store | state | MB | snapshot s | encode s | frame s | put s | write s | peak write MB "
-             "| read+verify s | load s | ok |", "|" + "---|" * 13]
+             "| model | store | state | MB | snapshot s | encode s | store I/O s | write s | peak write MB "
+             "| read+verify s | load s | ok |", "|" + "---|" * 12]
     for c in cases:
         ph, rd = c.get("phases", {}), _g(c, "phases", "read", default={})
         for state in ("global", "replica"):
             w, sn, r = ph.get(f"{state}_write", {}), ph.get(f"{state}_snapshot", {}), rd.get(f"load_{state}", {})
             if "write_total_s" not in w:
                 continue
-            tm = w.get("timers", {})
             lines.append(
                 f"| {c['model']} | {c['store']} | {state} | {w['bytes'] / MB:.1f} | {f(sn.get('snapshot_s'))} "
-                f"| {f(tm.get('encode'))} | {f(tm.get('frame'))} | {f(tm.get('store.put'))} | {f(w['write_total_s'])} "
+                f"| {f(w.get('compute_s'))} | {f(w.get('store_io_s'))} | {f(w['write_total_s'])} "
                 f"| {w.get('peak_over_start_mb', 0):.0f} ({w.get('peak_over_start_mb', 0) * MB / w['bytes']:.1f}x) "
                 f"| {f(_g(rd, 'latest_checkpoint', 'wall_s'))} | {f(r.get('load_s'))} "
                 f"| {'yes' if r.get('verified') else r.get('skipped', 'NO')} |")
-    lines += ["", "| model | store | writes | critical: leader s | critical: others s | background: leader s "
+    lines += ["", "| model | store | writes | critical: ckpt round s | critical: global-only round s "
+              "| background: W=1 s "
               "| round s | critical % | background % | measured checkpoint round vs plain |", "|" + "---|" * 10]
     for c, s in zip(cases, summaries):
         if not s:
@@ -896,10 +1218,10 @@ def markdown_tables(cases: list[dict[str, Any]], summaries: list[dict[str, Any]]
                     f"{s['measured_global_only_overhead_pct']:+.1f}%)")
         has = "round_s" in s
         lines.append(f"| {c['model']} | {c['store']} | {s['write_samples']} | {f(s['critical_leader_ckpt_round_s'])} "
-                     f"| {f(s['critical_other_replicas_s'])} | {bg} | {f(s.get('round_s'), 2)} "
+                     f"| {f(s['critical_leader_every_round_s'])} | {bg} | {f(s.get('round_s'), 2)} "
                      f"| {f(s.get('critical_pct_of_round'), 1) + '%' if has else '-'} "
                      f"| {f(s.get('background_pct_of_round'), 1) + '%' if has else '-'} | {meas} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + markdown_upload_resume(cases)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -923,13 +1245,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tmp", default=None, help="scratch dir for the file:// store (needs ~9 GB with 0.5B)")
     ap.add_argument("--memory-floor-gb", type=float, default=1.0,
                     help="abort a case if machine-wide available memory falls below this")
+    ap.add_argument("--world-sizes", default="2,4,8", help="participant counts W for the global-upload table")
+    ap.add_argument("--resume-w", type=int, default=2,
+                    help="replicas in the checkpoint used for the resume reads (and the timed rounds' W)")
+    ap.add_argument("--case-timeout", type=float, default=2400,
+                    help="seconds per file:// case (0.5B writes ~8 states of 4 GB and reads ~50 GB: ~15 min here)")
     ap.add_argument("--json", default=DEFAULT_JSON)
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
     args = ap.parse_args(argv)
 
     opts = {"h": args.h, "rounds": args.rounds, "repeats": args.repeats, "repeat_max_mb": args.repeat_max_mb,
             "big_h": args.big_h, "big_step_s": args.big_step_s, "big_step_note": args.big_step_note.replace("%%", "%"),
-            "memory_floor_gb": args.memory_floor_gb}
+            "memory_floor_gb": args.memory_floor_gb,
+            "world_sizes": sorted({int(w) for w in args.world_sizes.split(",") if w} | {args.resume_w}),
+            "resume_w": args.resume_w}
     workdir = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.tmp)
     models = [m for m in args.models.split(",") if m]
     if args.skip_mid:
@@ -948,8 +1277,9 @@ def main(argv: list[str] | None = None) -> int:
         for model, kind in [p for p in plan if p[1] == "file"]:
             uri = f"file://{workdir}/store-{model}"
             print(f"[checkpoint bench] {model} on file:// ...", flush=True)
-            cases.append(_spawn_case(model, uri, opts, workdir, timeout=900))
+            cases.append(_spawn_case(model, uri, opts, workdir, timeout=args.case_timeout))
             shutil.rmtree(f"{workdir}/store-{model}", ignore_errors=True)
+            shutil.rmtree(f"{workdir}/store-{model}-old", ignore_errors=True)
         s3_plan = [p for p in plan if p[1] == "s3"]
         if s3_plan:
             sys.path.insert(0, ROOT)
