@@ -323,7 +323,7 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
         r = export_model(run, out, round=round)
     except (LookupError, StoreError) as exc:
         raise _fail(str(exc), code=1) from None
-    console.print(f"exported round {r} of {run.run_id} to {out}")
+    console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
 
 
 def main() -> None:

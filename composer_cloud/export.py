@@ -21,16 +21,27 @@ def export_model(run: Run, out: Path, *, round: int | None = None) -> int:
     from composer_cloud.model import load_spec_model
 
     store, spec = run.store, run.spec
-    if round is None:
-        found = ckpt.latest_checkpoint(store)
-        if found is None:
-            raise LookupError(f"run {store.uri} has no valid checkpoint to export yet")
-        round = found.round
-    elif not ckpt.has_global_state(store, round):
-        raise LookupError(f"run {store.uri} has no global state for round {round} "
-                          f"(available: {ckpt.global_state_rounds(store)})")
     model, tokenizer = load_spec_model(spec.model, seed=spec.seed)
-    load_global_parameters(split_fragments(model, spec.sync.fragments), ckpt.load_global(store, round))
+    fragments = split_fragments(model, spec.sync.fragments)
+    if round is not None:
+        if not ckpt.has_global_state(store, round):
+            raise LookupError(f"run {store.uri} has no global state for round {round} "
+                              f"(available: {ckpt.global_state_rounds(store)})")
+        load_global_parameters(fragments, ckpt.load_global(store, round))
+    else:
+        # Newest checkpoint with a manifest whose global state reads back intact: one verified read each.
+        before = None
+        while True:
+            found = ckpt.latest_checkpoint(store, before=before, verify=False)
+            if found is None:
+                raise LookupError(f"run {store.uri} has no valid checkpoint to export yet")
+            try:
+                load_global_parameters(fragments, ckpt.load_global(store, found.round))
+                round = found.round
+                break
+            except ckpt.CorruptCheckpoint as exc:
+                logger.warning("checkpoint %d cannot be exported (%s); trying the previous one", found.round, exc)
+                before = found.round
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
