@@ -48,25 +48,21 @@ import functools
 import hashlib
 import importlib.machinery
 import importlib.util
-import io
 import logging
 import os
 import re
-import shutil
 import site
-import stat
 import sys
 import sysconfig
-import tempfile
 import uuid
-import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_cloud.archive import MAX_ENTRIES, UnsafeArchive, extract_atomic, write_zip  # noqa: F401 - re-exported
 from composer_cloud.registry import BadReference, is_reference
-from composer_cloud.rendezvous.store import ChecksumMismatch, Store, StoreError
+from composer_cloud.rendezvous.store import ChecksumMismatch, Store
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +71,11 @@ MAX_CODE_BYTES = 50 * 2**20
 #: Largest single path (a file, or a directory's files together) :func:`upload_files` uploads by default.
 #: Objects travel through memory; larger models belong on the Hugging Face Hub, named by repo id.
 MAX_FILE_BYTES = 2**30
-#: Refuse to extract archives that declare more than this (zip-bomb guard; above both limits).
-MAX_EXTRACT_BYTES = 2 * 2**30
-#: Refuse archives (and bundles) with more entries than this.
-MAX_ENTRIES = 20_000
 
 CODE_PREFIX = "code"
 FILES_PREFIX = "files"
 DIRS_PREFIX = "dirs"
 
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest time zip can represent
-_FILE_MODE = 0o644
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _FILE_KEY_RE = re.compile(rf"({FILES_PREFIX}|{DIRS_PREFIX})/([0-9a-f]{{64}})/([^/]+)")
 _SKIP_DIRS = {"__pycache__"}
@@ -103,15 +93,6 @@ class CodeNotFound(BadReference, UserCodeError):
 
 class BundleTooLarge(UserCodeError):
     """The code or a file to upload exceeds its size limit."""
-
-
-class UnsafeArchive(StoreError):
-    """An archive read from the store holds an entry that must not be extracted."""
-
-    def __init__(self, key: str, entry: str, reason: str) -> None:
-        self.key = key
-        self.entry = entry
-        super().__init__(f"object {key} holds an unsafe entry {entry!r} ({reason}); nothing was extracted")
 
 
 # --------------------------------------------------------------------------- results
@@ -260,7 +241,7 @@ def collect_code(
             queue.append((setting, None, name, False))
     for item in include:
         _add_include(entries, base, item)
-    data = _write_zip(entries.sources, compress=True)
+    data = write_zip(entries.sources, compress=True)
     bundle = CodeBundle(data=data, sha256=hashlib.sha256(data).hexdigest(), modules=tuple(sorted(packaged)),
                         files=tuple(sorted(entries.sources)), installed=tuple(sorted(installed)))
     logger.info("code bundle %s: %d files, %d bytes; packaged %s; installed in the image: %s", bundle.sha256[:12],
@@ -306,7 +287,7 @@ def upload_files(
             entries = _Entries(max_bytes=max_bytes, what=f"directory {path}")
             for rel, file in _walk(path):
                 entries.add(rel, file)
-            data = _write_zip(entries.sources, compress=False)  # weights do not compress; STORED is fast
+            data = write_zip(entries.sources, compress=False)  # weights do not compress; STORED is fast
             sha = hashlib.sha256(data).hexdigest()
             key = f"{DIRS_PREFIX}/{sha}/{name}.zip"
         else:
@@ -338,7 +319,7 @@ def install_code(store: Store, ref: CodeRef, *, cache_dir: str | os.PathLike[str
         logger.debug("code %s already extracted at %s", ref.sha256[:12], target)
     else:
         data = _get_verified(store, ref.key, ref.sha256)
-        _extract_atomic(data, ref.key, target)
+        extract_atomic(data, ref.key, target)
         logger.info("installed code %s (%s) at %s", ref.sha256[:12], ", ".join(ref.modules) or "-", target)
     if str(target) not in sys.path:
         sys.path.insert(0, str(target))
@@ -369,7 +350,7 @@ def fetch_file(store: Store, key: str, *, cache_dir: str | os.PathLike[str]) -> 
         return target
     data = _get_verified(store, key, sha)
     if is_dir:
-        _extract_atomic(data, key, target)
+        extract_atomic(data, key, target)
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
@@ -532,19 +513,6 @@ def _add_include(entries: _Entries, base: Path, item: str | os.PathLike[str]) ->
         entries.add(Path(rel).as_posix(), path)
 
 
-def _write_zip(sources: Mapping[str, Path], *, compress: bool) -> bytes:
-    """A zip of ``sources`` whose bytes depend only on the names and contents."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for arcname in sorted(sources):
-            info = zipfile.ZipInfo(arcname, date_time=_ZIP_TIME)
-            info.create_system = 3  # unix, whatever the host
-            info.external_attr = (stat.S_IFREG | _FILE_MODE) << 16
-            info.compress_type = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-            zf.writestr(info, sources[arcname].read_bytes())
-    return buf.getvalue()
-
-
 # --------------------------------------------------------------------------- store I/O
 def _put_verified(store: Store, key: str, data: bytes, sha256: str) -> None:
     """Create ``key`` write-once; if it exists, keep it only if its bytes hash to ``sha256``."""
@@ -578,82 +546,3 @@ def _check_code_ref(ref: CodeRef) -> None:
 
 
 # --------------------------------------------------------------------------- extraction
-def _safe_members(zf: zipfile.ZipFile, key: str) -> list[tuple[zipfile.ZipInfo, tuple[str, ...]]]:
-    """Every entry with its path parts, after refusing anything unsafe; raises :class:`UnsafeArchive`."""
-    infos = zf.infolist()
-    if len(infos) > MAX_ENTRIES:
-        raise UnsafeArchive(key, infos[MAX_ENTRIES].filename, f"more than {MAX_ENTRIES} entries")
-    out: list[tuple[zipfile.ZipInfo, tuple[str, ...]]] = []
-    files: set[tuple[str, ...]] = set()
-    total = 0
-    for info in infos:
-        name = info.filename
-        mode = info.external_attr >> 16
-        if name.startswith("/") or "\\" in name or "\0" in name or re.match(r"[A-Za-z]:", name):
-            raise UnsafeArchive(key, name, "absolute or non-POSIX path")
-        parts = tuple(name.rstrip("/").split("/")) if info.is_dir() else tuple(name.split("/"))
-        if any(p in ("", ".", "..") for p in parts):
-            raise UnsafeArchive(key, name, "empty, '.' or '..' path component")
-        if stat.S_ISLNK(mode):
-            raise UnsafeArchive(key, name, "symbolic link")
-        if stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):
-            raise UnsafeArchive(key, name, "not a regular file or directory")
-        if info.flag_bits & 0x1:
-            raise UnsafeArchive(key, name, "encrypted")
-        if not info.is_dir():
-            if parts in files:
-                raise UnsafeArchive(key, name, "duplicate entry")
-            files.add(parts)
-        total += info.file_size
-        if total > MAX_EXTRACT_BYTES:
-            raise UnsafeArchive(key, name, f"archive expands beyond {MAX_EXTRACT_BYTES} bytes")
-        out.append((info, parts))
-    for parts in files:  # a file may not also be a directory of another entry
-        for i in range(1, len(parts)):
-            if parts[:i] in files:
-                raise UnsafeArchive(key, "/".join(parts), f"{'/'.join(parts[:i])} is also a file")
-    return out
-
-
-def _extract_atomic(data: bytes, key: str, target: Path) -> None:
-    """Check every entry, extract to a temporary sibling of ``target``, then rename it into place."""
-    try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as exc:
-        raise UnsafeArchive(key, "", f"not a zip archive: {exc}") from None
-    with zf:
-        members = _safe_members(zf, key)  # all checks before the first byte is written
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-        try:
-            for info, parts in members:
-                dest = tmp.joinpath(*parts)
-                if info.is_dir():
-                    dest.mkdir(parents=True, exist_ok=True)
-                    continue
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                _copy_member(zf, info, dest, key)
-            tmp.chmod(0o755)  # mkdtemp makes it 0700
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not target.is_dir():
-                    raise
-                logger.debug("%s was extracted concurrently; using that copy", target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, key: str) -> None:
-    written = 0
-    try:
-        with zf.open(info) as src, open(dest, "xb") as out:
-            while chunk := src.read(1 << 20):
-                written += len(chunk)
-                if written > info.file_size:  # never trust the declared size to bound the output
-                    raise UnsafeArchive(key, info.filename, "expands beyond its declared size")
-                out.write(chunk)
-    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError) as exc:
-        raise UnsafeArchive(key, info.filename, f"cannot be extracted: {exc}") from None
-    dest.chmod(_FILE_MODE)
