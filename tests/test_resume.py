@@ -222,7 +222,8 @@ def test_leader_killed_during_global_upload_run_completes_exactly(kind, round, t
 def test_forged_future_commits_never_yield_completed(tmp_path):
     """Committed records forged for every later round, then every replica dies: not "completed"."""
     store = _store_uri("file", tmp_path)
-    launcher = _launch_and_kill_replica_at(tmp_path, store, "forged", "inner_step", 1, "")
+    launcher = _launch_and_kill_replica_at(tmp_path, store, "forged", "inner_step", 1, "",
+                                           sync="round_timeout_s = 20\nheal_timeout_s = 30\n")
     run = Store(f"{store}/forged")
     for r in range(1, 4):
         prefix = f"rounds/{r:08d}/0"
