@@ -117,9 +117,9 @@ class GlobalStateSlices:
         """Slice ``index`` as safetensors bytes; the tree's skeleton rides in every slice's metadata."""
         meta = {"round": str(round), "shard": str(index), "num_shards": str(self.num_shards),
                 "skeleton": json.dumps(self.skeleton)}
-        from safetensors.torch import save as st_save
+        from composer_cloud.rendezvous.state import save_tensors
 
-        return st_save({k: self.tensors[k] for k in self.groups[index]}, metadata=meta)
+        return save_tensors({k: self.tensors[k] for k in self.groups[index]}, meta)
 
 
 def split_global_state(tree: dict[str, Any], num_shards: int) -> GlobalStateSlices:

@@ -26,7 +26,8 @@ from typing import Literal
 import numpy.ctypeslib  # noqa: F401 - safetensors imports it lazily; racing first imports in threads can fail
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+
+from composer_cloud.rendezvous.state import save_tensors
 
 CodecName = Literal["fp32", "bf16", "int8"]
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8")
@@ -40,12 +41,12 @@ def encode(codec: str, x: torch.Tensor) -> bytes:
     x = x.detach().to("cpu", torch.float32).contiguous()
     meta = {"codec": codec, "numel": str(x.numel())}
     if codec == "fp32":
-        return st_save({"data": x}, metadata=meta)
+        return save_tensors({"data": x}, meta)
     if codec == "bf16":
-        return st_save({"data": x.to(torch.bfloat16)}, metadata=meta)
+        return save_tensors({"data": x.to(torch.bfloat16)}, meta)
     if codec == "int8":
         q, scale = _int8_quantize(x)
-        return st_save({"q": q, "scale": scale}, metadata=meta | {"chunk": str(INT8_CHUNK)})
+        return save_tensors({"q": q, "scale": scale}, meta | {"chunk": str(INT8_CHUNK)})
     raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
 
 

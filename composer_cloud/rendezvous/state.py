@@ -62,12 +62,28 @@ def unflatten(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
     return walk(skeleton)
 
 
+#: The one ``__metadata__`` key our safetensors blobs use (its value: JSON with sorted keys).
+METADATA_KEY = "composer_cloud"
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes that depend only on the tensors and ``metadata``, in every process.
+
+    safetensors keeps ``__metadata__`` in a hash map whose order changes from
+    one call to the next, so two writers of the same state would write
+    different bytes. One metadata key holding sorted JSON makes the bytes a
+    function of the content: a slice or reduced slot written by a taker-over is
+    byte-identical to the owner's.
+    """
+    return st_save(tensors, metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True, separators=(",", ":"))})
+
+
 def encode_state(tree: Any, *, metadata: dict[str, str] | None = None) -> bytes:
-    """Serialise a state tree to safetensors bytes (skeleton in ``__metadata__``)."""
+    """Serialise a state tree to safetensors bytes (skeleton in the metadata)."""
     tensors, skeleton = flatten(tree)
     meta = dict(metadata or {})
     meta["skeleton"] = json.dumps(skeleton)
-    return st_save(tensors, metadata=meta)
+    return save_tensors(tensors, meta)
 
 
 def decode_state(data: bytes | memoryview) -> Any:
@@ -82,4 +98,8 @@ def read_metadata(raw: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors blob, without loading tensors."""
     header_len = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + header_len])
-    return dict(header.get("__metadata__", {}))
+    meta = dict(header.get("__metadata__", {}))
+    packed = meta.pop(METADATA_KEY, None)
+    if packed is not None:
+        meta.update(json.loads(packed))
+    return meta

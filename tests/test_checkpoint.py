@@ -1,0 +1,88 @@
+"""Checkpoint layout: global state in slices, verified reads, fallback past a bad object, resume points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_cloud import checkpoint as ckpt
+from composer_cloud.rendezvous.state import flatten
+from composer_cloud.rendezvous.store import Store
+
+
+def _tree(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"StreamingDiLoCoFragment_0": {
+        "original_parameters": {f"w{i}": torch.randn(17 + 5 * i, 3, generator=g) for i in range(6)},
+        "outer_optimizer": {"state": {0: {"momentum_buffer": torch.randn(4, generator=g)}}, "param_groups": [
+            {"lr": 0.7, "momentum": 0.9, "nesterov": True, "params": [0]}]}}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    ta, sa = flatten(a)
+    tb, sb = flatten(b)
+    return sa == sb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_slices_are_deterministic_cover_the_state_and_round_trip(tmp_path, n):
+    tree = _tree()
+    a, b = ckpt.split_global_state(tree, n), ckpt.split_global_state(_tree(), n)
+    assert [a.encode(i, round=0) for i in range(n)] == [b.encode(i, round=0) for i in range(n)]
+    assert sorted(k for g in a.groups for k in g) == sorted(a.tensors)
+    store = Store(f"file://{tmp_path}/s")
+    for i in range(n):  # each participant writes its own slice
+        assert ckpt.write_global_shard(store, 3, a, i, writer=i) > 0
+        assert ckpt.has_global_state(store, 3) == (i == n - 1)
+    assert ckpt.write_global_shard(store, 3, a, 0, writer=1) == 0  # a taker-over writes nothing twice
+    assert _same(ckpt.load_global(store, 3), tree)
+
+
+def test_a_well_framed_but_malformed_global_slice_is_never_used(tmp_path):
+    store = Store(f"file://{tmp_path}/s")
+    for r in (0, 1):
+        ckpt.write_global_state(store, r, _tree(r), writer=0, num_shards=2)
+        for rank in (0, 1):
+            ckpt.write_replica_state(store, r, rank, {"x": torch.ones(2)}, world_size=2)
+        assert ckpt.write_manifest(store, r, [0, 1], deadline_s=5)
+    assert ckpt.latest_checkpoint(store).round == 1
+    # Valid framing (the store's crc32 matches), garbage content: the marker's/manifest's crc32 differs.
+    store.put("checkpoints/00000001/global-a0-1-of-2.safetensors", b"not a safetensors blob")
+    with pytest.raises(ckpt.CorruptCheckpoint, match="global-a0-1-of-2"):
+        ckpt.load_global(store, 1)
+    assert ckpt.latest_checkpoint(store).round == 0  # resume and export fall back
+
+
+def test_resume_point_prefers_own_state_of_the_newest_durable_round(tmp_path):
+    store = Store(f"file://{tmp_path}/s")
+    assert ckpt.resume_point(store, 0, world_size=2) is None
+    for r in (0, 1, 2):
+        ckpt.write_global_state(store, r, _tree(r), writer=0, num_shards=2)
+    ckpt.write_replica_state(store, 1, 0, {"x": torch.ones(2)}, world_size=2)
+    point = ckpt.resume_point(store, 0, world_size=2)
+    assert point.round == 1 and point.replica_crc32 is not None  # exact: own state at round 1
+    point = ckpt.resume_point(store, 1, world_size=2)
+    assert point.round == 2 and point.replica_crc32 is None and "no state for replica 1" in point.reason
+    point = ckpt.resume_point(store, 0, world_size=3)  # another replica count: data positions mean nothing
+    assert point.round == 2 and point.replica_crc32 is None and "2 replicas, now 3" in point.reason
+
+
+def test_encodings_are_byte_identical_across_processes(tmp_path):
+    """A taker-over must write the owner's bytes: safetensors' metadata order differs between calls
+    and processes, so our blobs keep one metadata key."""
+    import subprocess
+    import sys
+
+    code = ("import hashlib, torch, sys\n"
+            "sys.path.insert(0, sys.argv[1])\n"
+            "from test_checkpoint import _tree\n"
+            "from composer_cloud import checkpoint as ckpt\n"
+            "from composer_cloud.rendezvous import codec\n"
+            "s = ckpt.split_global_state(_tree(), 2)\n"
+            "x = torch.arange(1000, dtype=torch.float32)\n"
+            "blobs = [s.encode(0, round=5), s.encode(1, round=5)] + [codec.encode(c, x) for c in codec.CODECS]\n"
+            "print([hashlib.sha256(b).hexdigest() for b in blobs])")
+    here = str(__import__("pathlib").Path(__file__).parent)
+    outs = {subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, check=True).stdout
+            for _ in range(3)}
+    assert len(outs) == 1, outs
