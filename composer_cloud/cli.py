@@ -28,8 +28,8 @@ from composer_cloud.spec import RunSpec, SpecError
 
 app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # URIs stay on one line (copy-paste, grep)
+err_console = Console(stderr=True, soft_wrap=True)
 logger = logging.getLogger(__name__)
 
 StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
