@@ -209,6 +209,7 @@ def _watch(run: Run) -> int:
         console.print("interrupted: cancelling the run's jobs")
         _report_cancel(runs.cancel(run))
         status = runs.get_status(run)
+    console.line()
     _print_summary(run, status)
     return 0 if status.state == "completed" else 1
 
