@@ -598,7 +598,7 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
                 parts.append({"bytes_written": p.bytes_written, "wall_s": round(time.perf_counter() - t0, 4),
                               "tensors": len(slices.groups[i])})
             slices = None
-            ok = ckpt.global_state_complete(real, ROUND_SWEEP + w, num_shards=w)
+            ok = ckpt.has_global_state(real, ROUND_SWEEP + w, num_shards=w)
             if w != opts["resume_w"]:
                 real.delete(ckpt.checkpoint_prefix(ROUND_SWEEP + w), recursive=True)
             b = [q["bytes_written"] for q in parts]
@@ -1283,23 +1283,13 @@ def main(argv: list[str] | None = None) -> int:
         s3_plan = [p for p in plan if p[1] == "s3"]
         if s3_plan:
             sys.path.insert(0, ROOT)
-            from tests.s3server import S3_ENV, moto_s3
+            from tests.s3server import moto_s3_server, s3_environ
 
             for model, _ in s3_plan:
                 # A fresh moto server per case: it keeps every object in memory.
-                with moto_s3("ckpt-bench") as endpoint:
-                    saved = {k: os.environ.get(k) for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
-                    os.environ.update(S3_ENV)
-                    os.environ["AWS_ENDPOINT_URL"] = endpoint
-                    try:
-                        print(f"[checkpoint bench] {model} on s3:// (moto, loopback) ...", flush=True)
-                        cases.append(_spawn_case(model, f"s3://ckpt-bench/{model}", opts, workdir, timeout=600))
-                    finally:
-                        for k, v in saved.items():
-                            if v is None:
-                                os.environ.pop(k, None)
-                            else:
-                                os.environ[k] = v
+                with moto_s3_server("ckpt-bench") as server, s3_environ(server):
+                    print(f"[checkpoint bench] {model} on s3:// (moto, loopback) ...", flush=True)
+                    cases.append(_spawn_case(model, f"s3://ckpt-bench/{model}", opts, workdir, timeout=600))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

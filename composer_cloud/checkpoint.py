@@ -15,7 +15,7 @@ Invariants:
   (:func:`split_global_state`, deterministic); participant ``i`` writes slice
   ``i`` and any participant may write a missing slice (same bytes). The
   global state of ``r`` is *durable* once all ``n`` markers exist
-  (:func:`global_state_complete`); healing and resume read only durable states.
+  (:func:`has_global_state`); healing and resume read only durable states.
 * **Blob before marker.** A marker is created (write-once) only after its blob
   is fully written, so a reader that sees a marker sees a complete blob.
 * **Manifest last.** Any participant writes the manifest once the global state
@@ -232,15 +232,14 @@ def shard_markers(store: Store, round: int, *, attempt: int | None = None) -> Sh
     return ShardMarkers(by_count)
 
 
-def global_state_complete(store: Store, round: int, *, num_shards: int | None = None,
-                          attempt: int | None = None) -> bool:
-    """Whether round ``round``'s global state is durable (every slice's marker exists)."""
+def has_global_state(store: Store, round: int, *, num_shards: int | None = None,
+                     attempt: int | None = None) -> bool:
+    """Whether round ``round``'s global state is durable: every slice's marker exists.
+
+    ``attempt`` defaults to the round's committed (not void) attempt; ``num_shards``
+    to any complete set of slices.
+    """
     return shard_markers(store, round, attempt=attempt).complete(num_shards) is not None
-
-
-def has_global_state(store: Store, round: int) -> bool:
-    """Whether round ``round``'s committed (not void) global state is durable."""
-    return global_state_complete(store, round)
 
 
 def global_state_rounds(store: Store) -> list[int]:
@@ -421,7 +420,7 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
             raise _ManifestExists()
 
     try:
-        poll_until(lambda: True if global_state_complete(store, round, num_shards=n, attempt=attempt) else None,
+        poll_until(lambda: True if has_global_state(store, round, num_shards=n, attempt=attempt) else None,
                    deadline=deadline, policy=PollPolicy(initial_s=0.05, max_s=1.0), between=stop_if_written,
                    on_timeout=lambda waited: StoreTimeout(f"{prefix} global state", waited))
     except StoreTimeout:
@@ -574,7 +573,6 @@ __all__ = [
     "checkpoint_prefix",
     "checkpoint_rounds",
     "discard_after",
-    "global_state_complete",
     "global_state_rounds",
     "has_global_state",
     "latest_checkpoint",

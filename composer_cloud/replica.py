@@ -74,8 +74,8 @@ class Replica:
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Any] = []
         self._state_write: Any = None
-        self._syncs: list[SyncRecord] = []
-        self.versions: dict[str, str] = {}  # python/torch/CUDA/... of this process, in every heartbeat  # filled by the manager's on_sync, drained after each step
+        self._syncs: list[SyncRecord] = []  # filled by the manager's on_sync, drained after each step
+        self.versions: dict[str, str] = {}  # python/torch/CUDA/... of this process, in every heartbeat
 
     # ------------------------------------------------------------ records
     def heartbeat(self, state: str, **extra: Any) -> None:

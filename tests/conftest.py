@@ -62,30 +62,18 @@ def store_uri(tmp_path) -> str:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
+def s3_server_moto():
     """A moto S3 server for the whole session; AWS_* variables point every process at it."""
-    from s3server import S3_ENV, moto_s3
+    from s3server import moto_s3_server, s3_environ
 
-    with moto_s3() as endpoint:
-        saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}
-        os.environ.update(S3_ENV)
-        os.environ["AWS_ENDPOINT_URL"] = endpoint
-        try:
-            yield endpoint
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with moto_s3_server() as server, s3_environ(server):
+        yield server
 
 
 @pytest.fixture(scope="session")
-def s3_server_moto(s3_endpoint):
-    """The session's moto server as an :class:`s3server.S3Server`."""
-    from s3server import S3_ENV, S3Server
-
-    return S3Server("moto", s3_endpoint, "cc-test", {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint})
+def s3_endpoint(s3_server_moto):
+    """The session's moto server's endpoint URL."""
+    return s3_server_moto.endpoint
 
 
 @pytest.fixture(scope="session")

@@ -283,7 +283,7 @@ class ObjectStoreManager:
         # save_fns return views of DiLoCo's backup tensors and outer optimizer
         # state, which change only at the next sync; flush_state() joins this
         # upload before that sync starts, so encoding in the background is safe.
-        tree = {key: fn() for key, fn in self._save_fns.items()}
+        tree = self.state()
         self._publish = self._exchange_pool.submit(self._publish_global_state, round, last.attempt,
                                                    list(last.participants), tree, after)
 
@@ -303,12 +303,11 @@ class ObjectStoreManager:
         self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, mine, writer=self.rank,
                                                               attempt=attempt)
 
-        def missing() -> list[int] | None:
-            gone = checkpoint.shard_markers(self.store, round, attempt=attempt).missing(n)
-            return None if gone else []
+        def complete() -> bool | None:
+            return True if checkpoint.has_global_state(self.store, round, num_shards=n, attempt=attempt) else None
 
         try:
-            poll_until(missing, deadline=time.monotonic() + self.takeover_after_s,
+            poll_until(complete, deadline=time.monotonic() + self.takeover_after_s,
                        policy=PollPolicy(initial_s=0.05, max_s=1.0), on_timeout=lambda waited: StoreTimeout(
                            f"global state of round {round}", waited))
             return
@@ -365,8 +364,11 @@ class ObjectStoreManager:
         void_at = time.monotonic() + self.void_after_s
         poll = PollPolicy(initial_s=0.2, max_s=1.0)
 
+        def newest_committed() -> int:
+            return self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
+
         def durable() -> tuple[int | None] | None:
-            newest = self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
+            newest = newest_committed()
             if newest < floor:
                 return (None,)
             for round in range(newest, floor - 1, -1):
@@ -384,7 +386,7 @@ class ObjectStoreManager:
                 if time.monotonic() >= give_up:
                     raise HealError(f"replica {self.rank}: no committed global state for round >= {floor} became "
                                     f"durable within heal_timeout_s={self.heal_timeout_s}") from None
-            newest = self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
+            newest = newest_committed()
             attempt = rounds.committed_attempt(self.store, newest) if newest >= 0 else None
             if attempt is not None:
                 rounds.declare_void(self.store, newest, attempt, by=self.rank,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_cloud import checkpoint as ckpt
 from composer_cloud.jobs import ExecutorError, JobHandle, LaunchPlan, assign_ranks, get_executor
 from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, join_uri
 from composer_cloud.retry import PollPolicy, poll_until
@@ -112,21 +113,18 @@ def plan(spec: RunSpec) -> list[LaunchPlan]:
     return plans
 
 
-def _open_store_for(spec: RunSpec, *, probe: bool = True) -> Store:
+def _open_store_for(spec: RunSpec) -> Store:
     """The run's store, after proving the store provides what a run needs.
 
-    The conformance probe (write-once create, read/list-after-write, delete;
-    :mod:`composer_cloud.rendezvous.conformance`) writes only under its own
-    scratch prefix and removes it; a store that fails is refused with
-    :class:`StoreConfigError` naming the property and the store.
+    The conformance probe (reachability and credentials, write-once create,
+    read/list-after-write, delete; :mod:`composer_cloud.rendezvous.conformance`)
+    writes only under its own scratch prefix and removes it; a store that fails
+    is refused with :class:`StoreConfigError` naming the property and the store.
     """
     from composer_cloud.rendezvous.conformance import require_conformance
 
-    root = Store(spec.store, storage_options=spec.store_options)
-    root.check_access()
-    if probe:
-        require_conformance(root.uri, storage_options=spec.store_options)
-    return Store(join_uri(root.uri, spec.run_id), storage_options=spec.store_options,
+    report = require_conformance(spec.store, storage_options=spec.store_options)
+    return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options,
                  signing_key=run_signing_key(spec.run_id))
 
 
@@ -235,8 +233,6 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     records and checkpoints newer than the checkpoint (they belong to rounds
     that will be recomputed) and relaunches.
     """
-    from composer_cloud import checkpoint as ckpt  # torch: only for resume
-
     run = _as_run(run, storage_options)
     spec = run.spec
     latest: ckpt.Checkpoint | None = None
@@ -341,19 +337,18 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
 
 @dataclass(frozen=True)
 class RunListing:
-    """One run found under a store: id, URI, state, committed rounds, and when its spec was written."""
+    """One run found under a store: id, URI, state and committed rounds."""
 
     run_id: str
     uri: str
     state: str
     rounds_committed: int
     rounds: int
-    created: float | None
 
 
 def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
               poll_executors: bool = False) -> list[RunListing]:
-    """Runs directly under ``store`` (directories with a ``spec.json``), newest first.
+    """Runs directly under ``store`` (directories with a ``spec.json``), by run id, newest generated id first.
 
     States come from the store alone unless ``poll_executors`` (a run whose jobs
     died without a word then still reads "running"); entries that cannot be read
@@ -369,12 +364,12 @@ def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
         try:
             run = open_run(run_uri, storage_options=storage_options)
             st = run_status(run, poll_executors=poll_executors)
-            created = run.store.modified(SPEC_KEY) if hasattr(run.store, "modified") else None
-            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds, created))
+            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds))
         except (StoreError, SpecError, RunNotFound) as exc:
             logger.warning("cannot read run %s: %s", run_uri, exc)
-            out.append(RunListing(name, run_uri, "unreadable", 0, 0, None))
-    return sorted(out, key=lambda r: (r.created or 0.0, r.run_id), reverse=True)
+            out.append(RunListing(name, run_uri, "unreadable", 0, 0))
+    # Generated ids are run-<UTC time>-<hex>, so they sort by launch time.
+    return sorted(out, key=lambda r: r.run_id, reverse=True)
 
 
 __all__ = ["RunListing", "list_runs", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
