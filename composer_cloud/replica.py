@@ -5,9 +5,11 @@ store, builds model and trainer, and runs torchft's ``DiLoCo`` over the
 object-store manager until ``rounds`` rounds have committed. Everything it
 reports goes to the store:
 
-* ``replicas/<rank>.json`` — heartbeat: state, round, step, last error.
-* ``metrics/<rank>.jsonl`` — one JSON line per inner step and per round
-  (rewritten atomically after every round: object stores cannot append).
+* ``replicas/<rank>.json`` — heartbeat: state, round, step, last error, and
+  live progress (loss, reward, steps/s, elapsed) every ``progress_every_s``.
+* ``metrics/<rank>/<round>-<writer>.jsonl`` — one plain-JSONL object per round
+  (its step rows, then the round row), written once, never rewritten (see
+  :mod:`composer_cloud.runs.metrics`).
 * ``checkpoints/<r>/...`` — see :mod:`composer_cloud.checkpoint`.
 
 Ordering at a round boundary (the commit of round ``r`` happens inside the
@@ -38,6 +40,7 @@ from composer_cloud.diloco import OuterLoop, OuterOptimizerConfig, build_diloco,
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, cleanup_rounds, latest_committed_round
 from composer_cloud.rendezvous.manager import SyncRecord
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.runs.metrics import MetricsLog, Progress
 from composer_cloud.runs.run import open_run
 from composer_cloud.stack import runtime_versions
 
@@ -69,7 +72,8 @@ class Replica:
         self.store, self.spec = run.store, run.spec
         if not 0 <= rank < self.spec.replicas:
             raise ValueError(f"--rank {rank} out of range: the run has {self.spec.replicas} replicas")
-        self.metrics: list[dict[str, Any]] = []
+        self.metrics = MetricsLog(self.store, rank)
+        self.progress: Progress | None = None  # set once training starts
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-state-io")
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Any] = []
@@ -79,13 +83,25 @@ class Replica:
 
     # ------------------------------------------------------------ records
     def heartbeat(self, state: str, **extra: Any) -> None:
+        live = self.progress.fields if self.progress is not None else {}
         record = {"rank": self.rank, "state": state, "time": time.time(), "pid": os.getpid(),
-                  "versions": self.versions, **extra}
+                  "versions": self.versions, **live, **extra}
         self.store.put_json(f"replicas/{self.rank}.json", record)
 
     def flush_metrics(self) -> None:
-        body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics).encode()
-        self.store.put(f"metrics/{self.rank}.jsonl", body)
+        """Write the step rows of an unfinished round (round objects are written as rounds end)."""
+        self.metrics.flush()
+
+    def on_step(self, round: int, step: int, out: dict[str, Any], dt: float) -> None:
+        """After every inner step: its metrics row, one log line, and a progress heartbeat when due."""
+        H = self.spec.inner_steps
+        run_step = round * H + (step - 1) % H + 1  # 1-based inner step of the run (resumes continue it)
+        self.metrics.step({"step": run_step, "round": round, "time_s": dt, **out})
+        logger.info("round %d/%d step %d/%d loss %.4f%s %.3fs", round + 1, self.spec.rounds, run_step,
+                    self.spec.rounds * H, out.get("loss", float("nan")),
+                    f" reward {out['reward_mean']:.3f}" if "reward_mean" in out else "", dt)
+        if self.progress is not None and self.progress.update(round=round, step=run_step, out=out, step_s=dt):
+            self.heartbeat("running")
 
     # ------------------------------------------------------------ main loop
     def install_user_code(self) -> None:
@@ -138,7 +154,8 @@ class Replica:
         if start is not None:
             self._restore(start, loop, trainer)
         self.versions = runtime_versions(device=device.type)
-        self.heartbeat("running", round=manager.current_step())
+        self.progress = Progress(every_s=spec.progress_every_s, total_steps=spec.rounds * spec.inner_steps)
+        self.heartbeat("running", round=manager.current_step(), step=start_round * spec.inner_steps)
         logger.info("replica %d/%d on %s: %s, starting at round %d of %d", self.rank, spec.replicas, device,
                     spec.model.name, start_round, spec.rounds)
 
@@ -151,6 +168,7 @@ class Replica:
             while manager.current_step() < spec.rounds:
                 if step % spec.inner_steps == spec.inner_steps // 2:
                     faults.stall_point("inner_step", manager.current_step(), self.rank)
+                round_now = manager.current_step()  # the round this step belongs to (a sync may end it)
                 t0 = time.monotonic()
                 out = trainer.step()
                 dt = time.monotonic() - t0
@@ -158,8 +176,7 @@ class Replica:
                 round_losses.append(out.get("loss", float("nan")))
                 if "reward_mean" in out:
                     round_rewards.append(out["reward_mean"])
-                self.metrics.append({"kind": "step", "rank": self.rank, "step": step,
-                                     "round": manager.current_step(), "time_s": dt, **out})
+                self.on_step(round_now, step, out, dt)
                 if not self._syncs:
                     compute_s += dt
                     continue
@@ -170,7 +187,7 @@ class Replica:
                 res = rec.result
                 sync_s = res.wall_s if res else 0.0
                 compute_s += max(0.0, dt - sync_s)
-                row = {"kind": "round", "rank": self.rank, "round": rec.round, "committed": rec.committed,
+                row = {"round": rec.round, "committed": rec.committed,
                        "healed_to": rec.healed_to, "participants": res.participants if res else [],
                        "train_loss": sum(round_losses) / len(round_losses),
                        "compute_s": compute_s, "sync_s": sync_s,
@@ -181,10 +198,9 @@ class Replica:
                     row["reward_mean"] = sum(round_rewards) / len(round_rewards)
                 if rec.committed and res is not None:
                     self._after_commit(rec.round, res.attempt, res.participants, loop, trainer, row)
-                self.metrics.append(row)
                 self._reap_io()
-                self.flush_metrics()
-                self.heartbeat("running", round=manager.current_step(), step=step)
+                self.metrics.round(row)
+                self.heartbeat("running", round=manager.current_step())
                 round_losses, round_rewards, compute_s, round_start = [], [], 0.0, time.monotonic()
         manager.flush_state()
         for fut in self._pending_io:
@@ -193,7 +209,7 @@ class Replica:
             loop.verify_durable(manager.current_step() - 1)
         loop.close()
         self.flush_metrics()
-        self.heartbeat("completed", round=manager.current_step(), step=step, params_sha256=params_digest(model))
+        self.heartbeat("completed", round=manager.current_step(), params_sha256=params_digest(model))
         logger.info("replica %d completed %d rounds", self.rank, manager.current_step())
 
     def _reap_io(self) -> None:

@@ -159,6 +159,8 @@ class RunSpec(_Strict):
     checkpoint_every: int = Field(default=1, ge=1, le=10_000_000)
     keep_checkpoints: int = Field(default=2, ge=1, le=10_000)
     max_restarts: int = Field(default=0, ge=0, le=1000)
+    #: Seconds between a replica's progress heartbeats (step, loss, reward, steps/s) in ``replicas/<rank>.json``.
+    progress_every_s: float = Field(default=5.0, gt=0, le=3600)
     model: ModelSpec = Field(default_factory=ModelSpec)
     inner_optimizer: InnerOptimizerSpec = Field(default_factory=InnerOptimizerSpec)
     outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec)

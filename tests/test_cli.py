@@ -14,6 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from composer_cloud.cli import app
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.runs.metrics import read_metrics
 
 from conftest import SMALL_RUN_TOML as SMALL_MODEL
 
@@ -87,7 +89,7 @@ def test_killed_replica_run_survives(tmp_path, max_restarts):
     else:
         assert lost["state"] == "succeeded" and lost["restarts"] == 1, lost
         # It rejoined: a round after the kill committed with rank 2 among the participants.
-        rounds = [json.loads(line) for line in (store / "kill/metrics/2.jsonl").read_bytes()[16:].splitlines()]
+        rounds = read_metrics(Store(f"file://{store}/kill"), rank=2)
         assert any(r.get("kind") == "round" and r["committed"] and 2 in r["participants"] and r["round"] >= 2
                    for r in rounds), rounds
 
@@ -147,6 +149,5 @@ def test_two_replicas_with_the_three_channel_trainer(tmp_path):
     assert "mean reward" in res.stdout
     st = status_json(f"file://{tmp_path}/store/tc", tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 2
-    steps = [json.loads(line) for line in (tmp_path / "store/tc/metrics/0.jsonl").read_bytes()[16:].splitlines()]
-    step_rows = [s for s in steps if s["kind"] == "step"]
+    step_rows = read_metrics(Store(f"file://{tmp_path}/store/tc"), rank=0, kind="step")
     assert step_rows and all({"pg", "sdpo", "dpo", "reward_mean"} <= s.keys() for s in step_rows)

@@ -384,6 +384,36 @@ class Store:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    def put_plain(self, key: str, payload: bytes | bytearray | memoryview) -> int:
+        """Atomically write ``payload`` at ``key`` *unframed* (no header, no signature). Returns bytes written.
+
+        Only for objects meant for other tools (plain JSONL metrics that pandas reads as they are).
+        Such an object is not verified by :meth:`get`: its writer also puts a framed (and, with a run
+        key, signed) digest next to it, which readers check (:mod:`composer_cloud.runs.metrics`).
+        """
+        data = bytes(payload)
+        path = self.path(key)
+        if self.local:
+            self._retry(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=False))
+        else:
+            self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
+        self._count(written=len(data))
+        return len(data)
+
+    def get_plain(self, key: str) -> bytes:
+        """The raw bytes at ``key`` (an object written by :meth:`put_plain`); the caller verifies them."""
+        path = self.path(key)
+
+        def read() -> bytes:
+            try:
+                return self.fs.cat_file(path)
+            except FileNotFoundError:
+                raise ObjectNotFound(key) from None
+
+        data = self._retry(f"get {key}", read)
+        self._count(read=len(data))
+        return bytes(data)
+
     def put_json(self, key: str, obj: Any) -> int:
         return self.put(key, _dumps(obj))
 

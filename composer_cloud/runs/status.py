@@ -7,7 +7,7 @@ another machine) sees the same status.
 
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud import checkpoint as ckpt
 from composer_cloud.rendezvous.rounds import latest_committed_round
 from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, StoreUnavailable
+from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs.run import Run, cancel_requested, load_handles
 from composer_cloud.stack import version_skew
 
@@ -29,6 +30,15 @@ class ReplicaInfo:
     exit_code: int | None = None
     restarts: int = 0
     message: str = ""
+    #: live progress from the heartbeat (None until the replica reported it)
+    step: int | None = None
+    loss: float | None = None
+    reward: float | None = None
+    steps_per_s: float | None = None
+    tokens_per_s: float | None = None
+    #: seconds since the replica process started training; age of its last heartbeat
+    elapsed_s: float | None = None
+    heartbeat_age_s: float | None = None
 
 
 @dataclass
@@ -47,6 +57,13 @@ class RunStatus:
     warnings: list[str] = field(default_factory=list)
     #: the store error of the last poll, when the store could not be read (the rest is from the poll before)
     store_error: str | None = None
+    #: total inner steps of the run (rounds x inner_steps) and the furthest step a replica reported
+    total_steps: int = 0
+    step: int | None = None
+    #: wall seconds since launch (the spec's write time is not tracked: the earliest replica start)
+    elapsed_s: float | None = None
+    #: seconds left at the current rate (slowest running replica's steps/s); None when unknown
+    eta_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +71,14 @@ class RunStatus:
 
 def rounds_committed(store: Store) -> int:
     return latest_committed_round(store, start=0) + 1
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _heartbeat(store: Store, rank: int, problems: list[str]) -> dict[str, Any]:
@@ -122,6 +147,8 @@ class StatusTracker:
         committed = latest_committed_round(store, start=self._committed) + 1
         self._committed = committed
         infos: list[ReplicaInfo] = []
+        starts: list[float] = []
+        beats: list[float] = []
         stacks: list[dict[str, Any]] = []
         for h in handles:
             beat = _heartbeat(store, h.rank, problems)
@@ -133,10 +160,20 @@ class StatusTracker:
                 state = "succeeded" if beat["state"] == "completed" else "failed"
             restarts = status.restarts if status.restarts is not None else h.restarts
             round_seen = beat.get("round")
+            beat_time = _num(beat.get("time"))
             infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state,
                                      last_round=round_seen if isinstance(round_seen, int) else None,
                                      job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                                     message=str(beat.get("error", "") or status.message)))
+                                     message=str(beat.get("error", "") or status.message),
+                                     step=_int(beat.get("step")), loss=_num(beat.get("loss_ema", beat.get("loss"))),
+                                     reward=_num(beat.get("reward")), steps_per_s=_num(beat.get("steps_per_s")),
+                                     tokens_per_s=_num(beat.get("tokens_per_s")), elapsed_s=_num(beat.get("elapsed_s")),
+                                     heartbeat_age_s=None if beat_time is None else max(0.0, time.time() - beat_time)))
+            if beat_time is not None:
+                beats.append(beat_time)
+            started = _num(beat.get("started_at"))
+            if started is not None:
+                starts.append(started)
         last_durable = self._newest_durable()
         final = spec.rounds - 1
         final_durable = committed >= spec.rounds and last_durable is not None and last_durable >= final
@@ -156,10 +193,25 @@ class StatusTracker:
             state = "failed"
         else:
             state = "running"
+        total = spec.rounds * spec.inner_steps
+        steps = [i.step for i in infos if i.step is not None]
+        step = max(steps) if steps else None
+        if state == "completed":
+            step = total
+        rates = [i.steps_per_s for i in infos if i.state == "running" and i.steps_per_s]
+        eta = None
+        if state == "running" and rates and steps:
+            # The run ends when its slowest replica does (every round waits for the quorum).
+            eta = _metrics.eta_s(step=min(s for s in steps), total_steps=total, steps_per_s=min(rates))
+        elapsed = None
+        if starts:  # until now, or until the last heartbeat of a finished run
+            end = time.time() if state == "running" or not beats else max(beats)
+            elapsed = max(0.0, end - min(starts))
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems,
-                         warnings=[f"replicas run different stacks: {w}" for w in version_skew(stacks)])
+                         warnings=[f"replicas run different stacks: {w}" for w in version_skew(stacks)],
+                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta)
 
 
 def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
@@ -182,19 +234,16 @@ class RunSummary:
     reward_last: float | None = None
 
 
-def read_metrics(store: Store, rank: int) -> list[dict[str, Any]]:
-    data = store.try_get(f"metrics/{rank}.jsonl")
-    if data is None:
-        return []
-    return [json.loads(line) for line in bytes(data).decode().splitlines() if line.strip()]
+def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """The run's metric rows (one replica's with ``rank``); see :func:`composer_cloud.runs.metrics.read_metrics`."""
+    return _metrics.read_metrics(store, rank=rank, **kwargs)
 
 
 def summarize(run: Run, status: RunStatus) -> RunSummary:
     """Loss, reward, time and traffic of a run, from its replicas' metrics."""
     store, spec = run.store, run.spec
-    rounds: list[dict[str, Any]] = []
-    for r in range(spec.replicas):
-        rounds.extend(m for m in read_metrics(store, r) if m.get("kind") == "round")
+    del spec
+    rounds = _metrics.read_metrics(store, kind="round")
     rounds.sort(key=lambda m: (m["round"], m["rank"]))
     losses = [m["train_loss"] for m in rounds if m.get("committed")]
     evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]

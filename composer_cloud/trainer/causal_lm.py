@@ -76,7 +76,7 @@ class CausalLMTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip) if self.grad_clip else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": float(loss.detach())}
+        out = {"loss": float(loss.detach()), "tokens": int(batch.numel())}
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         return out

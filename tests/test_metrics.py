@@ -1,0 +1,141 @@
+"""Metrics objects (plain JSONL, one per round per replica, never rewritten), progress, and the read side."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from composer_cloud.rendezvous.store import Store, frame
+from composer_cloud.runs.metrics import (MetricsLog, Progress, list_objects, read_metrics, to_csv)
+from conftest import SMALL_RUN_TOML
+
+
+def _log(store: Store, rank: int, launch: int, rounds: range, *, loss: float = 1.0) -> MetricsLog:
+    log = MetricsLog(store, rank, launch=launch)
+    for r in rounds:
+        for i in range(2):
+            log.step({"round": r, "step": 2 * r + i + 1, "loss": loss})
+        log.round({"round": r, "committed": True, "train_loss": loss})
+    return log
+
+
+def test_objects_are_plain_jsonl_that_pandas_reads(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    _log(store, 0, 0, range(2))
+    objs = list_objects(store)
+    assert [(o.rank, o.round) for o in objs] == [(0, 0), (0, 1)]
+    path = tmp_path / "run" / objs[0].key
+    df = pd.read_json(path, lines=True)
+    assert list(df["kind"]) == ["step", "step", "round"] and list(df["round"]) == [0, 0, 0]
+    assert (path.with_suffix(".json")).exists()  # the framed digest next to it
+
+
+def test_nan_is_written_as_null(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    log = MetricsLog(store, 0, launch=0)
+    log.step({"round": 0, "step": 1, "loss": float("nan")})
+    log.round({"round": 0, "committed": True, "train_loss": float("inf")})
+    rows = read_metrics(store)
+    assert rows[0]["loss"] is None and rows[1]["train_loss"] is None
+    df = pd.read_json(tmp_path / "run" / list_objects(store)[0].key, lines=True)
+    assert math.isnan(df["loss"][0])
+
+
+def test_resume_keeps_history_and_newer_launch_supersedes(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    _log(store, 0, 0, range(4), loss=1.0)  # launch 0 ran rounds 0..3 (checkpoint after round 1)
+    store.put_json("resumes/0.json", {"from_round": 1})
+    _log(store, 0, 1, range(2, 3), loss=2.0)  # launch 1 re-ran round 2, then was cancelled
+    rows = read_metrics(store, kind="round")
+    # Round 3 of launch 0 belongs to a timeline launch 1 abandoned: superseded even though launch 1 never wrote it.
+    assert [(r["round"], r["launch"]) for r in rows] == [(0, 0), (1, 0), (2, 1)]
+    everything = read_metrics(store, kind="round", superseded=True)
+    assert sorted((r["round"], r["launch"], r.get("superseded", False)) for r in everything) == [
+        (0, 0, False), (1, 0, False), (2, 0, True), (2, 1, False), (3, 0, True)]
+    assert len(list_objects(store)) == 5  # nothing deleted
+
+
+def test_restart_within_a_launch_keeps_the_newest(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    _log(store, 1, 0, range(2), loss=1.0)
+    time.sleep(0.01)
+    _log(store, 1, 0, range(1, 2), loss=3.0)
+    rows = read_metrics(store, kind="round")
+    assert [(r["round"], r["train_loss"]) for r in rows] == [(0, 1.0), (1, 3.0)]
+
+
+def test_tampered_or_incomplete_objects_are_ignored(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    _log(store, 0, 0, range(2))
+    objs = list_objects(store)
+    p = tmp_path / "run" / objs[1].key
+    p.write_text(p.read_text().replace('"loss": 1.0', '"loss": 9.0'))
+    (tmp_path / "run" / "metrics/0/00000005-0000-0000000000000-abcd.jsonl").write_text("{}\n")  # no digest
+    rows = read_metrics(store)
+    assert {r["round"] for r in rows} == {0}
+
+
+def test_legacy_single_file_is_read(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    body = "".join(json.dumps(r) + "\n" for r in [{"kind": "step", "rank": 0, "round": 0, "step": 1, "loss": 2.0},
+                                                  {"kind": "round", "rank": 0, "round": 0, "train_loss": 2.0}])
+    store.put("metrics/0.jsonl", body.encode())
+    assert [r["kind"] for r in read_metrics(store)] == ["step", "round"]
+    assert "kind,rank,round" in to_csv(read_metrics(store)).splitlines()[0]
+    assert frame  # the legacy file is framed; read through the store
+
+
+def test_progress_is_time_gated():
+    now = [0.0]
+    p = Progress(every_s=5.0, total_steps=100, clock=lambda: now[0])
+    due = []
+    for i in range(1, 21):
+        now[0] += 0.5
+        due.append(p.update(round=0, step=i, out={"loss": 2.0, "tokens": 10, "reward_mean": 0.5}, step_s=0.5))
+    beats = [d for d in due if d]
+    assert len(beats) == 2  # at 5 s and 10 s of 10 s
+    assert beats[-1]["step"] == 20 and beats[-1]["loss"] == 2.0 and beats[-1]["reward"] == 0.5
+    assert beats[-1]["steps_per_s"] == pytest.approx(2.0) and beats[-1]["tokens_per_s"] == pytest.approx(20.0)
+
+
+# ---------------------------------------------------------------- end to end (local executor)
+def _cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _spec(tmp_path: Path, extra: str = "") -> Path:
+    p = tmp_path / "spec.toml"
+    p.write_text(extra + SMALL_RUN_TOML)
+    return p
+
+
+@pytest.mark.slow
+def test_metrics_survive_resume_of_a_completed_run_and_cancel_resume(tmp_path):
+    store = tmp_path / "store"
+    cfg = _spec(tmp_path)
+    res = _cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "2", "--inner-steps", "2", "--run-id", "m",
+               "--store", f"file://{store}", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    uri = f"file://{store}/m"
+    rows = read_metrics(Store(uri))
+    assert len([r for r in rows if r["kind"] == "round"]) == 4 and len([r for r in rows if r["kind"] == "step"]) == 8
+    assert [r["step"] for r in rows if r["kind"] == "step" and r["rank"] == 0] == [1, 2, 3, 4]
+    # Resuming a completed run on another replica count re-runs nothing it must not; history stays.
+    res = _cli("resume", uri, "--replicas", "2", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    after = read_metrics(Store(uri), superseded=True)
+    assert len([r for r in after if r["kind"] == "round"]) >= 4
+    assert len(read_metrics(Store(uri), kind="round")) == 4
+    # Every object is still there and pandas reads each one.
+    for o in list_objects(Store(uri)):
+        assert not pd.read_json(store / "m" / o.key, lines=True).empty
