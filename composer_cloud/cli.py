@@ -1,7 +1,11 @@
 """The ``composer-cloud`` command line: a thin typer layer over :mod:`composer_cloud.runs`.
 
 Exit codes: 0 success (for ``launch``/``resume``: the run completed), 1 the run
-failed or was cancelled, 2 bad input (nothing was written to the store).
+failed or was cancelled, 2 bad input (nothing was written to the store), 130
+Ctrl-C on an attached ``launch``/``resume`` (detached: the run goes on).
+
+Every command that reads or reports something takes ``--json`` (one JSON
+document on stdout; ``logs --json``: one JSON object per line).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from rich.live import Live
 from rich.table import Table
 
 from composer_cloud import runs
-from composer_cloud.jobs import get_executor
 from composer_cloud.rendezvous.store import StoreConfigError, StoreError, join_uri
 from composer_cloud.runs import LaunchError, Run, RunExists, RunNotFound, RunStatus
 from composer_cloud.spec import RunSpec, SpecError
@@ -32,6 +35,10 @@ console = Console(soft_wrap=True)  # URIs stay on one line (copy-paste, grep)
 err_console = Console(stderr=True, soft_wrap=True)
 logger = logging.getLogger(__name__)
 
+JsonFlag = Annotated[bool, typer.Option("--json", help="machine-readable output (JSON on stdout)")]
+SetFlag = Annotated[Optional[list[str]], typer.Option(
+    "--set", help="any spec setting KEY=VALUE, dotted for nested ones (sync.codec=bf16, trainer.lr=1e-4); "
+                  "VALUE is JSON/TOML (numbers, true/false, [lists]) or else a string; repeatable")]
 StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
     "--store-option", help="fsspec storage option KEY=VALUE needed to reach the store (e.g. endpoint_url=...); "
                            "repeatable. Default: $COMPOSER_CLOUD_STORE_OPTIONS")]
@@ -67,6 +74,35 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
     return options
 
 
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _parse_value(raw: str) -> Any:
+    """A --set value: JSON, else a TOML value (1e-4, true, [1, 2], 'x'), else the string itself."""
+    import tomllib
+
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise _fail(f"--set {pair!r}: use KEY=VALUE, e.g. --set sync.codec=bf16")
+        out[key] = _parse_value(value.strip())
+    return out
+
+
 def _open(run_uri: str, store_option: list[str] | None) -> Run:
     with _user_errors():
         return runs.open_run(run_uri, storage_options=_storage_options(store_option))
@@ -88,7 +124,7 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 @app.command()
 def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/prefix, file:///dir, ...)")],
-           store_option: StoreOptionFlag = None) -> None:
+           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
     """Check that a store provides what a run needs (write-once create, read/list-after-write, delete).
 
     Exit 0: it does; 2: it does not (the failing properties are named) or cannot be reached.
@@ -97,15 +133,17 @@ def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/pre
 
     with _user_errors():
         report = probe_store(runs.normalize_run_uri(store), storage_options=_storage_options(store_option))
-    console.print(format_report(report), highlight=False)
+    if as_json:
+        _print_json({**dataclasses.asdict(report), "ok": report.ok})
+    else:
+        console.print(format_report(report), highlight=False)
     if not report.ok:
         raise typer.Exit(2)
 
 
 @app.command("ls")
 def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path")] = "file://./runs",
-              as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
-              store_option: StoreOptionFlag = None) -> None:
+              as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
     """List the runs under a store: id, state, rounds."""
     with _user_errors():
         found = runs.list_runs(store, storage_options=_storage_options(store_option))
@@ -138,22 +176,42 @@ def launch(
     seed: Annotated[Optional[int], typer.Option()] = None,
     gpu: Annotated[Optional[str], typer.Option(help="Modal GPU type, e.g. H100")] = None,
     flavor: Annotated[Optional[str], typer.Option(help="HF Jobs flavor, e.g. a10g-large")] = None,
+    set_: SetFlag = None,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     dry_run: Annotated[bool, typer.Option(help="print what would be launched; launch nothing")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable: the plan (--dry-run), the launch, "
+                                                          "and (attached) the final status")] = False,
 ) -> None:
-    """Launch a new run (with no flags: 2 local CPU replicas, tiny model, store under ./runs/)."""
-    overrides = {
+    """Launch a new run (with no flags: 2 local CPU replicas, tiny model, store under ./runs/).
+
+    Attached (the default) it shows live progress until the run ends; Ctrl-C
+    detaches (the run goes on; `composer-cloud cancel` stops it).
+    """
+    flags = {
         "executor": executor, "replicas": replicas, "min_replicas": min_replicas, "rounds": rounds,
         "inner_steps": inner_steps, "store": store, "run_id": run_id, "trainer.name": trainer,
         "sync.codec": codec, "model.name": model, "max_restarts": max_restarts, "seed": seed,
         "modal.gpu": gpu, "hf_jobs.flavor": flavor,
     }
+    # Named flags win over --set for the same key (they are the more specific spelling).
+    overrides = {**_set_overrides(set_), **{k: v for k, v in flags.items() if v is not None}}
     with _user_errors():
         spec = runs.build_spec(config=config, overrides=overrides)
         if dry_run:
-            _print_plan(spec, runs.plan(spec))
+            plans = runs.plan(spec)
+            if as_json:
+                _print_json({"run_uri": join_uri(spec.store, spec.run_id), "dry_run": True,
+                             "spec": spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in plans]})
+            else:
+                _print_plan(spec, plans)
             return
         run = runs.launch(spec, base_dir=config.resolve().parent if config is not None else None)
+    launched = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas}
+    if as_json:
+        if detach:
+            _print_json(launched)
+            return
+        raise typer.Exit(_watch(run, as_json=launched))
     console.print(f"launched [bold]{spec.replicas}[/] replicas of run [bold]{spec.run_id}[/] → {run.uri}")
     if detach:
         console.print(f"follow with: composer-cloud status {run.uri}")
@@ -184,13 +242,44 @@ def _print_plan(spec: RunSpec, plans: list[Any]) -> None:
     console.print(f"run {run_uri}: {spec.rounds} rounds x {spec.inner_steps} inner steps (dry run: nothing launched)")
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _status_table(status: RunStatus) -> Table:
-    table = Table(title=f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}")
-    for col in ("rank", "executor", "state", "round", "restarts", "message"):
-        table.add_column(col)
-    for r in status.replicas:
-        table.add_row(str(r.rank), r.executor, r.state, "-" if r.last_round is None else str(r.last_round),
-                      str(r.restarts), (r.message or "").strip().splitlines()[-1][:80] if r.message else "")
+    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
+    if status.step is not None:
+        title += f", step {status.step}/{status.total_steps}"
+    if status.elapsed_s is not None:
+        title += f" — elapsed {_duration(status.elapsed_s)}"
+    if status.eta_s is not None:
+        title += f", ETA {_duration(status.eta_s)}"
+    table = Table(title=title)
+    reps = status.replicas
+    # Columns that say nothing for this run (one executor, no rewards, no restarts, no messages) are left out.
+    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
+    if len({r.executor for r in reps}) > 1:
+        cols.append(("executor", lambda r: r.executor))
+    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
+             ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
+    if any(r.reward is not None for r in reps):
+        cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
+    cols.append(("steps/s", lambda r: _fmt(r.steps_per_s, ".2f")))
+    if any(r.restarts for r in reps):
+        cols.append(("restarts", lambda r: str(r.restarts)))
+    if any(r.message for r in reps):
+        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
+    for name, _ in cols:
+        table.add_column(name)
+    for r in reps:
+        table.add_row(*[get(r) for _, get in cols])
     notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
                                   if status.store_error else [])
     if notes:
@@ -198,19 +287,34 @@ def _status_table(status: RunStatus) -> Table:
     return table
 
 
-def _watch(run: Run) -> int:
-    """Follow a run until every replica job has finished; print the summary. Returns the exit code."""
-    with _user_errors():
-        status = runs.get_status(run)
+DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
+
+
+def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
+    """Follow a run until every replica job has finished; print the summary. Returns the exit code.
+
+    Ctrl-C detaches: the jobs keep running (local replicas run in their own
+    sessions, so the terminal's SIGINT does not reach them) and the message
+    says how to cancel or follow the run.
+    """
     try:
-        with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
-            status = runs.wait(run, on_update=lambda st: live.update(_status_table(st)))
+        if as_json is not None:
+            status = runs.wait(run)
+        else:
+            with _user_errors():
+                status = runs.get_status(run)
+            with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
+                status = runs.wait(run, on_update=lambda st: live.update(_status_table(st)))
     except KeyboardInterrupt:
-        console.print("interrupted: cancelling the run's jobs")
-        _report_cancel(runs.cancel(run))
-        status = runs.get_status(run)
-    console.line()
-    _print_summary(run, status)
+        err_console.print(DETACHED.format(uri=run.uri), highlight=False)
+        if as_json is not None:
+            _print_json({**as_json, "detached": True})
+        return 130
+    if as_json is not None:
+        _print_json({**as_json, "status": status.to_json(), "summary": dataclasses.asdict(runs.summarize(run, status))})
+    else:
+        console.line()
+        _print_summary(run, status)
     return 0 if status.state == "completed" else 1
 
 
@@ -237,9 +341,8 @@ def _print_summary(run: Run, status: RunStatus) -> None:
 
 # ---------------------------------------------------------------- status / logs / cancel
 @app.command()
-def status(run_uri: str, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
-           store_option: StoreOptionFlag = None) -> None:
-    """Show a run's state, committed rounds and replicas."""
+def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Show a run's state, committed rounds, progress (step, loss, reward, steps/s, elapsed, ETA) and replicas."""
     run = _open(run_uri, store_option)
     with _user_errors():
         st = runs.get_status(run)
@@ -250,18 +353,102 @@ def status(run_uri: str, as_json: Annotated[bool, typer.Option("--json", help="m
 
 
 @app.command()
-def logs(run_uri: str, replica: Annotated[Optional[int], typer.Option(help="only this rank")] = None,
-         follow: Annotated[bool, typer.Option("--follow", "-f")] = False, store_option: StoreOptionFlag = None) -> None:
-    """Print replica logs (from the executor that runs them)."""
+def logs(run_uri: str,
+         replica: Annotated[Optional[list[int]], typer.Option(help="only this rank (repeatable)")] = None,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until every job ended")] = False,
+         tail: Annotated[Optional[int], typer.Option("--tail", "-n", help="last N lines of each replica")] = None,
+         since: Annotated[Optional[str], typer.Option(help="lines since a duration ago (10m, 2h) or an ISO time")] = None,
+         as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line: rank, line, time")] = False,
+         store_option: StoreOptionFlag = None) -> None:
+    """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...)."""
+    from composer_cloud.runs.logs import parse_since, replica_logs
+
     run = _open(run_uri, store_option)
-    handles = [h for h in runs.load_handles(run.store) if replica is None or h.rank == replica]
-    if not handles:
-        raise _fail(f"no replica {replica} in run {run.uri}" if replica is not None else "run has no replicas")
-    for h in handles:
-        ex = get_executor(h.executor, run.spec)
-        for line in ex.logs(h, follow=follow):
-            sys.stdout.write((f"[r{h.rank}] " if replica is None else "") + line + "\n")
+    ranks = {h.rank for h in runs.load_handles(run.store)}
+    if not ranks:
+        raise _fail("the run has no replica jobs recorded")
+    if replica and not set(replica) <= ranks:
+        raise _fail(f"no replica {sorted(set(replica) - ranks)} in run {run.uri} (ranks: {sorted(ranks)})")
+    if tail is not None and tail < 0:
+        raise _fail("--tail must be >= 0")
+    try:
+        since_t = parse_since(since) if since else None
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    errors: list[str] = []
+    try:
+        for ll in replica_logs(run, ranks=replica, follow=follow, tail=tail, since=since_t, errors=errors):
+            sys.stdout.write((json.dumps(ll.to_json()) if as_json else f"[r{ll.rank}] {ll.line}") + "\n")
             sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+    for e in errors:
+        err_console.print(f"could not read logs of {e}", highlight=False)
+    if errors:
+        raise typer.Exit(1)
+
+
+@app.command()
+def metrics(run_uri: str,
+            replica: Annotated[Optional[int], typer.Option(help="only this rank")] = None,
+            kind: Annotated[Optional[str], typer.Option(help="step | round (table default: round)")] = None,
+            csv: Annotated[bool, typer.Option("--csv", help="CSV on stdout")] = False,
+            as_json: Annotated[bool, typer.Option("--json", help="a JSON array of rows")] = False,
+            all_: Annotated[bool, typer.Option("--all", help="include rows a resume or restart superseded")] = False,
+            store_option: StoreOptionFlag = None) -> None:
+    """Per-step and per-round metrics of every replica (from the store's metrics/ objects)."""
+    from composer_cloud.runs.metrics import columns, to_csv
+
+    if kind not in (None, "step", "round"):
+        raise _fail(f"--kind {kind!r}: use step or round")
+    if csv and as_json:
+        raise _fail("give --csv or --json, not both")
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        rows = runs.read_metrics(run.store, rank=replica, kind=kind or (None if csv or as_json else "round"),
+                                 superseded=all_)
+    if as_json:
+        _print_json(rows)
+    elif csv:
+        sys.stdout.write(to_csv(rows))
+    else:
+        keep = ["round", "rank", "step", "launch", "committed", "loss", "train_loss", "reward_mean", "eval_loss",
+                "eval_reward_mean", "compute_s", "sync_s", "time_s", "superseded"]
+        cols = [c for c in keep if c in set(columns(rows))]
+        table = Table(title=f"{run.run_id}: {len(rows)} {kind or 'round'} rows"
+                      + (" (--kind step for per-step rows; --csv/--json for every field)" if not kind else ""))
+        for c in cols:
+            table.add_column(c, justify="right")
+        for r in rows:
+            table.add_row(*[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols])
+        console.print(table)
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+@app.command()
+def report(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")] = Path("."),
+           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Write report.png and report.html: loss, reward, held-out eval and sync time per round per replica."""
+    from composer_cloud.runs.report import ReportUnavailable, write_report
+
+    run = _open(run_uri, store_option)
+    try:
+        with _user_errors():
+            rep = write_report(run, out)
+    except ReportUnavailable as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        _print_json({"run_id": run.run_id, "png": str(rep.png), "html": str(rep.html), "rounds": rep.rounds,
+                     "replicas": rep.replicas})
+    else:
+        console.print(f"wrote {rep.png} and {rep.html} ({rep.rounds} rounds, replicas {rep.replicas})")
 
 
 def _report_cancel(result: runs.CancelResult) -> None:
@@ -270,11 +457,17 @@ def _report_cancel(result: runs.CancelResult) -> None:
 
 
 @app.command()
-def cancel(run_uri: str, store_option: StoreOptionFlag = None) -> None:
+def cancel(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
     """Cancel every replica job of a run."""
     run = _open(run_uri, store_option)
     with _user_errors():
         result = runs.cancel(run)
+    if as_json:
+        _print_json({"run_id": run.run_id, "run_uri": run.uri, "cancelled": result.cancelled,
+                     "warnings": result.warnings, "noop": result.noop})
+        if result.warnings:
+            raise typer.Exit(1)
+        return
     if result.noop:
         console.print(result.noop)
         return
@@ -290,13 +483,22 @@ def resume(
     run_uri: str,
     executor: Annotated[Optional[str], typer.Option(help="run the remaining rounds elsewhere")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="a different replica count")] = None,
-    detach: Annotated[bool, typer.Option()] = False,
+    detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable: what resumed, and (attached) the "
+                                                          "final status")] = False,
     store_option: StoreOptionFlag = None,
 ) -> None:
-    """Continue a run from its latest valid checkpoint."""
+    """Continue a run from its latest valid checkpoint (attached: Ctrl-C detaches, the run goes on)."""
     run = _open(run_uri, store_option)
     with _user_errors():
         result = runs.resume(run, executor=executor, replicas=replicas)
+    if as_json:
+        out = {"run_id": run.run_id, "run_uri": run.uri, "from_round": result.from_round,
+               "ranks": [h.rank for h in result.handles], "warnings": result.warnings, "noop": result.noop}
+        if result.noop or detach:
+            _print_json(out)
+            return
+        raise typer.Exit(_watch(result.run, as_json=out))
     if result.noop:
         console.print(result.noop)
         return
@@ -313,7 +515,7 @@ def resume(
 @app.command()
 def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")],
            round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None,
-           store_option: StoreOptionFlag = None) -> None:
+           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
     """Write the global parameters as a Hugging Face model directory."""
     from composer_cloud.export import export_model
 
@@ -324,6 +526,9 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
         r = export_model(run, out, round=round)
     except (LookupError, StoreError) as exc:
         raise _fail(str(exc), code=1) from None
+    if as_json:
+        _print_json({"run_id": run.run_id, "round": r, "out": str(out.resolve())})
+        return
     console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
 
 

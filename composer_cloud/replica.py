@@ -313,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run URI, <store>/<run_id>")
     parser.add_argument("--rank", required=True, type=int)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get(env.LOG_LEVEL, "INFO"),
-                        format=f"%(asctime)s r{args.rank} %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    # UTC ISO timestamps: `composer-cloud logs` merges replicas by time and filters with --since.
+    logging.Formatter.converter = time.gmtime
+    logging.basicConfig(level=os.environ.get(env.LOG_LEVEL, "INFO"), datefmt="%Y-%m-%dT%H:%M:%S",
+                        format=f"%(asctime)s.%(msecs)03dZ r{args.rank} %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout)
     torch.set_num_threads(int(os.environ.get(env.THREADS, "1")) or 1)
     replica = None
     try:
