@@ -412,13 +412,17 @@ def metrics(run_uri: str,
     elif csv:
         sys.stdout.write(to_csv(rows))
     else:
-        keep = ["round", "rank", "step", "launch", "committed", "loss", "train_loss", "reward_mean", "eval_loss",
-                "eval_reward_mean", "compute_s", "sync_s", "time_s", "superseded"]
-        cols = [c for c in keep if c in set(columns(rows))]
+        # A narrow table of the fields that matter; --csv/--json carry every field.
+        headers = {"round": "round", "rank": "rank", "step": "step", "launch": "launch", "committed": "ok",
+                   "loss": "loss", "train_loss": "loss", "reward_mean": "reward", "eval_loss": "eval loss",
+                   "eval_reward_mean": "eval reward", "compute_s": "compute s", "sync_s": "sync s",
+                   "time_s": "step s", "superseded": "superseded"}
+        present = set(columns(rows))
+        cols = [c for c in headers if c in present and (c != "launch" or len({r.get("launch") for r in rows}) > 1)]
         table = Table(title=f"{run.run_id}: {len(rows)} {kind or 'round'} rows"
-                      + (" (--kind step for per-step rows; --csv/--json for every field)" if not kind else ""))
+                      + (" (--kind step: per-step rows; --csv/--json: every field)" if not kind else ""))
         for c in cols:
-            table.add_column(c, justify="right")
+            table.add_column(headers[c], justify="right")
         for r in rows:
             table.add_row(*[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols])
         console.print(table)

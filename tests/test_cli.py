@@ -151,3 +151,104 @@ def test_two_replicas_with_the_three_channel_trainer(tmp_path):
     assert st["state"] == "completed" and st["rounds_committed"] == 2
     step_rows = read_metrics(Store(f"file://{tmp_path}/store/tc"), rank=0, kind="step")
     assert step_rows and all({"pg", "sdpo", "dpo", "reward_mean"} <= s.keys() for s in step_rows)
+
+
+# ---------------------------------------------------------------- conventions: --set, --json, Ctrl-C, progress
+def test_set_overrides_nested_keys_with_typed_values(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["launch", "--dry-run", "--json", "--store", f"file://{tmp_path}/store", "--run-id", "s",
+                              "--set", "sync.codec=bf16", "--set", "inner_optimizer.betas=[0.8, 0.9]",
+                              "--set", "outer_optimizer.nesterov=false", "--set", "inner_optimizer.lr=1e-4",
+                              "--set", "model.name=tiny", "--set", "rounds=7", "--rounds", "9"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    spec = plan["spec"]
+    assert spec["sync"]["codec"] == "bf16" and spec["inner_optimizer"]["betas"] == [0.8, 0.9]
+    assert spec["outer_optimizer"]["nesterov"] is False and spec["inner_optimizer"]["lr"] == 1e-4
+    assert spec["rounds"] == 9  # a named flag wins over --set for the same key
+    assert plan["run_uri"].endswith("/store/s") and plan["plans"][0]["executor"] == "local"
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("pair,needle", [("sync.bogus=1", "sync.bogus"), ("nope=1", "nope"),
+                                         ("sync.codec=fp8", "sync.codec"), ("rounds", "KEY=VALUE")])
+def test_set_rejects_unknown_keys_and_bad_values(tmp_path, monkeypatch, pair, needle):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["launch", "--dry-run", "--store", f"file://{tmp_path}/store", "--set", pair])
+    assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_doctor_json(tmp_path):
+    res = runner.invoke(app, ["doctor", f"file://{tmp_path}/store", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["ok"] is True and report["checks"] and all("name" in c for c in report["checks"])
+
+
+@pytest.mark.slow
+def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
+    """Attached launch: live progress in heartbeats and status; Ctrl-C detaches; the run completes anyway."""
+    store = tmp_path / "store"
+    cfg = small_config(tmp_path, "progress_every_s = 0.5\n")
+    run_uri = f"file://{store}/cc"
+    cli_proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg), "--replicas", "2", "--rounds", "2",
+         "--inner-steps", "200", "--run-id", "cc", "--store", f"file://{store}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        run_store = Store(run_uri)
+
+        def progress():
+            beat = run_store.try_get_json("replicas/0.json") if (store / "cc/replicas/0.json").exists() else None
+            return beat if beat and isinstance(beat.get("loss"), float) and beat.get("step", 0) > 0 else None
+
+        beat = _wait(progress, 90, "a progress heartbeat")
+        assert beat["steps_per_s"] > 0 and beat["elapsed_s"] >= 0 and beat["total_steps"] == 400
+        st = status_json(run_uri, tmp_path)
+        assert st["state"] == "running", st  # 400 steps take seconds; the heartbeat came within one
+        assert st["step"] and st["elapsed_s"] is not None and st["eta_s"] is not None
+        assert st["replicas"][0]["loss"] is not None and st["replicas"][0]["steps_per_s"] > 0
+        table = cli("status", run_uri, cwd=tmp_path).stdout
+        assert "ETA" in table and "elapsed" in table and "steps/s" in table, table
+        os.killpg(cli_proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        out, err = cli_proc.communicate(timeout=30)
+    finally:
+        if cli_proc.poll() is None:
+            cli_proc.kill()
+    assert cli_proc.returncode == 130, out + err
+    assert f"detached: the run continues; cancel with: composer-cloud cancel {run_uri}" in err
+    assert not (store / "cc/control/cancel.json").exists()
+    st = _wait(lambda: (s := status_json(run_uri, tmp_path))["state"] != "running" and s, 240, "run end")
+    assert st["state"] == "completed" and st["rounds_committed"] == 2 and st["step"] == 400, st
+
+    logs = cli("logs", run_uri, "--tail", "3", cwd=tmp_path)
+    lines = logs.stdout.splitlines()
+    assert logs.returncode == 0 and len(lines) == 6, logs.stdout + logs.stderr
+    assert {ln[:4] for ln in lines} == {"[r0]", "[r1]"}
+    steps = cli("logs", run_uri, "--replica", "1", "--json", cwd=tmp_path)
+    rows = [json.loads(ln) for ln in steps.stdout.splitlines()]
+    assert {r["rank"] for r in rows} == {1}
+    assert sum("step 400/400 loss" in r["line"] for r in rows) == 1  # one line per inner step
+    times = [r["time"] for r in rows if r["time"] is not None]
+    assert times == sorted(times)
+
+    m = cli("metrics", run_uri, "--json", cwd=tmp_path)
+    rows = json.loads(m.stdout)
+    assert len([r for r in rows if r["kind"] == "round"]) == 4 and len([r for r in rows if r["kind"] == "step"]) == 800
+    csv_out = cli("metrics", run_uri, "--csv", "--kind", "round", "--replica", "0", cwd=tmp_path).stdout.splitlines()
+    assert csv_out[0].startswith("kind,rank,round") and len(csv_out) == 3
+    assert "sync s" in cli("metrics", run_uri, cwd=tmp_path).stdout
+
+    rep = cli("report", run_uri, "--out", str(tmp_path / "rep"), "--json", cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    paths = json.loads(rep.stdout)
+    assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Path(paths["png"]).stat().st_size > 10_000
+    assert "data:image/png;base64," in Path(paths["html"]).read_text() and paths["replicas"] == [0, 1]
+
+    ex = cli("export", run_uri, "--out", str(tmp_path / "model"), "--json", cwd=tmp_path)
+    assert ex.returncode == 0 and json.loads(ex.stdout)["round"] == 1, ex.stderr
+    c = cli("cancel", run_uri, "--json", cwd=tmp_path)
+    assert c.returncode == 0 and "already completed" in json.loads(c.stdout)["noop"], c.stderr
+    r = cli("resume", run_uri, "--json", cwd=tmp_path)
+    assert r.returncode == 0 and "nothing to resume" in json.loads(r.stdout)["noop"], r.stderr
+    assert len(read_metrics(Store(run_uri), kind="round")) == 4  # untouched by resume
