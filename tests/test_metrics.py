@@ -139,3 +139,78 @@ def test_metrics_survive_resume_of_a_completed_run_and_cancel_resume(tmp_path):
     # Every object is still there and pandas reads each one.
     for o in list_objects(Store(uri)):
         assert not pd.read_json(store / "m" / o.key, lines=True).empty
+
+
+# ---------------------------------------------------------------- logs: merge, tail, since, follow (any executor)
+class _FakeExecutor:
+    """Logs like every executor's: from the start; with follow, more lines until the job ends."""
+
+    def __init__(self, lines: dict[int, list[str]], more: dict[int, list[str]]) -> None:
+        self.lines, self.more = lines, more
+
+    def logs(self, handle, *, follow=False):
+        yield from self.lines[handle.rank]
+        if follow:
+            time.sleep(0.05 * (handle.rank + 1))
+            yield from self.more[handle.rank]
+
+
+def _fake_run(tmp_path, monkeypatch, ex):
+    from composer_cloud.jobs import JobHandle
+    from composer_cloud.runs import logs as logs_mod
+    from composer_cloud.runs.run import Run, save_handles
+    from composer_cloud.spec import RunSpec
+
+    store = Store(f"file://{tmp_path}/run")
+    save_handles(store, [JobHandle("fake", r, f"j{r}") for r in (0, 1)])
+    monkeypatch.setattr(logs_mod, "get_executor", lambda name, spec: ex)
+    return Run(uri=store.uri, store=store, spec=RunSpec(run_id="run"))
+
+
+def test_logs_merge_tail_since_follow(tmp_path, monkeypatch):
+    from composer_cloud.runs.logs import line_time, parse_since, replica_logs
+
+    t = "2026-01-02T03:04:0{}.000Z r{} INFO x: {}"
+    ex = _FakeExecutor({0: ["banner", t.format(1, 0, "a"), t.format(3, 0, "b"), "Traceback (most recent call last)"],
+                        1: [t.format(2, 1, "c"), t.format(4, 1, "d")]},
+                       {0: [t.format(7, 0, "e")], 1: [t.format(8, 1, "f")]})
+    run = _fake_run(tmp_path, monkeypatch, ex)
+    got = [(ll.rank, ll.line[-1]) for ll in replica_logs(run)]
+    assert got == [(0, "r"), (0, "a"), (1, "c"), (0, "b"), (0, ")"), (1, "d")]  # by time; a traceback follows its line
+    assert [(ll.rank, ll.line[-1]) for ll in replica_logs(run, tail=1)] == [(0, ")"), (1, "d")]
+    since = parse_since("2026-01-02T03:04:03Z")
+    assert [ll.line[-1] for ll in replica_logs(run, since=since)] == ["b", ")", "d"]
+    assert [ll.line[-1] for ll in replica_logs(run, ranks=[1])] == ["c", "d"]
+    followed = [ll.line[-1] for ll in replica_logs(run, tail=1, follow=True)]
+    assert followed[:2] == [")", "d"] and sorted(followed[2:]) == ["e", "f"]  # no line twice
+    assert line_time(t.format(1, 0, "a")) == parse_since("2026-01-02T03:04:01")
+    assert abs(parse_since("10m", now=1000.0) - 400.0) < 1e-9
+    with pytest.raises(ValueError, match="duration"):
+        parse_since("yesterday")
+
+
+@pytest.mark.slow
+def test_metrics_survive_cancel_and_resume(tmp_path):
+    store = tmp_path / "store"
+    cfg = _spec(tmp_path)
+    res = _cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "3", "--inner-steps", "60", "--run-id", "cr",
+               "--store", f"file://{store}", "--detach", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    uri = f"file://{store}/cr"
+    deadline = time.monotonic() + 120
+    while not list_objects(Store(uri), rank=1) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    res = _cli("cancel", uri, "--json", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["cancelled"] == [0, 1], res.stdout + res.stderr
+    before = {o.key for o in list_objects(Store(uri))}
+    assert before
+    res = _cli("resume", uri, cwd=tmp_path)  # attached: waits for the end
+    assert res.returncode == 0, res.stdout + res.stderr
+    after = list_objects(Store(uri))
+    assert before <= {o.key for o in after}  # nothing from the first launch was deleted
+    assert {o.launch for o in after} == {0, 1}
+    rounds = read_metrics(Store(uri), kind="round")
+    assert sorted((r["rank"], r["round"]) for r in rounds) == [(k, r) for k in (0, 1) for r in range(3)]
+    assert all(r["committed"] for r in rounds)
+    steps = read_metrics(Store(uri), kind="step", rank=0)
+    assert [s["step"] for s in steps] == list(range(1, 181))  # every inner step of the run once, in order
