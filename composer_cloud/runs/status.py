@@ -241,9 +241,7 @@ def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[d
 
 def summarize(run: Run, status: RunStatus) -> RunSummary:
     """Loss, reward, time and traffic of a run, from its replicas' metrics."""
-    store, spec = run.store, run.spec
-    del spec
-    rounds = _metrics.read_metrics(store, kind="round")
+    rounds = _metrics.read_metrics(run.store, kind="round")
     rounds.sort(key=lambda m: (m["round"], m["rank"]))
     losses = [m["train_loss"] for m in rounds if m.get("committed")]
     evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
