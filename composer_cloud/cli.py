@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="machine-readable output (JSON on stdout)")]
 SetFlag = Annotated[Optional[list[str]], typer.Option(
-    "--set", help="any spec setting KEY=VALUE, dotted for nested ones (sync.codec=bf16, trainer.lr=1e-4); "
-                  "VALUE is JSON/TOML (numbers, true/false, [lists]) or else a string; repeatable")]
+    "--set", help="any spec setting KEY=VALUE, dotted for nested ones (sync.codec=bf16, inner_optimizer.lr=1e-4); "
+                  "VALUE is JSON or TOML (numbers, true/false, lists) or else a string; repeatable")]
 StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
     "--store-option", help="fsspec storage option KEY=VALUE needed to reach the store (e.g. endpoint_url=...); "
                            "repeatable. Default: $COMPOSER_CLOUD_STORE_OPTIONS")]
