@@ -285,3 +285,80 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     res = _cli(["export", run.uri, "--out", str(out)], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (out / "model.safetensors").exists()
+
+
+def _cfg(run_id: str) -> dc.DecoupledConfig:
+    return dc.DecoupledConfig(run_id=run_id, replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=10)
+
+
+def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str = "") -> tuple[subprocess.Popen, Path]:
+    """Launch attached; return once ``rank`` stalls in the inner steps after ``seq`` contributions."""
+    cfg = tmp_path / f"{run_id}.toml"
+    cfg.write_text(extra + SPEC)
+    marker = tmp_path / f"stalled-{run_id}"
+    env = {**os.environ, faults.ENV: f"inner_step:{seq}:{rank}", faults.MARKER_ENV: str(marker)}
+    launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
+                                 "--store", f"file://{tmp_path}/store", "--run-id", run_id], cwd=tmp_path, env=env,
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert launcher.poll() is None, "launcher exited before the stall point: " + launcher.stdout.read()
+        assert time.monotonic() < deadline, "never reached the stall point"
+        time.sleep(0.2)
+    return launcher, marker
+
+
+@pytest.mark.slow
+def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path):
+    launcher, _ = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n")
+    run = Store(f"file://{tmp_path}/store/kill")
+    try:
+        # While replica 1 hangs (like a SIGSTOPped job), the others finish all their contributions.
+        deadline = time.monotonic() + 90
+        while not all((run.try_get_json(f"replicas/{r}.json") or {}).get("state") == "completed" for r in (0, 2)):
+            assert time.monotonic() < deadline, "replicas 0 and 2 waited for the stalled replica"
+            time.sleep(0.3)
+        assert dc.read_final(run) is None  # replica 1 is not done: no final version yet
+        jobs = Path(run.get_json("executor/1.json")["data"]["dir"])
+        os.kill(json.loads((jobs / "supervisor.json").read_text())["replica_pid"], signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, out[-3000:]
+    log = (jobs / "replica.log").read_text()
+    assert "resumed its inner state after contribution 2" in log, log[-3000:]
+    final = dc.read_final(run)
+    last = dc.read_merge(run, _cfg("kill"), dc.merge_versions(run)[-1])
+    assert final == last.version and last.cursor == {0: 4, 1: 4, 2: 4}
+    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    assert st["state"] == "completed", st
+
+
+@pytest.mark.slow
+def test_resume_after_everything_is_killed(tmp_path):
+    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2)
+    time.sleep(1.0)  # let the others publish and merge more
+    os.killpg(launcher.pid, signal.SIGKILL)
+    run = Store(f"file://{tmp_path}/store/resumed")
+    for key in run.list("executor"):
+        try:
+            os.killpg(run.get_json(key)["data"]["pgid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.wait()
+    assert dc.read_final(run) is None
+    before = dc.newest_version(run)
+    assert before is not None
+    res = _cli(["resume", run.uri], tmp_path, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    assert st["state"] == "completed" and st["rounds_committed"] >= before, st
+    log = (Path(run.get_json("executor/0.json")["data"]["dir"]) / "replica.log").read_text()
+    assert "resumed its inner state after contribution 2" in log, log[-3000:]
+    last = dc.read_merge(run, _cfg("resumed"), dc.merge_versions(run)[-1])
+    assert last.cursor == {0: 4, 1: 4, 2: 4} and dc.read_final(run) == last.version
+    res = _cli(["resume", run.uri], tmp_path)  # a finished decoupled run: nothing to resume
+    assert res.returncode == 0 and "nothing to resume" in res.stdout + res.stderr
+    res = _cli(["export", run.uri, "--out", str(tmp_path / "model")], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
