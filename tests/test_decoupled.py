@@ -223,6 +223,20 @@ def test_final_merges_everything_pending_once_all_are_done(store):
     assert dc.progress(store) == (v, v)
 
 
+def test_writer_killed_between_marker_and_manifest_is_finished_and_seqs_are_never_reused(store):
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, 1.0, tokens=100)
+    _publish(store, 2, 1, 1.0, tokens=100)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    store.delete("checkpoints/00000001/manifest.json")  # the writer died after the marker
+    for r in range(3):
+        dc.mark_done(store, r, 1)
+    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 1
+    assert store.exists("checkpoints/00000001/manifest.json")
+    # A replica whose inner state is at seq 0 but which published seq 1 continues at seq 2.
+    assert dc.next_seq(store, CFG, 2, 0) == 2 and dc.next_seq(store, CFG, 0, 5) == 6
+
+
 # ------------------------------------------------------------------ multi-process runs
 SPEC = """
 replicas = 3

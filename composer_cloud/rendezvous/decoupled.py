@@ -419,7 +419,13 @@ def has_version(store: Store, version: int) -> bool:
 
 def write_version(store: Store, version: int, tree: dict[str, Any], *, writer: int,
                   meta: dict[str, Any] | None = None) -> None:
-    """Global ``version`` as checkpoint ``version``: blob, write-once marker, then (write-once) the manifest."""
+    """Global ``version`` as checkpoint ``version``: blob, write-once marker, then (write-once) the manifest.
+
+    Idempotent: an existing marker is kept (the blob is not rewritten) and a second manifest is refused,
+    so a completer finishes whatever a dead writer left, in order. Contributions are pruned only after
+    the manifest exists, so ``resume`` (which discards checkpoints without one) never drops a version
+    whose inputs are gone.
+    """
     from composer_cloud import checkpoint as ckpt
 
     ckpt.write_global_state(store, version, tree, writer=writer, num_shards=1, attempt=0)
@@ -465,8 +471,13 @@ def newest_version(store: Store, *, floor: int = -1) -> int | None:
 
 
 def ensure_initial(store: Store, cfg: DecoupledConfig, params: Mapping[str, torch.Tensor], *, rank: int) -> None:
-    """Create version 0 from ``params`` unless it exists (every replica starts from version 0's bytes)."""
-    if not has_version(store, 0):
+    """Create version 0 from ``params`` unless it exists (every replica starts from version 0's bytes).
+
+    Racing creators write the same bytes: models are built on CPU from the run's seed (``model.load_model``)
+    before moving to a device. Were they to differ, the write-once marker pins the first writer's crc32 and
+    a reader of a replaced blob gets a loud ``CorruptCheckpoint``, never other bytes.
+    """
+    if not has_version(store, 0) or not _has_manifest(store, 0):
         write_version(store, 0, initial_state(params, cfg), writer=rank, meta={"ranks": [], "initial": True})
 
 
@@ -506,6 +517,8 @@ def complete_version(store: Store, cfg: DecoupledConfig, record: MergeRecord, sh
     """
     v = record.version
     if has_version(store, v):
+        if not _has_manifest(store, v):  # the writer died between marker and manifest: finish it
+            write_version(store, v, load_version(store, v, shapes), writer=rank, meta=_version_meta(record, rank))
         return
     if not has_version(store, v - 1):
         if depth > 8:
@@ -518,11 +531,20 @@ def complete_version(store: Store, cfg: DecoupledConfig, record: MergeRecord, sh
     if deltas is None:
         deltas = [load_contribution(store, c, shapes) for c in record.contributions]
     tree = outer_step(base, deltas, record.weights, cfg)
-    write_version(store, v, tree, writer=rank, meta={
-        "ranks": record.ranks, "contributions": len(record.contributions), "final": record.final,
-        "decided_by": record.raw.get("decided_by"), "written_by": rank})
+    write_version(store, v, tree, writer=rank, meta=_version_meta(record, rank))
     logger.info("global version %d written (%d contributions from replicas %s)", v, len(record.contributions),
                 record.ranks)
+
+
+def _version_meta(record: MergeRecord, rank: int) -> dict[str, Any]:
+    return {"ranks": record.ranks, "contributions": len(record.contributions), "final": record.final,
+            "decided_by": record.raw.get("decided_by"), "written_by": rank}
+
+
+def _has_manifest(store: Store, version: int) -> bool:
+    from composer_cloud import checkpoint as ckpt
+
+    return store.exists(f"{ckpt.checkpoint_prefix(version)}/manifest.json")
 
 
 def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int, ...]], *, rank: int,
@@ -757,8 +779,8 @@ def finish(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int, .
         raise StoreError("final merge did not converge (contributions keep appearing after every replica is done)")
     latest = newest_merge(store, cfg)
     v = latest.version if latest else 0
-    if latest is not None and not has_version(store, v):
-        complete_version(store, cfg, latest, shapes, rank=rank)
+    if latest is not None:
+        complete_version(store, cfg, latest, shapes, rank=rank)  # durable with its manifest, whoever wrote it
     load_version(store, v, shapes)  # read back: "completed" means durable and verified
     store.create_json(FINAL_KEY, {"version": v, "time": time.time(), "by": rank})
     final = read_final(store)
