@@ -237,6 +237,27 @@ def test_writer_killed_between_marker_and_manifest_is_finished_and_seqs_are_neve
     assert dc.next_seq(store, CFG, 2, 0) == 2 and dc.next_seq(store, CFG, 0, 5) == 6
 
 
+def test_protocol_on_real_s3_servers(s3_store, monkeypatch):
+    """Write-once merge records, listing and pruning behave the same on moto and SeaweedFS."""
+    store = Store(f"s3://{s3_store.bucket}/decoupled-{time.time_ns()}")
+    dc.ensure_initial(store, CFG, _params(), rank=0)
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, -1.0, tokens=300)
+    stale = dc.newest_merge(store, CFG)
+    monkeypatch.setattr(dc, "prune", lambda *a, **k: None)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    monkeypatch.setattr(dc, "newest_merge", lambda s, c: stale)
+    assert dc.try_merge(store, CFG, SHAPES, rank=1).reason == "lost the race"
+    monkeypatch.undo()
+    for r in range(3):
+        dc.mark_done(store, r, 1 if r < 2 else 0)
+    _publish(store, 2, 1, 1.0, tokens=100)
+    dc.mark_done(store, 2, 1)
+    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2
+    assert dc.read_merge(store, CFG, 2).cursor == {0: 1, 1: 1, 2: 1}
+    assert not store.list(f"{dc.PREFIX}/contrib/2")  # consumed and durable: pruned
+
+
 # ------------------------------------------------------------------ multi-process runs
 SPEC = """
 replicas = 3
