@@ -290,7 +290,7 @@ def _rounds(run: Store, rank: int) -> list[dict]:
 def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     cfg = tmp_path / "spec.toml"
     cfg.write_text(SPEC)
-    env = {**os.environ, faults.SLOW_ENV: "2:4"}
+    env = {**os.environ, faults.SLOW_ENV: "2:8"}
     res = _cli(["launch", "--config", str(cfg), "--store", f"file://{tmp_path}/store", "--run-id", "slow"],
                tmp_path, env=env, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -302,9 +302,11 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     for r in range(3):
         rows = _rounds(run, r)
         assert len(rows) == 4 and all(row["wait_s"] == 0.0 for row in rows)
-    fast_compute = sum(row["compute_s"] for row in _rounds(run, 0))
-    fast_sync = sum(row["sync_s"] for row in _rounds(run, 0))
-    assert fast_sync < fast_compute, (fast_sync, fast_compute)  # boundaries cost I/O, not waiting
+    # A fast replica's boundaries (publish, merge, adopt) cost store I/O, never the slow replica's compute.
+    slow_compute = sum(row["compute_s"] for row in _rounds(run, 2))
+    for r in (0, 1):
+        fast_sync = sum(row["sync_s"] for row in _rounds(run, r))
+        assert fast_sync < 0.5 * slow_compute, (r, fast_sync, slow_compute)
     final = dc.read_final(run)
     assert final is not None and beats[2].get("final_version") == final
     merged = {(c.rank, c.seq) for v in dc.merge_versions(run)

@@ -601,8 +601,8 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int
         keep = [i for i, n in enumerate(norms) if median <= 0 or n <= cfg.outlier_factor * median]
         for i in sorted(set(range(len(norms))) - set(keep)):
             c = accepted[i]
-            rejected.append({"rank": c.rank, "seq": c.seq,
-                             "reason": f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}"})
+            why = f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}"
+            rejected.append({"rank": c.rank, "seq": c.seq, "reason": why})
         accepted, deltas = [accepted[i] for i in keep], [deltas[i] for i in keep]
     for c in pending:
         cursor[c.rank] = max(cursor.get(c.rank, 0), c.seq)
