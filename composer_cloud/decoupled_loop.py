@@ -87,29 +87,27 @@ class DecoupledLoop:
 
     def _adopt(self, *, alpha: float) -> bool:
         """Adopt the newest durable global newer than mine; False if none (or none readable)."""
-        floor = self.adopted
-        while True:
-            v = dc.newest_version(self.store, floor=floor)
-            if v is None:
-                return False
-            try:
-                tree = dc.load_version(self.store, v, self.shapes)
-            except StoreUnavailable:
-                raise
-            except StoreError as exc:  # InvalidObject, CorruptCheckpoint: never adopt an unverified object
-                logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
-                               exc, self.adopted)
-                return False
-            params = tree[dc.FRAGMENT_KEY]["original_parameters"]
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    g = params[name].to(p.device, p.dtype)
-                    if alpha >= 1.0:
-                        p.copy_(g)
-                    else:
-                        p.mul_(1.0 - alpha).add_(g, alpha=alpha)
-            self.adopted = v
-            return True
+        v = dc.newest_version(self.store, floor=self.adopted)
+        if v is None:
+            return False
+        try:
+            tree = dc.load_version(self.store, v, self.shapes)
+        except StoreUnavailable:
+            raise
+        except StoreError as exc:  # InvalidObject, CorruptCheckpoint: never adopt an unverified object
+            logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
+                           exc, self.adopted)
+            return False
+        params = tree[dc.FRAGMENT_KEY]["original_parameters"]
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                g = params[name].to(p.device, p.dtype)
+                if alpha >= 1.0:
+                    p.copy_(g)
+                else:
+                    p.mul_(1.0 - alpha).add_(g, alpha=alpha)
+        self.adopted = v
+        return True
 
     def _write_state(self) -> None:
         tree = {"inner": ckpt.replica_state(self.trainer, _params(self.model))}

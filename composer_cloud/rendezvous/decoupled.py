@@ -722,7 +722,11 @@ def next_seq(store: Store, cfg: DecoupledConfig, rank: int, own: int) -> int:
     already published (the steps since that state are contributed again:
     at-least-once, see docs/decoupled.md).
     """
-    latest = newest_merge(store, cfg)
+    try:
+        latest = newest_merge(store, cfg)
+    except InvalidObject as exc:  # a bad record says nothing about my seqs; the listing still does
+        logger.warning("next seq of replica %d ignores %s", rank, exc)
+        latest = None
     seen = [own, latest.cursor.get(rank, 0) if latest else 0]
     seen += [int(m.group(1)) for n in store.list_dirs(f"{PREFIX}/contrib/{rank}") if (m := _NUM.match(n))]
     return max(seen) + 1
