@@ -20,6 +20,9 @@ STORE_OPTIONS = "COMPOSER_CLOUD_STORE_OPTIONS"
 STALL_AT = "COMPOSER_CLOUD_STALL_AT"
 #: File the stalled replica creates when it reaches the stall point.
 STALL_MARKER = "COMPOSER_CLOUD_STALL_MARKER"
+#: Slow-hardware fault injection (decoupled mode): ``rank:factor[,rank:factor...]``; replica ``rank`` sleeps
+#: ``(factor - 1) x`` the duration of each inner step after it (see :func:`composer_cloud.faults.slow_step`).
+SLOW = "COMPOSER_CLOUD_SLOW"
 #: HF Jobs bootstrap: where the staged wheel of composer-cloud lies, and its sha256.
 WHEEL_URI = "COMPOSER_CLOUD_WHEEL_URI"
 WHEEL_SHA256 = "COMPOSER_CLOUD_WHEEL_SHA256"

@@ -12,6 +12,11 @@ reduced slot, before the commit), ``checkpoint`` (after the replica state
 blob, before its marker and the manifest), ``global_upload`` (after this
 replica's slice of the committed global state, before its marker). Unset,
 every call is a no-op.
+
+``COMPOSER_CLOUD_SLOW=rank:factor[,rank:factor...]`` simulates slower
+hardware: after each inner step of ``rank`` (decoupled mode) the replica
+sleeps ``(factor - 1)`` times that step's duration, so it runs ``factor``
+times slower. Unset: a no-op.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from composer_cloud import env
 
 ENV = env.STALL_AT
 MARKER_ENV = env.STALL_MARKER
+SLOW_ENV = env.SLOW
 PHASES = ("inner_step", "upload", "reduce", "checkpoint", "global_upload")
 
 
@@ -41,3 +47,29 @@ def stall_point(phase: str, round: int, rank: int) -> None:
             f.write(f"{phase}:{round}:{rank}\n")
     while True:  # until killed
         time.sleep(3600)
+
+
+def slow_factor(rank: int) -> float:
+    """This rank's slowdown factor from ``COMPOSER_CLOUD_SLOW`` (1.0: none). A malformed value is an error."""
+    spec = os.environ.get(SLOW_ENV, "").strip()
+    if not spec:
+        return 1.0
+    for part in spec.split(","):
+        try:
+            r, f = part.split(":")
+            factor = float(f)
+        except ValueError:
+            raise ValueError(f"{SLOW_ENV}={spec!r}: expected rank:factor[,rank:factor...]") from None
+        if not factor >= 1.0:
+            raise ValueError(f"{SLOW_ENV}: factor {f!r} must be >= 1")
+        if int(r) == rank:
+            return factor
+    return 1.0
+
+
+def slow_step(rank: int, step_s: float) -> float:
+    """Sleep ``(factor - 1) * step_s`` for a slowed ``rank``; returns the seconds slept."""
+    extra = (slow_factor(rank) - 1.0) * max(0.0, step_s)
+    if extra > 0:
+        time.sleep(extra)
+    return extra

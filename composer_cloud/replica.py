@@ -134,6 +134,11 @@ class Replica:
             model=model, tokenizer=tokenizer, rank=self.rank, world_size=spec.replicas, seed=spec.seed,
             device=device, settings=spec.trainer.settings(),
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json")))
+        if spec.sync.mode == "decoupled":  # no barrier: its own loop (docs/decoupled.md)
+            from composer_cloud.decoupled_loop import run_decoupled
+
+            run_decoupled(self, model, trainer, device)
+            return
 
         start = self._resume_point()
         start_round = start.round + 1 if start else 0

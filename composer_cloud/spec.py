@@ -96,6 +96,20 @@ class SyncSpec(_Strict):
     outlier_factor: float | None = Field(default=10.0, gt=1)
     #: Attempts of a round run back to back within one sync after an integrity check failed.
     max_attempts: int = Field(default=3, ge=1, le=100)
+    #: ``lockstep``: every round is a barrier (torchft's DiLoCo over the object-store manager).
+    #: ``decoupled``: no barrier; each replica publishes its pseudo-gradient every ``inner_steps`` steps
+    #: and merges/adopts whatever has arrived (see ``docs/decoupled.md``). The keys below apply to it only.
+    mode: Literal["lockstep", "decoupled"] = "lockstep"
+    #: Decoupled: distinct replicas with pending contributions that trigger a merge (null: ceil(replicas / 2)).
+    min_quorum: int | None = Field(default=None, ge=1)
+    #: Decoupled: bounds (seconds) of the adaptive grace window: a pending contribution older than the
+    #: window is merged even without a quorum. The window is 1.5x the median gap between recent
+    #: contributions, clamped to [grace_min_s, grace_max_s]; also how old an unfinished merge must be
+    #: before another replica completes it.
+    grace_min_s: float = Field(default=1.0, gt=0, le=86400)
+    grace_max_s: float = Field(default=60.0, gt=0, le=7 * 86400)
+    #: Decoupled: at adoption, new_local = alpha * global + (1 - alpha) * local (1.0: replace).
+    fragment_update_alpha: float = Field(default=1.0, gt=0, le=1)
 
 
 class TrainerSpec(_Strict):
@@ -203,6 +217,14 @@ class RunSpec(_Strict):
                 f"sync.fragment_sync_delay ({self.sync.fragment_sync_delay}) must be < "
                 f"inner_steps / sync.fragments ({self.inner_steps // frags})"
             )
+        sync = self.sync
+        if sync.min_quorum is not None and sync.min_quorum > self.replicas:
+            raise SpecError("sync.min_quorum", f"{sync.min_quorum} > replicas ({self.replicas})")
+        if sync.grace_min_s > sync.grace_max_s:
+            raise SpecError("sync.grace_min_s", f"{sync.grace_min_s} > sync.grace_max_s ({sync.grace_max_s})")
+        if sync.mode == "decoupled" and frags > 1:
+            raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
+                            "(it merges whole models); set sync.fragments = 1")
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -228,6 +250,9 @@ def _walk_keys(d: Any, prefix: str = "") -> list[str]:
 
 def _error_from_validation(exc: ValidationError, source: str) -> SpecError:
     err = exc.errors()[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, SpecError):  # a cross-field check that names its field itself
+        return cause
     field = ".".join(str(p) for p in err["loc"]) or "<spec>"
     msg = err["msg"]
     if err["type"] == "extra_forbidden":

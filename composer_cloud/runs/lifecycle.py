@@ -239,7 +239,12 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     finished = run_status(run).state == "completed"
     if finished:  # nothing runs: the checkpoint cannot change under us
         latest = ckpt.latest_checkpoint(run.store)  # verified: every object read once
-        if executor is None and replicas is None and latest is not None and latest.round == spec.rounds - 1:
+        last = spec.rounds - 1
+        if spec.sync.mode == "decoupled":  # the final version is recorded, not implied by the round count
+            from composer_cloud.rendezvous.decoupled import read_final
+
+            last = read_final(run.store)
+        if executor is None and replicas is None and latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
                 f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
     updates: dict[str, Any] = {}

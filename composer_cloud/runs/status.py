@@ -81,6 +81,17 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _decoupled_progress(store: Store, problems: list[str]) -> tuple[int, bool]:
+    """(merged versions, final version durable with a manifest) of a decoupled run."""
+    from composer_cloud.rendezvous.decoupled import progress
+
+    merged, final = progress(store)
+    if final is not None and ckpt.read_manifest(store, final) is None:
+        problems.append(f"final version {final} has no checkpoint manifest")
+        return merged, False
+    return merged, final is not None
+
+
 def _heartbeat(store: Store, rank: int, problems: list[str]) -> dict[str, Any]:
     try:
         beat = store.try_get_json(f"replicas/{rank}.json")
@@ -183,6 +194,8 @@ class StatusTracker:
         elif final_durable and ckpt.read_manifest(store, final) is None:
             final_durable = False
             problems.append(f"round {spec.rounds}/{spec.rounds} has no checkpoint manifest yet")
+        if spec.sync.mode == "decoupled":  # merged versions, not rounds (docs/decoupled.md)
+            committed, final_durable = _decoupled_progress(store, problems)
         cancelled = cancel_requested(store)
         finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
         if cancelled:

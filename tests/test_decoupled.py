@@ -1,0 +1,402 @@
+"""Decoupled DiLoCo (sync.mode = "decoupled"): merge math, write-once races, recovery, untrusted inputs,
+and multi-process runs with a slowed and a killed replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_cloud.runs.metrics import read_metrics
+import torch
+
+from composer_cloud import faults
+from composer_cloud.rendezvous import decoupled as dc
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.spec import SpecError, spec_from_dict
+from conftest import SMALL_RUN_TOML
+
+SHAPES = {"w": (3,), "b": (2,)}
+CFG = dc.DecoupledConfig(run_id="run", replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=5.0,
+                         outer_lr=0.7, outer_momentum=0.9, nesterov=True, outlier_factor=10.0, keep_checkpoints=10)
+
+
+def _params() -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([-1.0, 0.5])}
+
+
+def _delta(scale: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor([0.1, -0.2, 0.3]) * scale, "b": torch.tensor([0.05, 0.0]) * scale}
+
+
+def _publish(store: Store, rank: int, seq: int, scale: float, tokens: int, base: int = 0) -> dc.Contribution:
+    return dc.publish_contribution(store, CFG, rank=rank, seq=seq, base_version=base, tokens=tokens,
+                                   inner_steps=4, delta=_delta(scale))
+
+
+def _global(store: Store, v: int) -> dict[str, torch.Tensor]:
+    return dc.load_version(store, v, SHAPES)[dc.FRAGMENT_KEY]["original_parameters"]
+
+
+def _blob(store: Store, v: int) -> bytes:
+    return bytes(store.get(f"checkpoints/{v:08d}/global-a0-0-of-1.safetensors"))
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    s = Store(f"file://{tmp_path}/run")
+    dc.ensure_initial(s, CFG, _params(), rank=0)
+    return s
+
+
+# ------------------------------------------------------------------ spec
+def test_spec_refuses_fragments_with_decoupled_and_names_the_field():
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"inner_steps": 4, "sync": {"mode": "decoupled", "fragments": 2}})
+    assert err.value.field == "sync.fragments"
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"replicas": 2, "sync": {"mode": "decoupled", "min_quorum": 3}})
+    assert err.value.field == "sync.min_quorum"
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"sync": {"fragment_update_alpha": 0.0}})
+    assert err.value.field == "sync.fragment_update_alpha"
+    spec = spec_from_dict({"sync": {"mode": "decoupled"}})
+    assert spec.sync.mode == "decoupled" and spec_from_dict({}).sync.mode == "lockstep"
+
+
+def test_slow_factor_parsing(monkeypatch):
+    monkeypatch.setenv(faults.SLOW_ENV, "2:3,0:1.5")
+    assert faults.slow_factor(2) == 3.0 and faults.slow_factor(0) == 1.5 and faults.slow_factor(1) == 1.0
+    monkeypatch.setenv(faults.SLOW_ENV, "oops")
+    with pytest.raises(ValueError, match="COMPOSER_CLOUD_SLOW"):
+        faults.slow_factor(0)
+
+
+# ------------------------------------------------------------------ merge math
+def test_merge_is_token_weighted_nesterov_step(store):
+    _publish(store, 0, 1, 1.0, tokens=100)
+    out = dc.try_merge(store, CFG, SHAPES, rank=0)
+    assert out.merged is None and "waiting" in out.reason  # 1 replica < quorum 2, well inside the grace window
+    _publish(store, 1, 1, -3.0, tokens=300)
+    out = dc.try_merge(store, CFG, SHAPES, rank=1)
+    assert out.merged == 1 and out.reason.startswith("quorum")
+    rec = dc.read_merge(store, CFG, 1)
+    assert rec.weights == (0.25, 0.75) and [(c.rank, c.seq) for c in rec.contributions] == [(0, 1), (1, 1)]
+    lr, m = 0.7, 0.9
+    g1 = {k: 0.25 * _delta(1.0)[k] + 0.75 * _delta(-3.0)[k] for k in SHAPES}
+    # torch SGD nesterov, first step: buf = g; p -= lr * (g + m * buf)
+    want1 = {k: _params()[k] - lr * (g1[k] + m * g1[k]) for k in SHAPES}
+    got1 = _global(store, 1)
+    for k in SHAPES:
+        torch.testing.assert_close(got1[k], want1[k], rtol=0, atol=1e-6)
+    # Second merge: momentum carries over from version 1's stored state.
+    _publish(store, 0, 2, 2.0, tokens=100, base=1)
+    _publish(store, 2, 1, 2.0, tokens=100, base=0)
+    out = dc.try_merge(store, CFG, SHAPES, rank=2)
+    assert out.merged == 2
+    assert dc.read_merge(store, CFG, 2).raw["staleness"] == [0, 1]  # rank 2 started from version 0
+    g2 = _delta(2.0)
+    buf2 = {k: m * g1[k] + g2[k] for k in SHAPES}
+    want2 = {k: want1[k] - lr * (g2[k] + m * buf2[k]) for k in SHAPES}
+    for k in SHAPES:
+        torch.testing.assert_close(_global(store, 2)[k], want2[k], rtol=0, atol=1e-6)
+
+
+def test_grace_window_adapts_and_merges_a_lonely_contribution(store):
+    assert dc.grace_window([], CFG) == CFG.grace_max_s
+    assert dc.grace_window([0.0, 1.0, 2.0, 3.0], CFG) == 1.5
+    assert dc.grace_window([0.0, 0.01, 0.02], CFG) == CFG.grace_min_s
+    assert dc.grace_window([0.0, 100.0], CFG) == CFG.grace_max_s
+    c = _publish(store, 0, 1, 1.0, tokens=10)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0, now=c.time + 1.0).merged is None
+    out = dc.try_merge(store, CFG, SHAPES, rank=0, now=c.time + CFG.grace_max_s)
+    assert out.merged == 1 and out.reason.startswith("grace")
+
+
+# ------------------------------------------------------------------ races and recovery
+def test_write_once_merge_race_loser_adopts_the_winner(store, monkeypatch):
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, 2.0, tokens=100)
+    stale_view = dc.newest_merge(store, CFG)  # both mergers read "no merge yet"
+    monkeypatch.setattr(dc, "prune", lambda *a, **k: None)  # the loser listed before the winner pruned
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    winner = _blob(store, 1)
+    _publish(store, 2, 1, 5.0, tokens=100)  # the loser also sees a third contribution: a different record
+    monkeypatch.setattr(dc, "newest_merge", lambda s, c: stale_view)
+    out = dc.try_merge(store, CFG, SHAPES, rank=1)
+    monkeypatch.undo()
+    assert out.merged is None and out.reason == "lost the race" and out.version == 1
+    assert _blob(store, 1) == winner and len(dc.read_merge(store, CFG, 1).contributions) == 2
+    # rank 2's contribution was not consumed by the winner: it is still pending for version 2.
+    pending, _ = dc.list_contributions(store, CFG, dc.read_merge(store, CFG, 1).cursor)
+    assert [(c.rank, c.seq) for c in pending] == [(2, 1)]
+    assert dc.try_merge(store, CFG, SHAPES, rank=1, final=True).merged == 2
+
+
+def test_merger_killed_after_the_record_is_completed_bytewise(tmp_path, monkeypatch):
+    def scenario(root: Path, kill: bool) -> bytes:
+        s = Store(f"file://{root}")
+        dc.ensure_initial(s, CFG, _params(), rank=0)
+        _publish(s, 0, 1, 1.0, tokens=100)
+        _publish(s, 1, 1, -2.0, tokens=50)
+        if kill:
+            def die(*a, **k):
+                raise KeyboardInterrupt("killed after winning the merge record")
+            with monkeypatch.context() as mp:
+                mp.setattr(dc, "complete_version", die)
+                with pytest.raises(KeyboardInterrupt):
+                    dc.try_merge(s, CFG, SHAPES, rank=1)
+            assert dc.read_merge(s, CFG, 1) is not None and not dc.has_version(s, 1)
+            rec = dc.read_merge(s, CFG, 1)
+            # Too early: the merger may still be writing; nobody duplicates its work yet.
+            early = dc.try_merge(s, CFG, SHAPES, rank=2, now=rec.time + 0.1)
+            assert early.merged is None and not dc.has_version(s, 1)
+            out = dc.try_merge(s, CFG, SHAPES, rank=2, now=rec.time + CFG.grace_max_s)
+            assert out.version == 1 and dc.has_version(s, 1)
+        else:
+            assert dc.try_merge(s, CFG, SHAPES, rank=1).merged == 1
+        return _blob(s, 1)
+
+    assert scenario(tmp_path / "killed", True) == scenario(tmp_path / "clean", False)
+
+
+# ------------------------------------------------------------------ untrusted inputs
+def test_tampered_foreign_and_nan_contributions_are_skipped(store):
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, 1.0, tokens=100)
+    _publish(store, 2, 1, 1.0, tokens=100)
+    # Tampered: blob replaced by other (well-formed) tensors; its meta's sha256 no longer matches.
+    from composer_cloud.rendezvous.state import save_tensors
+    store.put(f"{dc.contrib_key(1, 1)}.safetensors", save_tensors(_delta(100.0), {}))
+    # Foreign: a contribution of another run copied into this one.
+    meta = store.get_json(f"{dc.contrib_key(2, 1)}.json")
+    store.put_json(f"{dc.contrib_key(2, 1)}.json", {**meta, "run_id": "other-run"})
+    # NaN: a correctly published contribution whose values are not finite.
+    bad = _delta(1.0)
+    bad["w"][1] = float("nan")
+    dc.publish_contribution(store, CFG, rank=0, seq=2, base_version=0, tokens=100, inner_steps=4, delta=bad)
+    _publish(store, 1, 2, 2.0, tokens=100)
+    out = dc.try_merge(store, CFG, SHAPES, rank=1)
+    assert out.merged == 1
+    rec = dc.read_merge(store, CFG, 1)
+    assert [(c.rank, c.seq) for c in rec.contributions] == [(0, 1), (1, 2)]
+    rejected = {(r["rank"], r["seq"]): r["reason"] for r in rec.raw["rejected"]}
+    assert set(rejected) == {(0, 2), (1, 1), (2, 1)}
+    assert "non-finite" in rejected[(0, 2)] and "sha256" in rejected[(1, 1)] and "other-run" in rejected[(2, 1)]
+    assert rec.cursor == {0: 2, 1: 2, 2: 1}  # never looked at again
+    for k, t in _global(store, 1).items():
+        assert torch.isfinite(t).all(), k
+
+
+def test_forged_merge_record_and_global_are_refused(store):
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, 1.0, tokens=100)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    rec = store.get_json(dc.merge_key(1))
+    with pytest.raises(dc.InvalidObject, match="weights"):
+        dc.parse_merge({**rec, "weights": [0.9, 0.1]}, "k", CFG, 1)
+    with pytest.raises(dc.InvalidObject, match="other"):
+        dc.parse_merge({**rec, "run_id": "other"}, "k", CFG, 1)
+    # A global whose values are not finite (written with a valid marker) is never adopted.
+    tree = dc.initial_state({"w": torch.tensor([float("inf"), 0, 0]), "b": torch.zeros(2)}, CFG)
+    dc.write_version(store, 5, tree, writer=0)
+    with pytest.raises(dc.InvalidObject, match="non-finite"):
+        dc.load_version(store, 5, SHAPES)
+
+
+def test_final_merges_everything_pending_once_all_are_done(store):
+    cfg = CFG
+    for r in range(3):
+        _publish(store, r, 1, 1.0 + r, tokens=100)
+    assert dc.finish(store, cfg, SHAPES, rank=0, rounds=1) is None  # nobody marked done
+    for r in range(3):
+        dc.mark_done(store, r, 1)
+    v = dc.finish(store, cfg, SHAPES, rank=0, rounds=1)
+    assert v is not None and dc.read_final(store) == v
+    assert dc.finish(store, cfg, SHAPES, rank=1, rounds=1) == v  # a racing finisher agrees
+    merged = {(c.rank, c.seq) for u in dc.merge_versions(store) for c in dc.read_merge(store, cfg, u).contributions}
+    assert merged == {(0, 1), (1, 1), (2, 1)}
+    assert dc.progress(store) == (v, v)
+
+
+def test_writer_killed_between_marker_and_manifest_is_finished_and_seqs_are_never_reused(store):
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, 1.0, tokens=100)
+    _publish(store, 2, 1, 1.0, tokens=100)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    store.delete("checkpoints/00000001/manifest.json")  # the writer died after the marker
+    for r in range(3):
+        dc.mark_done(store, r, 1)
+    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 1
+    assert store.exists("checkpoints/00000001/manifest.json")
+    # A replica whose inner state is at seq 0 but which published seq 1 continues at seq 2.
+    assert dc.next_seq(store, CFG, 2, 0) == 2 and dc.next_seq(store, CFG, 0, 5) == 6
+
+
+def test_protocol_on_real_s3_servers(s3_store, monkeypatch):
+    """Write-once merge records, listing and pruning behave the same on moto and SeaweedFS."""
+    store = Store(f"s3://{s3_store.bucket}/decoupled-{time.time_ns()}")
+    dc.ensure_initial(store, CFG, _params(), rank=0)
+    _publish(store, 0, 1, 1.0, tokens=100)
+    _publish(store, 1, 1, -1.0, tokens=300)
+    stale = dc.newest_merge(store, CFG)
+    monkeypatch.setattr(dc, "prune", lambda *a, **k: None)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    monkeypatch.setattr(dc, "newest_merge", lambda s, c: stale)
+    assert dc.try_merge(store, CFG, SHAPES, rank=1).reason == "lost the race"
+    monkeypatch.undo()
+    for r in range(3):
+        dc.mark_done(store, r, 1 if r < 2 else 0)
+    _publish(store, 2, 1, 1.0, tokens=100)
+    dc.mark_done(store, 2, 1)
+    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2
+    assert dc.read_merge(store, CFG, 2).cursor == {0: 1, 1: 1, 2: 1}
+    assert not store.list(f"{dc.PREFIX}/contrib/2")  # consumed and durable: pruned
+
+
+# ------------------------------------------------------------------ multi-process runs
+SPEC = """
+replicas = 3
+rounds = 4
+inner_steps = 3
+keep_checkpoints = 3
+[sync]
+mode = "decoupled"
+min_quorum = 2
+grace_min_s = 0.5
+grace_max_s = 10
+""" + SMALL_RUN_TOML
+
+
+def _cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _heartbeats(run: Store, n: int) -> list[dict]:
+    return [run.get_json(f"replicas/{r}.json") for r in range(n)]
+
+
+def _rounds(run: Store, rank: int) -> list[dict]:
+    return read_metrics(run, rank=rank, kind="round")
+
+
+@pytest.mark.slow
+def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
+    cfg = tmp_path / "spec.toml"
+    cfg.write_text(SPEC)
+    env = {**os.environ, faults.SLOW_ENV: "2:8"}
+    res = _cli(["launch", "--config", str(cfg), "--store", f"file://{tmp_path}/store", "--run-id", "slow"],
+               tmp_path, env=env, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = Store(f"file://{tmp_path}/store/slow")
+    beats = _heartbeats(run, 3)
+    assert all(b["state"] == "completed" for b in beats), beats
+    # The fast replicas finished well before the slow one: nobody waited for it.
+    assert max(beats[0]["time"], beats[1]["time"]) < beats[2]["time"]
+    for r in range(3):
+        rows = _rounds(run, r)
+        assert len(rows) == 4 and all(row["wait_s"] == 0.0 for row in rows)
+    # A fast replica's boundaries (publish, merge, adopt) cost store I/O, never the slow replica's compute.
+    slow_compute = sum(row["compute_s"] for row in _rounds(run, 2))
+    for r in (0, 1):
+        fast_sync = sum(row["sync_s"] for row in _rounds(run, r))
+        assert fast_sync < 0.5 * slow_compute, (r, fast_sync, slow_compute)
+    final = dc.read_final(run)
+    assert final is not None and beats[2].get("final_version") == final
+    merged = {(c.rank, c.seq) for v in dc.merge_versions(run)
+              for c in dc.read_merge(run, dc.DecoupledConfig(run_id="slow", replicas=3, min_quorum=2,
+                                                             grace_min_s=0.5, grace_max_s=10), v).contributions}
+    # Every contribution is merged exactly once (pruned records aside, the final record's cursor covers all).
+    last = dc.read_merge(run, dc.DecoupledConfig(run_id="slow", replicas=3, min_quorum=2, grace_min_s=0.5,
+                                                 grace_max_s=10), dc.merge_versions(run)[-1])
+    assert last.cursor == {0: 4, 1: 4, 2: 4}, (last.cursor, merged)
+    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    assert st["state"] == "completed", st
+    out = tmp_path / "model"
+    res = _cli(["export", run.uri, "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (out / "model.safetensors").exists()
+
+
+def _cfg(run_id: str) -> dc.DecoupledConfig:
+    return dc.DecoupledConfig(run_id=run_id, replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=10)
+
+
+def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str = "") -> tuple[subprocess.Popen, Path]:
+    """Launch attached; return once ``rank`` stalls in the inner steps after ``seq`` contributions."""
+    cfg = tmp_path / f"{run_id}.toml"
+    cfg.write_text(extra + SPEC)
+    marker = tmp_path / f"stalled-{run_id}"
+    env = {**os.environ, faults.ENV: f"inner_step:{seq}:{rank}", faults.MARKER_ENV: str(marker)}
+    launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
+                                 "--store", f"file://{tmp_path}/store", "--run-id", run_id], cwd=tmp_path, env=env,
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert launcher.poll() is None, "launcher exited before the stall point: " + launcher.stdout.read()
+        assert time.monotonic() < deadline, "never reached the stall point"
+        time.sleep(0.2)
+    return launcher, marker
+
+
+@pytest.mark.slow
+def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path):
+    launcher, _ = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n")
+    run = Store(f"file://{tmp_path}/store/kill")
+    try:
+        # While replica 1 hangs (like a SIGSTOPped job), the others finish all their contributions.
+        deadline = time.monotonic() + 90
+        while not all((run.try_get_json(f"replicas/{r}.json") or {}).get("state") == "completed" for r in (0, 2)):
+            assert time.monotonic() < deadline, "replicas 0 and 2 waited for the stalled replica"
+            time.sleep(0.3)
+        assert dc.read_final(run) is None  # replica 1 is not done: no final version yet
+        jobs = Path(run.get_json("executor/1.json")["data"]["dir"])
+        os.kill(json.loads((jobs / "supervisor.json").read_text())["replica_pid"], signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, out[-3000:]
+    log = (jobs / "replica.log").read_text()
+    assert "resumed its inner state after contribution 2" in log, log[-3000:]
+    final = dc.read_final(run)
+    last = dc.read_merge(run, _cfg("kill"), dc.merge_versions(run)[-1])
+    assert final == last.version and last.cursor == {0: 4, 1: 4, 2: 4}
+    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    assert st["state"] == "completed", st
+
+
+@pytest.mark.slow
+def test_resume_after_everything_is_killed(tmp_path):
+    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2)
+    time.sleep(1.0)  # let the others publish and merge more
+    os.killpg(launcher.pid, signal.SIGKILL)
+    run = Store(f"file://{tmp_path}/store/resumed")
+    for key in run.list("executor"):
+        try:
+            os.killpg(run.get_json(key)["data"]["pgid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.wait()
+    assert dc.read_final(run) is None
+    before = dc.newest_version(run)
+    assert before is not None
+    res = _cli(["resume", run.uri], tmp_path, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    assert st["state"] == "completed" and st["rounds_committed"] >= before, st
+    log = (Path(run.get_json("executor/0.json")["data"]["dir"]) / "replica.log").read_text()
+    assert "resumed its inner state after contribution 2" in log, log[-3000:]
+    last = dc.read_merge(run, _cfg("resumed"), dc.merge_versions(run)[-1])
+    assert last.cursor == {0: 4, 1: 4, 2: 4} and dc.read_final(run) == last.version
+    res = _cli(["resume", run.uri], tmp_path)  # a finished decoupled run: nothing to resume
+    assert res.returncode == 0 and "nothing to resume" in res.stdout + res.stderr
+    res = _cli(["export", run.uri, "--out", str(tmp_path / "model")], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
