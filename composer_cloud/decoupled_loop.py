@@ -13,9 +13,12 @@ Per boundary (every ``inner_steps`` inner steps), in this order:
 5. every ``checkpoint_every`` contributions, write the inner state.
 
 Nothing in it waits for another replica: every store call is a read, a
-write or a write-once create that returns at once. A replica stops after
-``rounds`` contributions of its own, marks itself done, and the last one done
-merges everything pending and writes ``decoupled/final.json``.
+write or a write-once create that returns at once. The run's work budget is
+the fleet's: ``replicas * rounds`` contributions, whoever makes them (a fast
+replica makes more, a slow or dead one fewer). The replica whose contribution
+reaches it makes the final merge and writes ``decoupled/final.json``; every
+other replica stops at its next boundary (the segment it was training is
+dropped: at most one segment per replica).
 
 Ordering and failure reasoning: the contribution is published before the
 inner state is written, so a replica killed in between republishes those
@@ -125,7 +128,8 @@ class DecoupledLoop:
                     self.seq, spec.rounds, self.adopted)
         base = _params(self.model)
         step = 0
-        while self.seq < spec.rounds:
+        budget = spec.replicas * spec.rounds
+        while dc.read_final(self.store) is None and dc.published_total(self.store, self.cfg) < budget:
             round_start = time.monotonic()
             losses: list[float] = []
             rewards: list[float] = []
@@ -146,6 +150,10 @@ class DecoupledLoop:
                     rewards.append(out["reward_mean"])
                 rep.on_step(self.seq, step, out, dt)
             t_sync = time.monotonic()
+            if dc.read_final(self.store) is not None:
+                logger.info("replica %d: the run finished while it trained; its last %d steps are dropped",
+                            rank, spec.inner_steps)
+                break
             local = _params(self.model)
             delta = {n: base[n] - local[n] for n in local}
             read0, written0 = self.store.bytes_read, self.store.bytes_written
@@ -172,7 +180,7 @@ class DecoupledLoop:
             }
             if rewards:
                 row["reward_mean"] = sum(rewards) / len(rewards)
-            if rank == 0 and hasattr(self.trainer, "evaluate") and (self.seq == spec.rounds or row["adopted"]):
+            if rank == 0 and hasattr(self.trainer, "evaluate") and row["adopted"]:
                 row.update(self.trainer.evaluate())
             if self.seq % spec.checkpoint_every == 0 or self.seq == spec.rounds:
                 t0 = time.monotonic()
@@ -180,8 +188,7 @@ class DecoupledLoop:
                 row["checkpoint_s"] = time.monotonic() - t0
             rep.metrics.round(row)
             rep.heartbeat("running", round=self.seq, step=step, version=self.adopted)
-        # Done: mark it, and if I am the last one, merge everything pending and record the final version.
-        dc.mark_done(self.store, rank, self.seq)
+        # The fleet's budget is published (or another replica already made the final merge).
         final = dc.finish(self.store, self.cfg, self.shapes, rank=rank, rounds=spec.rounds)
         rep.flush_metrics()
         extra = {"final_version": final} if final is not None else {}

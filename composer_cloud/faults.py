@@ -14,8 +14,8 @@ replica's slice of the committed global state, before its marker). Unset,
 every call is a no-op.
 
 ``COMPOSER_CLOUD_SLOW=rank:factor[,rank:factor...]`` simulates slower
-hardware: after each inner step of ``rank`` (decoupled mode) the replica
-sleeps ``(factor - 1)`` times that step's duration, so it runs ``factor``
+hardware: after each inner step of ``rank`` (either sync mode) the replica
+sleeps ``(factor - 1)`` times that step's compute time, so it runs ``factor``
 times slower. Unset: a no-op.
 """
 

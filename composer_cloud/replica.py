@@ -177,6 +177,8 @@ class Replica:
                 t0 = time.monotonic()
                 out = trainer.step()
                 dt = time.monotonic() - t0
+                in_sync = self._syncs[-1].result.wall_s if self._syncs and self._syncs[-1].result else 0.0
+                dt += faults.slow_step(self.rank, dt - in_sync)  # simulated slow hardware counts as compute
                 step += 1
                 round_losses.append(out.get("loss", float("nan")))
                 if "reward_mean" in out:

@@ -210,19 +210,38 @@ def test_forged_merge_record_and_global_are_refused(store):
         dc.load_version(store, 5, SHAPES)
 
 
-def test_final_merges_everything_pending_once_all_are_done(store):
+def test_final_merge_once_the_fleet_published_its_budget(store):
     cfg = CFG
     for r in range(3):
         _publish(store, r, 1, 1.0 + r, tokens=100)
-    assert dc.finish(store, cfg, SHAPES, rank=0, rounds=1) is None  # nobody marked done
-    for r in range(3):
-        dc.mark_done(store, r, 1)
-    v = dc.finish(store, cfg, SHAPES, rank=0, rounds=1)
+    assert dc.published_total(store, cfg) == 3
+    assert dc.finish(store, cfg, SHAPES, rank=0, rounds=2) is None  # budget 6: not reached
+    _publish(store, 0, 2, 1.0, tokens=100)  # a fast replica makes more than its share
+    _publish(store, 0, 3, 1.0, tokens=100)
+    _publish(store, 0, 4, 1.0, tokens=100)
+    v = dc.finish(store, cfg, SHAPES, rank=0, rounds=2)
     assert v is not None and dc.read_final(store) == v
-    assert dc.finish(store, cfg, SHAPES, rank=1, rounds=1) == v  # a racing finisher agrees
+    assert dc.finish(store, cfg, SHAPES, rank=1, rounds=2) == v  # a racing finisher agrees
     merged = {(c.rank, c.seq) for u in dc.merge_versions(store) for c in dc.read_merge(store, cfg, u).contributions}
-    assert merged == {(0, 1), (1, 1), (2, 1)}
+    assert merged == {(0, 1), (1, 1), (2, 1), (0, 2), (0, 3), (0, 4)}
     assert dc.progress(store) == (v, v)
+    # Nothing merges after the final record: a late contribution stays out of the final model.
+    _publish(store, 1, 2, 5.0, tokens=100)
+    out = dc.try_merge(store, cfg, SHAPES, rank=1, final=True)
+    assert out.merged is None and out.reason == "run finished"
+    assert dc.merge_versions(store)[-1] == v and dc.newest_version(store) == v
+
+
+def test_final_merge_with_nothing_pending_still_closes_merging(store):
+    for r in range(3):
+        _publish(store, r, 1, 1.0, tokens=100)
+    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1  # quorum: everything merged
+    v = dc.finish(store, CFG, SHAPES, rank=2, rounds=1)
+    assert v == 2 and dc.read_merge(store, CFG, 2).final
+    before, after = dc.load_version(store, 1, SHAPES), dc.load_version(store, 2, SHAPES)
+    for n in SHAPES:  # an empty final merge is no step: same parameters, same momentum
+        key = dc.FRAGMENT_KEY
+        assert torch.equal(before[key]["original_parameters"][n], after[key]["original_parameters"][n])
 
 
 def test_writer_killed_between_marker_and_manifest_is_finished_and_seqs_are_never_reused(store):
@@ -231,9 +250,7 @@ def test_writer_killed_between_marker_and_manifest_is_finished_and_seqs_are_neve
     _publish(store, 2, 1, 1.0, tokens=100)
     assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
     store.delete("checkpoints/00000001/manifest.json")  # the writer died after the marker
-    for r in range(3):
-        dc.mark_done(store, r, 1)
-    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 1
+    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2  # the final merge completes version 1 first
     assert store.exists("checkpoints/00000001/manifest.json")
     # A replica whose inner state is at seq 0 but which published seq 1 continues at seq 2.
     assert dc.next_seq(store, CFG, 2, 0) == 2 and dc.next_seq(store, CFG, 0, 5) == 6
@@ -251,10 +268,8 @@ def test_protocol_on_real_s3_servers(s3_store, monkeypatch):
     monkeypatch.setattr(dc, "newest_merge", lambda s, c: stale)
     assert dc.try_merge(store, CFG, SHAPES, rank=1).reason == "lost the race"
     monkeypatch.undo()
-    for r in range(3):
-        dc.mark_done(store, r, 1 if r < 2 else 0)
+    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) is None  # 2 of the budget's 3 published
     _publish(store, 2, 1, 1.0, tokens=100)
-    dc.mark_done(store, 2, 1)
     assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2
     assert dc.read_merge(store, CFG, 2).cursor == {0: 1, 1: 1, 2: 1}
     assert not store.list(f"{dc.PREFIX}/contrib/2")  # consumed and durable: pruned
@@ -298,25 +313,14 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     run = Store(f"file://{tmp_path}/store/slow")
     beats = _heartbeats(run, 3)
     assert all(b["state"] == "completed" for b in beats), beats
-    # The fast replicas finished well before the slow one: nobody waited for it.
-    assert max(beats[0]["time"], beats[1]["time"]) < beats[2]["time"]
-    for r in range(3):
-        rows = _rounds(run, r)
-        assert len(rows) == 4 and all(row["wait_s"] == 0.0 for row in rows)
-    # A fast replica's boundaries (publish, merge, adopt) cost store I/O, never the slow replica's compute.
-    slow_compute = sum(row["compute_s"] for row in _rounds(run, 2))
-    for r in (0, 1):
-        fast_sync = sum(row["sync_s"] for row in _rounds(run, r))
-        assert fast_sync < 0.5 * slow_compute, (r, fast_sync, slow_compute)
+    rows = {r: _rounds(run, r) for r in range(3)}
+    assert all(row["wait_s"] == 0.0 for r in rows for row in rows[r])
+    # The fleet's budget (3 x 4 contributions) is made mostly by the fast replicas: the slow one makes fewer.
+    assert sum(map(len, rows.values())) >= 12 and len(rows[2]) < max(len(rows[0]), len(rows[1])), rows
     final = dc.read_final(run)
     assert final is not None and beats[2].get("final_version") == final
-    merged = {(c.rank, c.seq) for v in dc.merge_versions(run)
-              for c in dc.read_merge(run, dc.DecoupledConfig(run_id="slow", replicas=3, min_quorum=2,
-                                                             grace_min_s=0.5, grace_max_s=10), v).contributions}
-    # Every contribution is merged exactly once (pruned records aside, the final record's cursor covers all).
-    last = dc.read_merge(run, dc.DecoupledConfig(run_id="slow", replicas=3, min_quorum=2, grace_min_s=0.5,
-                                                 grace_max_s=10), dc.merge_versions(run)[-1])
-    assert last.cursor == {0: 4, 1: 4, 2: 4}, (last.cursor, merged)
+    last = dc.read_merge(run, _cfg("slow"), dc.merge_versions(run)[-1])
+    assert last.final and last.version == final and sum(last.cursor.values()) >= 12, last.cursor
     st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
     assert st["state"] == "completed", st
     out = tmp_path / "model"
@@ -329,12 +333,15 @@ def _cfg(run_id: str) -> dc.DecoupledConfig:
     return dc.DecoupledConfig(run_id=run_id, replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=10)
 
 
-def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str = "") -> tuple[subprocess.Popen, Path]:
+def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str = "",
+                   slow: str = "") -> tuple[subprocess.Popen, Path]:
     """Launch attached; return once ``rank`` stalls in the inner steps after ``seq`` contributions."""
     cfg = tmp_path / f"{run_id}.toml"
     cfg.write_text(extra + SPEC)
     marker = tmp_path / f"stalled-{run_id}"
     env = {**os.environ, faults.ENV: f"inner_step:{seq}:{rank}", faults.MARKER_ENV: str(marker)}
+    if slow:
+        env[faults.SLOW_ENV] = slow
     launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
                                  "--store", f"file://{tmp_path}/store", "--run-id", run_id], cwd=tmp_path, env=env,
                                 start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -351,12 +358,13 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
     launcher, _ = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n")
     run = Store(f"file://{tmp_path}/store/kill")
     try:
-        # While replica 1 hangs (like a SIGSTOPped job), the others finish all their contributions.
+        # While replica 1 hangs (like a SIGSTOPped job), the others make the fleet's budget and finish the run.
         deadline = time.monotonic() + 90
         while not all((run.try_get_json(f"replicas/{r}.json") or {}).get("state") == "completed" for r in (0, 2)):
             assert time.monotonic() < deadline, "replicas 0 and 2 waited for the stalled replica"
             time.sleep(0.3)
-        assert dc.read_final(run) is None  # replica 1 is not done: no final version yet
+        final = dc.read_final(run)
+        assert final is not None  # completed without the straggler
         jobs = Path(run.get_json("executor/1.json")["data"]["dir"])
         os.kill(json.loads((jobs / "supervisor.json").read_text())["replica_pid"], signal.SIGKILL)
         out, _ = launcher.communicate(timeout=120)
@@ -365,18 +373,20 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 0, out[-3000:]
     log = (jobs / "replica.log").read_text()
+    # The restarted replica resumed its own state, found the run finished and stopped.
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
-    final = dc.read_final(run)
-    last = dc.read_merge(run, _cfg("kill"), dc.merge_versions(run)[-1])
-    assert final == last.version and last.cursor == {0: 4, 1: 4, 2: 4}
+    assert dc.read_final(run) == final
+    last = dc.read_merge(run, _cfg("kill"), final)
+    assert last.final and last.cursor[1] == 2 and sum(last.cursor.values()) >= 3 * 4
     st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
     assert st["state"] == "completed", st
 
 
 @pytest.mark.slow
 def test_resume_after_everything_is_killed(tmp_path):
-    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2)
-    time.sleep(1.0)  # let the others publish and merge more
+    # The others run 4x slower, so they are far from the fleet's budget when everything is killed.
+    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2, slow="1:4,2:4")
+    time.sleep(0.5)  # let the others publish and merge more
     os.killpg(launcher.pid, signal.SIGKILL)
     run = Store(f"file://{tmp_path}/store/resumed")
     for key in run.list("executor"):
@@ -395,7 +405,7 @@ def test_resume_after_everything_is_killed(tmp_path):
     log = (Path(run.get_json("executor/0.json")["data"]["dir"]) / "replica.log").read_text()
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
     last = dc.read_merge(run, _cfg("resumed"), dc.merge_versions(run)[-1])
-    assert last.cursor == {0: 4, 1: 4, 2: 4} and dc.read_final(run) == last.version
+    assert last.final and sum(last.cursor.values()) >= 3 * 4 and dc.read_final(run) == last.version
     res = _cli(["resume", run.uri], tmp_path)  # a finished decoupled run: nothing to resume
     assert res.returncode == 0 and "nothing to resume" in res.stdout + res.stderr
     res = _cli(["export", run.uri, "--out", str(tmp_path / "model")], tmp_path)

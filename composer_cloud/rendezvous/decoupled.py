@@ -16,8 +16,8 @@ Layout under the run (``<v>``, ``<seq>`` zero-padded to 8 digits)::
     checkpoints/<v>/global-a0-0-of-1.*          global version v (params + Nesterov momentum), the lock-step
     checkpoints/<v>/manifest.json               checkpoint layout, so export/resume/status read it unchanged
     decoupled/replica/<rank>/<seq>.{safetensors,json}  replica inner state (optimizer, data, RNG, local params)
-    decoupled/done/<rank>.json                  replica finished its ``rounds`` contributions
-    decoupled/final.json                        write-once: the final version (every contribution merged)
+    decoupled/final.json                        write-once: the final version (the fleet's budget of
+                                                replicas x rounds contributions is merged; nothing merges after it)
 
 Invariants:
 
@@ -84,10 +84,6 @@ def merge_key(version: int) -> str:
 
 def replica_key(rank: int, seq: int) -> str:
     return f"{PREFIX}/replica/{rank}/{seq:08d}"
-
-
-def done_key(rank: int) -> str:
-    return f"{PREFIX}/done/{rank}.json"
 
 
 FINAL_KEY = f"{PREFIX}/final.json"
@@ -558,19 +554,21 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int
     now = time.time() if now is None else now
     latest = newest_merge(store, cfg)
     base = latest.version if latest else 0
-    if not has_version(store, base):
+    if not has_version(store, base) or (latest is not None and not _has_manifest(store, base)):
         # The merger of ``base`` died after its record (or is still writing). Finish it once the record
         # is older than the grace bound (or now, when finishing the run): same inputs, same bytes.
         if latest is None or not (final or now - latest.time >= cfg.grace_max_s):
             return MergeOutcome(version=newest_version(store), base=base, reason="previous merge still being written")
         logger.warning("replica %d completes merge %d (its merger did not write the global state)", rank, base)
         complete_version(store, cfg, latest, shapes, rank=rank)
+    if latest is not None and latest.final:  # the run's last merge happened: nothing merges after it
+        return MergeOutcome(version=base, base=base, reason="run finished")
     cursor = dict(latest.cursor) if latest else {}
     pending, rejected = list_contributions(store, cfg, cursor)
     history = [c.time for c in (latest.contributions if latest else ())]
     grace = grace_window(history + [c.time for c in pending], cfg)
     ranks = {c.rank for c in pending}
-    if not pending and not rejected:
+    if not pending and not rejected and not final:
         return MergeOutcome(version=base, base=base, reason="nothing pending", grace_s=grace)
     waited = now - min(c.time for c in pending) if pending else 0.0
     if final:
@@ -727,30 +725,32 @@ def next_seq(store: Store, cfg: DecoupledConfig, rank: int, own: int) -> int:
     except InvalidObject as exc:  # a bad record says nothing about my seqs; the listing still does
         logger.warning("next seq of replica %d ignores %s", rank, exc)
         latest = None
-    seen = [own, latest.cursor.get(rank, 0) if latest else 0]
+    return max(own, _published(store, rank, latest)) + 1
+
+
+def _published(store: Store, rank: int, latest: MergeRecord | None) -> int:
+    """The highest seq ``rank`` published: merged (the record's cursor) or still listed."""
+    seen = [latest.cursor.get(rank, 0) if latest else 0]
     seen += [int(m.group(1)) for n in store.list_dirs(f"{PREFIX}/contrib/{rank}") if (m := _NUM.match(n))]
-    return max(seen) + 1
+    return max(seen)
+
+
+def published_total(store: Store, cfg: DecoupledConfig) -> int:
+    """Contributions the whole fleet has published so far (merged or pending), summed over ranks.
+
+    The run's work budget is ``replicas * rounds`` contributions of ``inner_steps``
+    each, whoever does them: a replica 3x slower contributes fewer, a dead one
+    none, and the run still ends after the same amount of work.
+    """
+    try:
+        latest = newest_merge(store, cfg)
+    except InvalidObject as exc:
+        logger.warning("published total ignores %s", exc)
+        latest = None
+    return sum(_published(store, r, latest) for r in range(cfg.replicas))
 
 
 # ------------------------------------------------------------------ finishing
-def mark_done(store: Store, rank: int, seq: int) -> None:
-    store.put_json(done_key(rank), {"rank": rank, "seq": seq, "time": time.time()})
-
-
-def done_ranks(store: Store, cfg: DecoupledConfig, rounds: int) -> list[int]:
-    """Ranks that published all ``rounds`` of their contributions."""
-    out = []
-    for r in range(cfg.replicas):
-        try:
-            rec = _read_json(store, done_key(r))
-        except InvalidObject as exc:
-            logger.warning("ignoring %s", exc)
-            continue
-        if isinstance(rec, dict) and rec.get("rank") == r and isinstance(rec.get("seq"), int) and rec["seq"] >= rounds:
-            out.append(r)
-    return out
-
-
 def read_final(store: Store) -> int | None:
     """The final version if the run finished (``final.json`` present and well-formed and durable)."""
     try:
@@ -765,32 +765,36 @@ def read_final(store: Store) -> int | None:
 
 def finish(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int, ...]], *, rank: int,
            rounds: int) -> int | None:
-    """If every replica is done: merge everything pending, then record the final version (write-once).
+    """Once the fleet published its budget (``replicas * rounds`` contributions): the final merge.
 
-    Returns the final version, or None when other replicas still train (their
-    last finisher will do it). Racing finishers agree: merges are write-once
-    and the final version is the one after which nothing is pending.
+    Returns the final version, or None while the budget is not reached.
+    The final merge takes whatever is pending and is flagged ``final`` in its
+    write-once record; nothing merges after it (:func:`try_merge`), so the
+    final version is also the newest checkpoint. Racing finishers agree: the
+    first final record wins, later ones adopt it; ``final.json`` (write-once)
+    is written only after the version was read back and verified.
     """
-    if len(done_ranks(store, cfg, rounds)) < cfg.replicas:
+    done = read_final(store)
+    if done is not None:
+        return done
+    if published_total(store, cfg) < cfg.replicas * rounds:
         return None
-    for _ in range(cfg.replicas * rounds + 2):
-        out = try_merge(store, cfg, shapes, rank=rank, final=True)
+    latest = None
+    for _ in range(cfg.replicas + 3):  # each retry means a non-final merge won the race for that version
+        try_merge(store, cfg, shapes, rank=rank, final=True)
         latest = newest_merge(store, cfg)
-        pending, rejected = list_contributions(store, cfg, latest.cursor if latest else {})
-        if not pending and not rejected and out.version is not None and has_version(store, out.version):
+        if latest is not None and latest.final:
             break
     else:
-        raise StoreError("final merge did not converge (contributions keep appearing after every replica is done)")
-    latest = newest_merge(store, cfg)
-    v = latest.version if latest else 0
-    if latest is not None:
-        complete_version(store, cfg, latest, shapes, rank=rank)  # durable with its manifest, whoever wrote it
-    load_version(store, v, shapes)  # read back: "completed" means durable and verified
-    store.create_json(FINAL_KEY, {"version": v, "time": time.time(), "by": rank})
+        raise StoreError("the final merge lost every race to non-final merges; resume the run to retry")
+    complete_version(store, cfg, latest, shapes, rank=rank)  # durable with its manifest, whoever wrote it
+    load_version(store, latest.version, shapes)  # read back: "completed" means durable and verified
+    if not store.create_json(FINAL_KEY, {"version": latest.version, "time": time.time(), "by": rank}):
+        logger.info("replica %d: another finisher recorded the final version", rank)
     final = read_final(store)
-    if final != v:
-        raise StoreError(f"{FINAL_KEY} says version {final}, this replica found {v}")
-    return v
+    if final != latest.version:
+        raise StoreError(f"{FINAL_KEY} says version {final}, but the final merge record is version {latest.version}")
+    return final
 
 
 def progress(store: Store) -> tuple[int, int | None]:
