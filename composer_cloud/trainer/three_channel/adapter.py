@@ -354,7 +354,7 @@ def build_three_channel_trainer(ctx: TrainerContext) -> ThreeChannelTrainer:
         task: VerifiableTask = DatasetTask(
             dataset=s.dataset, split=s.dataset_split, config=s.dataset_config, data_files=s.data_files,
             eval_split=s.eval_split, eval_fraction=s.eval_fraction, columns=dict(s.columns),
-            reward=s.effective_reward, seed=ctx.seed, max_workers=s.sandbox_workers,
+            reward_name=s.effective_reward, seed=ctx.seed, max_workers=s.sandbox_workers,
             sandbox_limits=SandboxLimits(timeout_s=s.sandbox_timeout_s, per_test_timeout_s=s.sandbox_per_test_timeout_s,
                                          memory_mb=s.sandbox_memory_mb),
         )
