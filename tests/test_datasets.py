@@ -58,7 +58,7 @@ def test_missing_columns_name_the_column_and_the_available_ones():
     problems = missing_columns({"prompt": "question", "answer": "answr"}, ["question", "solution"], needed=["answer"])
     assert problems == ["trainer.columns.answer = 'answr' is not in the dataset (its columns: question, solution)"]
     (p,) = missing_columns({}, ["question", "solution"], needed=[])
-    assert "column 'prompt'" in p and "[trainer.columns] prompt" in p
+    assert "column 'prompt'" in p and "trainer.columns.prompt = " in p
 
 
 # ---------------------------------------------------------------------- settings

@@ -151,7 +151,7 @@ def missing_columns(columns: Mapping[str, str], available: Sequence[str], *, nee
         if source not in available and (canonical in ("prompt", *needed) or canonical in columns):
             how = f"trainer.columns.{canonical} = {source!r}" if canonical in columns else f"column {source!r}"
             problems.append(f"{how} is not in the dataset (its columns: {', '.join(available)})"
-                            + ("" if canonical in columns else f"; map one with [trainer.columns] {canonical} = "
+                            + ("" if canonical in columns else f"; map one with trainer.columns.{canonical} = "
                                "\"<column>\""))
     return problems
 
@@ -247,7 +247,7 @@ class DatasetTask:
             out[canonical] = row[source]
         if "prompt" not in out:
             raise DatasetError(f"the dataset has no 'prompt' column (its columns: {', '.join(row)}); map one "
-                               "with [trainer.columns] prompt = \"<column>\"")
+                               "with trainer.columns.prompt = \"<column>\"")
         if isinstance(out.get("answer"), (str, int, float)) and "reference" not in row:
             out["reference"] = str(out["answer"])
         return out
