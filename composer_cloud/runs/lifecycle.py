@@ -211,7 +211,10 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
 
     Trainer settings (names ``trainer.<key>``), user code named by
     ``"module:factory"`` settings and ``[code] include`` (must be found, relative
-    to ``base_dir`` or on ``sys.path``, and is packaged), each executor's own preflight (credentials, reachable store).
+    to ``base_dir`` or on ``sys.path``, and is packaged), local paths the spec names (exist; under the upload
+    limit when a cloud executor will fetch them; a local model folder has a ``config.json`` with a
+    ``model_type``), a dataset's columns against ``trainer.columns`` and the reward (a hub dataset that cannot
+    be reached from here is a warning), each executor's own preflight (credentials, reachable store).
     Raises :class:`SpecError` naming the field.
     """
     from composer_cloud.trainer import check_settings
