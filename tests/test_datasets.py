@@ -190,3 +190,13 @@ def test_launch_from_a_local_dataset_path_completes(tmp_path):
     assert spec_json["trainer"]["dataset"] == str(user / "data" / "qa.jsonl")  # made absolute at launch
     metrics = (tmp_path / "store/ds/metrics/0.jsonl").read_bytes()
     assert b'"eval_loss"' in metrics and b'"dpo": 0.0' in metrics  # no demo pairs replayed
+
+
+def test_an_unreachable_hub_dataset_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
+    from composer_cloud.runs.lifecycle import check_before_launch
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    spec = load_spec(None, {"trainer.dataset": "org/some-dataset", "trainer.columns": {"prompt": "q"}})
+    with caplog.at_level("WARNING"):
+        check_before_launch(spec.with_run_id(), base_dir=tmp_path)
+    assert "columns not checked before launch" in caplog.text

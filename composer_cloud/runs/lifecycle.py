@@ -174,6 +174,10 @@ def _check_model_dir(path: Path) -> None:
         raise SpecError("model.name", f"{config} has no model_type, so transformers cannot load it")
 
 
+#: ``datasets`` builder names that read ``data_files`` (not hub repositories).
+_BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
+
+
 def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> None:
     """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
     warning when they cannot be reached from here)."""
@@ -189,6 +193,16 @@ def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> No
     columns = dict(settings.get("columns") or {})
     reward = settings.get("reward") or "exact_match"
     needed = [REWARD_NEEDS[reward]] if reward in REWARD_NEEDS else []
+    if "trainer.dataset" not in local and settings["dataset"] not in _BUILDER_NAMES:
+        # A hub dataset: one quick request first, so an unreachable Hub costs a warning, not datasets' retries.
+        try:
+            from huggingface_hub import HfApi
+
+            HfApi().dataset_info(settings["dataset"], timeout=10)
+        except Exception as exc:  # noqa: BLE001 - offline, private, or missing: the replicas will say which
+            logger.warning("trainer.dataset %r: columns not checked before launch (the Hub said %s: %s)",
+                           settings["dataset"], type(exc).__name__, str(exc)[:200])
+            return
     for sp in splits:
         try:
             available = dataset_columns(name, sp, config=settings.get("dataset_config"), data_files=files)
