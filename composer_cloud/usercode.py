@@ -8,9 +8,11 @@ packages exists. This module packages the user's code at launch and puts it on
 ``sys.path`` in every replica, so the replica's working directory no longer
 matters:
 
-* launcher: :func:`collect_code` -> :func:`upload_code` (and
-  :func:`upload_files` for local files named by the spec);
-* replica: :func:`install_code` (and :func:`fetch_file`).
+* launcher: :func:`collect_code` -> :func:`upload_code`; local files named by
+  the spec: :func:`spec_local_paths` -> :func:`pack_path` -> :func:`put_verified`
+  (``runs.lifecycle.launch``; :func:`upload_files` does both for a list of paths);
+* replica: :func:`install_code` and :func:`localize_spec` (:func:`fetch_file`
+  for each uploaded file).
 
 Invariants:
 

@@ -208,3 +208,11 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
     assert settings["pairs"].startswith(str(tmp_path / "cache" / "files"))
     assert Path(settings["data_files"][0]).read_text() == '{"prompt": "p"}\n'
     assert apply_spec_paths({"model": {"name": "m"}, "trainer": {}}, {"model.name": "/abs"})["model"]["name"] == "/abs"
+    # The launcher's map in the job environment wins over the store's copy of the spec (a forged key is not used).
+    forged = spec.model_copy(update={"code": spec.code.model_copy(update={"files": {"trainer.pairs": "files/"
+                                                                                    + "0" * 64 + "/x"}})})
+    monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps(files))
+    assert localize_spec(store, forged, cache_dir=tmp_path / "cache").trainer.settings() == settings
+    with pytest.raises(ValueError, match="invalid uploaded file entry"):
+        monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps({"sync.codec": files["trainer.pairs"]}))
+        localize_spec(store, spec, cache_dir=tmp_path / "cache")
