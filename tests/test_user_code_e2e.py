@@ -51,13 +51,10 @@ def make_hints():
 
 @pytest.mark.slow
 def test_user_task_from_an_unrelated_directory_runs_on_the_local_executor(tmp_path):
-    user = tmp_path / "project"
-    user.mkdir()
-    (user / "my_tasks.py").write_text(TASK)
-    (user / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Question {i}: yes or no?"}) + "\n"
-                                                for i in range(16)))
+    user = _user_project(tmp_path, model_dir=True)
     spec = SMALL_RUN_TOML.replace('name = "causal-lm"', 'name = "three-channel"\ntask = "my_tasks:make_task"\n'
-                                  'hint_source = "my_tasks:make_hints"\npairs = "none"')
+                                  'hint_source = "my_tasks:make_hints"').replace(
+                                      "[model]\n", '[model]\nname = "tiny-model"\n')  # relative to the spec
     (user / "spec.toml").write_text('replicas = 2\nrounds = 1\ninner_steps = 2\n[code]\ninclude = ["prompts.jsonl"]\n'
                                     + spec)
     elsewhere = tmp_path / "elsewhere"
@@ -69,8 +66,10 @@ def test_user_task_from_an_unrelated_directory_runs_on_the_local_executor(tmp_pa
     assert res.returncode == 0, res.stdout + res.stderr
     spec_json = json.loads((tmp_path / "store/mine/spec.json").read_bytes()[16:])
     assert spec_json["code"]["ref"]["modules"] == ["my_tasks"]
+    assert spec_json["model"]["name"] == str(user / "tiny-model") and spec_json["code"]["files"] == {}
     log = (tmp_path / "store/mine/jobs/0/replica.log").read_text()
     assert "user code ['my_tasks'] installed" in log, log[-2000:]
+    assert f"loading model {user / 'tiny-model'} with transformers" in log
 
 
 # ---------------------------------------------------------------------- HF Jobs + s3:// (issue 12, "done when")
