@@ -200,3 +200,22 @@ def test_an_unreachable_hub_dataset_is_a_warning_not_an_error(tmp_path, monkeypa
     with caplog.at_level("WARNING"):
         check_before_launch(spec.with_run_id(), base_dir=tmp_path)
     assert "columns not checked before launch" in caplog.text
+
+
+def test_python_tests_reward_and_a_custom_reward_function(tmp_path, monkeypatch):
+    rows = [{"head": "def inc(x):\n    return", "checks": "assert inc(1) == 2\nassert inc(-1) == 0"},
+            {"head": "def dbl(x):\n    return", "checks": ["assert dbl(2) == 4", "assert dbl(0) == 0"]}]
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
+    task = DatasetTask(dataset=str(path), columns={"prompt": "head", "tests": "checks"}, reward_name="python_tests",
+                       eval_fraction=0.0)
+    train = task.examples("train")
+    by_name = {r["prompt"]: r for r in train}
+    inc, dbl = by_name[rows[0]["head"]], by_name[rows[1]["head"]]
+    assert task.reward([" x + 1\n", " x - 1\n", " x * 2\n"], [inc, inc, dbl]) == [1.0, 0.0, 1.0]
+
+    (tmp_path / "my_reward.py").write_text("def score(completions, rows):\n"
+                                           "    return [float(len(c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = DatasetTask(dataset=str(path), columns={"prompt": "head"}, reward_name="my_reward:score")
+    assert custom.reward(["ab", ""], train[:2]) == [2.0, 0.0]

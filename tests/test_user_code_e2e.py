@@ -215,3 +215,12 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
     with pytest.raises(ValueError, match="invalid uploaded file entry"):
         monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps({"sync.codec": files["trainer.pairs"]}))
         localize_spec(store, spec, cache_dir=tmp_path / "cache")
+
+
+def test_a_model_name_that_is_no_folder_and_no_reachable_hub_model_warns(tmp_path, monkeypatch, caplog):
+    from composer_cloud.runs.lifecycle import check_before_launch
+    from composer_cloud.spec import load_spec
+
+    with caplog.at_level("WARNING"):
+        check_before_launch(load_spec(None, {"model.name": "my-modle"}).with_run_id(), base_dir=tmp_path)
+    assert "model.name 'my-modle' is neither a folder under" in caplog.text

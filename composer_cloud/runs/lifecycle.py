@@ -174,6 +174,23 @@ def _check_model_dir(path: Path) -> None:
         raise SpecError("model.name", f"{config} has no model_type, so transformers cannot load it")
 
 
+def _check_hub_model(name: str, base_dir: Path) -> None:
+    """A ``model.name`` that is no local folder should be a hub model; say so early when the Hub disagrees.
+
+    Only a warning: the launcher may be offline or lack the token the replicas get as a secret.
+    """
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(name, timeout=10)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("model.name %r is neither a folder under %s nor a model the Hub confirms (%s: %s); the "
+                       "replicas will try to download it", name, base_dir, type(exc).__name__, str(exc)[:200])
+        return
+    if info.config is not None and not info.config.get("model_type"):
+        logger.warning("model.name %r: its config.json on the Hub has no model_type", name)
+
+
 #: ``datasets`` builder names that read ``data_files`` (not hub repositories).
 _BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
 
@@ -258,6 +275,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     local = {p.setting: p.path for p in paths}
     if "model.name" in local:
         _check_model_dir(local["model.name"])
+    elif spec.model.name != "tiny":
+        _check_hub_model(spec.model.name, base_dir or Path.cwd())
     if settings.get("dataset"):
         _check_dataset(settings, local)
     run_uri = join_uri(spec.store, spec.run_id)
