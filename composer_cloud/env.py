@@ -40,6 +40,9 @@ CONSTRAINTS = "COMPOSER_CLOUD_CONSTRAINTS"
 #: JSON of the run's :class:`~composer_cloud.usercode.CodeRef` (key, sha256, bytes, modules). Set by the
 #: launcher on each job, so a replica checks the code bundle against a digest that did not come from the store.
 CODE_REF = "COMPOSER_CLOUD_CODE_REF"
+#: JSON ``{setting: store key}`` of the local files a spec names, uploaded at launch (keys carry their sha256).
+#: Set by the launcher on cloud jobs, so the digests a replica checks did not come from the store.
+FILES = "COMPOSER_CLOUD_FILES"
 #: The run key (a secret): objects in the store are signed with an HMAC derived from it, and unsigned
 #: or mis-signed objects are rejected (see :func:`composer_cloud.rendezvous.store.signing_key_from_env`).
 #: Unset or empty: signing is off.

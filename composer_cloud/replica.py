@@ -110,10 +110,11 @@ class Replica:
         The digest comes from the job's environment when the executor set it
         (not from the store, which anyone with bucket access could change).
         """
-        from composer_cloud.usercode import CodeRef, install_code
+        from composer_cloud.usercode import CodeRef, install_code, localize_spec
 
         raw = os.environ.get(env.CODE_REF)
         ref_json = json.loads(raw) if raw else self.spec.code.ref
+        self.spec = localize_spec(self.store, self.spec)  # uploaded local files (model dir, data) -> local copies
         if not ref_json:
             return
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-cloud" / "code"

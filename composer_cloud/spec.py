@@ -130,12 +130,16 @@ class CodeSpec(_Strict):
 
     Modules named by ``"module:factory"`` settings (``trainer.task``,
     ``trainer.hint_source``) are packaged automatically; ``include`` adds files
-    or folders, relative to the directory ``launch`` runs in. ``ref`` is set by
-    the launcher (the bundle's key and sha256), never by hand.
+    or folders, relative to the directory ``launch`` runs in. ``ref`` (the
+    bundle's key and sha256) and ``files`` are set by the launcher, never by hand.
     """
 
     include: list[str] = Field(default_factory=list)
     ref: dict[str, Any] | None = None
+    #: Set by the launcher for cloud executors: ``{setting: store key}`` of the local files and folders the
+    #: spec names (``model.name``, ``trainer.pairs``, ``trainer.dataset``, ``trainer.data_files.<i>``),
+    #: uploaded content-addressed; each replica fetches them and uses its local copy.
+    files: dict[str, str] = Field(default_factory=dict)
 
 
 class ModalSpec(_Strict):

@@ -8,9 +8,11 @@ packages exists. This module packages the user's code at launch and puts it on
 ``sys.path`` in every replica, so the replica's working directory no longer
 matters:
 
-* launcher: :func:`collect_code` -> :func:`upload_code` (and
-  :func:`upload_files` for local files named by the spec);
-* replica: :func:`install_code` (and :func:`fetch_file`).
+* launcher: :func:`collect_code` -> :func:`upload_code`; local files named by
+  the spec: :func:`spec_local_paths` -> :func:`pack_path` -> :func:`put_verified`
+  (``runs.lifecycle.launch``; :func:`upload_files` does both for a list of paths);
+* replica: :func:`install_code` and :func:`localize_spec` (:func:`fetch_file`
+  for each uploaded file).
 
 Invariants:
 
@@ -77,6 +79,7 @@ FILES_PREFIX = "files"
 DIRS_PREFIX = "dirs"
 
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
+_PATH_SETTING_RE = re.compile(r"model\.name|trainer\.(pairs|dataset)|trainer\.data_files\.\d{1,4}")
 _FILE_KEY_RE = re.compile(rf"({FILES_PREFIX}|{DIRS_PREFIX})/([0-9a-f]{{64}})/([^/]+)")
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -257,7 +260,7 @@ def upload_code(store: Store, bundle: CodeBundle) -> CodeRef:
     if hashlib.sha256(bundle.data).hexdigest() != bundle.sha256:
         raise ValueError("bundle.sha256 does not match bundle.data; build bundles with collect_code")
     key = code_key(bundle.sha256)
-    _put_verified(store, key, bundle.data, bundle.sha256)
+    put_verified(store, key, bundle.data, bundle.sha256)
     return CodeRef(key=key, sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
 
 
@@ -279,28 +282,146 @@ def upload_files(
     base = Path(os.path.abspath(base_dir if base_dir is not None else os.getcwd()))
     out: dict[str, str] = {}
     for given in paths:
-        path = Path(os.path.normpath(base / given))
-        name = path.name or path.resolve().name
-        if not path.exists():
-            raise UserCodeError(f"{os.fspath(given)!r}: no such file or directory (looked at {path})")
-        if path.is_dir():
-            entries = _Entries(max_bytes=max_bytes, what=f"directory {path}")
-            for rel, file in _walk(path):
-                entries.add(rel, file)
-            data = write_zip(entries.sources, compress=False)  # weights do not compress; STORED is fast
-            sha = hashlib.sha256(data).hexdigest()
-            key = f"{DIRS_PREFIX}/{sha}/{name}.zip"
-        else:
-            size = path.stat().st_size
-            if size > max_bytes:
-                raise BundleTooLarge(
-                    f"{path} is {size} bytes, over the {max_bytes}-byte limit for uploads through the store; "
-                    "publish it (e.g. to the Hugging Face Hub) and name it by id instead")
-            data = path.read_bytes()
-            sha = hashlib.sha256(data).hexdigest()
-            key = f"{FILES_PREFIX}/{sha}/{name}"
-        _put_verified(store, key, data, sha)
+        key, data, sha = pack_path(base / given, max_bytes=max_bytes, given=os.fspath(given))
+        put_verified(store, key, data, sha)
         out[os.fspath(given)] = key
+    return out
+
+
+def pack_path(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES,
+              given: str | None = None) -> tuple[str, bytes, str]:
+    """``(store key, bytes, sha256)`` of a local file or directory as :func:`upload_files` stores it.
+
+    Reads and zips in memory; writes nothing. Raises :class:`UserCodeError`
+    (missing path) or :class:`BundleTooLarge` (over ``max_bytes``).
+    """
+    path = Path(os.path.normpath(os.path.abspath(path)))
+    name = path.name or path.resolve().name
+    if not path.exists():
+        raise UserCodeError(f"{given or os.fspath(path)!r}: no such file or directory (looked at {path})")
+    if path.is_dir():
+        entries = _Entries(max_bytes=max_bytes, what=f"directory {path}")
+        for rel, file in _walk(path):
+            entries.add(rel, file)
+        data = write_zip(entries.sources, compress=False)  # weights do not compress; STORED is fast
+        sha = hashlib.sha256(data).hexdigest()
+        return f"{DIRS_PREFIX}/{sha}/{name}.zip", data, sha
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise BundleTooLarge(
+            f"{path} is {size} bytes, over the {max_bytes}-byte limit for uploads through the store; "
+            "publish it (e.g. to the Hugging Face Hub) and name it by id instead")
+    data = path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    return f"{FILES_PREFIX}/{sha}/{name}", data, sha
+
+
+def path_size(path: str | os.PathLike[str]) -> int:
+    """Bytes :func:`pack_path` would read: a file's size, or the sum over a folder's packaged files."""
+    p = Path(path)
+    return sum(f.stat().st_size for _, f in _walk(p)) if p.is_dir() else p.stat().st_size
+
+
+# --------------------------------------------------------------------------- local paths named by a spec
+#: Spec settings whose value may name a local file or folder.
+PATH_SETTINGS = ("model.name", "trainer.pairs", "trainer.dataset", "trainer.data_files")
+#: Values of those settings that are never paths.
+_NOT_PATHS = {"model.name": {"tiny"}, "trainer.pairs": {"auto", "builtin", "none"}}
+#: ``datasets`` builders whose ``data_files`` are local files (with any other dataset they live in its repo).
+_FILE_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
+
+
+@dataclass(frozen=True)
+class SpecPath:
+    """A local file or folder named by a spec setting.
+
+    Attributes:
+        setting: the dotted setting (``trainer.data_files`` entries: ``trainer.data_files.<i>``).
+        given: the value as written.
+        path: the absolute path it names (relative values are relative to the spec's folder).
+    """
+
+    setting: str
+    given: str
+    path: Path
+
+
+def _explicit_path(value: str) -> bool:
+    return value.startswith(("/", "./", "../", "~", "file://"))
+
+
+def _as_local(value: str, base: Path) -> Path:
+    return Path(os.path.normpath(base / os.path.expanduser(value.removeprefix("file://"))))
+
+
+def spec_local_paths(model_name: str, settings: Mapping[str, Any], *,
+                     base_dir: str | os.PathLike[str] | None = None) -> list[SpecPath]:
+    """The local files and folders a run's spec names (``model.name``, ``trainer.pairs``,
+    ``trainer.dataset``, ``trainer.data_files``), resolved against ``base_dir``.
+
+    A value is a path when it is written as one (``/``, ``./``, ``../``, ``~``,
+    ``file://``) or names something that exists under ``base_dir``; anything
+    else (a hub id, an ``s3://`` URI, a built-in name) is left alone. A value
+    written as a path that does not exist is a :class:`UserCodeError` naming
+    the setting.
+    """
+    base = Path(os.path.abspath(base_dir if base_dir is not None else os.getcwd()))
+    candidates: list[tuple[str, Any]] = [("model.name", model_name)]
+    candidates += [(f"trainer.{k}", settings.get(k)) for k in ("pairs", "dataset")]
+    files = settings.get("data_files")
+    if settings.get("dataset") in _FILE_BUILDERS and files is not None:
+        items = [files] if isinstance(files, str) else list(files) if isinstance(files, list) else None
+        if items is None:
+            raise UserCodeError("trainer.data_files: with a local builder give a path or a list of paths "
+                                "(a split -> files table is not shipped; use one dataset file per split instead)")
+        candidates += [(f"trainer.data_files.{i}", v) for i, v in enumerate(items)]
+    out: list[SpecPath] = []
+    for setting, value in candidates:
+        if not isinstance(value, str) or value in _NOT_PATHS.get(setting, ()):
+            continue
+        if "://" in value and not value.startswith("file://"):
+            continue  # s3://, hf://, ...: read by the replica itself
+        path = _as_local(value, base)
+        if not path.exists():
+            if _explicit_path(value) or setting in ("trainer.pairs",) or setting.startswith("trainer.data_files"):
+                raise UserCodeError(f"{setting} = {value!r}: no such file or folder (looked at {path})")
+            continue  # a hub id
+        if any(ch in value for ch in "*?["):
+            raise UserCodeError(f"{setting} = {value!r}: glob patterns are not shipped; name the files")
+        out.append(SpecPath(setting, value, path))
+    return out
+
+
+def apply_spec_paths(spec_dict: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a spec's JSON with each dotted setting of ``values`` replaced (``trainer.data_files.<i>``
+    replaces one entry of the list)."""
+    import copy
+
+    out = copy.deepcopy(spec_dict)
+    for setting, value in values.items():
+        parts = setting.split(".")
+        if parts[0] == "model":
+            out["model"][parts[1]] = value
+        elif len(parts) == 3:  # trainer.data_files.<i>
+            files = out["trainer"][parts[1]]
+            if isinstance(files, str):
+                out["trainer"][parts[1]] = value
+            else:
+                files[int(parts[2])] = value
+        else:
+            out["trainer"][parts[1]] = value
+    return out
+
+
+def localize_files(store: Store, files: Mapping[str, str], *,
+                   cache_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Replica side: fetch every uploaded file of ``files`` (``{setting: store key}``, from the launcher);
+    returns ``{setting: local path}`` for :func:`apply_spec_paths`."""
+    out = {}
+    for setting, key in files.items():
+        if not _PATH_SETTING_RE.fullmatch(str(setting)) or not isinstance(key, str):
+            raise ValueError(f"invalid uploaded file entry {setting!r}: {key!r}")
+        out[setting] = str(fetch_file(store, key, cache_dir=cache_dir))
     return out
 
 
@@ -361,6 +482,30 @@ def fetch_file(store: Store, key: str, *, cache_dir: str | os.PathLike[str]) -> 
             tmp.unlink(missing_ok=True)
     logger.info("fetched %s to %s", key, target)
     return target
+
+
+def localize_spec(store: Store, spec: Any, *, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """Replica side: ``spec`` with each uploaded local file replaced by a verified local copy.
+
+    The ``{setting: key}`` map comes from the job's environment when the
+    launcher set it (:data:`composer_cloud.env.FILES`), else from
+    ``spec.code.files``; each key carries the sha256 its bytes must have.
+    Cached under ``cache_dir`` (default ``$XDG_CACHE_HOME/composer-cloud``).
+    """
+    import json
+
+    from composer_cloud import env
+    from composer_cloud.spec import spec_from_dict
+
+    raw = os.environ.get(env.FILES)
+    files = json.loads(raw) if raw else dict(spec.code.files)
+    if not files:
+        return spec
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-cloud"
+    local = localize_files(store, files, cache_dir=cache_dir)
+    logger.info("local files of the spec fetched from the store: %s", local)
+    return spec_from_dict(apply_spec_paths(spec.to_json_dict(), local), source="spec with fetched files")
 
 
 # --------------------------------------------------------------------------- module lookup
@@ -514,7 +659,7 @@ def _add_include(entries: _Entries, base: Path, item: str | os.PathLike[str]) ->
 
 
 # --------------------------------------------------------------------------- store I/O
-def _put_verified(store: Store, key: str, data: bytes, sha256: str) -> None:
+def put_verified(store: Store, key: str, data: bytes, sha256: str) -> None:
     """Create ``key`` write-once; if it exists, keep it only if its bytes hash to ``sha256``."""
     if store.create(key, data):
         logger.info("uploaded %s (%d bytes)", store.uri_of(key), len(data))

@@ -489,7 +489,9 @@ def make_job_python(root: str | os.PathLike[str]) -> Path:
 
     root = Path(root)
     venv.EnvBuilder(with_pip=False, symlinks=True, clear=True).create(root / "venv")
-    shared = root / "shared-site"
+    # Inside the venv: dill (datasets' fingerprinting) pickles modules from outside sys.prefix by value, which
+    # fails for pyarrow's types; a real image has them under its prefix.
+    shared = root / "venv" / "shared-site"
     shared.mkdir(exist_ok=True)
     skip = ("composer_cloud", "composer-cloud", "__editable__", "_composer_cloud", "distutils-precedence.pth")
     for sp in site.getsitepackages():

@@ -97,6 +97,7 @@ class FakeSeam:
 
 
 def make_spec(store="s3://bucket/runs", **modal):
+    modal.setdefault("secrets", ["aws-creds"])  # an S3 store needs one (containers get credentials only from secrets)
     return spec_from_dict({"run_id": "run-m", "store": store, "replicas": 2, "modal": modal})
 
 
@@ -251,7 +252,7 @@ def test_plan():
     from composer_cloud.images import modal_image
 
     seam = FakeSeam()
-    spec = make_spec(gpu="B300", gpu_count=4, timeout_s=1800).model_copy(
+    spec = make_spec(gpu="B300", gpu_count=4, timeout_s=1800, secrets=[]).model_copy(
         update={"store_options": {"endpoint_url": "http://minio:9000"}})
     ex = get_executor("modal", spec)
     ex.seam = seam
@@ -265,7 +266,9 @@ def test_plan():
     assert plan.secret_names == []
     assert "COMPOSER_CLOUD_STORE_OPTIONS" in plan.env_names
     assert any("B300" in n and "Modal decides" in n for n in plan.notes)
-    assert any("no credentials" in n for n in plan.notes)
+    assert any(n.startswith("launch would fail") and "no credentials" in n for n in plan.notes)
+    ex = get_executor("modal", spec.model_copy(update={"modal": spec.modal.model_copy(update={"secrets": ["aws"]})}))
+    ex.seam = seam
     with pytest.warns(UserWarning, match="B300"):
         ex.launch(RUN_URI, [0])
 
@@ -299,6 +302,10 @@ def test_preflight_refuses_a_local_store_and_bad_options_before_anything_is_sent
         ModalExecutor(make_spec(store="file:///tmp/runs"), seam=seam).preflight("file:///tmp/runs/run-m", [0])
     with pytest.raises(ExecutorError, match="gpu_count"):
         ModalExecutor(make_spec(gpu="H100:2", gpu_count=2), seam=seam).preflight(RUN_URI, [0])
+    with pytest.raises(ExecutorError, match=r"modal.secrets is empty.*modal secret create"):
+        ModalExecutor(make_spec(secrets=[]), seam=seam).preflight(RUN_URI, [0])
+    public = make_spec(secrets=[]).model_copy(update={"store_options": {"anon": True}})
+    ModalExecutor(public, seam=seam).preflight(RUN_URI, [0])
     ModalExecutor(make_spec(), seam=seam).preflight(RUN_URI, [0])
     assert seam.spawns == []
 

@@ -537,8 +537,12 @@ def test_default_trainer_on_the_demo_task_through_the_registry():
     assert {"loss", "pg", "sdpo", "dpo", "reward_mean"} <= set(m)
     assert 0.0 <= m["reward_mean"] <= 1.0
     assert m["dpo"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at the first step
+    params = [p.detach().clone() for p in tr.model.parameters()]
     ev = tr.evaluate()
     assert 0.0 <= ev["eval_reward_mean"] <= 1.0
+    # held-out NLL of the reference solutions (nats/token): a random 1k-token model is near log(1024) = 6.9
+    assert 3.0 < ev["eval_loss"] < 10.0 and tr.evaluate() == ev
+    assert all(torch.equal(a, b) for a, b in zip(params, tr.model.parameters()))
     # the two ranks see disjoint prompt shards
     ctx0 = dataclasses.replace(ctx, rank=0, model=_model()[0])
     tr0 = build_trainer("three-channel", ctx0)

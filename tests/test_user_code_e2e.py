@@ -51,13 +51,10 @@ def make_hints():
 
 @pytest.mark.slow
 def test_user_task_from_an_unrelated_directory_runs_on_the_local_executor(tmp_path):
-    user = tmp_path / "project"
-    user.mkdir()
-    (user / "my_tasks.py").write_text(TASK)
-    (user / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Question {i}: yes or no?"}) + "\n"
-                                                for i in range(16)))
+    user = _user_project(tmp_path, model_dir=True)
     spec = SMALL_RUN_TOML.replace('name = "causal-lm"', 'name = "three-channel"\ntask = "my_tasks:make_task"\n'
-                                  'hint_source = "my_tasks:make_hints"\npairs = "none"')
+                                  'hint_source = "my_tasks:make_hints"').replace(
+                                      "[model]\n", '[model]\nname = "tiny-model"\n')  # relative to the spec
     (user / "spec.toml").write_text('replicas = 2\nrounds = 1\ninner_steps = 2\n[code]\ninclude = ["prompts.jsonl"]\n'
                                     + spec)
     elsewhere = tmp_path / "elsewhere"
@@ -69,5 +66,161 @@ def test_user_task_from_an_unrelated_directory_runs_on_the_local_executor(tmp_pa
     assert res.returncode == 0, res.stdout + res.stderr
     spec_json = json.loads((tmp_path / "store/mine/spec.json").read_bytes()[16:])
     assert spec_json["code"]["ref"]["modules"] == ["my_tasks"]
+    assert spec_json["model"]["name"] == str(user / "tiny-model") and spec_json["code"]["files"] == {}
     log = (tmp_path / "store/mine/jobs/0/replica.log").read_text()
     assert "user code ['my_tasks'] installed" in log, log[-2000:]
+    assert f"loading model {user / 'tiny-model'} with transformers" in log
+
+
+# ---------------------------------------------------------------------- HF Jobs + s3:// (issue 12, "done when")
+from test_hf_jobs import NAMESPACE, hf_env, job_constraints, job_python, server, wheel  # noqa: E402,F401 - fixtures
+
+AWS = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"]
+
+
+def _user_project(root: Path, *, model_dir: bool) -> Path:
+    """A user folder: task module + hint source, a prompts file, optionally a saved tiny model."""
+    user = root / "project"
+    user.mkdir()
+    (user / "my_tasks.py").write_text(TASK)
+    (user / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Question {i}: yes or no?"}) + "\n"
+                                                for i in range(16)))
+    if model_dir:
+        from composer_cloud.model import TinyModelConfig, build_tiny_model, build_tokenizer
+
+        tok = build_tokenizer()
+        model = build_tiny_model(tok, seed=0, config=TinyModelConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=128))
+        model.save_pretrained(user / "tiny-model")
+        tok.save_pretrained(user / "tiny-model")
+    return user
+
+
+def _cli(args, cwd, **env_extra):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" or "project" not in v}
+    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env={**env, **env_extra})
+
+
+@pytest.mark.slow
+def test_user_task_prompts_hints_and_model_folder_travel_to_hf_jobs_through_s3(hf_env, wheel, s3_endpoint,
+                                                                                tmp_path):
+    """Launched from an unrelated folder; the model folder is renamed away right after launch, and the
+    jobs run in their own folders: they can only have used the copies uploaded to the store."""
+    import secrets as _secrets
+
+    from composer_cloud.runs.lifecycle import wait
+    from composer_cloud.runs.run import open_run
+
+    user = _user_project(tmp_path, model_dir=True)
+    (user / "spec.toml").write_text(f"""replicas = 2
+rounds = 1
+inner_steps = 2
+[model]
+name = "./tiny-model"
+[code]
+include = ["prompts.jsonl"]
+[trainer]
+name = "three-channel"
+task = "my_tasks:make_task"
+hint_source = "my_tasks:make_hints"
+batch_size = 4
+seq_len = 16
+num_generations = 2
+eval_examples = 2
+[hf_jobs]
+namespace = "{NAMESPACE}"
+flavor = "cpu-basic"
+secrets = {json.dumps(AWS)}
+""")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = f"s3://cc-test/e2e-{_secrets.token_hex(3)}"
+    res = _cli(["launch", "--config", str(user / "spec.toml"), "--executor", "hf-jobs", "--store", store,
+                "--run-id", "mine", "--detach"], elsewhere, COMPOSER_CLOUD_PREBUILT_WHEEL=str(wheel))
+    assert res.returncode == 0, res.stdout + res.stderr
+    (user / "tiny-model").rename(user / "moved-away")
+    run_uri = f"{store}/mine"
+    final = wait(run_uri, timeout_s=300)
+    logs = _cli(["logs", run_uri, "--replica", "0"], elsewhere).stdout
+    assert final.state == "completed", (final, logs[-3000:])
+    spec = open_run(run_uri).spec
+    assert spec.model.name == "./tiny-model" and spec.code.files["model.name"].startswith("dirs/")
+    assert spec.code.ref["modules"] == ["my_tasks"]
+    assert "local files of the spec fetched from the store" in logs and "user code ['my_tasks'] installed" in logs
+    assert '"dpo": 0.0' in bytes(open_run(run_uri).store.get("metrics/0.jsonl")).decode()  # pairs auto: no demo pairs
+
+
+def test_hf_jobs_with_an_s3_store_and_no_secrets_exits_2_and_writes_nothing(tmp_path, s3_endpoint, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    store = "s3://cc-test/no-secrets"
+    res = _cli(["launch", "--executor", "hf-jobs", "--store", store, "--run-id", "x"], tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    # (the CLI prints errors as rich markup, which swallows "[hf_jobs]": match around it)
+    assert "AWS_ACCESS_KEY_ID" in res.stderr and "secrets has no AWS credentials" in res.stderr
+    import fsspec
+
+    assert not fsspec.filesystem("s3").exists("cc-test/no-secrets/x")
+
+
+def test_local_files_are_refused_or_checked_before_anything_is_written(tmp_path):
+    from composer_cloud.runs.lifecycle import check_before_launch
+    from composer_cloud.spec import SpecError, load_spec
+
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(SpecError, match="model.name: .*no config.json"):
+        check_before_launch(load_spec(None, {"model.name": "./not-a-model"}).with_run_id(), base_dir=tmp_path)
+    with pytest.raises(SpecError, match=r"model.name = './missing': no such file or folder"):
+        check_before_launch(load_spec(None, {"model.name": "./missing"}).with_run_id(), base_dir=tmp_path)
+    with pytest.raises(SpecError, match=r"trainer.pairs = 'pairs.jsonl': no such file"):
+        check_before_launch(load_spec(None, {"trainer.pairs": "pairs.jsonl"}).with_run_id(), base_dir=tmp_path)
+
+
+def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(tmp_path, monkeypatch):
+    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.spec import load_spec
+    from composer_cloud.usercode import apply_spec_paths, localize_spec, pack_path, spec_local_paths
+
+    (tmp_path / "pairs.jsonl").write_text("{}\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"prompt": "p"}\n')
+    found = spec_local_paths("org/model", {"pairs": "pairs.jsonl", "dataset": "json",
+                                           "data_files": ["data/a.jsonl"]}, base_dir=tmp_path)
+    assert [(p.setting, p.path) for p in found] == [("trainer.pairs", tmp_path / "pairs.jsonl"),
+                                                    ("trainer.data_files.0", tmp_path / "data" / "a.jsonl")]
+    assert spec_local_paths("org/model", {"pairs": "s3://b/p.jsonl", "dataset": "org/ds"}, base_dir=tmp_path) == []
+    # cloud: the replica swaps in verified copies from the store
+    store = Store(f"file://{tmp_path}/store/run")
+    from composer_cloud.usercode import put_verified
+
+    files = {}
+    for p in found:
+        key, data, sha = pack_path(p.path)
+        put_verified(store, key, data, sha)
+        files[p.setting] = key
+    spec = load_spec(None, {"trainer.pairs": "pairs.jsonl", "trainer.dataset": "json",
+                            "trainer.data_files": ["data/a.jsonl"], "code.files": files})
+    monkeypatch.delenv("COMPOSER_CLOUD_FILES", raising=False)
+    local = localize_spec(store, spec, cache_dir=tmp_path / "cache")
+    settings = local.trainer.settings()
+    assert settings["pairs"].startswith(str(tmp_path / "cache" / "files"))
+    assert Path(settings["data_files"][0]).read_text() == '{"prompt": "p"}\n'
+    assert apply_spec_paths({"model": {"name": "m"}, "trainer": {}}, {"model.name": "/abs"})["model"]["name"] == "/abs"
+    # The launcher's map in the job environment wins over the store's copy of the spec (a forged key is not used).
+    forged = spec.model_copy(update={"code": spec.code.model_copy(update={"files": {"trainer.pairs": "files/"
+                                                                                    + "0" * 64 + "/x"}})})
+    monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps(files))
+    assert localize_spec(store, forged, cache_dir=tmp_path / "cache").trainer.settings() == settings
+    with pytest.raises(ValueError, match="invalid uploaded file entry"):
+        monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps({"sync.codec": files["trainer.pairs"]}))
+        localize_spec(store, spec, cache_dir=tmp_path / "cache")
+
+
+def test_a_model_name_that_is_no_folder_and_no_reachable_hub_model_warns(tmp_path, monkeypatch, caplog):
+    from composer_cloud.runs.lifecycle import check_before_launch
+    from composer_cloud.spec import load_spec
+
+    with caplog.at_level("WARNING"):
+        check_before_launch(load_spec(None, {"model.name": "my-modle"}).with_run_id(), base_dir=tmp_path)
+    assert "model.name 'my-modle' is neither a folder under" in caplog.text

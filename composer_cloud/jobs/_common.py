@@ -39,6 +39,8 @@ def job_env(spec: RunSpec) -> dict[str, str]:
         env[STORE_OPTIONS_ENV] = json.dumps(spec.store_options, sort_keys=True)
     if spec.code.ref:  # the digest travels with the job, not only through the (untrusted) store
         env[cc_env.CODE_REF] = json.dumps(spec.code.ref, sort_keys=True)
+    if spec.code.files:  # likewise the digests of the uploaded local files (in their keys)
+        env[cc_env.FILES] = json.dumps(spec.code.files, sort_keys=True)
     return env
 
 

@@ -343,13 +343,14 @@ class ModalExecutor:
         """Refuse a launch that cannot work, before anything is written; talks to nobody.
 
         Checks the options (GPU count, secret names) and that containers can
-        reach the store. An S3 store without any Modal secret is only noted in
-        :meth:`plan` (a secret's contents are known to Modal alone, and a
-        missing secret already fails the launch by name). Raises
+        reach the store: an S3 store needs at least one Modal secret (containers
+        get credentials only from secrets; a public bucket sets
+        ``store_options.anon = true``). What a named secret holds is known to
+        Modal alone, and a missing secret fails the launch by name. Raises
         :class:`ExecutorError`.
         """
         self.function_options()  # raises on a bad GPU count or an empty secret name
-        problem = self._store_problem()
+        problem = self._store_problem() or self._credentials_problem()
         if problem:
             raise ExecutorError(f"modal: cannot launch: {problem}")
 
@@ -407,7 +408,7 @@ class ModalExecutor:
             notes.append(f"launch would fail: {problem}")
         credentials = self._credentials_problem()
         if credentials:
-            notes.append(credentials)
+            notes.append(f"launch would fail: {credentials}")
         cost = self.cost_estimate(len(ranks))
         return LaunchPlan(
             executor=self.name,

@@ -141,12 +141,111 @@ def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:
 
 
 # ---------------------------------------------------------------- lifecycle
+def _has_cloud_executor(spec: RunSpec) -> bool:
+    return any(name != "local" for name, _ in assign_ranks(spec.executor, spec.replicas))
+
+
+def _spec_paths(spec: RunSpec, base_dir: Path | None) -> list[Any]:
+    """The local files and folders the spec names (``usercode.spec_local_paths``), errors as SpecError."""
+    from composer_cloud.usercode import UserCodeError, spec_local_paths
+
+    try:
+        return spec_local_paths(spec.model.name, spec.trainer.settings(), base_dir=base_dir or Path.cwd())
+    except UserCodeError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise SpecError(field if field.startswith(("model.", "trainer.")) else "", str(exc)) from None
+
+
+def _check_model_dir(path: Path) -> None:
+    """A local ``model.name`` must be a saved model folder: a ``config.json`` with a ``model_type``."""
+    import json
+
+    config = path / "config.json"
+    if not path.is_dir():
+        raise SpecError("model.name", f"{path} is a file; name a folder written by save_pretrained (or a hub id)")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except FileNotFoundError:
+        raise SpecError("model.name", f"{path} has no config.json; name a folder written by "
+                        "model.save_pretrained(...) and tokenizer.save_pretrained(...)") from None
+    except (ValueError, OSError, AttributeError) as exc:
+        raise SpecError("model.name", f"{config} is not a readable model config: {exc}") from None
+    if not model_type:
+        raise SpecError("model.name", f"{config} has no model_type, so transformers cannot load it")
+
+
+def _check_hub_model(name: str, base_dir: Path) -> None:
+    """A ``model.name`` that is no local folder should be a hub model; say so early when the Hub disagrees.
+
+    Only a warning: the launcher may be offline or lack the token the replicas get as a secret.
+    """
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(name, timeout=10)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("model.name %r is neither a folder under %s nor a model the Hub confirms (%s: %s); the "
+                       "replicas will try to download it", name, base_dir, type(exc).__name__, str(exc)[:200])
+        return
+    if info.config is not None and not info.config.get("model_type"):
+        logger.warning("model.name %r: its config.json on the Hub has no model_type", name)
+
+
+#: ``datasets`` builder names that read ``data_files`` (not hub repositories).
+_BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
+
+
+def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> None:
+    """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
+    warning when they cannot be reached from here)."""
+    from composer_cloud.trainer.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
+
+    name = str(local.get("trainer.dataset", settings["dataset"]))
+    files = settings.get("data_files")
+    local_files = [str(v) for k, v in sorted(local.items()) if k.startswith("trainer.data_files.")]
+    if local_files:
+        files = local_files
+    split = settings.get("dataset_split", "train")
+    splits = [split] + ([settings["eval_split"]] if settings.get("eval_split") else [])
+    columns = dict(settings.get("columns") or {})
+    reward = settings.get("reward") or "exact_match"
+    needed = [REWARD_NEEDS[reward]] if reward in REWARD_NEEDS else []
+    if "trainer.dataset" not in local and settings["dataset"] not in _BUILDER_NAMES:
+        # A hub dataset: one quick request first, so an unreachable Hub costs a warning, not datasets' retries.
+        try:
+            from huggingface_hub import HfApi
+
+            HfApi().dataset_info(settings["dataset"], timeout=10)
+        except Exception as exc:  # noqa: BLE001 - offline, private, or missing: the replicas will say which
+            logger.warning("trainer.dataset %r: columns not checked before launch (the Hub said %s: %s)",
+                           settings["dataset"], type(exc).__name__, str(exc)[:200])
+            return
+    for sp in splits:
+        try:
+            available = dataset_columns(name, sp, config=settings.get("dataset_config"), data_files=files)
+        except DatasetError as exc:
+            raise SpecError("trainer.dataset", str(exc).removeprefix("trainer.dataset ")) from None
+        except Exception as exc:  # noqa: BLE001 - a hub dataset we cannot reach from here: the replicas may
+            if "trainer.dataset" in local:
+                raise SpecError("trainer.dataset", f"{name!r} cannot be read: {exc}") from None
+            logger.warning("trainer.dataset %r: columns not checked before launch (%s: %s)", name,
+                           type(exc).__name__, exc)
+            return
+        problems = missing_columns(columns, available, needed=needed)
+        if problems:
+            field = "trainer.columns" if any(p.startswith("trainer.columns") for p in problems) else "trainer.dataset"
+            raise SpecError(field, f"split {sp!r} of {settings['dataset']!r}: " + "; ".join(problems))
+
+
 def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """Everything checkable before anything is written; returns the user-code bundle (or None).
 
     Trainer settings (names ``trainer.<key>``), user code named by
     ``"module:factory"`` settings and ``[code] include`` (must be found, relative
-    to ``base_dir`` or on ``sys.path``, and is packaged), each executor's own preflight (credentials, reachable store).
+    to ``base_dir`` or on ``sys.path``, and is packaged), local paths the spec names (exist; under the upload
+    limit when a cloud executor will fetch them; a local model folder has a ``config.json`` with a
+    ``model_type``), a dataset's columns against ``trainer.columns`` and the reward (a hub dataset that cannot
+    be reached from here is a warning), each executor's own preflight (credentials, reachable store).
     Raises :class:`SpecError` naming the field.
     """
     from composer_cloud.trainer import check_settings
@@ -163,6 +262,23 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
     except UserCodeError as exc:
         raise SpecError("code", str(exc)) from None
+    paths = _spec_paths(spec, base_dir)
+    if _has_cloud_executor(spec):
+        from composer_cloud.usercode import MAX_FILE_BYTES, path_size
+
+        for p in paths:
+            size = path_size(p.path)
+            if size > MAX_FILE_BYTES:
+                raise SpecError(p.setting, f"{p.given!r} is {size} bytes, over the {MAX_FILE_BYTES}-byte limit for "
+                                "files shipped through the store to cloud replicas; publish it (e.g. to the "
+                                "Hugging Face Hub) and name it by id, or put it in the store yourself (s3://...)")
+    local = {p.setting: p.path for p in paths}
+    if "model.name" in local:
+        _check_model_dir(local["model.name"])
+    elif spec.model.name != "tiny":
+        _check_hub_model(spec.model.name, base_dir or Path.cwd())
+    if settings.get("dataset"):
+        _check_dataset(settings, local)
     run_uri = join_uri(spec.store, spec.run_id)
     for name, ranks in assign_ranks(spec.executor, spec.replicas):
         ex = get_executor(name, spec)
@@ -191,7 +307,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         LaunchError: a backend failed; what this launch wrote was removed again
             if no job had started, else the run stays for ``resume``/``cancel``.
     """
-    from composer_cloud.usercode import CodeRef, code_key, upload_code
+    from composer_cloud.usercode import CodeRef, code_key, put_verified, upload_code
 
     if spec is None:
         spec = build_spec(config=config, overrides=overrides)
@@ -201,7 +317,28 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     # User code and [code] include paths are found relative to the spec file (else the current directory).
     if base_dir is None and config is not None:
         base_dir = Path(config).resolve().parent
-    bundle = check_before_launch(spec, base_dir=Path(base_dir) if base_dir is not None else None)
+    base = Path(base_dir) if base_dir is not None else None
+    bundle = check_before_launch(spec, base_dir=base)
+    # Local files the spec names: absolute for local replicas; uploaded (content-addressed) for cloud ones.
+    packed: list[tuple[str, bytes, str]] = []
+    paths = _spec_paths(spec, base)
+    if paths and _has_cloud_executor(spec):
+        from composer_cloud.usercode import UserCodeError, pack_path
+
+        files: dict[str, str] = {}
+        for p in paths:
+            try:
+                key, data, sha = pack_path(p.path, given=p.given)
+            except UserCodeError as exc:
+                raise SpecError(p.setting, str(exc)) from None
+            packed.append((key, data, sha))
+            files[p.setting] = key
+        spec = spec.model_copy(update={"code": spec.code.model_copy(update={"files": files})})
+    elif paths:
+        from composer_cloud.usercode import apply_spec_paths
+
+        spec = spec_from_dict(apply_spec_paths(spec.to_json_dict(), {p.setting: str(p.path) for p in paths}),
+                              source="spec with absolute paths")
     store = _open_store_for(spec)
     if bundle is not None:  # the digest is fixed before the spec is stored; jobs get it in their environment
         ref = CodeRef(key=code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
@@ -212,11 +349,15 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     try:
         if bundle is not None:
             upload_code(store, bundle)
+        for key, data, sha in packed:
+            put_verified(store, key, data, sha)
         _start_jobs(store, spec)
     except (LaunchError, StoreError) as exc:
         if not store.list("executor"):
             # No job started: roll back, so the id is free again and nothing claims to be running.
             store.delete("code", recursive=True)
+            store.delete("files", recursive=True)
+            store.delete("dirs", recursive=True)
             store.delete(SPEC_KEY)
             raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
         raise LaunchError(f"{exc} (jobs that did start are recorded; `composer-cloud cancel {store.uri}` "

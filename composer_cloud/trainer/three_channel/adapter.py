@@ -26,6 +26,7 @@ from trl import GRPOConfig
 from trl.trainer.utils import pad
 
 from composer_cloud.trainer.base import TrainerContext
+from composer_cloud.trainer.dataset_task import DatasetTask
 from composer_cloud.trainer.replay import ReplayBuffer, default_pairs_uri, load_pairs
 from composer_cloud.trainer.sandbox import SandboxLimits
 from composer_cloud.trainer.tasks import (
@@ -240,11 +241,46 @@ class ThreeChannelTrainer:
         finally:
             self.model.train(was_training)
         scores = [0.0 if r is None else float(r) for r in self.task.reward(completions, rows)]
-        return {
+        out = {
             "eval_reward_mean": float(np.mean(scores)),
             "eval_solved": float(np.mean([s >= 1.0 for s in scores])),
             "eval_examples": float(len(rows)),
         }
+        ref_loss = self._reference_loss(rows)
+        if ref_loss is not None:
+            out["eval_loss"] = ref_loss
+        return out
+
+    @torch.no_grad()
+    def _reference_loss(self, rows: Sequence[Mapping[str, Any]]) -> float | None:
+        """Mean per-token NLL (nats) of the held-out rows' reference answers given their prompts.
+
+        Rows with a plain-text ``prompt`` and a ``reference`` string count (the demo task's reference
+        solutions; a dataset's mapped ``answer``). Tokenized as the replay pairs are: prompt tokens,
+        then the reference's own tokens and EOS. A dense signal that moves long before a tiny model's
+        greedy completions pass any test. ``None`` when no row has a reference.
+        """
+        pairs = [(r["prompt"], r["reference"]) for r in rows
+                 if isinstance(r.get("prompt"), str) and isinstance(r.get("reference"), str) and r["reference"]]
+        if not pairs:
+            return None
+        eos = self.tokenizer.eos_token_id
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            with forked_global_rngs(self.device):
+                for prompt, ref in pairs:
+                    p = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    a = list(self.tokenizer(ref, add_special_tokens=False)["input_ids"]) + [eos]
+                    ids = torch.tensor([p + a], dtype=torch.long, device=self.device)
+                    logits = self.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
+                    nll = torch.nn.functional.cross_entropy(logits, ids[0, len(p):], reduction="sum")
+                    total += float(nll)
+                    count += len(a)
+        finally:
+            self.model.train(was_training)
+        return total / max(count, 1)
 
 
     # ------------------------------------------------------------------ state
@@ -314,11 +350,20 @@ def build_three_channel_trainer(ctx: TrainerContext) -> ThreeChannelTrainer:
         )
         task_options.setdefault("max_workers", s.sandbox_workers)
         task_options.setdefault("seed", ctx.seed)
-    task = build_task(s.task, **task_options)
+    if s.dataset is not None:
+        task: VerifiableTask = DatasetTask(
+            dataset=s.dataset, split=s.dataset_split, config=s.dataset_config, data_files=s.data_files,
+            eval_split=s.eval_split, eval_fraction=s.eval_fraction, columns=dict(s.columns),
+            reward_name=s.effective_reward, seed=ctx.seed, max_workers=s.sandbox_workers,
+            sandbox_limits=SandboxLimits(timeout_s=s.sandbox_timeout_s, per_test_timeout_s=s.sandbox_per_test_timeout_s,
+                                         memory_mb=s.sandbox_memory_mb),
+        )
+    else:
+        task = build_task(s.task, **task_options)
     hints = resolve_hint_source(s.hint_source, task)
     pairs = None
-    if s.dpo_weight != 0.0 and s.pairs != "none":
-        uri = default_pairs_uri() if s.pairs == "builtin" else s.pairs
+    if s.dpo_weight != 0.0 and s.effective_pairs != "none":
+        uri = default_pairs_uri() if s.effective_pairs == "builtin" else s.effective_pairs
         pairs = load_pairs(uri, **s.pairs_storage_options)
     opt_kwargs = dict(ctx.inner_optimizer)
     grad_clip = float(opt_kwargs.pop("grad_clip", 1.0))

@@ -25,6 +25,7 @@ The old keys ``alpha``, ``beta`` and ``kl_beta`` fail with the new name
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import Field
@@ -40,7 +41,10 @@ from composer_cloud.trainer.settings import (
     PositiveInt,
     parse_settings,
 )
+from composer_cloud.trainer.dataset_task import CANONICAL, REWARD_NEEDS
 from composer_cloud.trainer.tasks import DEFAULT_HINT_TEMPLATE, TASKS
+
+logger = logging.getLogger(__name__)
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 DPOVariant = Literal["sigmoid", "simpo"]
@@ -167,11 +171,15 @@ class ThreeChannelSettings(ThreeChannelConfig):
             otherwise taught to stop less and less often.
         max_teacher_prompt_length: the teacher's prompt keeps its last this-many tokens.
         replay_batch_size: pairs per optimizer step in channel 3.
-        pairs: ``"builtin"``, ``"none"``, or an fsspec URI / path of a pairs JSONL.
+        pairs: ``"auto"`` (the demo's pairs with the demo task, none otherwise), ``"builtin"``,
+            ``"none"``, or an fsspec URI / path of a pairs JSONL.
         pairs_storage_options: fsspec options for ``pairs`` (may hold credentials: never logged).
         task: a registered task name or ``"module:factory"``; ``task_options`` are its keyword arguments.
         sandbox_*: limits of the demo task's test sandbox (seconds, MiB, worker processes).
         eval_examples: held-out rows scored by ``evaluate()``.
+        dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
+            train on a dataset instead of a task (``docs/datasets.md``,
+            :mod:`composer_cloud.trainer.dataset_task`).
     """
 
     TRAINER: ClassVar[str] = "three-channel"
@@ -197,7 +205,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
     max_teacher_prompt_length: PositiveInt = 1024
     # channel 3
     replay_batch_size: PositiveInt = 2
-    pairs: Annotated[str, Field(min_length=1)] = "builtin"
+    pairs: Annotated[str, Field(min_length=1)] = "auto"
     pairs_storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # task
     task: str = "python-functions"
@@ -207,6 +215,15 @@ class ThreeChannelSettings(ThreeChannelConfig):
     sandbox_memory_mb: PositiveInt = 256
     sandbox_workers: PositiveInt = 2
     eval_examples: NonNegativeInt = 16
+    # a dataset instead of a task (composer_cloud.trainer.dataset_task)
+    dataset: Annotated[str, Field(min_length=1)] | None = None
+    dataset_config: str | None = None
+    dataset_split: Annotated[str, Field(min_length=1)] = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    eval_split: str | None = None
+    eval_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+    reward: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,6 +240,33 @@ class ThreeChannelSettings(ThreeChannelConfig):
             raise ValueError(
                 f"trainer.hint_template: {exc!r}; use only '{{hint}}' and '{{prompt}}' (double other braces)"
             ) from None
+        if self.dataset is None:
+            for key in ("dataset_config", "data_files", "eval_split", "reward"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"trainer.{key} applies to a dataset run; set trainer.dataset too")
+            if self.columns:
+                raise ValueError("trainer.columns applies to a dataset run; set trainer.dataset too")
+        else:
+            if self.task != "python-functions":
+                raise ValueError(
+                    f"trainer.dataset and trainer.task {self.task!r}: a dataset run uses the built-in dataset "
+                    "task; drop trainer.task, or load the dataset in your own task"
+                )
+            unknown = sorted(set(self.columns) - set(CANONICAL))
+            if unknown:
+                raise ValueError(
+                    f"trainer.columns.{unknown[0]}: the mapping's keys are {', '.join(CANONICAL)} "
+                    "(canonical name = the dataset's column); other columns are kept as they are"
+                )
+            if not (self.effective_reward in REWARD_NEEDS or is_reference(self.effective_reward)):
+                raise ValueError(
+                    f"trainer.reward {self.reward!r}: use one of {sorted(REWARD_NEEDS)} or 'package.module:function'"
+                )
+        if self.pairs == "builtin" and self.effective_task != "python-functions":
+            logger.warning(
+                "trainer.pairs = 'builtin' replays the demo task's pairs although the run trains on %s",
+                self.effective_task,
+            )
         if self.task not in TASKS and not is_reference(self.task):
             raise ValueError(f"trainer.task {self.task!r}: use one of {sorted(TASKS)} or 'package.module:factory'")
         if not (
@@ -239,6 +283,27 @@ class ThreeChannelSettings(ThreeChannelConfig):
     def from_settings(cls, settings: Mapping[str, Any]) -> "ThreeChannelSettings":
         """From a ``[trainer]`` table; ``ValueError`` naming ``trainer.<key>`` on bad input."""
         return parse_settings(cls, settings, trainer=cls.TRAINER)
+
+    @property
+    def effective_task(self) -> str:
+        """``"dataset"`` when ``dataset`` is set, else ``task``."""
+        return "dataset" if self.dataset is not None else self.task
+
+    @property
+    def effective_reward(self) -> str:
+        """The dataset task's reward: ``reward``, default ``"exact_match"``."""
+        return self.reward or "exact_match"
+
+    @property
+    def effective_pairs(self) -> str:
+        """``pairs`` with ``"auto"`` resolved: the demo's pairs only for the demo task, else ``"none"``.
+
+        The built-in pairs are replays of the demo task; training another task on them would teach
+        the model the demo's answers, so a custom task or a dataset never gets them by default.
+        """
+        if self.pairs != "auto":
+            return self.pairs
+        return "builtin" if self.effective_task == "python-functions" else "none"
 
     @property
     def completion_length(self) -> int:

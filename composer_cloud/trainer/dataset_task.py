@@ -1,0 +1,312 @@
+"""Datasets without code: ``[trainer] dataset = "org/name"`` or a local path, a column mapping, a built-in reward.
+
+A run that names a dataset trains on its rows with :class:`DatasetTask`, a
+:class:`~composer_cloud.trainer.tasks.VerifiableTask` whose reward is chosen by
+name (:data:`REWARDS`), so no user code is needed::
+
+    [trainer]
+    dataset = "data/qa.jsonl"        # a hub id, a local file (.jsonl/.json/.csv/.parquet) or a save_to_disk folder
+    dataset_split = "train"
+    eval_split = "test"              # or leave unset: a deterministic eval_fraction of the rows is held out
+    reward = "exact_match"           # | "contains" | "python_tests" | "module:function"
+    [trainer.columns]                # canonical name -> the dataset's column
+    prompt = "question"
+    answer = "solution"
+
+Canonical columns (:data:`CANONICAL`): ``prompt`` (required), ``answer`` (the
+reference answer: ``exact_match`` / ``contains``; also the held-out
+``eval_loss`` reference), ``tests`` (a list of Python ``assert`` statements,
+or one string of them: ``python_tests``) and ``hint`` (channel 2's hint;
+``hint_source = "default"`` uses it when mapped or present). Other columns
+stay in the rows under their own names.
+
+Loading happens in the replica with :func:`datasets.load_dataset` (local files
+by extension through the ``json`` / ``csv`` / ``parquet`` builders; a folder
+written by ``Dataset.save_to_disk`` through :func:`datasets.load_from_disk`).
+:func:`dataset_columns` reads only a dataset's column names (streaming, first
+row), which is what the launcher's preflight checks before anything is
+written. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_cloud.registry import is_reference, load_object
+
+logger = logging.getLogger(__name__)
+
+#: Canonical row keys a column mapping may target.
+CANONICAL: tuple[str, ...] = ("prompt", "answer", "tests", "hint")
+#: Built-in rewards and the canonical column each one needs.
+REWARD_NEEDS: dict[str, str] = {"exact_match": "answer", "contains": "answer", "python_tests": "tests"}
+#: Local file extensions and the ``datasets`` builder that reads them.
+BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be loaded or lacks a column; the message names the setting and what exists."""
+
+
+# --------------------------------------------------------------------------- loading
+def is_local_dataset(name: str, base_dir: str | os.PathLike[str] | None = None) -> bool:
+    """True when ``name`` names a local file or folder (an explicit path, or one that exists)."""
+    if name.startswith(("/", "./", "../", "~", "file://")):
+        return True
+    if "://" in name:
+        return False
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    return (base / name).exists()
+
+
+def _local_path(name: str) -> Path:
+    return Path(os.path.expanduser(name.removeprefix("file://")))
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((p / "state.json").exists() or (p / "dataset_dict.json").exists()
+                                 for p in (path, *[c for c in path.iterdir() if c.is_dir()]))
+
+
+def _builder_args(name: str, config: str | None, data_files: Any) -> tuple[str, dict[str, Any]]:
+    """``(path, kwargs)`` for ``load_dataset``; a local file picks its builder by extension."""
+    if is_local_dataset(name):
+        path = _local_path(name)
+        if path.is_file():
+            builder = BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise DatasetError(f"trainer.dataset {name!r}: unknown file type {path.suffix!r}; use one of "
+                                   f"{sorted(BUILDERS)} or a folder written by Dataset.save_to_disk")
+            return builder, {"data_files": str(path)}
+        if not path.exists():
+            raise DatasetError(f"trainer.dataset {name!r}: no such file or folder ({path.resolve()})")
+        return str(path), {"data_files": data_files} if data_files else {}
+    kwargs: dict[str, Any] = {"data_files": data_files} if data_files else {}
+    if config:
+        kwargs["name"] = config
+    return name, kwargs
+
+
+def load_rows(name: str, split: str, *, config: str | None = None, data_files: Any = None) -> list[dict[str, Any]]:
+    """All rows of ``split`` as plain dicts (``datasets.load_dataset`` / ``load_from_disk``)."""
+    import datasets
+
+    try:
+        if is_local_dataset(name) and _is_saved_dataset(_local_path(name)):
+            ds = datasets.load_from_disk(str(_local_path(name)))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DatasetError(f"trainer.dataset {name!r} has splits {sorted(ds)}, not {split!r}")
+                ds = ds[split]
+        else:
+            path, kwargs = _builder_args(name, config, data_files)
+            ds = datasets.load_dataset(path, split=split, **kwargs)
+    except DatasetError:
+        raise
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise DatasetError(f"trainer.dataset {name!r} (split {split!r}): {exc}") from None
+    return [dict(r) for r in ds]
+
+
+def dataset_columns(name: str, split: str, *, config: str | None = None, data_files: Any = None) -> list[str]:
+    """The column names of ``split``, reading as little as possible (a saved dataset's schema, or one
+    streamed row). Raises :class:`DatasetError` for a local dataset that cannot be read; for a hub
+    id that cannot be reached, whatever ``datasets`` raises (the caller decides if that is fatal)."""
+    import datasets
+
+    if is_local_dataset(name) and _is_saved_dataset(_local_path(name)):
+        ds = datasets.load_from_disk(str(_local_path(name)))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DatasetError(f"trainer.dataset {name!r} has splits {sorted(ds)}, not {split!r}")
+            ds = ds[split]
+        return list(ds.column_names)
+    path, kwargs = _builder_args(name, config, data_files)
+    try:
+        stream = datasets.load_dataset(path, split=split, streaming=True, **kwargs)
+        if stream.column_names:
+            return list(stream.column_names)
+        first = next(iter(stream), None)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        if is_local_dataset(name):
+            raise DatasetError(f"trainer.dataset {name!r} (split {split!r}): {exc}") from None
+        raise
+    if first is None:
+        raise DatasetError(f"trainer.dataset {name!r}: split {split!r} has no rows")
+    return list(first)
+
+
+def missing_columns(columns: Mapping[str, str], available: Sequence[str], *, needed: Sequence[str]) -> list[str]:
+    """Problems with a column mapping against ``available`` columns (empty: fine)."""
+    problems = []
+    for canonical in dict.fromkeys(["prompt", *needed, *columns]):
+        source = columns.get(canonical, canonical)
+        if source not in available and (canonical in ("prompt", *needed) or canonical in columns):
+            how = f"trainer.columns.{canonical} = {source!r}" if canonical in columns else f"column {source!r}"
+            problems.append(f"{how} is not in the dataset (its columns: {', '.join(available)})"
+                            + ("" if canonical in columns else f"; map one with trainer.columns.{canonical} = "
+                               "\"<column>\""))
+    return problems
+
+
+# --------------------------------------------------------------------------- rewards
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_MARKER = re.compile(r"(?:####|answer\s*[:=]|answer is)\s*(.+)", re.IGNORECASE)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, whitespace collapsed, surrounding punctuation and ``$`` stripped, ``1,000`` -> ``1000``."""
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", str(text))
+    return " ".join(text.lower().split()).strip(" .,;:!$`'\"")
+
+
+def extract_answer(completion: str) -> str:
+    """The answer a completion gives: the last ``\\boxed{...}``, else what follows the last ``####`` /
+    ``Answer:`` / ``answer is``, else its first non-empty line."""
+    boxed = _BOXED.findall(completion)
+    if boxed:
+        return boxed[-1]
+    markers = _MARKER.findall(completion)
+    if markers:
+        return markers[-1].strip().splitlines()[0]
+    return next((line for line in completion.splitlines() if line.strip()), "")
+
+
+def exact_match(completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """1.0 when the extracted answer equals the row's ``answer`` after :func:`normalize_answer`."""
+    return [None if row.get("answer") is None else
+            float(normalize_answer(extract_answer(c)) == normalize_answer(row["answer"]))
+            for c, row in zip(completions, rows, strict=True)]
+
+
+def contains(completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """1.0 when the normalized ``answer`` occurs in the normalized completion."""
+    return [None if row.get("answer") is None else
+            float(normalize_answer(row["answer"]) in normalize_answer(c))
+            for c, row in zip(completions, rows, strict=True)]
+
+
+RewardFn = Callable[[Sequence[str], Sequence[Mapping[str, Any]]], list[float | None]]
+
+
+def _as_tests(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [line for line in value.splitlines() if line.strip()]
+    return [str(t) for t in value or []]
+
+
+# --------------------------------------------------------------------------- the task
+@dataclass
+class DatasetTask:
+    """A :class:`~composer_cloud.trainer.tasks.VerifiableTask` over a dataset's rows.
+
+    Rows carry the canonical keys of the column mapping (``prompt``, and
+    ``answer`` / ``tests`` / ``hint`` when mapped or present) plus every other
+    column; ``reference`` is set from ``answer`` so the trainer's held-out
+    ``eval_loss`` measures the reference answers. The held-out rows are
+    ``eval_split`` when given, else a seeded ``eval_fraction`` of the rows.
+    """
+
+    dataset: str
+    split: str = "train"
+    config: str | None = None
+    data_files: Any = None
+    eval_split: str | None = None
+    eval_fraction: float = 0.1
+    columns: Mapping[str, str] = field(default_factory=dict)
+    reward_name: str = "exact_match"
+    seed: int = 0
+    sandbox_limits: Any = None
+    max_workers: int = 2
+    name: str = "dataset"
+
+    def __post_init__(self) -> None:
+        self._splits: dict[str, list[dict[str, Any]]] = {}
+        self._sandbox: Any = None
+        if self.reward_name in REWARD_NEEDS:
+            self._reward: RewardFn | None = None
+        elif is_reference(self.reward_name):
+            self._reward = load_object(self.reward_name, setting="trainer.reward")
+        else:
+            raise DatasetError(f"trainer.reward {self.reward_name!r}: use one of {sorted(REWARD_NEEDS)} or "
+                               "'module:function'")
+
+    def _rename(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(row)
+        for canonical, source in self.columns.items():
+            if source not in row:
+                raise DatasetError(f"trainer.columns.{canonical} = {source!r} is not in the dataset "
+                                   f"(its columns: {', '.join(row)})")
+            out[canonical] = row[source]
+        if "prompt" not in out:
+            raise DatasetError(f"the dataset has no 'prompt' column (its columns: {', '.join(row)}); map one "
+                               "with trainer.columns.prompt = \"<column>\"")
+        if isinstance(out.get("answer"), (str, int, float)) and "reference" not in row:
+            out["reference"] = str(out["answer"])
+        return out
+
+    def _load(self) -> None:
+        rows = [self._rename(r) for r in load_rows(self.dataset, self.split, config=self.config,
+                                                     data_files=self.data_files)]
+        if self.eval_split:
+            held = [self._rename(r) for r in load_rows(self.dataset, self.eval_split, config=self.config,
+                                                         data_files=self.data_files)]
+            train = rows
+        else:
+            order = list(range(len(rows)))
+            random.Random(f"dataset-eval:{self.seed}").shuffle(order)
+            n_eval = min(len(rows) - 1, max(1, round(len(rows) * self.eval_fraction))) if len(rows) > 1 else 0
+            if self.eval_fraction == 0:
+                n_eval = 0
+            held_idx = set(order[:n_eval])
+            held = [rows[i] for i in range(len(rows)) if i in held_idx]
+            train = [rows[i] for i in range(len(rows)) if i not in held_idx]
+        if not train:
+            raise DatasetError(f"trainer.dataset {self.dataset!r}: no training rows in split {self.split!r}")
+        self._splits = {"train": train, "eval": held}
+        logger.info("dataset %s: %d training rows, %d held out", self.dataset, len(train), len(held))
+
+    def examples(self, split: str) -> list[dict[str, Any]]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if not self._splits:
+            self._load()
+        return [dict(r) for r in self._splits[split]]
+
+    def reward(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
+        if self._reward is not None:
+            return list(self._reward(completions, rows))
+        if self.reward_name == "exact_match":
+            return exact_match(completions, rows)
+        if self.reward_name == "contains":
+            return contains(completions, rows)
+        return self._python_tests(completions, rows)
+
+    def _python_tests(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
+        from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits
+        from composer_cloud.trainer.tasks import extract_program
+
+        if self._sandbox is None:
+            self._sandbox = Sandbox(self.sandbox_limits or SandboxLimits(), max_workers=self.max_workers)
+        programs = [extract_program(str(row["prompt"]), c) for c, row in zip(completions, rows, strict=True)]
+        results = self._sandbox.run_many(programs, [_as_tests(row.get("tests")) for row in rows])
+        return [r.score for r in results]
+
+    def default_hints(self) -> Any:
+        from composer_cloud.trainer.tasks import ColumnHints
+
+        rows = self.examples("train")
+        if "hint" in self.columns or (rows and "hint" in rows[0]):
+            return ColumnHints("hint")
+        return None
+
+
+__all__ = ["BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARD_NEEDS", "contains", "dataset_columns",
+           "exact_match", "extract_answer", "is_local_dataset", "load_rows", "missing_columns", "normalize_answer"]
