@@ -22,6 +22,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from composer_cloud import runs
@@ -45,7 +46,7 @@ StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # "[hf_jobs]" is not markup
     return typer.Exit(code)
 
 
@@ -327,7 +328,12 @@ def _print_summary(run: Run, status: RunStatus) -> None:
     if s.reward_first is not None:
         table.add_row("mean reward (first → last round)", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
     if s.eval_loss_first is not None:
-        table.add_row("held-out loss (first → last round)", f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f}")
+        what = "reference answers, nats/token" if s.eval_reward_first is not None else "nats/token"
+        table.add_row(f"held-out loss ({what}, first → last round)",
+                      f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f}")
+    if s.eval_reward_first is not None:
+        table.add_row("held-out greedy reward (first → last round)",
+                      f"{s.eval_reward_first:.3f} → {s.eval_reward_last:.3f}")
     total = s.compute_s + s.sync_s
     if total > 0:
         table.add_row("time in inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
@@ -383,7 +389,7 @@ def logs(run_uri: str,
     except KeyboardInterrupt:
         pass
     for e in errors:
-        err_console.print(f"could not read logs of {e}", highlight=False)
+        err_console.print(f"could not read logs of {escape(str(e))}", highlight=False)
     if errors:
         raise typer.Exit(1)
 
@@ -457,7 +463,7 @@ def report(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
 
 def _report_cancel(result: runs.CancelResult) -> None:
     for warning in result.warnings:
-        err_console.print(f"could not cancel {warning}", highlight=False)
+        err_console.print(f"could not cancel {escape(warning)}", highlight=False)
 
 
 @app.command()
@@ -507,7 +513,7 @@ def resume(
         console.print(result.noop)
         return
     for warning in result.warnings:
-        err_console.print(f"warning: {warning}", highlight=False)
+        err_console.print(f"warning: {escape(warning)}", highlight=False)
     console.print(f"resuming {run.run_id} from "
                   + (f"the end of round {result.from_round + 1}/{run.spec.rounds}" if result.from_round >= 0
                      else "the start"))

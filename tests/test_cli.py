@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
+from composer_cloud import cli
 from composer_cloud.cli import app
 from composer_cloud.rendezvous.store import Store
 from composer_cloud.runs.metrics import read_metrics
@@ -252,3 +255,11 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
     r = cli("resume", run_uri, "--json", cwd=tmp_path)
     assert r.returncode == 0 and "nothing to resume" in json.loads(r.stdout)["noop"], r.stderr
     assert len(read_metrics(Store(run_uri), kind="round")) == 4  # untouched by resume
+
+
+def test_error_messages_keep_spec_table_names_in_brackets(tmp_path, monkeypatch):
+    """A message naming "[hf_jobs]" must not lose it to rich markup."""
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "err_console", Console(file=buf, soft_wrap=True))
+    cli._fail("add AWS keys to [hf_jobs] secrets")
+    assert "add AWS keys to [hf_jobs] secrets" in buf.getvalue()

@@ -245,6 +245,8 @@ class RunSummary:
     lost_replicas: list[int]
     reward_first: float | None = None
     reward_last: float | None = None
+    eval_reward_first: float | None = None  # held-out greedy reward (three-channel), first/last evaluation
+    eval_reward_last: float | None = None
 
 
 def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
@@ -258,6 +260,7 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
     rounds.sort(key=lambda m: (m["round"], m["rank"]))
     losses = [m["train_loss"] for m in rounds if m.get("committed")]
     evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
+    eval_rewards = [m["eval_reward_mean"] for m in rounds if "eval_reward_mean" in m]
     return RunSummary(
         rounds_committed=status.rounds_committed,
         loss_first=losses[0] if losses else None,
@@ -270,6 +273,8 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         lost_replicas=[i.rank for i in status.replicas if i.state in ("failed", "cancelled")],
         reward_first=_round_mean(rounds, "reward_mean", first=True),
         reward_last=_round_mean(rounds, "reward_mean", first=False),
+        eval_reward_first=eval_rewards[0] if eval_rewards else None,
+        eval_reward_last=eval_rewards[-1] if eval_rewards else None,
     )
 
 
