@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from composer_cloud import cli
+import composer_cloud.cli as cli_module
 from composer_cloud.cli import app
 from composer_cloud.rendezvous.store import Store
 from composer_cloud.runs.metrics import read_metrics
@@ -260,6 +260,6 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
 def test_error_messages_keep_spec_table_names_in_brackets(tmp_path, monkeypatch):
     """A message naming "[hf_jobs]" must not lose it to rich markup."""
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "err_console", Console(file=buf, soft_wrap=True))
-    cli._fail("add AWS keys to [hf_jobs] secrets")
+    monkeypatch.setattr(cli_module, "err_console", Console(file=buf, soft_wrap=True))
+    cli_module._fail("add AWS keys to [hf_jobs] secrets")
     assert "add AWS keys to [hf_jobs] secrets" in buf.getvalue()
