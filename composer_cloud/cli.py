@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,7 @@ from rich.table import Table
 from composer_cloud import runs
 from composer_cloud.rendezvous.store import StoreConfigError, StoreError, join_uri
 from composer_cloud.runs import LaunchError, Run, RunExists, RunNotFound, RunStatus
-from composer_cloud.spec import RunSpec, SpecError
+from composer_cloud.spec import DEFAULT_STORE, RunSpec, SpecError
 
 app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
@@ -143,20 +144,33 @@ def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/pre
 
 
 @app.command("ls")
-def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path")] = "file://./runs",
+def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path")] = DEFAULT_STORE,
               as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """List the runs under a store: id, state, rounds."""
+    """List the runs under a store: id, state, rounds committed, age (newest first)."""
     with _user_errors():
         found = runs.list_runs(store, storage_options=_storage_options(store_option))
     if as_json:
         sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in found], indent=2) + "\n")
         return
-    table = Table(title=f"runs under {store}")
-    for col in ("run id", "state", "rounds", "uri"):
+    table = Table(title=f"runs under {runs.normalize_run_uri(store)}")
+    for col in ("run id", "state", "rounds", "age"):
         table.add_column(col)
     for r in found:
-        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", r.uri)
+        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", _age(r.launched_at))
     console.print(table)
+    if found:
+        console.print(f"details: composer-cloud status {found[0].uri}", highlight=False)
+
+
+def _age(since: float | None) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d`` since an epoch time; ``-`` when unknown."""
+    if since is None:
+        return "-"
+    s = max(0.0, time.time() - since)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit}"
+    return f"{int(s)}s"
 
 
 # ---------------------------------------------------------------- launch
@@ -321,28 +335,28 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
 
 def _print_summary(run: Run, status: RunStatus) -> None:
     s = runs.summarize(run, status)
-    table = Table(title=f"run {run.run_id}: {status.state}", show_header=False)
+    table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
+    table.add_column("")
+    table.add_column("first round → last round")
     table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
     if s.loss_first is not None:
-        table.add_row("train loss (first → last round)", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
+        table.add_row("train loss", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
     if s.reward_first is not None:
-        table.add_row("mean reward (first → last round)", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
+        table.add_row("mean reward", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
     if s.eval_loss_first is not None:
-        what = "reference answers, nats/token" if s.eval_reward_first is not None else "nats/token"
-        table.add_row(f"held-out loss ({what}, first → last round)",
-                      f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f}")
+        what = "held-out loss, reference answers" if s.eval_reward_first is not None else "held-out loss"
+        table.add_row(what, f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f} nats/token")
     if s.eval_reward_first is not None:
-        table.add_row("held-out greedy reward (first → last round)",
-                      f"{s.eval_reward_first:.3f} → {s.eval_reward_last:.3f}")
+        table.add_row("held-out greedy reward", f"{s.eval_reward_first:.3f} → {s.eval_reward_last:.3f}")
     total = s.compute_s + s.sync_s
     if total > 0:
-        table.add_row("time in inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
-                                                         f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
+        table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
+                                                 f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
     table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB")
     if s.lost_replicas:
         table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
-    table.add_row("run URI", run.uri)
     console.print(table)
+    console.print(f"run URI: {run.uri}", highlight=False)  # outside the table: never truncated
 
 
 # ---------------------------------------------------------------- status / logs / cancel

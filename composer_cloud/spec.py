@@ -23,6 +23,9 @@ RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatc
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session)", re.IGNORECASE)
 
 
+DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
+
+
 class SpecError(ValueError):
     """A run spec is invalid. ``field`` is the dotted name of the offending field."""
 
@@ -165,7 +168,7 @@ class RunSpec(_Strict):
     """A composer-cloud run. See ``examples/*.toml`` for a commented example."""
 
     run_id: str = ""
-    store: str = "file://./runs"
+    store: str = DEFAULT_STORE
     store_options: dict[str, Any] = Field(default_factory=dict)
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)

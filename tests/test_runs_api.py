@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import composer_cloud as cc
+from composer_cloud import runs
 from composer_cloud.runs import RunNotFound, open_run
 from conftest import SMALL_RUN_TOML
 
@@ -41,8 +43,11 @@ def test_python_api_launches_waits_and_reads_status(tmp_path):
     (tmp_path / "store/not-a-run").mkdir()
     listed = cc.runs.list_runs(str(tmp_path / "store"))
     assert [(r.run_id, r.state, r.rounds_committed) for r in listed] == [("api", "completed", 2)]
+    assert 0 <= time.time() - listed[0].launched_at < 600  # the age `ls` shows
     res = _cli(["ls", str(tmp_path / "store"), "--json"], tmp_path, dict(os.environ))
     assert res.returncode == 0 and json.loads(res.stdout)[0]["run_id"] == "api", res.stderr
+    res = _cli(["ls", str(tmp_path / "store")], tmp_path, dict(os.environ))
+    assert res.returncode == 0 and "age" in res.stdout and "completed" in res.stdout, res.stderr
 
 
 def test_version_flag(tmp_path):
@@ -93,3 +98,12 @@ def test_store_options_from_the_spec_reach_every_command(tmp_path, s3_endpoint):
     assert res.returncode == 0 and "nothing to resume" in res.stdout, res.stdout + res.stderr
     st = _cli(["status", run_uri, "--json", *flag], tmp_path, env)
     assert json.loads(st.stdout)["state"] == "completed"
+
+
+def test_a_bare_run_id_names_a_run_under_the_default_store(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert runs.normalize_run_uri("run-1") == f"file://{tmp_path}/runs/run-1"
+    (tmp_path / "run-2").mkdir()  # an existing local folder is taken as it is
+    assert runs.normalize_run_uri("run-2") == f"file://{tmp_path}/run-2"
+    assert runs.normalize_run_uri("other/run-3") == f"file://{tmp_path}/other/run-3"
+    assert runs.normalize_run_uri("s3://b/p/run-4") == "s3://b/p/run-4"

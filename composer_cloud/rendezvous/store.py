@@ -34,6 +34,7 @@ commands), replicas pass ``spec.sync.store_outage_s`` to ride out an outage.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import json
@@ -471,6 +472,18 @@ class Store:
     def exists(self, key: str) -> bool:
         path = self.path(key)
         return self._retry(f"exists {key}", lambda: self.fs.exists(path))
+
+    def modified(self, key: str) -> float | None:
+        """When ``key`` was last written (epoch seconds), or None when the filesystem does not say."""
+        path = self.path(key)
+        info = self._retry(f"info {key}", lambda: self.fs.info(path))
+        for name in ("mtime", "LastModified", "last_modified", "created"):
+            value = info.get(name)
+            if isinstance(value, datetime.datetime):
+                return value.timestamp()
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return None
 
     def wait_get(self, key: str, *, deadline: float, what: str | None = None,
                  between: Callable[[int], None] | None = None) -> memoryview:

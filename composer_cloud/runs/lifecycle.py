@@ -490,6 +490,7 @@ class RunListing:
     state: str
     rounds_committed: int
     rounds: int
+    launched_at: float | None = None  # epoch seconds the spec was written (launch, or a resume that changed it)
 
 
 def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
@@ -510,7 +511,11 @@ def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
         try:
             run = open_run(run_uri, storage_options=storage_options)
             st = run_status(run, poll_executors=poll_executors)
-            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds))
+            try:
+                launched_at = root.modified(f"{name}/{SPEC_KEY}")
+            except (StoreError, OSError):
+                launched_at = None
+            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds, launched_at))
         except (StoreError, SpecError, RunNotFound) as exc:
             logger.warning("cannot read run %s: %s", run_uri, exc)
             out.append(RunListing(name, run_uri, "unreadable", 0, 0))

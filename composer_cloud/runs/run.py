@@ -35,7 +35,7 @@ from composer_cloud.rendezvous.store import (
     derive_signing_key,
     signing_key_from_env,
 )
-from composer_cloud.spec import RunSpec, SpecError, spec_from_dict
+from composer_cloud.spec import DEFAULT_STORE, RunSpec, SpecError, spec_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,17 @@ class Run:
 
 
 def normalize_run_uri(uri: str) -> str:
-    """Accept a plain local path where a run URI is expected (``runs/x`` -> ``file:///abs/runs/x``)."""
+    """Accept a plain local path where a run URI is expected (``runs/x`` -> ``file:///abs/runs/x``).
+
+    A bare run id (no ``/``) that is not a local folder names a run under the
+    default store (``./runs/<id>``), where a no-flag launch puts it.
+    """
     uri = uri.strip()
-    return uri if "://" in uri else f"file://{Path(uri).resolve()}"
+    if "://" in uri:
+        return uri
+    if "/" not in uri and uri not in (".", "..") and not Path(uri).exists():
+        uri = str(Path(DEFAULT_STORE.removeprefix("file://")) / uri)
+    return f"file://{Path(uri).resolve()}"
 
 
 def store_options_from_env() -> dict[str, Any]:
