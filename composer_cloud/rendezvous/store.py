@@ -317,7 +317,9 @@ class Store:
         ``durable=False`` skips the local ``fsync``: for transient round payloads, where rename already
         gives atomicity and a torn object left by a power loss fails its checksum (the round is retried).
         """
-        data = self._frame(key, payload)
+        return self._overwrite(key, self._frame(key, payload), durable=durable)
+
+    def _overwrite(self, key: str, data: bytes, *, durable: bool) -> int:
         path = self.path(key)
         if self.local:
             self._retry(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=durable))
@@ -392,28 +394,25 @@ class Store:
         Such an object is not verified by :meth:`get`: its writer also puts a framed (and, with a run
         key, signed) digest next to it, which readers check (:mod:`composer_cloud.runs.metrics`).
         """
-        data = bytes(payload)
-        path = self.path(key)
-        if self.local:
-            self._retry(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=False))
-        else:
-            self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
-        self._count(written=len(data))
-        return len(data)
+        return self._overwrite(key, bytes(payload), durable=False)
 
     def get_plain(self, key: str) -> bytes:
         """The raw bytes at ``key`` (an object written by :meth:`put_plain`); the caller verifies them."""
-        path = self.path(key)
-
-        def read() -> bytes:
-            try:
-                return self.fs.cat_file(path)
-            except FileNotFoundError:
-                raise ObjectNotFound(key) from None
-
-        data = self._retry(f"get {key}", read)
+        data = self._retry(f"get {key}", lambda: self._cat(key))
         self._count(read=len(data))
         return bytes(data)
+
+    def _cat(self, key: str) -> bytes:
+        """One read of ``key``'s bytes as stored; ObjectNotFound, or ChecksumMismatch for a damaged response."""
+        try:
+            return self.fs.cat_file(self.path(key))
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+        except Exception as exc:
+            # botocore verifies the response's x-amz-checksum-* header when the store sends one.
+            if type(exc).__name__ == "FlexibleChecksumError":
+                raise ChecksumMismatch(key, f"response checksum mismatch: {exc}") from None
+            raise
 
     def put_json(self, key: str, obj: Any) -> int:
         return self.put(key, _dumps(obj))
@@ -427,22 +426,9 @@ class Store:
 
         On S3 an object that fails verification is read once more (damaged in transit: one extra GET).
         """
-        path = self.path(key)
-
-        def read() -> bytes:
-            try:
-                return self.fs.cat_file(path)
-            except FileNotFoundError:
-                raise ObjectNotFound(key) from None
-            except Exception as exc:
-                # botocore verifies the response's x-amz-checksum-* header when the store sends one.
-                if type(exc).__name__ == "FlexibleChecksumError":
-                    raise ChecksumMismatch(key, f"response checksum mismatch: {exc}") from None
-                raise
-
         for tries_left in (1, 0) if not self.local else (0,):
             try:
-                data = self._retry(f"get {key}", read)
+                data = self._retry(f"get {key}", lambda: self._cat(key))
                 self._count(read=len(data))
                 return unframe(key, data, signing_key=self._signing_key)
             except ChecksumMismatch as exc:

@@ -94,17 +94,25 @@ def _builder_args(name: str, config: str | None, data_files: Any) -> tuple[str, 
     return name, kwargs
 
 
+def _load_saved(name: str, split: str) -> Any:
+    """``split`` of a ``save_to_disk`` folder (a Dataset, or one split of a DatasetDict)."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(_local_path(name)))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DatasetError(f"trainer.dataset {name!r} has splits {sorted(ds)}, not {split!r}")
+        ds = ds[split]
+    return ds
+
+
 def load_rows(name: str, split: str, *, config: str | None = None, data_files: Any = None) -> list[dict[str, Any]]:
     """All rows of ``split`` as plain dicts (``datasets.load_dataset`` / ``load_from_disk``)."""
     import datasets
 
     try:
         if is_local_dataset(name) and _is_saved_dataset(_local_path(name)):
-            ds = datasets.load_from_disk(str(_local_path(name)))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise DatasetError(f"trainer.dataset {name!r} has splits {sorted(ds)}, not {split!r}")
-                ds = ds[split]
+            ds = _load_saved(name, split)
         else:
             path, kwargs = _builder_args(name, config, data_files)
             ds = datasets.load_dataset(path, split=split, **kwargs)
@@ -122,12 +130,7 @@ def dataset_columns(name: str, split: str, *, config: str | None = None, data_fi
     import datasets
 
     if is_local_dataset(name) and _is_saved_dataset(_local_path(name)):
-        ds = datasets.load_from_disk(str(_local_path(name)))
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise DatasetError(f"trainer.dataset {name!r} has splits {sorted(ds)}, not {split!r}")
-            ds = ds[split]
-        return list(ds.column_names)
+        return list(_load_saved(name, split).column_names)
     path, kwargs = _builder_args(name, config, data_files)
     try:
         stream = datasets.load_dataset(path, split=split, streaming=True, **kwargs)
