@@ -191,32 +191,39 @@ def account_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "step_time_s": statistics.median(times) if times else None}
 
 
-def goodput(incarnations: list[dict[str, Any]], *, slow_rank: int | None = None,
-            slow_factor: float = 1.0) -> dict[str, Any]:
+def goodput(incarnations: list[dict[str, Any]], *, outlier: float = 10.0) -> dict[str, Any]:
     """Goodput of a run from its replica incarnations.
 
-    Each incarnation: ``rank``, ``billed_s`` (seconds from its first heartbeat, i.e. model loaded and
-    training, to its exit or kill; SIGSTOPped time and a slowed replica's stopped time included) and its
-    metrics ``rows``. The cost of one inner step is the run's median step time over the replicas that are
-    not slowed (sync steps excluded), times ``slow_factor`` on ``slow_rank``: a replica slowed 3x is
-    3x slower hardware, busy all the time it computes. ``goodput`` = sum(useful steps x step cost) /
-    sum(billed seconds): the fraction of billed replica time that produced merged work.
-    ``useful_steps_per_replica_s`` is the raw ratio (useful inner steps / replica-seconds).
+    Each incarnation: ``billed_s`` (seconds from its first heartbeat, i.e. model loaded and training, to
+    its exit or kill; SIGSTOPped time and a slowed replica's stopped time included) and its metrics
+    ``rows``. ``goodput`` = useful compute seconds / billed seconds, where useful compute seconds are the
+    measured durations of the inner steps in merged rounds: a slowed replica's steps take 3x as long and
+    count in full (slow hardware, busy). Two corrections: the step of each round that contained the sync
+    counts as the incarnation's median step (its duration includes the sync), and a step longer than
+    ``outlier`` x the run's median step (it contained a SIGSTOP) counts as the run's median.
+    ``useful_steps_per_replica_s`` is the issue's raw ratio (useful inner steps / replica-seconds).
     """
+    all_times = [float(r.get("time_s", 0.0)) for i in incarnations for r in _plain_steps(i["rows"])]
+    med = statistics.median(all_times) if all_times else 0.0
     billed = useful_s = 0.0
     useful = steps = 0
-    times = [float(r.get("time_s", 0.0)) for i in incarnations if i.get("rank") != slow_rank
-             for r in _plain_steps(i["rows"])]
-    base = statistics.median(times) if times else 0.0
     for inc in incarnations:
         acc = account_rows(inc["rows"])
         billed += inc["billed_s"]
         useful += acc["useful_steps"]
         steps += acc["steps"]
-        useful_s += acc["useful_steps"] * base * (slow_factor if inc.get("rank") == slow_rank else 1.0)
-    return {"goodput": useful_s / billed if billed else 0.0, "replica_s": billed, "useful_step_s": useful_s,
-            "step_cost_s": base,
-            "useful_steps": useful, "steps": steps, "wasted_steps": steps - useful,
+        own = acc["step_time_s"] or med
+        pending: list[float] = []
+        for row in inc["rows"]:
+            if row.get("kind") == "step":
+                t = float(row.get("time_s", 0.0))
+                pending.append(med if med and t > outlier * med else t)
+            elif row.get("kind") == "round":
+                if merged(row) and pending:
+                    useful_s += sum(pending[:-1]) + own
+                pending = []
+    return {"goodput": useful_s / billed if billed else 0.0, "replica_s": billed, "useful_compute_s": useful_s,
+            "median_step_s": med, "useful_steps": useful, "steps": steps, "wasted_steps": steps - useful,
             "useful_steps_per_replica_s": useful / billed if billed else 0.0}
 
 
@@ -510,8 +517,8 @@ class Harness:
             "schedule": self.schedule.to_json(), "faults": self.fault_log, "timed_out": timed_out,
             "launch_to_ready_s": t0 - t_launch, "train_wall_s": t_end - t0, "t0": t0,
             "exit": {p.rank: p.end for p in self.history},
-            "incarnations": [{k: v for k, v in i.items() if k != "rows"} for i in incs],
-            "goodput": goodput(incs, slow_rank=self.schedule.slow_rank, slow_factor=self.schedule.slow_factor),
+            "incarnations": incs,  # with their metrics rows: goodput can be recomputed from the JSON
+            "goodput": goodput(incs),
             "timeline": [(t - t0, s, u) for t, s, u in self.timeline],
             "versions_seen": {r: t - t0 for r, t in sorted(self.versions_seen.items())},
         }
@@ -791,9 +798,10 @@ def main(argv: list[str] | None = None) -> int:
     json_path = os.path.join(a.out_dir, f"{stem}.json")
     doc = {"config": asdict(cfg), "quick": a.quick, "cores": cores, "total_s": total_s, "initial_loss": init,
            "skipped": skipped, "definitions": {
-               "goodput": "sum over replica incarnations of useful inner steps x that incarnation's median "
-                          "step time, divided by billed replica-seconds (first heartbeat to exit or kill; "
-                          "SIGSTOPped and slowed time included, cold-start delay and process start excluded)",
+               "goodput": "measured compute seconds of inner steps in merged rounds (sync step counted as the "
+                          "incarnation's median step, SIGSTOP-long steps as the run's median) divided by billed "
+                          "replica-seconds (first heartbeat to exit or kill; SIGSTOPped and slowed time "
+                          "included, cold-start delay and process start excluded)",
                "useful step": "an inner step in a round whose round row says committed/merged",
                "time_to_target_s": "first durable global version with held-out loss <= target, seconds after "
                                    "all replicas started training",

@@ -169,15 +169,17 @@ def test_chaos_accounting(chaos):
 
 def test_chaos_goodput(chaos):
     fast = _steps(10, 0.1) + [{"kind": "round", "committed": True}]
+    slow = _steps(10, 0.3) + [{"kind": "round", "committed": True}]  # slowed 3x: its steps take 3x as long
     lost = _steps(10, 0.1) + [{"kind": "round", "committed": False}]
-    # Rank 1 is the replica slowed 3x: its steps cost 3x the others' median, whatever its own timings say
-    # (a duty cycle coarser than a step leaves most of its steps at full speed).
-    g = chaos.goodput([{"rank": 0, "billed_s": 1.0, "rows": fast}, {"rank": 1, "billed_s": 3.0, "rows": fast}],
-                      slow_rank=1, slow_factor=3.0)
+    g = chaos.goodput([{"billed_s": 1.0, "rows": fast}, {"billed_s": 3.0, "rows": slow}])
     assert g["goodput"] == pytest.approx(1.0)  # each replica busy with merged work all the time, at its own speed
-    assert g["useful_steps_per_replica_s"] == pytest.approx(20 / 4.0) and g["step_cost_s"] == pytest.approx(0.1)
-    g = chaos.goodput([{"rank": 0, "billed_s": 2.0, "rows": fast}, {"rank": 1, "billed_s": 1.0, "rows": lost}])
+    assert g["useful_steps_per_replica_s"] == pytest.approx(20 / 4.0)
+    g = chaos.goodput([{"billed_s": 2.0, "rows": fast}, {"billed_s": 1.0, "rows": lost}])
     assert g["goodput"] == pytest.approx(1.0 / 3.0) and g["wasted_steps"] == 10
-    assert chaos.goodput([{"rank": 0, "billed_s": 0.0, "rows": []}])["goodput"] == 0.0
+    # A step that held a 15-s SIGSTOP, and the step that held the sync, count as ordinary steps.
+    stopped = (_steps(4, 0.1) + [{"kind": "step", "time_s": 15.0}] + _steps(4, 0.1)
+               + [{"kind": "step", "time_s": 5.0}, {"kind": "round", "committed": True}])
+    assert chaos.goodput([{"billed_s": 21.0, "rows": stopped}])["goodput"] == pytest.approx(1.0 / 21.0)
+    assert chaos.goodput([{"billed_s": 0.0, "rows": []}])["goodput"] == 0.0
     assert chaos.first_time_at_most([(3, 1.0), (1, 2.0), (5, 0.5)], 1.0) == 3
     assert chaos.first_time_at_least([(1, 10), (2, 30)], 20) == 2
