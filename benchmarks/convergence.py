@@ -5,6 +5,7 @@
     python benchmarks/convergence.py --engine sim          # exact in-process simulation (for sweeps)
     python benchmarks/convergence.py --steps 400 --hidden 128 --intermediate 344 --inner-lr 2e-3 --h 10 50 100
     python benchmarks/convergence.py --methods diloco --h 50 --diloco-codec bf16
+    python benchmarks/convergence.py --corpus stdlib     # the harder corpus: 1 vs 4 synchronous replicas
 
 Results, settings and tuning notes: ``docs/convergence.md``.
 
@@ -131,6 +132,11 @@ class Config:
     eval_every: int = 100
     threads: int = 0  # torch threads per process; 0 = 1
     timeout_s: float = 1200.0
+    # corpus: "builtin" (templated snippets) or "stdlib" (composer_cloud.stdlib_corpus: the standard
+    # library's sources, its own BPE of ``vocab`` tokens, held-out files)
+    corpus: str = "builtin"
+    corpus_bytes: int = 8_000_000  # stdlib only: training bytes (all replicas)
+    eval_rows: int = 0  # held-out rows scored (0 = all for builtin, 256 for stdlib)
 
     def codec_of(self, method: str) -> str:
         return (self.diloco_codec or self.codec) if method.startswith("diloco") else self.codec
@@ -182,20 +188,28 @@ def traffic_factor(world: int) -> float:
 # ----------------------------------------------------------------------------- replicas
 def build_replica(cfg: Config, rank: int, model: torch.nn.Module | None = None) -> tuple[torch.nn.Module, Any, Any]:
     """``(model, trainer, scheduler)`` for replica ``rank``; same init weights for every rank."""
-    from composer_cloud.model import TinyModelConfig, load_model
+    from composer_cloud.model import TinyModelConfig, build_tiny_model, load_model
     from composer_cloud.trainer.base import TrainerContext
     from composer_cloud.trainer.causal_lm import CausalLMTrainer
 
     tiny = TinyModelConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
                            num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                            intermediate_size=cfg.intermediate)
-    m, tokenizer = load_model("tiny", seed=cfg.seed, tiny=tiny)
+    if cfg.corpus == "stdlib":
+        from composer_cloud.stdlib_corpus import build_tokenizer as stdlib_tokenizer
+
+        # The same model a `model.name = stdlib_corpus.write_model_dir(...)` run loads, built in memory.
+        tokenizer = stdlib_tokenizer(cfg.vocab)
+        m = model if model is not None else build_tiny_model(tokenizer, seed=cfg.seed, config=tiny)
+        settings = {"corpus": "stdlib", "corpus_bytes": cfg.corpus_bytes, "eval_rows": cfg.eval_rows or 256}
+    else:
+        m, tokenizer = load_model("tiny", seed=cfg.seed, tiny=tiny)
+        settings = {"corpus_size": cfg.corpus_size, "eval_rows": cfg.eval_rows or 1 << 30}
     model = model if model is not None else m
     trainer = CausalLMTrainer(TrainerContext(
         model=model, tokenizer=tokenizer, rank=rank, world_size=cfg.replicas, seed=cfg.seed,
         device=torch.device("cpu"),
-        settings={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "corpus_size": cfg.corpus_size,
-                  "eval_rows": 1 << 30},
+        settings={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len, **settings},
         inner_optimizer={"lr": cfg.inner_lr, "weight_decay": cfg.weight_decay,
                          "betas": (cfg.beta1, cfg.beta2), "grad_clip": cfg.grad_clip}))
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: lr_factor(cfg, s))
@@ -574,7 +588,7 @@ def plot(cfg: Config, results: dict[str, dict[str, Any]], rows: list[dict[str, A
     ax.set_xlabel("inner step (per replica)")
     ax.set_ylabel("held-out loss")
     ax.set_yscale("log")
-    ax.set_title(f"{cfg.replicas} replicas, {cfg.steps} steps, {cfg.engine} engine")
+    ax.set_title(f"{cfg.corpus} corpus, {cfg.replicas} replicas, {cfg.steps} steps, {cfg.engine} engine")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     for r in rows:
@@ -596,6 +610,14 @@ def plot(cfg: Config, results: dict[str, dict[str, Any]], rows: list[dict[str, A
 
 
 # ----------------------------------------------------------------------------- main
+#: Defaults of ``--corpus stdlib`` (any flag given on the command line wins): the harder benchmark of
+#: docs/convergence.md, tuned so that one replica is clearly worse than 4 synchronous ones in a few minutes.
+STDLIB_DEFAULTS: dict[str, Any] = {
+    "steps": 600, "methods": ["sync", "single"], "h": [50], "hidden": 64, "intermediate": 172, "vocab": 4096,
+    "seq_len": 128, "batch_size": 8, "inner_lr": 3e-3, "warmup": 30, "eval_every": 50, "eval_rows": 256,
+}
+
+
 def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -616,6 +638,11 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per replica per step")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
     g.add_argument("--corpus-size", type=int, default=d.corpus_size, help="training snippets (all replicas)")
+    g.add_argument("--corpus", choices=["builtin", "stdlib"], default=d.corpus,
+                   help="builtin templates, or the stdlib sources (defaults then: see STDLIB_DEFAULTS)")
+    g.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, help="stdlib: training bytes")
+    g.add_argument("--vocab", type=int, default=None, help="tokenizer vocabulary (builtin 1024, stdlib 4096)")
+    g.add_argument("--eval-rows", type=int, default=d.eval_rows, help="held-out rows (0: corpus default)")
     g = p.add_argument_group("inner optimizer (AdamW)")
     g.add_argument("--inner-lr", type=float, default=d.inner_lr)
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -638,13 +665,17 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     g.add_argument("--json", default=None, help="default: OUT_DIR/convergence.json")
     g.add_argument("--plot", default=None, help="default: OUT_DIR/convergence.png")
     a = p.parse_args(argv)
+    if a.corpus == "stdlib":
+        p.set_defaults(**STDLIB_DEFAULTS)
+        a = p.parse_args(argv)
     cfg = Config(steps=a.steps, replicas=a.replicas, h=a.h, methods=a.methods, engine=a.engine, seed=a.seed,
                  hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate, batch_size=a.batch_size, seq_len=a.seq_len,
                  corpus_size=a.corpus_size, inner_lr=a.inner_lr, weight_decay=a.weight_decay,
                  warmup=a.warmup, schedule=a.schedule, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip,
                  outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, codec=a.codec, diloco_codec=a.diloco_codec or "",
-                 eval_every=a.eval_every, threads=a.threads, timeout_s=a.timeout_s)
+                 eval_every=a.eval_every, threads=a.threads, timeout_s=a.timeout_s, corpus=a.corpus,
+                 corpus_bytes=a.corpus_bytes, vocab=a.vocab or d.vocab, eval_rows=a.eval_rows)
     for h in cfg.h:
         if h < 1 or cfg.steps % h:
             p.error(f"--steps {cfg.steps} must be a positive multiple of every H (got H={h})")
@@ -659,11 +690,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(cfg.threads or 1)
     os.makedirs(a.out_dir, exist_ok=True)
-    json_path = a.json or os.path.join(a.out_dir, "convergence.json")
-    plot_path = a.plot or os.path.join(a.out_dir, "convergence.png")
+    stem = "convergence" if cfg.corpus == "builtin" else f"convergence-{cfg.corpus}"
+    json_path = a.json or os.path.join(a.out_dir, f"{stem}.json")
+    plot_path = a.plot or os.path.join(a.out_dir, f"{stem}.png")
     from composer_cloud.model import TinyModelConfig, build_tiny_model, build_tokenizer, count_parameters
 
-    tok = build_tokenizer(cfg.vocab)
+    if cfg.corpus == "stdlib":
+        from composer_cloud import stdlib_corpus
+
+        tok = stdlib_corpus.build_tokenizer(cfg.vocab)
+        print(f"stdlib corpus: {json.dumps(stdlib_corpus.describe()['per_split'])} files "
+              f"({stdlib_corpus.stdlib_root()}), training bytes {cfg.corpus_bytes:,}", flush=True)
+    else:
+        tok = build_tokenizer(cfg.vocab)
     n_params = count_parameters(build_tiny_model(tok, seed=cfg.seed, config=TinyModelConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.intermediate)))
@@ -706,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     total_s = time.monotonic() - t_start
     rows = summarize(cfg, results)
-    print_table(cfg, rows, f"held-out loss after {cfg.steps} inner steps, {cfg.replicas} replicas "
+    print_table(cfg, rows, f"{cfg.corpus} corpus: held-out loss after {cfg.steps} inner steps, {cfg.replicas} replicas "
                            f"({cfg.engine} engine, {total_s:.0f}s)")
     doc = {"config": asdict(cfg), "parameters": n_params, "cores": cores, "total_s": total_s,
            "bytes_source": ("store byte counters of the all-reduce rounds (read + written, incl. framing and "

@@ -1,4 +1,4 @@
-"""Plain next-token (causal LM) training on the built-in corpus.
+"""Plain next-token (causal LM) training on the built-in corpus or the stdlib corpus.
 
 Each replica reads its own shard of the corpus (``rank::world_size``) in an
 order drawn from a seeded ``torch.Generator``; the data position and the
@@ -46,9 +46,15 @@ class CausalLMTrainer:
         self.model = ctx.model
         self.device = ctx.device
         self.batch_size = settings.batch_size
-        rows = _pack(ctx.tokenizer, train_corpus(settings.corpus_size), settings.seq_len)
+        if settings.corpus == "stdlib":
+            from composer_cloud.stdlib_corpus import token_rows
+
+            rows = token_rows(ctx.tokenizer, "train", settings.seq_len, max_bytes=settings.corpus_bytes)
+            self.heldout = token_rows(ctx.tokenizer, "heldout", settings.seq_len, max_rows=settings.eval_rows)
+        else:
+            rows = _pack(ctx.tokenizer, train_corpus(settings.corpus_size), settings.seq_len)
+            self.heldout = _pack(ctx.tokenizer, heldout_corpus(), settings.seq_len)[: settings.eval_rows]
         self.rows = rows[ctx.rank :: ctx.world_size]
-        self.heldout = _pack(ctx.tokenizer, heldout_corpus(), settings.seq_len)[: settings.eval_rows]
         self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
         self.grad_clip = float(ctx.inner_optimizer.get("grad_clip", 1.0))
         self.generator = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)

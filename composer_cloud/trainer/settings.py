@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-from typing import Annotated, Any, ClassVar, Mapping, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Mapping, TypeVar
 
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
@@ -125,6 +125,10 @@ class CausalLMSettings:
         corpus_size: snippets of the built-in corpus, over all replicas (each
             replica trains on its ``rank::world_size`` share of the rows).
         eval_rows: held-out rows scored by ``evaluate()``.
+        corpus: ``"builtin"`` (templated snippets, :mod:`composer_cloud.corpus`) or ``"stdlib"`` (the
+            interpreter's standard-library sources, :mod:`composer_cloud.stdlib_corpus`; the model's
+            tokenizer should be the stdlib BPE, see ``stdlib_corpus.write_model_dir``).
+        corpus_bytes: ``"stdlib"`` only: UTF-8 bytes of training files read (whole files, fixed order).
     """
 
     TRAINER: ClassVar[str] = "causal-lm"
@@ -133,6 +137,8 @@ class CausalLMSettings:
     seq_len: PositiveInt = 64
     corpus_size: PositiveInt = 4000
     eval_rows: PositiveInt = 64
+    corpus: Literal["builtin", "stdlib"] = "builtin"
+    corpus_bytes: PositiveInt = 4_000_000
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "CausalLMSettings":

@@ -1,0 +1,823 @@
+#!/usr/bin/env python
+"""Chaos benchmark: goodput and loss of lock-step vs. decoupled DiLoCo under kills, pauses and a slow replica.
+
+    python benchmarks/chaos.py --quick            # smoke version (tiny model, short delays), < 2 min
+    python benchmarks/chaos.py                    # full version (~10-15 min on 2 cores)
+    python benchmarks/chaos.py --modes lockstep   # one arm only
+    python benchmarks/chaos.py --set decoupled sync.min_quorum=2   # extra spec overrides for one mode
+
+Definitions, method and results: ``docs/chaos.md``.
+
+N replica processes (``python -m composer_cloud.replica --run URI --rank R``, the command every executor
+runs) train the causal-lm trainer on the stdlib corpus (``composer_cloud.stdlib_corpus``) through a
+``file://`` store in a temporary directory. This script is their executor: it writes the run spec through
+the launch API's own checks (``check_before_launch``, the store probe, write-once ``spec.json``), starts the
+processes itself, and applies a seeded fault schedule to them:
+
+* ``kill``: SIGKILL of replica X, restarted (same rank, same run) after a cold-start delay;
+* ``stop``: SIGSTOP of replica Y for some seconds, then SIGCONT;
+* ``slow``: replica Z slowed ``--slow-factor`` x for the whole run by a SIGSTOP/SIGCONT duty cycle
+  (running 1/3 of each period, stopped 2/3 of it; done from outside so no replica code is involved).
+
+Scenarios (each a separate run; the mode is the spec override ``sync.mode``):
+
+``baseline``  lock-step, no faults: the reference loss (and the target = ``--target-factor`` x its final loss);
+``chaos``     the full schedule (kill + stop + slow), once per mode;
+``mixed``     only the slow replica (no faults), once per mode; compared at equal total tokens.
+
+A mode the installed code does not know (``SpecError`` on ``sync.mode``) is skipped with a message.
+Held-out loss is measured offline after each run: every durable global version in the store
+(``checkpoint.global_state_rounds``) is loaded into the model and scored on held-out stdlib files, with the
+wall time at which the harness first saw it durable. That is the same for every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+DOC_IMG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "chaos.png")
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclass
+class Config:
+    replicas: int = 4
+    rounds: int = 12
+    inner_steps: int = 40
+    seed: int = 0
+    modes: list[str] = field(default_factory=lambda: ["lockstep", "decoupled"])
+    scenarios: list[str] = field(default_factory=lambda: ["baseline", "chaos", "mixed"])
+    # model (tiny Qwen2 + the stdlib BPE, written as a local model directory)
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 172
+    vocab: int = 4096
+    # data and optimizer
+    batch_size: int = 8
+    seq_len: int = 128
+    corpus_bytes: int = 8_000_000
+    eval_rows: int = 128
+    inner_lr: float = 3e-3
+    # sync (the same for every mode; a mode's own keys go in mode_overrides)
+    quorum_timeout_s: float = 15.0
+    # Also how long a participant's manifest writer waits for a killed participant's state, and the replica
+    # waits for its manifest writers before it exits: keep it short (see docs/chaos.md, "Known effects").
+    round_timeout_s: float = 30.0
+    min_replicas: int = 1
+    # fault schedule: times are fractions of the baseline's training time (first step to last exit)
+    kill_at: float = 0.25
+    stop_at: float = 0.55
+    cold_start_s: float = 15.0
+    stop_s: float = 15.0
+    slow_factor: float = 3.0
+    duty_period_s: float = 0.3
+    # reporting
+    target_factor: float = 1.05
+    poll_s: float = 0.5
+    timeout_s: float = 900.0
+    threads: int = 1
+    mode_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+QUICK = {"rounds": 8, "inner_steps": 10, "hidden": 32, "intermediate": 86, "seq_len": 64, "vocab": 1024,
+         "corpus_bytes": 1_000_000, "eval_rows": 32, "cold_start_s": 3.0, "stop_s": 3.0,
+         "quorum_timeout_s": 6.0, "round_timeout_s": 12.0, "timeout_s": 240.0}
+
+
+# ----------------------------------------------------------------------------- schedule (pure)
+@dataclass(frozen=True)
+class Event:
+    """``kill``: SIGKILL ``rank`` at ``t``, restart it ``duration`` s later; ``stop``: SIGSTOP, SIGCONT after ``duration``.
+
+    ``t`` is seconds after every replica of the run has started training (its first heartbeat).
+    """
+
+    t: float
+    kind: str
+    rank: int
+    duration: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    events: tuple[Event, ...]
+    slow_rank: int | None
+    slow_factor: float
+    seed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"events": [asdict(e) for e in self.events], "slow_rank": self.slow_rank,
+                "slow_factor": self.slow_factor, "seed": self.seed}
+
+
+def make_schedule(scenario: str, *, replicas: int, seed: int, base_s: float, kill_at: float, stop_at: float,
+                  cold_start_s: float, stop_s: float, slow_factor: float) -> Schedule:
+    """The fault schedule of ``scenario``; the ranks come from ``seed``, the times from ``base_s``.
+
+    The same seed gives the same ranks in every scenario and mode: X (killed), Y (stopped), Z (slow) are
+    three distinct ranks, so each fault hits a different replica.
+    """
+    if replicas < 3 and scenario == "chaos":
+        raise ValueError("the chaos schedule needs at least 3 replicas (kill, stop and slow hit different ones)")
+    x, y, z = random.Random(seed).sample(range(replicas), min(3, replicas)) + [None] * max(0, 3 - replicas)
+    if scenario == "baseline":
+        return Schedule((), None, 1.0, seed)
+    if scenario == "mixed":
+        return Schedule((), z if z is not None else 0, slow_factor, seed)
+    if scenario == "chaos":
+        events = (Event(round(kill_at * base_s, 2), "kill", x, cold_start_s),
+                  Event(round(stop_at * base_s, 2), "stop", y, stop_s))
+        return Schedule(events, z, slow_factor, seed)
+    raise ValueError(f"unknown scenario {scenario!r}")
+
+
+# ----------------------------------------------------------------------------- accounting (pure)
+def merged(row: dict[str, Any]) -> bool:
+    """Whether a round row's inner steps were merged into the global model.
+
+    Lock-step writes ``committed`` (the replica's pseudo-gradient was in the committed average); a mode
+    that merges differently may write ``merged`` instead, which then wins.
+    """
+    return bool(row.get("merged", row.get("committed", False)))
+
+
+def account_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Steps, useful steps and the typical step time of one replica incarnation's metrics rows.
+
+    The step rows between two round rows belong to the later round row (a ``steps`` field on the round row,
+    if present, overrides the count). Steps after the last round row were never synced: lost. The step
+    time is the median ``time_s`` of step rows that did not contain a sync (the step right before a round
+    row did); it is the replica's own speed in this run (a slowed replica's median is ~3x).
+    """
+    steps = useful = rounds_merged = rounds_lost = 0
+    pending: list[dict[str, Any]] = []
+    times: list[float] = []
+    for row in rows:
+        kind = row.get("kind")
+        if kind == "step":
+            pending.append(row)
+        elif kind == "round":
+            n = int(row.get("steps", len(pending)))
+            times.extend(float(r.get("time_s", 0.0)) for r in pending[:-1])
+            steps += n
+            if merged(row):
+                useful += n
+                rounds_merged += 1
+            else:
+                rounds_lost += 1
+            pending = []
+    times.extend(float(r.get("time_s", 0.0)) for r in pending)
+    steps += len(pending)
+    return {"steps": steps, "useful_steps": useful, "wasted_steps": steps - useful, "unsynced_steps": len(pending),
+            "rounds_merged": rounds_merged, "rounds_not_merged": rounds_lost,
+            "step_time_s": statistics.median(times) if times else None}
+
+
+def goodput(incarnations: list[dict[str, Any]], *, outlier: float = 10.0) -> dict[str, Any]:
+    """Goodput of a run from its replica incarnations.
+
+    Each incarnation: ``billed_s`` (seconds from its first heartbeat, i.e. model loaded and training, to
+    its exit or kill; SIGSTOPped time and a slowed replica's stopped time included) and its metrics
+    ``rows``. ``goodput`` = useful compute seconds / billed seconds, where useful compute seconds are the
+    measured durations of the inner steps in merged rounds: a slowed replica's steps take 3x as long and
+    count in full (slow hardware, busy). Two corrections: the step of each round that contained the sync
+    counts as the incarnation's median step (its duration includes the sync), and a step longer than
+    ``outlier`` x the run's median step (it contained a SIGSTOP) counts as the run's median.
+    ``useful_steps_per_replica_s`` is the issue's raw ratio (useful inner steps / replica-seconds).
+    """
+    all_times = [float(r.get("time_s", 0.0)) for i in incarnations for r in _plain_steps(i["rows"])]
+    med = statistics.median(all_times) if all_times else 0.0
+    billed = useful_s = 0.0
+    useful = steps = 0
+    for inc in incarnations:
+        acc = account_rows(inc["rows"])
+        billed += inc["billed_s"]
+        useful += acc["useful_steps"]
+        steps += acc["steps"]
+        own = acc["step_time_s"] or med
+        pending: list[float] = []
+        for row in inc["rows"]:
+            if row.get("kind") == "step":
+                t = float(row.get("time_s", 0.0))
+                pending.append(med if med and t > outlier * med else t)
+            elif row.get("kind") == "round":
+                if merged(row) and pending:
+                    useful_s += sum(pending[:-1]) + own
+                pending = []
+    return {"goodput": useful_s / billed if billed else 0.0, "replica_s": billed, "useful_compute_s": useful_s,
+            "median_step_s": med, "useful_steps": useful, "steps": steps, "wasted_steps": steps - useful,
+            "useful_steps_per_replica_s": useful / billed if billed else 0.0}
+
+
+def _plain_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Step rows that did not contain a sync (the last step row before each round row did)."""
+    out: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    for row in rows:
+        if row.get("kind") == "step":
+            pending.append(row)
+        elif row.get("kind") == "round":
+            out += pending[:-1]
+            pending = []
+    return out + pending
+
+
+def first_time_at_most(curve: list[tuple[float, float]], target: float) -> float | None:
+    """First ``t`` of ``(t, loss)`` points (sorted by t) with ``loss <= target``."""
+    return next((t for t, v in sorted(curve) if v <= target), None)
+
+
+def first_time_at_least(timeline: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, v in sorted(timeline) if v >= target), None)
+
+
+def duty_cycle(factor: float, period_s: float) -> tuple[float, float]:
+    """``(run_s, stop_s)`` per period so that a replica runs ``1/factor`` of the time."""
+    run = period_s / factor
+    return run, period_s - run
+
+
+# ----------------------------------------------------------------------------- one run
+class Proc:
+    """One replica incarnation: the process, its timestamps and its last metrics snapshot."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen, log: Path) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.log = log
+        self.spawn_t = time.time()
+        self.ready_t: float | None = None
+        self.end_t: float | None = None
+        self.end: str = ""
+        self.rows: list[dict[str, Any]] = []
+        self.stopped_s = 0.0
+
+    def record(self) -> dict[str, Any]:
+        end = self.end_t or time.time()
+        billed = max(0.0, end - self.ready_t) if self.ready_t else 0.0
+        return {"rank": self.rank, "pid": self.popen.pid, "spawn_t": self.spawn_t, "ready_t": self.ready_t,
+                "end_t": end, "end": self.end, "startup_s": (self.ready_t or end) - self.spawn_t,
+                "billed_s": billed, "rows": self.rows, **{k: v for k, v in account_rows(self.rows).items()}}
+
+
+class Harness:
+    """Runs one scenario of one mode to completion and collects what the report needs."""
+
+    def __init__(self, cfg: Config, workdir: Path, model_dir: Path, mode: str, scenario: str,
+                 schedule: Schedule) -> None:
+        self.cfg, self.workdir, self.model_dir = cfg, workdir, model_dir
+        self.mode, self.scenario, self.schedule = mode, scenario, schedule
+        self.procs: dict[int, Proc] = {}
+        self.history: list[Proc] = []
+        self.lock = threading.Lock()
+        self.stop_flag = threading.Event()
+        self.versions_seen: dict[int, float] = {}
+        self.timeline: list[tuple[float, int, int]] = []  # (t, steps, useful steps) over all incarnations
+        self.t_ready_all: float | None = None
+        self.paused: set[int] = set()  # ranks SIGSTOPped by a "stop" event (the duty cycle leaves them alone)
+        self.restarting: set[int] = set()  # ranks killed and waiting out their cold start
+
+    # ---------------------------------------------------------------- spec and processes
+    def overrides(self, run_id: str, store: str) -> dict[str, Any]:
+        c = self.cfg
+        o: dict[str, Any] = {
+            "run_id": run_id, "store": store, "executor": "local", "replicas": c.replicas,
+            "min_replicas": min(c.min_replicas, c.replicas), "rounds": c.rounds, "inner_steps": c.inner_steps,
+            "seed": c.seed, "device": "cpu", "checkpoint_every": 1, "keep_checkpoints": min(10_000, c.rounds + 2),
+            "model.name": str(self.model_dir), "inner_optimizer.lr": c.inner_lr,
+            "trainer.name": "causal-lm", "trainer.corpus": "stdlib", "trainer.corpus_bytes": c.corpus_bytes,
+            "trainer.batch_size": c.batch_size, "trainer.seq_len": c.seq_len,
+            # The round leader evaluates after each commit; we evaluate offline, so keep that cheap.
+            "trainer.eval_rows": 4,
+            "sync.quorum_timeout_s": c.quorum_timeout_s, "sync.round_timeout_s": c.round_timeout_s,
+            "sync.heal_timeout_s": c.round_timeout_s,
+            "sync.mode": self.mode,
+        }
+        o.update(c.mode_overrides.get(self.mode, {}))
+        return o
+
+    def write_spec(self) -> Any:
+        """The run's spec through the launch API's checks; returns the run's Store. Raises SpecError."""
+        from composer_cloud.runs import lifecycle
+        from composer_cloud.runs.run import SPEC_KEY
+        from composer_cloud.spec import SpecError
+
+        store_root = f"file://{self.workdir}/store"
+        run_id = f"chaos-{self.scenario}-{self.mode}-{uuid.uuid4().hex[:6]}"
+        o = self.overrides(run_id, store_root)
+        try:
+            spec = lifecycle.build_spec(overrides=o)
+        except SpecError as exc:
+            if exc.field != "sync.mode" or self.mode != "lockstep":
+                raise
+            # Code from before sync modes existed: lock-step is its only mode.
+            o.pop("sync.mode")
+            spec = lifecycle.build_spec(overrides=o)
+        lifecycle.check_before_launch(spec)
+        store = lifecycle._open_store_for(spec)
+        if not store.create_json(SPEC_KEY, spec.to_json_dict()):
+            raise RuntimeError(f"run {store.uri} exists")
+        self.spec = spec
+        return store
+
+    def spawn(self, rank: int) -> Proc:
+        from composer_cloud import env
+        from composer_cloud.jobs.base import replica_command
+
+        logs = self.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        n = sum(1 for p in self.history if p.rank == rank)
+        log = logs / f"{self.scenario}-{self.mode}-r{rank}-{n}.log"
+        environ = os.environ | {env.THREADS: str(self.cfg.threads), "PYTHONUNBUFFERED": "1",
+                                "TOKENIZERS_PARALLELISM": "false"}
+        with open(log, "wb") as f, open(os.devnull, "rb") as devnull:
+            popen = subprocess.Popen(replica_command(self.store.uri, rank, python=sys.executable), stdin=devnull,
+                                     stdout=f, stderr=subprocess.STDOUT, env=environ)
+        p = Proc(rank, popen, log)
+        with self.lock:
+            self.procs[rank] = p
+            self.history.append(p)
+        return p
+
+    def signal(self, p: Proc, sig: int) -> None:
+        try:
+            os.kill(p.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    # ---------------------------------------------------------------- polling
+    def poll(self) -> None:
+        from composer_cloud import checkpoint as ckpt
+        from composer_cloud.rendezvous.store import StoreError
+
+        now = time.time()
+        with self.lock:
+            current = dict(self.procs)
+        for rank, p in current.items():
+            if p.end_t is None and p.popen.poll() is not None:
+                p.end_t, p.end = now, p.end or f"exit {p.popen.returncode}"
+            if p.end_t is not None and p.rows and p.ready_t:
+                continue
+            try:
+                if p.ready_t is None:
+                    hb = self.store.get_json(f"replicas/{rank}.json")
+                    if isinstance(hb, dict) and hb.get("pid") == p.popen.pid and hb.get("state") == "running":
+                        # The heartbeat's own time: the first one is written when training starts.
+                        p.ready_t = float(hb.get("time", now)) if "step" not in hb else now
+                if p.ready_t is not None and p.popen.pid is not None:
+                    self._read_rows(p)
+            except (StoreError, ValueError):
+                pass
+        steps = useful = 0
+        for p in list(self.history):
+            acc = account_rows(p.rows)
+            steps += acc["steps"]
+            useful += acc["useful_steps"]
+        self.timeline.append((now, steps, useful))
+        try:
+            for r in ckpt.checkpoint_rounds(self.store):
+                if r not in self.versions_seen and ckpt.has_global_state(self.store, r):
+                    self.versions_seen[r] = now
+        except StoreError:
+            pass
+
+    def _read_rows(self, p: Proc) -> None:
+        from composer_cloud.rendezvous.store import ObjectNotFound
+
+        try:
+            raw = bytes(self.store.get(f"metrics/{p.rank}.jsonl"))
+        except ObjectNotFound:
+            return
+        rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+        # A restarted incarnation rewrites the file; until its first flush the file is the previous one's.
+        if rows and self._owns(p, rows):
+            p.rows = rows
+
+    def _owns(self, p: Proc, rows: list[dict[str, Any]]) -> bool:
+        prev = [q for q in self.history if q.rank == p.rank and q is not p]
+        return not prev or rows != prev[-1].rows
+
+    # ---------------------------------------------------------------- faults
+    def slow_loop(self, rank: int) -> None:
+        run_s, stop_s = duty_cycle(self.schedule.slow_factor, self.cfg.duty_period_s)
+        while not self.stop_flag.is_set():
+            p = self.procs.get(rank)
+            if p is None or p.end_t is not None:
+                time.sleep(0.05)
+                continue
+            if rank not in self.paused:
+                self.signal(p, signal.SIGCONT)
+            self.stop_flag.wait(run_s)
+            if self.stop_flag.is_set():
+                break
+            if rank not in self.paused:
+                self.signal(p, signal.SIGSTOP)
+            self.stop_flag.wait(stop_s)
+        p = self.procs.get(rank)
+        if p is not None:
+            self.signal(p, signal.SIGCONT)
+
+    def run_event(self, ev: Event, t0: float) -> None:
+        delay = t0 + ev.t - time.time()
+        if self.stop_flag.wait(max(0.0, delay)):
+            return
+        p = self.procs.get(ev.rank)
+        if p is None or p.end_t is not None:
+            self.fault_log.append({"t": time.time() - t0, "event": ev.kind, "rank": ev.rank, "skipped": "not running"})
+            return
+        if ev.kind == "kill":
+            self.restarting.add(ev.rank)
+            self.signal(p, signal.SIGCONT)  # (a no-op unless it is also stopped) so that SIGKILL ends it at once
+            self.signal(p, signal.SIGKILL)
+            p.popen.wait()
+            p.end_t, p.end = time.time(), "killed"
+            self._read_rows(p)  # its last flushed metrics, before the restart overwrites them
+            self.fault_log.append({"t": p.end_t - t0, "event": "kill", "rank": ev.rank})
+            if self.stop_flag.wait(ev.duration):
+                return
+            self.spawn(ev.rank)
+            self.restarting.discard(ev.rank)
+            self.fault_log.append({"t": time.time() - t0, "event": "restart", "rank": ev.rank})
+        elif ev.kind == "stop":
+            self.paused.add(ev.rank)
+            self.signal(p, signal.SIGSTOP)
+            self.fault_log.append({"t": time.time() - t0, "event": "sigstop", "rank": ev.rank})
+            self.stop_flag.wait(ev.duration)
+            self.paused.discard(ev.rank)
+            self.signal(p, signal.SIGCONT)
+            self.fault_log.append({"t": time.time() - t0, "event": "sigcont", "rank": ev.rank})
+
+    # ---------------------------------------------------------------- the run
+    def run(self) -> dict[str, Any]:
+        c = self.cfg
+        self.fault_log: list[dict[str, Any]] = []
+        self.store = self.write_spec()
+        t_launch = time.time()
+        for r in range(c.replicas):
+            self.spawn(r)
+        threads: list[threading.Thread] = []
+        deadline = time.monotonic() + c.timeout_s
+        timed_out = False
+        try:
+            while True:
+                self.poll()
+                live = [p for p in self.procs.values() if p.end_t is None]
+                if self.t_ready_all is None and all(p.ready_t for p in self.procs.values()):
+                    self.t_ready_all = max(p.ready_t for p in self.procs.values())  # type: ignore[type-var]
+                    if self.schedule.slow_rank is not None:
+                        threads.append(threading.Thread(target=self.slow_loop, args=(self.schedule.slow_rank,),
+                                                        daemon=True))
+                    threads += [threading.Thread(target=self.run_event, args=(ev, self.t_ready_all), daemon=True)
+                                for ev in self.schedule.events]
+                    for t in threads:
+                        t.start()
+                if not live and not self.restarting:
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(c.poll_s)
+        finally:
+            self.stop_flag.set()
+            for t in threads:
+                t.join(timeout=5)
+            for p in self.history:
+                if p.popen.poll() is None:
+                    self.signal(p, signal.SIGCONT)
+                    self.signal(p, signal.SIGKILL)
+                    p.popen.wait()
+                    p.end_t, p.end = p.end_t or time.time(), p.end or "killed at timeout"
+        t_end = max((p.end_t or time.time()) for p in self.history)
+        self.poll()
+        for p in self.history:
+            if p.ready_t and not p.end.startswith("killed"):
+                self._read_rows(p)
+        t0 = self.t_ready_all or t_launch
+        incs = [p.record() for p in self.history]
+        return {
+            "mode": self.mode, "scenario": self.scenario, "run_uri": self.store.uri,
+            "schedule": self.schedule.to_json(), "faults": self.fault_log, "timed_out": timed_out,
+            "launch_to_ready_s": t0 - t_launch, "train_wall_s": t_end - t0, "t0": t0,
+            "exit": {p.rank: p.end for p in self.history},
+            "incarnations": incs,  # with their metrics rows: goodput can be recomputed from the JSON
+            "goodput": goodput(incs),
+            "timeline": [(t - t0, s, u) for t, s, u in self.timeline],
+            "versions_seen": {r: t - t0 for r, t in sorted(self.versions_seen.items())},
+        }
+
+
+# ----------------------------------------------------------------------------- offline evaluation
+def evaluate_versions(cfg: Config, run: dict[str, Any], model_dir: Path, heldout: Any,
+                      max_points: int = 24) -> list[tuple[float, int, float]]:
+    """``(t, version, held-out loss)`` for durable global versions (evenly thinned, always the last)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.diloco import load_global_parameters, split_fragments
+    from composer_cloud.rendezvous.store import Store
+
+    store = Store(run["run_uri"])
+    seen = {int(r): t for r, t in run["versions_seen"].items()}
+    rounds = sorted(set(ckpt.global_state_rounds(store)) | set(seen))
+    if len(rounds) > max_points:
+        idx = sorted({round(i * (len(rounds) - 1) / (max_points - 1)) for i in range(max_points)})
+        rounds = [rounds[i] for i in idx]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    fragments = split_fragments(model, 1)
+    out = []
+    for r in rounds:
+        try:
+            load_global_parameters(fragments, ckpt.load_global(store, r))
+        except Exception as exc:  # noqa: BLE001 - report and go on: one unreadable version is not the run
+            print(f"  version {r}: cannot load ({type(exc).__name__}: {exc})", flush=True)
+            continue
+        with torch.no_grad():
+            losses = [float(model(input_ids=heldout[i:i + 16], labels=heldout[i:i + 16]).loss)
+                      for i in range(0, len(heldout), 16)]
+        out.append((seen.get(r, run["train_wall_s"]), r, sum(losses) / len(losses)))
+    return out
+
+
+def initial_loss(model_dir: Path, heldout: Any) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [float(model(input_ids=heldout[i:i + 16], labels=heldout[i:i + 16]).loss)
+                  for i in range(0, len(heldout), 16)]
+    return sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------- reporting
+def summarize(cfg: Config, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    base = next((r for r in runs if r["scenario"] == "baseline"), None)
+    base_final = base["final_loss"] if base and base.get("final_loss") is not None else None
+    target = base_final * cfg.target_factor if base_final is not None else None
+    budget_steps = cfg.rounds * cfg.inner_steps * cfg.replicas
+    rows = []
+    for r in runs:
+        g = r["goodput"]
+        row = {"run": f"{r['scenario']}/{r['mode']}", "scenario": r["scenario"], "mode": r["mode"],
+               "goodput": g["goodput"], "useful_steps_per_replica_s": g["useful_steps_per_replica_s"],
+               "useful_steps": g["useful_steps"], "wasted_steps": g["wasted_steps"], "replica_s": g["replica_s"],
+               "train_wall_s": r["train_wall_s"], "final_loss": r.get("final_loss"),
+               "versions": len(r.get("curve", [])), "timed_out": r["timed_out"]}
+        row["time_to_target_s"] = first_time_at_most([(t, v) for t, _, v in r.get("curve", [])], target) \
+            if target is not None else None
+        # Equal total tokens: first time the replicas together trained the spec's budget of steps.
+        row["time_to_budget_tokens_s"] = first_time_at_least([(t, s) for t, s, _ in r["timeline"]], budget_steps)
+        if base_final is not None and row["final_loss"] is not None:
+            row["loss_vs_baseline_pct"] = 100 * (row["final_loss"] / base_final - 1)
+        rows.append(row)
+    by = {(x["scenario"], x["mode"]): x for x in rows}
+    checks: dict[str, Any] = {"target_loss": target, "budget_steps": budget_steps}
+    lc, dc = by.get(("chaos", "lockstep")), by.get(("chaos", "decoupled"))
+    if dc:
+        checks["chaos_decoupled_goodput_ge_95pct"] = dc["goodput"] >= 0.95
+    if lc and dc:
+        checks["chaos_goodput_ratio_decoupled_vs_lockstep"] = dc["goodput"] / lc["goodput"] if lc["goodput"] else None
+        if lc["final_loss"] and dc["final_loss"]:
+            checks["chaos_final_loss_decoupled_vs_lockstep_pct"] = 100 * (dc["final_loss"] / lc["final_loss"] - 1)
+    if dc and base_final:
+        checks["chaos_final_loss_decoupled_vs_baseline_pct"] = dc.get("loss_vs_baseline_pct")
+    lm, dm = by.get(("mixed", "lockstep")), by.get(("mixed", "decoupled"))
+    if lm and dm:
+        tl, td = lm["time_to_budget_tokens_s"] or lm["train_wall_s"], dm["time_to_budget_tokens_s"] or dm["train_wall_s"]
+        checks["mixed_speedup_at_equal_tokens"] = tl / td if td else None
+    return {"rows": rows, "checks": checks}
+
+
+def print_table(rows: list[dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ["run", "goodput", "useful steps/replica-s", "useful", "wasted", "replica-s", "train wall s",
+                "to target s", "to budget tokens s", "final loss", "vs baseline"]:
+        t.add_column(col, justify="left" if col == "run" else "right", no_wrap=col == "run")
+
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for r in rows:
+        t.add_row(r["run"] + (" (timed out)" if r["timed_out"] else ""), f(100 * r["goodput"], ".1f") + "%",
+                  f(r["useful_steps_per_replica_s"], ".2f"), str(r["useful_steps"]), str(r["wasted_steps"]),
+                  f(r["replica_s"], ".0f"), f(r["train_wall_s"], ".0f"), f(r["time_to_target_s"], ".0f"),
+                  f(r["time_to_budget_tokens_s"], ".0f"), f(r["final_loss"], ".4f"),
+                  f(r.get("loss_vs_baseline_pct"), "+.2f") + ("%" if r.get("loss_vs_baseline_pct") is not None else ""))
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(t)
+
+
+def plot(cfg: Config, runs: list[dict[str, Any]], summary: dict[str, Any], paths: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 3]})
+    rows = summary["rows"]
+    colors = {"lockstep": "tab:blue", "decoupled": "tab:orange"}
+    labels = [r["run"] for r in rows]
+    ax.bar(range(len(rows)), [100 * r["goodput"] for r in rows],
+           color=[colors.get(r["mode"], "tab:gray") if r["scenario"] != "baseline" else "k" for r in rows])
+    for i, r in enumerate(rows):
+        ax.text(i, 100 * r["goodput"] + 1, f"{100 * r['goodput']:.0f}%", ha="center", fontsize=8)
+    ax.axhline(95, color="tab:red", linestyle=":", linewidth=1, label="95%")
+    ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("goodput (% of billed replica time)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    styles = {"baseline": "-", "chaos": "-", "mixed": "--"}
+    for r in runs:
+        pts = r.get("curve") or []
+        if not pts:
+            continue
+        c = "k" if r["scenario"] == "baseline" else colors.get(r["mode"], "tab:gray")
+        bx.plot([t for t, _, _ in pts], [v for _, _, v in pts], color=c, linestyle=styles.get(r["scenario"], "-"),
+                marker="o", markersize=2.5, label=f"{r['scenario']}/{r['mode']} ({pts[-1][2]:.3f})")
+    for r in runs:
+        if r["scenario"] == "chaos":
+            for ev in r["faults"]:
+                if ev["event"] in ("kill", "sigstop"):
+                    bx.axvline(ev["t"], color=colors.get(r["mode"], "gray"), alpha=0.25, linewidth=1)
+    if summary["checks"].get("target_loss"):
+        bx.axhline(summary["checks"]["target_loss"], color="tab:red", linestyle=":", linewidth=1,
+                   label=f"target ({cfg.target_factor}x baseline final)")
+    bx.set_xlabel("wall time since all replicas started training (s)")
+    bx.set_ylabel("held-out loss of the global model")
+    bx.set_yscale("log")
+    bx.grid(True, which="both", alpha=0.3)
+    bx.legend(fontsize=8)
+    bx.set_title(f"{cfg.replicas} replicas, {cfg.rounds} rounds x {cfg.inner_steps} steps, stdlib corpus")
+    fig.tight_layout()
+    for path in paths:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"smoke version: {QUICK}")
+    p.add_argument("--replicas", type=int, default=None, help=f"3..8 (default {d.replicas}; the issue asks for 4-8)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--inner-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=d.seed, help="schedule and training seed")
+    p.add_argument("--modes", nargs="+", default=d.modes)
+    p.add_argument("--scenarios", nargs="+", default=d.scenarios, choices=["baseline", "chaos", "mixed"])
+    p.add_argument("--set", nargs=2, action="append", default=[], metavar=("MODE", "KEY=VALUE"),
+                   help="extra spec override for one mode (JSON value, else string), e.g. decoupled sync.min_quorum=2")
+    for name in ("hidden", "intermediate", "vocab", "seq_len", "batch_size", "corpus_bytes", "eval_rows"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    for name in ("inner_lr", "quorum_timeout_s", "round_timeout_s", "kill_at", "stop_at", "cold_start_s",
+                 "stop_s", "slow_factor", "target_factor", "timeout_s"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
+    p.add_argument("--min-replicas", type=int, default=None)
+    p.add_argument("--out-dir", default=OUT_DIR)
+    p.add_argument("--no-doc-plot", action="store_true", help=f"do not write {DOC_IMG}")
+    p.add_argument("--keep", action="store_true", help="keep the temporary store and logs")
+    a = p.parse_args(argv)
+    values: dict[str, Any] = QUICK.copy() if a.quick else {}
+    for f in Config.__dataclass_fields__:
+        v = getattr(a, f, None)
+        if v is not None and f not in ("modes", "scenarios", "seed"):
+            values[f] = v
+    overrides: dict[str, dict[str, Any]] = {}
+    for mode, kv in a.set:
+        key, _, raw = kv.partition("=")
+        try:
+            val = json.loads(raw)
+        except json.JSONDecodeError:
+            val = raw
+        overrides.setdefault(mode, {})[key] = val
+    cfg = Config(**values, modes=a.modes, scenarios=a.scenarios, seed=a.seed, mode_overrides=overrides)
+    if not 3 <= cfg.replicas <= 8:
+        p.error("--replicas must be between 3 and 8")
+    return cfg, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, a = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from composer_cloud import stdlib_corpus
+    from composer_cloud.model import TinyModelConfig
+    from composer_cloud.spec import SpecError
+
+    torch.set_num_threads(1)
+    os.makedirs(a.out_dir, exist_ok=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    work = Path(tempfile.mkdtemp(prefix="cc-bench-chaos-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    t_start = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    try:
+        model_dir = stdlib_corpus.write_model_dir(work / "model", seed=cfg.seed, vocab_size=cfg.vocab, config=TinyModelConfig(
+            hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.intermediate))
+        tok = stdlib_corpus.build_tokenizer(cfg.vocab)
+        # Warm the token cache once, so replicas (and restarts) load rows instead of tokenizing.
+        stdlib_corpus.token_rows(tok, "train", cfg.seq_len, max_bytes=cfg.corpus_bytes)
+        heldout = stdlib_corpus.token_rows(tok, "heldout", cfg.seq_len, max_rows=cfg.eval_rows)
+        init = initial_loss(model_dir, heldout)
+        print(f"{cfg.replicas} replicas x {cfg.rounds} rounds x {cfg.inner_steps} steps; model hidden {cfg.hidden}, "
+              f"vocab {len(tok)}; {cores} cores, load average {os.getloadavg()[0]:.2f}; initial held-out loss "
+              f"{init:.3f}", flush=True)
+        plan = []
+        if "baseline" in cfg.scenarios:
+            plan.append(("baseline", "lockstep"))
+        for scenario in ("chaos", "mixed"):
+            if scenario in cfg.scenarios:
+                plan += [(scenario, m) for m in cfg.modes]
+        base_s: float | None = None
+        for scenario, mode in plan:
+            if mode in skipped:
+                continue
+            sched = make_schedule(scenario, replicas=cfg.replicas, seed=cfg.seed,
+                                  base_s=base_s or cfg.rounds * cfg.inner_steps * 0.25, kill_at=cfg.kill_at,
+                                  stop_at=cfg.stop_at, cold_start_s=cfg.cold_start_s, stop_s=cfg.stop_s,
+                                  slow_factor=cfg.slow_factor)
+            t0 = time.monotonic()
+            h = Harness(cfg, work, model_dir, mode, scenario, sched)
+            try:
+                r = h.run()
+            except SpecError as exc:
+                if "sync.mode" not in str(exc) and "sync" != getattr(exc, "field", ""):
+                    raise
+                skipped[mode] = str(exc)
+                print(f"{scenario}/{mode}: SKIPPED, this code does not know sync.mode={mode!r} ({exc})", flush=True)
+                continue
+            if scenario == "baseline":
+                base_s = r["train_wall_s"]
+            curve = evaluate_versions(cfg, r, model_dir, heldout)
+            r["curve"] = [(0.0, -1, init)] + curve
+            r["final_loss"] = curve[-1][2] if curve else None
+            runs.append(r)
+            g = r["goodput"]
+            print(f"{scenario:>8}/{mode:<9}: goodput {100 * g['goodput']:.1f}%, useful {g['useful_steps']}/"
+                  f"{g['steps']} steps, {g['replica_s']:.0f} replica-s, train wall {r['train_wall_s']:.0f}s, final "
+                  f"held-out {r['final_loss'] if r['final_loss'] is None else round(r['final_loss'], 4)}, "
+                  f"exits {sorted(set(r['exit'].values()))}  [{time.monotonic() - t0:.0f}s]", flush=True)
+    finally:
+        if a.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    total_s = time.monotonic() - t_start
+    summary = summarize(cfg, runs)
+    print_table(summary["rows"], f"chaos benchmark ({total_s:.0f}s); target loss = {cfg.target_factor} x baseline final")
+    for k, v in summary["checks"].items():
+        print(f"  {k}: {v}")
+    for mode, why in skipped.items():
+        print(f"  {mode}: skipped ({why})")
+    stem = "chaos-quick" if a.quick else "chaos"
+    json_path = os.path.join(a.out_dir, f"{stem}.json")
+    doc = {"config": asdict(cfg), "quick": a.quick, "cores": cores, "total_s": total_s, "initial_loss": init,
+           "skipped": skipped, "definitions": {
+               "goodput": "measured compute seconds of inner steps in merged rounds (sync step counted as the "
+                          "incarnation's median step, SIGSTOP-long steps as the run's median) divided by billed "
+                          "replica-seconds (first heartbeat to exit or kill; SIGSTOPped and slowed time "
+                          "included, cold-start delay and process start excluded)",
+               "useful step": "an inner step in a round whose round row says committed/merged",
+               "time_to_target_s": "first durable global version with held-out loss <= target, seconds after "
+                                   "all replicas started training",
+               "time_to_budget_tokens_s": "first time the replicas together recorded rounds x inner_steps x "
+                                          "replicas inner steps"},
+           **summary, "runs": runs}
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    paths = [os.path.join(a.out_dir, f"{stem}.png")] + ([] if a.quick or a.no_doc_plot else [DOC_IMG])
+    if runs:
+        plot(cfg, runs, summary, paths)
+    print(f"wrote {json_path} and {', '.join(paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
