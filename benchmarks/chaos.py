@@ -400,20 +400,14 @@ class Harness:
             pass
 
     def _read_rows(self, p: Proc) -> None:
-        from composer_cloud.rendezvous.store import ObjectNotFound
+        """This incarnation's metrics rows: the writer (one per replica process) that started while it ran."""
+        from composer_cloud.runs.metrics import rows_by_writer, writer_started
 
-        try:
-            raw = bytes(self.store.get(f"metrics/{p.rank}.jsonl"))
-        except ObjectNotFound:
-            return
-        rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-        # A restarted incarnation rewrites the file; until its first flush the file is the previous one's.
-        if rows and self._owns(p, rows):
-            p.rows = rows
-
-    def _owns(self, p: Proc, rows: list[dict[str, Any]]) -> bool:
-        prev = [q for q in self.history if q.rank == p.rank and q is not p]
-        return not prev or rows != prev[-1].rows
+        by_writer = rows_by_writer(self.store, p.rank)
+        end = p.end_t or time.time()
+        mine = [w for w in by_writer if p.spawn_t - 1.0 <= writer_started(w) <= end + 1.0]
+        if mine:
+            p.rows = by_writer[mine[-1]]
 
     # ---------------------------------------------------------------- faults
     def slow_loop(self, rank: int) -> None:

@@ -45,6 +45,8 @@ from composer_cloud.stack import runtime_versions
 
 logger = logging.getLogger(__name__)
 
+FINISH_CHECK_S = 2.0  # how often (seconds) a replica looks for the run's end between boundaries
+
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", dtype=torch.float32, copy=True) for n, p in model.named_parameters()}
@@ -135,7 +137,16 @@ class DecoupledLoop:
             rewards: list[float] = []
             compute_s = 0.0
             tokens = 0
+            finished = False
+            last_look = time.monotonic()
             for i in range(spec.inner_steps):
+                # Every FINISH_CHECK_S, one small GET: once the run finished, the rest of this segment
+                # could never be merged, so stop computing (billing) it now rather than at the boundary.
+                if time.monotonic() - last_look >= FINISH_CHECK_S:
+                    last_look = time.monotonic()
+                    if dc.read_final(self.store) is not None:
+                        finished = True
+                        break
                 if i == spec.inner_steps // 2:
                     faults.stall_point("inner_step", self.seq, rank)
                 t0 = time.monotonic()
@@ -150,9 +161,9 @@ class DecoupledLoop:
                     rewards.append(out["reward_mean"])
                 rep.on_step(self.seq, step, out, dt)
             t_sync = time.monotonic()
-            if dc.read_final(self.store) is not None:
+            if finished or dc.read_final(self.store) is not None:
                 logger.info("replica %d: the run finished while it trained; its last %d steps are dropped",
-                            rank, spec.inner_steps)
+                            rank, len(losses))
                 break
             local = _params(self.model)
             delta = {n: base[n] - local[n] for n in local}

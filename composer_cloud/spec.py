@@ -65,11 +65,21 @@ class InnerOptimizerSpec(_Strict):
         return tuple(v) if isinstance(v, list) else v
 
 
-class OuterOptimizerSpec(_Strict):
-    """Nesterov SGD on the averaged pseudo-gradient, once per round."""
+# Outer optimizer defaults per sync mode (lr, momentum). Lock-step: DiLoCo's. Decoupled: merges apply
+# pseudo-gradients computed against older globals, and asynchrony acts as implicit momentum (Mitliagkas et
+# al., "Asynchrony begets momentum", 2016), so explicit momentum is lowered; measured in docs/chaos.md.
+OUTER_DEFAULTS: dict[str, tuple[float, float]] = {"lockstep": (0.7, 0.9), "decoupled": (1.0, 0.3)}
 
-    lr: float = Field(default=0.7, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
+
+class OuterOptimizerSpec(_Strict):
+    """Nesterov SGD on the averaged pseudo-gradient, once per round (per merge in decoupled mode).
+
+    ``lr`` and ``momentum`` left unset take the sync mode's defaults (:data:`OUTER_DEFAULTS`);
+    the stored spec holds the values used.
+    """
+
+    lr: float | None = Field(default=None, gt=0)
+    momentum: float | None = Field(default=None, ge=0, lt=1)
     nesterov: bool = True
 
 
@@ -232,6 +242,16 @@ class RunSpec(_Strict):
         if sync.mode == "decoupled" and frags > 1:
             raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
                             "(it merges whole models); set sync.fragments = 1")
+        outer = self.outer_optimizer
+        if outer.lr is None or outer.momentum is None:  # assigning re-validates once, with both set
+            lr, momentum = OUTER_DEFAULTS[sync.mode]
+            self.outer_optimizer = outer.model_copy(update={"lr": outer.lr if outer.lr is not None else lr,
+                                                            "momentum": outer.momentum if outer.momentum is not None
+                                                            else momentum})
+            return self
+        if outer.nesterov and outer.momentum == 0:
+            raise SpecError("outer_optimizer.momentum", "Nesterov needs momentum > 0; set outer_optimizer.nesterov "
+                            "= false for plain SGD")
         return self
 
     # ------------------------------------------------------------------ helpers

@@ -292,10 +292,19 @@ class MergeRecord:
         return sorted({c.rank for c in self.contributions})
 
 
-def token_weights(contributions: Sequence[Contribution]) -> list[float]:
-    """``tokens_i / sum(tokens)`` in float64 (exact in JSON): the weights of a merge."""
+def token_weights(contributions: Sequence[Contribution], replicas: int) -> list[float]:
+    """The weights of a merge: ``tokens_i / sum(tokens) * k / replicas`` for its ``k`` contributions.
+
+    Within a merge, contributions count by tokens. The merge as a whole counts
+    as the fraction ``k / replicas`` of a fleet round: a merge of all replicas'
+    contributions is lock-step's average (weights sum to 1), and two merges of
+    half the fleet each move the global as far as one full round would, rather
+    than each taking a full outer step (which, with Nesterov momentum, doubles
+    the effective outer learning rate and overshoots). float64, exact in JSON.
+    """
     total = sum(c.tokens for c in contributions)
-    return [c.tokens / total for c in contributions]
+    share = len(contributions) / replicas
+    return [c.tokens / total * share for c in contributions]
 
 
 def parse_merge(rec: Any, key: str, cfg: DecoupledConfig, version: int) -> MergeRecord:
@@ -319,8 +328,8 @@ def parse_merge(rec: Any, key: str, cfg: DecoupledConfig, version: int) -> Merge
             contribs, key=lambda c: (c.rank, c.seq)):
         raise InvalidObject(key, "contributions must be unique and sorted by (rank, seq)")
     weights = rec.get("weights")
-    if not isinstance(weights, list) or weights != token_weights(contribs):
-        raise InvalidObject(key, "field 'weights' must equal tokens / sum(tokens) of the contributions")
+    if not isinstance(weights, list) or weights != token_weights(contribs, cfg.replicas):
+        raise InvalidObject(key, "field 'weights' must equal tokens / sum(tokens) x contributions / replicas")
     cur = rec.get("cursor")
     if not isinstance(cur, dict):
         raise InvalidObject(key, "field 'cursor' must be an object")
@@ -525,7 +534,14 @@ def complete_version(store: Store, cfg: DecoupledConfig, record: MergeRecord, sh
         complete_version(store, cfg, prev, shapes, rank=rank, depth=depth + 1)
     base = load_version(store, v - 1, shapes)
     if deltas is None:
-        deltas = [load_contribution(store, c, shapes) for c in record.contributions]
+        try:
+            deltas = [load_contribution(store, c, shapes) for c in record.contributions]
+        except InvalidObject:
+            # Its merger may have finished meanwhile and pruned the inputs: then there is nothing to do.
+            if has_version(store, v):
+                complete_version(store, cfg, record, shapes, rank=rank, depth=depth)
+                return
+            raise
     tree = outer_step(base, deltas, record.weights, cfg)
     write_version(store, v, tree, writer=rank, meta=_version_meta(record, rank))
     logger.info("global version %d written (%d contributions from replicas %s)", v, len(record.contributions),
@@ -608,7 +624,7 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int
         cursor[r["rank"]] = max(cursor.get(r["rank"], 0), r["seq"])
     v = base + 1
     record = {"run_id": cfg.run_id, "version": v, "base": base, "contributions": [c.entry() for c in accepted],
-              "weights": token_weights(accepted), "cursor": {str(k): cursor[k] for k in sorted(cursor)},
+              "weights": token_weights(accepted, cfg.replicas), "cursor": {str(k): cursor[k] for k in sorted(cursor)},
               "rejected": sorted(rejected, key=lambda r: (r["rank"], r["seq"])),
               "staleness": [base - c.base_version for c in accepted], "grace_s": grace, "reason": reason,
               "final": final, "decided_by": rank, "time": now}

@@ -189,6 +189,20 @@ def _read_object(store: Store, obj: MetricsObject) -> list[dict[str, Any]]:
     return good
 
 
+def rows_by_writer(store: Store, rank: int) -> dict[str, list[dict[str, Any]]]:
+    """One replica's verified rows per writer (one writer = one replica process), oldest writer first."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for obj in list_objects(store, rank=rank):  # by round within a writer
+        if obj.writer:
+            out.setdefault(obj.writer, []).extend(_read_object(store, obj))
+    return dict(sorted(out.items()))
+
+
+def writer_started(writer: str) -> float:
+    """When the process behind ``writer`` started (epoch seconds)."""
+    return int(writer.split("-")[1]) / 1000.0
+
+
 def resume_points(store: Store) -> dict[int, int]:
     """``{launch: from_round}`` for every resume (launch n >= 1 re-ran the rounds after ``from_round``)."""
     out: dict[int, int] = {}
