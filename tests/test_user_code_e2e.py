@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_cloud.runs.metrics import read_metrics
 from conftest import SMALL_RUN_TOML
 
 TASK = '''
@@ -149,7 +150,8 @@ secrets = {json.dumps(AWS)}
     assert spec.model.name == "./tiny-model" and spec.code.files["model.name"].startswith("dirs/")
     assert spec.code.ref["modules"] == ["my_tasks"]
     assert "local files of the spec fetched from the store" in logs and "user code ['my_tasks'] installed" in logs
-    assert '"dpo": 0.0' in bytes(open_run(run_uri).store.get("metrics/0.jsonl")).decode()  # pairs auto: no demo pairs
+    steps = read_metrics(open_run(run_uri).store, rank=0, kind="step")
+    assert steps and all(r["dpo"] == 0.0 for r in steps)  # pairs auto: no demo pairs
 
 
 def test_hf_jobs_with_an_s3_store_and_no_secrets_exits_2_and_writes_nothing(tmp_path, s3_endpoint, monkeypatch):
