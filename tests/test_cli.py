@@ -16,6 +16,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import composer_cloud.cli as cli_module
+from composer_cloud import faults
 from composer_cloud.cli import app
 from composer_cloud.rendezvous.store import Store
 from composer_cloud.runs.metrics import read_metrics
@@ -197,7 +198,9 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
     cli_proc = subprocess.Popen(
         [sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg), "--replicas", "2", "--rounds", "2",
          "--inner-steps", "200", "--run-id", "cc", "--store", f"file://{store}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # 3x slower steps: the run must still be going while status is read (400 fast steps take ~4 s).
+        env={**os.environ, faults.SLOW_ENV: "0:3,1:3"})
     try:
         run_store = Store(run_uri)
 
