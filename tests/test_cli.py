@@ -199,8 +199,9 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
         [sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg), "--replicas", "2", "--rounds", "2",
          "--inner-steps", "200", "--run-id", "cc", "--store", f"file://{store}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        # 3x slower steps: the run must still be going while status is read (400 fast steps take ~4 s).
-        env={**os.environ, faults.SLOW_ENV: "0:3,1:3"})
+        # 6x slower steps (~40 s in all): the run must still be going after Ctrl-C while status is read, even on a
+        # loaded CI box (400 unslowed steps take ~7 s).
+        env={**os.environ, faults.SLOW_ENV: "0:6,1:6"})
     try:
         run_store = Store(run_uri)
 
@@ -210,12 +211,7 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
 
         beat = _wait(progress, 90, "a progress heartbeat")
         assert beat["steps_per_s"] > 0 and beat["elapsed_s"] >= 0 and beat["total_steps"] == 400
-        st = status_json(run_uri, tmp_path)
-        assert st["state"] == "running", st  # 400 steps take seconds; the heartbeat came within one
-        assert st["step"] and st["elapsed_s"] is not None and st["eta_s"] is not None
-        assert st["replicas"][0]["loss"] is not None and st["replicas"][0]["steps_per_s"] > 0
-        table = cli("status", run_uri, cwd=tmp_path).stdout
-        assert "ETA" in table and "elapsed" in table and "steps/s" in table, table
+        # Ctrl-C first (the run has ~40 s left), then read status while the detached run goes on.
         os.killpg(cli_proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         out, err = cli_proc.communicate(timeout=30)
     finally:
@@ -224,6 +220,12 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
     assert cli_proc.returncode == 130, out + err
     assert f"detached: the run continues; cancel with: composer-cloud cancel {run_uri}" in err
     assert not (store / "cc/control/cancel.json").exists()
+    st = status_json(run_uri, tmp_path)
+    assert st["state"] == "running", st
+    assert st["step"] and st["elapsed_s"] is not None and st["eta_s"] is not None
+    assert st["replicas"][0]["loss"] is not None and st["replicas"][0]["steps_per_s"] > 0
+    table = cli("status", run_uri, cwd=tmp_path).stdout
+    assert "ETA" in table and "elapsed" in table and "steps/s" in table, table
     st = _wait(lambda: (s := status_json(run_uri, tmp_path))["state"] != "running" and s, 240, "run end")
     assert st["state"] == "completed" and st["rounds_committed"] == 2 and st["step"] == 400, st
 
