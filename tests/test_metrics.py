@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from composer_cloud import faults
 from composer_cloud.rendezvous.store import Store
 from composer_cloud.runs.metrics import MetricsLog, Progress, list_objects, read_metrics, to_csv
 from conftest import SMALL_RUN_TOML
@@ -105,9 +107,9 @@ def test_progress_is_time_gated():
 
 
 # ---------------------------------------------------------------- end to end (local executor)
-def _cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def _spec(tmp_path: Path, extra: str = "") -> Path:
@@ -191,7 +193,9 @@ def test_metrics_survive_cancel_and_resume(tmp_path):
     store = tmp_path / "store"
     cfg = _spec(tmp_path)
     res = _cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "3", "--inner-steps", "60", "--run-id", "cr",
-               "--store", f"file://{store}", "--detach", cwd=tmp_path)
+               "--store", f"file://{store}", "--detach", cwd=tmp_path,
+               # 8x slower replicas: rounds 1-2 outlast the cancel even on a loaded CI box (the resume runs at speed).
+               env={**os.environ, faults.SLOW_ENV: "0:8,1:8"})
     assert res.returncode == 0, res.stdout + res.stderr
     uri = f"file://{store}/cr"
     deadline = time.monotonic() + 120
