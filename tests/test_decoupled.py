@@ -363,6 +363,13 @@ def _cfg(run_id: str) -> dc.DecoupledConfig:
     return dc.DecoupledConfig(run_id=run_id, replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=10)
 
 
+def _with_rounds(rounds: int) -> str:
+    """SPEC with another fleet budget (``replicas × rounds`` contributions)."""
+    spec = SPEC.replace("rounds = 4\n", f"rounds = {rounds}\n")
+    assert spec != SPEC
+    return spec
+
+
 def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str = "",
                    slow: str = "", spec: str = SPEC) -> tuple[subprocess.Popen, Path]:
     """Launch attached; return once ``rank`` stalls in the inner steps after ``seq`` contributions."""
@@ -385,7 +392,11 @@ def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str 
 
 @pytest.mark.slow
 def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path):
-    launcher, _ = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n")
+    # The others run 5x slower towards a 36-contribution budget, so replica 1 reaches its stall point first even
+    # when it started seconds after them on a loaded machine (at full speed and 12 they once finished without it).
+    rounds = 12
+    launcher, _ = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n", slow="0:5,2:5",
+                                 spec=_with_rounds(rounds))
     run = Store(f"file://{tmp_path}/store/kill")
     try:
         # While replica 1 hangs (like a SIGSTOPped job), the others make the fleet's budget and finish the run.
@@ -407,7 +418,7 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
     assert dc.read_final(run) == final
     last = dc.read_merge(run, _cfg("kill"), final)
-    assert last.final and last.cursor[1] == 2 and sum(last.cursor.values()) >= 3 * 4
+    assert last.final and last.cursor[1] == 2 and sum(last.cursor.values()) >= 3 * rounds
     st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
     assert st["state"] == "completed", st
 
@@ -417,9 +428,7 @@ def test_resume_after_everything_is_killed(tmp_path):
     # The others run 10x slower towards a 36-contribution budget, so they are far from it when everything is
     # killed, even when rank 0 started seconds after them on a loaded machine (at 4x and 12 they once made it).
     rounds = 12
-    spec = SPEC.replace("rounds = 4\n", f"rounds = {rounds}\n")
-    assert spec != SPEC
-    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2, slow="1:10,2:10", spec=spec)
+    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2, slow="1:10,2:10", spec=_with_rounds(rounds))
     time.sleep(0.5)  # let the others publish and merge more
     os.killpg(launcher.pid, signal.SIGKILL)
     run = Store(f"file://{tmp_path}/store/resumed")
