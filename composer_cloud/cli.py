@@ -314,7 +314,8 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
     """
     try:
         if as_json is not None:
-            status = runs.wait(run)
+            with _user_errors():
+                status = runs.wait(run)
         else:
             with _user_errors():
                 status = runs.get_status(run)
