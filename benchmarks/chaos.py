@@ -169,14 +169,13 @@ def account_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """
     steps = useful = rounds_merged = rounds_lost = 0
     pending: list[dict[str, Any]] = []
-    times: list[float] = []
+    times = [float(r.get("time_s", 0.0)) for r in _plain_steps(rows)]
     for row in rows:
         kind = row.get("kind")
         if kind == "step":
             pending.append(row)
         elif kind == "round":
             n = int(row.get("steps", len(pending)))
-            times.extend(float(r.get("time_s", 0.0)) for r in pending[:-1])
             steps += n
             if merged(row):
                 useful += n
@@ -184,7 +183,6 @@ def account_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 rounds_lost += 1
             pending = []
-    times.extend(float(r.get("time_s", 0.0)) for r in pending)
     steps += len(pending)
     return {"steps": steps, "useful_steps": useful, "wasted_steps": steps - useful, "unsynced_steps": len(pending),
             "rounds_merged": rounds_merged, "rounds_not_merged": rounds_lost,
@@ -275,7 +273,7 @@ class Proc:
         billed = max(0.0, end - self.ready_t) if self.ready_t else 0.0
         return {"rank": self.rank, "pid": self.popen.pid, "spawn_t": self.spawn_t, "ready_t": self.ready_t,
                 "end_t": end, "end": self.end, "startup_s": (self.ready_t or end) - self.spawn_t,
-                "billed_s": billed, "rows": self.rows, **{k: v for k, v in account_rows(self.rows).items()}}
+                "billed_s": billed, "rows": self.rows, **account_rows(self.rows)}
 
 
 class Harness:
@@ -545,22 +543,25 @@ def evaluate_versions(cfg: Config, run: dict[str, Any], model_dir: Path, heldout
         except Exception as exc:  # noqa: BLE001 - report and go on: one unreadable version is not the run
             print(f"  version {r}: cannot load ({type(exc).__name__}: {exc})", flush=True)
             continue
-        with torch.no_grad():
-            losses = [float(model(input_ids=heldout[i:i + 16], labels=heldout[i:i + 16]).loss)
-                      for i in range(0, len(heldout), 16)]
-        out.append((seen.get(r, run["train_wall_s"]), r, sum(losses) / len(losses)))
+        out.append((seen.get(r, run["train_wall_s"]), r, heldout_loss(model, heldout)))
     return out
+
+
+def heldout_loss(model: Any, heldout: Any) -> float:
+    """Mean next-token loss (nats/token) of ``model`` over the held-out rows, in batches of 16."""
+    import torch
+
+    with torch.no_grad():
+        losses = [float(model(input_ids=heldout[i:i + 16], labels=heldout[i:i + 16]).loss)
+                  for i in range(0, len(heldout), 16)]
+    return sum(losses) / len(losses)
 
 
 def initial_loss(model_dir: Path, heldout: Any) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        losses = [float(model(input_ids=heldout[i:i + 16], labels=heldout[i:i + 16]).loss)
-                  for i in range(0, len(heldout), 16)]
-    return sum(losses) / len(losses)
+    return heldout_loss(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(), heldout)
 
 
 # ----------------------------------------------------------------------------- reporting

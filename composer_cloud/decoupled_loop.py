@@ -115,8 +115,9 @@ class DecoupledLoop:
         self.adopted = v
         return True
 
-    def _write_state(self) -> None:
-        tree = {"inner": ckpt.replica_state(self.trainer, _params(self.model))}
+    def _write_state(self, params: dict[str, torch.Tensor]) -> None:
+        """Write this replica's inner state; ``params`` is a CPU copy of the model's parameters as they are now."""
+        tree = {"inner": ckpt.replica_state(self.trainer, params)}
         dc.write_replica(self.store, self.rank, self.seq, tree, version=self.adopted, world_size=self.spec.replicas)
 
     # ------------------------------------------------------------ main loop
@@ -195,7 +196,7 @@ class DecoupledLoop:
                 row.update(self.trainer.evaluate())
             if self.seq % spec.checkpoint_every == 0 or self.seq == spec.rounds:
                 t0 = time.monotonic()
-                self._write_state()
+                self._write_state(base)  # the model is unchanged since base was copied (evaluate() only reads)
                 row["checkpoint_s"] = time.monotonic() - t0
             rep.metrics.round(row)
             rep.heartbeat("running", round=self.seq, step=step, version=self.adopted)

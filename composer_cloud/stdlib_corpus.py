@@ -104,12 +104,12 @@ def read_split(split: str, max_bytes: int | None = None, root: str | None = None
     base = Path(root) if root else stdlib_root()
     texts, total = [], 0
     for rel in split_files(split, root):
+        if max_bytes is not None and total >= max_bytes:
+            break
         try:
             text = (base / rel).read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if max_bytes is not None and total >= max_bytes:
-            break
         texts.append(text)
         total += len(text.encode())
     return texts

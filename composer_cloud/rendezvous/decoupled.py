@@ -631,7 +631,7 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int
     if not store.create_json(merge_key(v), record):
         logger.info("replica %d lost the race for merge %d; adopting the winner's", rank, v)
         return MergeOutcome(version=newest_version(store), base=base, reason="lost the race", grace_s=grace)
-    parsed = parse_merge(store.get_json(merge_key(v)), merge_key(v), cfg, v)
+    parsed = parse_merge(record, merge_key(v), cfg, v)  # won the write-once create: the stored record is ours
     complete_version(store, cfg, parsed, shapes, rank=rank, deltas=deltas)
     prune(store, cfg, newest=v, record=parsed)
     return MergeOutcome(version=v, base=base, merged=v, reason=reason, grace_s=grace, pending=len(pending))

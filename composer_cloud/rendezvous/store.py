@@ -428,8 +428,7 @@ class Store:
         """
         for tries_left in (1, 0) if not self.local else (0,):
             try:
-                data = self._retry(f"get {key}", lambda: self._cat(key))
-                self._count(read=len(data))
+                data = self.get_plain(key)
                 return unframe(key, data, signing_key=self._signing_key)
             except ChecksumMismatch as exc:
                 if not tries_left:

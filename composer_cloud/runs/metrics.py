@@ -97,7 +97,6 @@ class MetricsLog:
         self.launch = launch_number(store) if launch is None else launch
         self.writer = new_writer_id(self.launch)
         self._steps: list[dict[str, Any]] = []
-        self.objects_written = 0
 
     def _stamp(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
         return {**row, "kind": kind, "rank": self.rank, "launch": self.launch, "time": row.get("time", time.time())}
@@ -125,7 +124,6 @@ class MetricsLog:
         # Written last: readers take an object only once its digest exists (and, signed, verifies).
         self.store.put_json(digest_key(key), {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body),
                                                "rows": len(rows), "rank": self.rank, "round": round})
-        self.objects_written += 1
         return key
 
 

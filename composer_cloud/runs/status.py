@@ -256,8 +256,7 @@ def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[d
 
 def summarize(run: Run, status: RunStatus) -> RunSummary:
     """Loss, reward, time and traffic of a run, from its replicas' metrics."""
-    rounds = _metrics.read_metrics(run.store, kind="round")
-    rounds.sort(key=lambda m: (m["round"], m["rank"]))
+    rounds = _metrics.read_metrics(run.store, kind="round")  # sorted by (round, rank)
     losses = [m["train_loss"] for m in rounds if m.get("committed")]
     evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
     eval_rewards = [m["eval_reward_mean"] for m in rounds if "eval_reward_mean" in m]
