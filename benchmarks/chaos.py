@@ -315,7 +315,7 @@ class Harness:
     def write_spec(self) -> Any:
         """The run's spec through the launch API's checks; returns the run's Store. Raises SpecError."""
         from composer_cloud.runs import lifecycle
-        from composer_cloud.runs.run import SPEC_KEY
+        from composer_cloud.storage.layout import SPEC as SPEC_KEY
         from composer_cloud.spec import SpecError
 
         store_root = f"file://{self.workdir}/store"
@@ -399,7 +399,8 @@ class Harness:
 
     def _read_rows(self, p: Proc) -> None:
         """This incarnation's metrics rows: the writer (one per replica process) that started while it ran."""
-        from composer_cloud.runs.metrics import rows_by_writer, writer_started
+        from composer_cloud.runs.metrics import rows_by_writer
+        from composer_cloud.storage.layout import writer_started
 
         by_writer = rows_by_writer(self.store, p.rank)
         end = p.end_t or time.time()

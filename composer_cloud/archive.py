@@ -24,7 +24,7 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from composer_cloud.rendezvous.store import StoreError
+from composer_cloud.errors import BadObject
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,13 @@ _ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest time zip can represent
 _FILE_MODE = 0o644
 
 
-class UnsafeArchive(StoreError):
+class UnsafeArchive(BadObject):
     """An archive read from the store holds an entry that must not be extracted."""
 
     def __init__(self, key: str, entry: str, reason: str) -> None:
-        self.key = key
         self.entry = entry
-        super().__init__(f"object {key} holds an unsafe entry {entry!r} ({reason}); nothing was extracted")
+        super().__init__(key, reason,
+                         message=f"object {key} holds an unsafe entry {entry!r} ({reason}); nothing was extracted")
 
 
 def write_zip(sources: Mapping[str, Path], *, compress: bool) -> bytes:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -45,14 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 from composer_cloud import faults
 from composer_cloud.rendezvous import rounds
-from composer_cloud.rendezvous.store import (
-    ChecksumMismatch,
-    ObjectNotFound,
-    Store,
-    StoreError,
-    StoreTimeout,
-    StoreUnavailable,
-)
+from composer_cloud.errors import BadObject, ChecksumMismatch, CorruptCheckpoint, ObjectNotFound, StoreTimeout
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import BlobEntry, Manifest, ReplicaMarker, SliceMarker
 from composer_cloud.retry import PollPolicy, poll_until
 
 if TYPE_CHECKING:
@@ -63,29 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MANIFEST = "manifest.json"
-_SHARD = re.compile(r"^global-a(\d+)-(\d+)-of-(\d+)\.json$")
-
-
-def checkpoint_prefix(round: int) -> str:
-    """``checkpoints/<r>``: every object of round ``r``'s checkpoint lies under it."""
-    return f"checkpoints/{round:08d}"
-
-
-def _shard_name(attempt: int, index: int, num_shards: int) -> str:
-    return f"global-a{attempt}-{index}-of-{num_shards}"
-
-
-def _replica_blob(rank: int) -> str:
-    return f"replica-{rank}.safetensors"
-
-
-def _replica_marker(rank: int) -> str:
-    return f"replica-{rank}.json"
-
-
-class CorruptCheckpoint(StoreError):
-    """A checkpoint object is missing, damaged or inconsistent with its manifest; names the key."""
+checkpoint_prefix = layout.checkpoint_prefix
 
 
 @dataclass(frozen=True)
@@ -93,7 +66,7 @@ class Checkpoint:
     """A valid checkpoint: its round and manifest."""
 
     round: int
-    manifest: dict[str, Any]
+    manifest: Manifest
 
 
 # ---------------------------------------------------------------- global state: slices
@@ -152,16 +125,15 @@ def write_global_shard(store: Store, round: int, slices: GlobalStateSlices, inde
     Idempotent and safe to race: every writer writes the same bytes, the blob
     put is atomic, and the marker is write-once.
     """
-    prefix = checkpoint_prefix(round)
-    name = _shard_name(attempt, index, slices.num_shards)
-    if store.exists(f"{prefix}/{name}.json"):
+    n = slices.num_shards
+    if store.exists(layout.slice_marker_key(round, attempt, index, n)):
         return 0
     blob = slices.encode(index, round=round)
-    store.put(f"{prefix}/{name}.safetensors", blob)
+    store.put(layout.slice_blob_key(round, attempt, index, n), blob)
     faults.stall_point("global_upload", round, writer)
-    store.create_json(f"{prefix}/{name}.json", {"round": round, "attempt": attempt, "shard": index,
-                                                "num_shards": slices.num_shards,
-                                                "bytes": len(blob), "crc32": zlib.crc32(blob), "by": writer})
+    marker = SliceMarker(round=round, attempt=attempt, index=index, num_slices=n, bytes=len(blob),
+                         crc32=zlib.crc32(blob), by=writer)
+    store.create_json(layout.slice_marker_key(round, attempt, index, n), marker.to_json())
     return len(blob)
 
 
@@ -177,7 +149,7 @@ def write_global_state(store: Store, round: int, tree: dict[str, Any], *, writer
 class ShardMarkers:
     """The global-state markers of one round's attempt: ``num_shards`` -> {index: marker record}."""
 
-    by_count: dict[int, dict[int, dict[str, Any]]]
+    by_count: dict[int, dict[int, SliceMarker]]
 
     def complete(self, num_shards: int | None = None) -> int | None:
         """A shard count whose slices are all present (the expected one if given), else None."""
@@ -211,24 +183,20 @@ def shard_markers(store: Store, round: int, *, attempt: int | None = None) -> Sh
         if attempt is None:
             return ShardMarkers({})
     prefix = checkpoint_prefix(round)
-    by_count: dict[int, dict[int, dict[str, Any]]] = {}
+    by_count: dict[int, dict[int, SliceMarker]] = {}
     for name in store.list_dirs(prefix):
-        m = _SHARD.match(name)
-        if not m or int(m.group(1)) != attempt:
+        parsed = layout.parse_slice_marker(name)
+        if parsed is None or parsed[0] != attempt:
             continue
-        index, n = int(m.group(2)), int(m.group(3))
-        if not 0 <= index < n:
-            continue
+        _, index, n = parsed
+        key = layout.slice_marker_key(round, attempt, index, n)
         try:
-            rec = store.get_json(f"{prefix}/{name}")
-            if not (isinstance(rec, dict) and isinstance(rec.get("crc32"), int) and isinstance(rec.get("bytes"), int)):
-                raise ValueError("fields bytes/crc32 missing")
-        except StoreUnavailable:
-            raise  # the store is down: that says nothing about the marker
-        except (StoreError, ValueError) as exc:
-            logger.warning("ignoring global-state marker %s/%s (%s)", prefix, name, exc)
+            marker = SliceMarker.from_json(store.get_json(key), key=key, round=round, attempt=attempt, index=index,
+                                           num_slices=n)
+        except (BadObject, ObjectNotFound) as exc:
+            logger.warning("ignoring global-state marker %s (%s)", key, exc)
             continue
-        by_count.setdefault(n, {})[index] = {**rec, "key": f"{_shard_name(attempt, index, n)}.safetensors"}
+        by_count.setdefault(n, {})[index] = marker
     return ShardMarkers(by_count)
 
 
@@ -252,11 +220,11 @@ def _read_verified(store: Store, key: str, crc32: int | None) -> memoryview:
     try:
         data = store.get(key)
     except ObjectNotFound:
-        raise CorruptCheckpoint(f"{key} is missing") from None
+        raise CorruptCheckpoint(key, "missing") from None
     except ChecksumMismatch as exc:
-        raise CorruptCheckpoint(str(exc)) from None
+        raise CorruptCheckpoint(key, exc.reason) from None
     if crc32 is not None and zlib.crc32(data) != crc32:
-        raise CorruptCheckpoint(f"{key}: crc32 differs from its marker/manifest; it was not used")
+        raise CorruptCheckpoint(key, "crc32 differs from its marker/manifest; it was not used")
     return data
 
 
@@ -268,8 +236,8 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
     markers = shard_markers(store, round)
     n = markers.complete(num_shards)
     if n is None:
-        raise CorruptCheckpoint(f"{checkpoint_prefix(round)}: global state incomplete "
-                                f"(slices present: { {k: sorted(v) for k, v in markers.by_count.items()} })")
+        raise CorruptCheckpoint(checkpoint_prefix(round), "global state incomplete (slices present: "
+                                f"{ {k: sorted(v) for k, v in markers.by_count.items()} })")
     from safetensors.torch import load as st_load
 
     from composer_cloud.rendezvous.state import read_metadata, unflatten
@@ -277,19 +245,20 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
     tensors: dict[str, torch.Tensor] = {}
     skeleton: Any = None
     for i in range(n):
-        key = f"{checkpoint_prefix(round)}/{markers.by_count[n][i]['key']}"
-        raw = bytes(_read_verified(store, key, markers.by_count[n][i]["crc32"]))
+        marker = markers.by_count[n][i]
+        key = layout.slice_blob_key(round, marker.attempt, i, n)
+        raw = bytes(_read_verified(store, key, marker.crc32))
         try:
             meta = read_metadata(raw)
             tensors.update(st_load(raw))
             skeleton = json.loads(meta["skeleton"]) if skeleton is None else skeleton
         except Exception as exc:  # noqa: BLE001 - any decode failure means a bad object
-            raise CorruptCheckpoint(f"{key} is not a valid global-state slice ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(key, f"not a valid global-state slice ({type(exc).__name__}: {exc})") from None
         del raw
     try:
         return unflatten(tensors, skeleton)
     except KeyError as exc:
-        raise CorruptCheckpoint(f"{checkpoint_prefix(round)}: global state lacks tensor {exc}") from None
+        raise CorruptCheckpoint(checkpoint_prefix(round), f"global state lacks tensor {exc}") from None
 
 
 # ---------------------------------------------------------------- replica state
@@ -324,46 +293,38 @@ def write_replica_state(store: Store, round: int, rank: int, tree: dict[str, Any
     ``world_size`` (the run's replica count) is recorded: a data position means
     nothing under another replica count.
     """
-    prefix = checkpoint_prefix(round)
     from composer_cloud.rendezvous.state import encode_state
 
     blob = encode_state(tree, metadata={"round": str(round), "rank": str(rank)})
-    store.put(f"{prefix}/{_replica_blob(rank)}", blob)
+    store.put(layout.replica_blob_key(round, rank), blob)
     faults.stall_point("checkpoint", round, rank)
-    store.put_json(f"{prefix}/{_replica_marker(rank)}", {"round": round, "rank": rank, "bytes": len(blob),
-                                                         "crc32": zlib.crc32(blob), "world_size": world_size})
+    marker = ReplicaMarker(rank=rank, position=round, bytes=len(blob), crc32=zlib.crc32(blob), world_size=world_size)
+    store.put_json(layout.replica_marker_key(round, rank), marker.to_json())
     return len(blob)
 
 
-def replica_state_marker(store: Store, round: int, rank: int) -> dict[str, Any] | None:
-    """Replica ``rank``'s marker for checkpoint ``round`` (None if absent or unreadable)."""
+def replica_state_marker(store: Store, round: int, rank: int) -> ReplicaMarker | None:
+    """Replica ``rank``'s marker for checkpoint ``round`` (None if absent or unusable)."""
+    key = layout.replica_marker_key(round, rank)
     try:
-        rec = store.try_get_json(f"{checkpoint_prefix(round)}/{_replica_marker(rank)}")
-    except StoreUnavailable:
-        raise
-    except StoreError:
+        obj = store.try_get_json(key)
+        return None if obj is None else ReplicaMarker.from_json(obj, key=key, rank=rank, position=round,
+                                                                decoupled=False)
+    except BadObject as exc:
+        logger.warning("ignoring replica-state marker %s", exc)
         return None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("crc32"), int) else None
 
 
 def load_replica_at(store: Store, round: int, rank: int, crc32: int | None = None) -> dict[str, Any]:
     """Replica ``rank``'s inner state of checkpoint ``round``, read and verified once."""
-    key = f"{checkpoint_prefix(round)}/{_replica_blob(rank)}"
+    key = layout.replica_blob_key(round, rank)
     data = _read_verified(store, key, crc32)
     try:
         from composer_cloud.rendezvous.state import decode_state
 
         return decode_state(data)
     except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpoint(f"{key} is not a valid replica state ({type(exc).__name__}: {exc})") from None
-
-
-def load_replica(store: Store, ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
-    """Replica ``rank``'s inner state in ``ckpt``, or None if the manifest has none for it."""
-    entry = ckpt.manifest.get("replicas", {}).get(str(rank))
-    if not isinstance(entry, dict):
-        return None
-    return load_replica_at(store, ckpt.round, rank, entry.get("crc32"))
+        raise CorruptCheckpoint(key, f"not a valid replica state ({type(exc).__name__}: {exc})") from None
 
 
 @dataclass(frozen=True)
@@ -392,13 +353,13 @@ def resume_point(store: Store, rank: int, *, world_size: int) -> ResumePoint | N
         rec = replica_state_marker(store, round, rank)
         if rec is None:
             continue
-        saved_world = rec.get("world_size")
-        if saved_world not in (None, world_size):
+        saved_world = rec.world_size
+        if saved_world != world_size:
             # Data shards are rank::world_size, so a stored data position means
             # nothing under another replica count.
             newest_reason = f"checkpoint {round} was taken with {saved_world} replicas, now {world_size}"
             break
-        return ResumePoint(round=round, replica_crc32=rec["crc32"])
+        return ResumePoint(round=round, replica_crc32=rec.crc32)
     return ResumePoint(round=durable[-1], replica_crc32=None, reason=newest_reason)
 
 
@@ -416,7 +377,7 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
     n = len(participants)
 
     def stop_if_written(misses: int) -> None:
-        if misses % 8 == 0 and store.exists(f"{prefix}/{_MANIFEST}"):
+        if misses % 8 == 0 and store.exists(layout.manifest_key(round)):
             raise _ManifestExists()
 
     try:
@@ -430,28 +391,26 @@ def write_manifest(store: Store, round: int, participants: list[int], *, deadlin
     except _ManifestExists:
         return False
     markers = shard_markers(store, round, attempt=attempt).by_count[n]
-    replicas: dict[str, Any] = {}
+    replicas: dict[int, BlobEntry] = {}
     for rank in participants:
         try:
-            store.wait_get(f"{prefix}/{_replica_marker(rank)}", deadline=deadline)
+            store.wait_get(layout.replica_marker_key(round, rank), deadline=deadline)
         except StoreTimeout:
             logger.warning("checkpoint %d: replica %d state missing; it will resume with fresh inner state",
                            round, rank)
             continue
         rec = replica_state_marker(store, round, rank)
         if rec is not None:
-            replicas[str(rank)] = {"key": _replica_blob(rank), "bytes": rec.get("bytes"), "crc32": rec["crc32"]}
-    manifest = {
-        "round": round,
-        "attempt": attempt,
-        "global": [{"key": markers[i]["key"], "bytes": markers[i]["bytes"], "crc32": markers[i]["crc32"]}
-                   for i in range(n)],
-        "replicas": replicas,
-        "participants": participants,
-        "time": time.time(),
-        **(spec_round_meta or {}),
-    }
-    return store.create_json(f"{prefix}/{_MANIFEST}", manifest)
+            replicas[rank] = BlobEntry(key=layout.replica_blob_name(rank), bytes=rec.bytes, crc32=rec.crc32)
+    manifest = Manifest(round=round, attempt=attempt, slices=[_slice_entry(markers[i]) for i in range(n)],
+                        replicas=replicas, participants=participants, time=time.time(),
+                        extra=dict(spec_round_meta or {}))
+    return store.create_json(layout.manifest_key(round), manifest.to_json())
+
+
+def _slice_entry(marker: SliceMarker) -> BlobEntry:
+    name = layout.slice_blob_key(marker.round, marker.attempt, marker.index, marker.num_slices).rsplit("/", 1)[1]
+    return BlobEntry(key=name, bytes=marker.bytes, crc32=marker.crc32)
 
 
 class _ManifestExists(Exception):
@@ -459,31 +418,20 @@ class _ManifestExists(Exception):
 
 
 def checkpoint_rounds(store: Store) -> list[int]:
-    return sorted(int(n) for n in store.list_dirs("checkpoints") if n.isdigit())
+    """Rounds with a directory under ``checkpoints/`` (stray names skipped), ascending."""
+    return sorted(r for r in map(layout.parse_num, store.list_dirs(layout.CHECKPOINTS)) if r is not None)
 
 
-def _valid_manifest(manifest: Any, round: int) -> bool:
-    return (isinstance(manifest, dict) and manifest.get("round") == round
-            and isinstance(manifest.get("global"), list) and manifest["global"]
-            and all(isinstance(e, dict) and isinstance(e.get("key"), str) and isinstance(e.get("crc32"), int)
-                    for e in manifest["global"])
-            and isinstance(manifest.get("replicas", {}), dict))
-
-
-def read_manifest(store: Store, round: int) -> dict[str, Any] | None:
-    """Round ``round``'s manifest if present and well-formed, else None (with a warning if malformed)."""
-    prefix = checkpoint_prefix(round)
+def read_manifest(store: Store, round: int) -> Manifest | None:
+    """Round ``round``'s manifest if present and well-formed, else None (with a warning if unusable)."""
+    key = layout.manifest_key(round)
     try:
-        manifest = store.get_json(f"{prefix}/{_MANIFEST}")
+        return Manifest.from_json(store.get_json(key), key=key, round=round)
     except ObjectNotFound:
         return None
-    except ChecksumMismatch as exc:
-        logger.warning("checkpoint %s is corrupt (%s); skipping it", prefix, exc)
+    except BadObject as exc:
+        logger.warning("checkpoint %s is unusable (%s); skipping it", checkpoint_prefix(round), exc)
         return None
-    if not _valid_manifest(manifest, round):
-        logger.warning("checkpoint %s has a malformed manifest; skipping it", prefix)
-        return None
-    return manifest
 
 
 def latest_checkpoint(store: Store, *, before: int | None = None, verify: bool = True) -> Checkpoint | None:
@@ -492,7 +440,7 @@ def latest_checkpoint(store: Store, *, before: int | None = None, verify: bool =
     ``verify=True`` reads every listed object once, one object in memory at a
     time, and checks it against the manifest (what ``resume`` does before it
     discards anything). Replicas pass ``verify=False`` and verify what they load
-    in the same read (:func:`load_global`, :func:`load_replica`). A torn or
+    in the same read (:func:`load_global`, :func:`load_replica_at`). A torn or
     corrupt checkpoint is skipped with a warning naming it, and the previous
     one is used.
     """
@@ -504,17 +452,14 @@ def latest_checkpoint(store: Store, *, before: int | None = None, verify: bool =
         if manifest is None:
             logger.warning("checkpoint %s/%s has no valid manifest (torn write?); skipping it", store.uri, prefix)
             continue
-        if state_attempt(store, round) != manifest.get("attempt", 0):
+        if state_attempt(store, round) != manifest.attempt:
             logger.warning("checkpoint %s/%s belongs to a voided commit; skipping it", store.uri, prefix)
             continue
         if verify:
             try:
-                entries = [*manifest["global"], *manifest.get("replicas", {}).values()]
-                for entry in entries:
-                    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
-                        raise CorruptCheckpoint(f"{prefix}/{_MANIFEST} has a malformed entry")
-                    _read_verified(store, f"{prefix}/{entry['key']}", entry.get("crc32"))
-            except (CorruptCheckpoint, ValueError) as exc:
+                for entry in [*manifest.slices, *manifest.replicas.values()]:
+                    _read_verified(store, layout.in_checkpoint(round, entry.key), entry.crc32)
+            except CorruptCheckpoint as exc:
                 logger.warning("checkpoint %s/%s is corrupt or incomplete (%s); falling back to an earlier one",
                                store.uri, prefix, exc)
                 continue
@@ -524,12 +469,12 @@ def latest_checkpoint(store: Store, *, before: int | None = None, verify: bool =
 
 def prune_checkpoints(store: Store, *, keep: int, newest: int) -> list[int]:
     """Delete checkpoint dirs older than the ``keep`` newest manifests (never the newest)."""
-    rounds = checkpoint_rounds(store)
-    valid = [r for r in rounds if r <= newest and store.exists(f"{checkpoint_prefix(r)}/{_MANIFEST}")]
+    present = checkpoint_rounds(store)
+    valid = [r for r in present if r <= newest and store.exists(layout.manifest_key(r))]
     keep_set = set(valid[-keep:])
     removed = []
     # Global-only rounds (healing states) older than ``newest`` are superseded too.
-    for r in rounds:
+    for r in present:
         if r < newest and r not in keep_set:
             store.delete(checkpoint_prefix(r), recursive=True)
             removed.append(r)
@@ -542,9 +487,7 @@ def discard_after(store: Store, round: int) -> None:
     Only valid when every replica of the previous launch is stopped: those
     objects belong to rounds that will be recomputed.
     """
-    for name in store.list_dirs("rounds"):
-        if name.isdigit() and int(name) > round:
-            store.delete(f"rounds/{name}", recursive=True)
+    rounds.discard_after(store, round)
     for r in checkpoint_rounds(store):
         if r > round:
             store.delete(checkpoint_prefix(r), recursive=True)
@@ -577,7 +520,6 @@ __all__ = [
     "has_global_state",
     "latest_checkpoint",
     "load_global",
-    "load_replica",
     "load_replica_at",
     "prune_checkpoints",
     "replica_state",

@@ -27,9 +27,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from composer_cloud import runs
-from composer_cloud.rendezvous.store import StoreConfigError, StoreError, join_uri
-from composer_cloud.runs import LaunchError, Run, RunExists, RunNotFound, RunStatus
-from composer_cloud.spec import DEFAULT_STORE, RunSpec, SpecError
+from composer_cloud.errors import ConfigError, LaunchError, StoreError
+from composer_cloud.rendezvous.store import join_uri
+from composer_cloud.runs import Run, RunStatus
+from composer_cloud.spec import DEFAULT_STORE, RunSpec
 
 app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
@@ -56,7 +57,7 @@ def _user_errors() -> Iterator[None]:
     """Map the library's errors to exit codes: bad input 2, a failed launch 1. No tracebacks."""
     try:
         yield
-    except (SpecError, StoreConfigError, RunNotFound, RunExists) as exc:
+    except ConfigError as exc:
         raise _fail(str(exc)) from None
     except LaunchError as exc:
         raise _fail(str(exc), code=1) from None

@@ -39,9 +39,10 @@ import torch
 from composer_cloud import checkpoint as ckpt
 from composer_cloud import faults
 from composer_cloud.rendezvous import decoupled as dc
-from composer_cloud.rendezvous.store import StoreError, StoreUnavailable
+from composer_cloud.errors import BadObject
 from composer_cloud.runs.metrics import Progress
 from composer_cloud.stack import runtime_versions
+from composer_cloud.storage import layout
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class DecoupledLoop:
         else:
             dc.ensure_initial(self.store, self.cfg, _params(self.model), rank=self.rank)
             if not self._adopt(alpha=1.0):  # a fresh model takes the global as it is
-                raise StoreError("no usable global version to start from (version 0 is unreadable)")
+                raise BadObject(layout.checkpoint_prefix(0), "no usable global version to start from")
         # Never reuse a seq: a kill after publishing but before the inner state was written leaves
         # contributions newer than my state.
         self.seq = dc.next_seq(self.store, self.cfg, self.rank, self.seq) - 1
@@ -98,9 +99,7 @@ class DecoupledLoop:
             return False
         try:
             tree = dc.load_version(self.store, v, self.shapes)
-        except StoreUnavailable:
-            raise
-        except StoreError as exc:  # InvalidObject, CorruptCheckpoint: never adopt an unverified object
+        except BadObject as exc:  # never adopt an unverified object
             logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
                            exc, self.adopted)
             return False
@@ -212,9 +211,7 @@ class DecoupledLoop:
         """:func:`try_merge`, where a bad object costs this boundary's merge attempt, never the replica."""
         try:
             return dc.try_merge(self.store, self.cfg, self.shapes, rank=self.rank)
-        except StoreUnavailable:
-            raise
-        except (StoreError, ckpt.CorruptCheckpoint) as exc:
+        except BadObject as exc:
             logger.warning("replica %d: no merge at this boundary (%s)", self.rank, exc)
             return None
 
@@ -224,9 +221,7 @@ class DecoupledLoop:
             return []
         try:
             rec = dc.read_merge(self.store, self.cfg, self.adopted)
-        except StoreUnavailable:
-            raise
-        except StoreError:
+        except BadObject:
             return []
         return rec.ranks if rec else []
 

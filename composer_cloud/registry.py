@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from composer_cloud.errors import BadReference
 
-class BadReference(ValueError, LookupError):
-    """A ``"module:attr"`` setting does not resolve; the message names the setting."""
+__all__ = ["BadReference", "is_reference", "load_object", "resolve"]
 
 
 def is_reference(value: str) -> bool:

@@ -43,6 +43,8 @@ from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.metrics import MetricsLog, Progress
 from composer_cloud.runs.run import open_run
 from composer_cloud.stack import runtime_versions
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import Heartbeat, HeartbeatState
 
 logger = logging.getLogger("composer_cloud.replica")
 
@@ -83,10 +85,11 @@ class Replica:
 
     # ------------------------------------------------------------ records
     def heartbeat(self, state: str, **extra: Any) -> None:
-        live = self.progress.fields if self.progress is not None else {}
-        record = {"rank": self.rank, "state": state, "time": time.time(), "pid": os.getpid(),
-                  "versions": self.versions, **live, **extra}
-        self.store.put_json(f"replicas/{self.rank}.json", record)
+        live = dict(self.progress.fields) if self.progress is not None else {}
+        fields = {"round": live.pop("round", None), "step": live.pop("step", None), **extra}
+        record = Heartbeat(rank=self.rank, state=HeartbeatState(state), time=time.time(), pid=os.getpid(),
+                           versions=self.versions, progress=live, **fields)
+        self.store.put_json(layout.heartbeat_key(self.rank), record.to_json())
 
     def flush_metrics(self) -> None:
         """Write the step rows of an unfinished round (round objects are written as rounds end)."""

@@ -18,20 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from composer_cloud.errors import SpecError
+
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session)", re.IGNORECASE)
 
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
-
-
-class SpecError(ValueError):
-    """A run spec is invalid. ``field`` is the dotted name of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(f"{field}: {message}" if field else message)
 
 
 class _Strict(BaseModel):

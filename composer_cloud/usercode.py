@@ -10,7 +10,7 @@ matters:
 
 * launcher: :func:`collect_code` -> :func:`upload_code`; local files named by
   the spec: :func:`spec_local_paths` -> :func:`pack_path` -> :func:`put_verified`
-  (``runs.lifecycle.launch``; :func:`upload_files` does both for a list of paths);
+  (``runs.lifecycle.launch``);
 * replica: :func:`install_code` and :func:`localize_spec` (:func:`fetch_file`
   for each uploaded file).
 
@@ -63,30 +63,28 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud.archive import MAX_ENTRIES, UnsafeArchive, extract_atomic, write_zip  # noqa: F401 - re-exported
-from composer_cloud.registry import BadReference, is_reference
-from composer_cloud.rendezvous.store import ChecksumMismatch, Store
+from composer_cloud.errors import BadReference, ChecksumMismatch, ConfigError
+from composer_cloud.registry import is_reference
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage import layout
+from composer_cloud.storage.layout import code_key
+from composer_cloud.storage.records import CodeRef
 
 logger = logging.getLogger(__name__)
 
 #: Largest code bundle (sum of uncompressed file sizes) :func:`collect_code` builds by default.
 MAX_CODE_BYTES = 50 * 2**20
-#: Largest single path (a file, or a directory's files together) :func:`upload_files` uploads by default.
+#: Largest single path (a file, or a directory's files together) :func:`pack_path` packs by default.
 #: Objects travel through memory; larger models belong on the Hugging Face Hub, named by repo id.
 MAX_FILE_BYTES = 2**30
 
-CODE_PREFIX = "code"
-FILES_PREFIX = "files"
-DIRS_PREFIX = "dirs"
-
-_SHA_RE = re.compile(r"[0-9a-f]{64}")
 _PATH_SETTING_RE = re.compile(r"model\.name|trainer\.(pairs|dataset)|trainer\.data_files\.\d{1,4}")
-_FILE_KEY_RE = re.compile(rf"({FILES_PREFIX}|{DIRS_PREFIX})/([0-9a-f]{{64}})/([^/]+)")
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
 
 # --------------------------------------------------------------------------- errors
-class UserCodeError(ValueError):
+class UserCodeError(ConfigError, ValueError):
     """User code or files cannot be packaged; the message names the setting or path and what to do."""
 
 
@@ -126,44 +124,6 @@ class CodeBundle:
     def empty(self) -> bool:
         """True when there is nothing to ship (every reference is installed, nothing included)."""
         return not self.files
-
-
-@dataclass(frozen=True)
-class CodeRef:
-    """Where a run's code bundle lies in its store, and the sha256 it must have.
-
-    Attributes:
-        key: ``code/<sha256>.zip``, relative to the run's store.
-        sha256: hex digest of the zip's bytes.
-        bytes: size of the zip.
-        modules: top-level modules it provides.
-    """
-
-    key: str
-    sha256: str
-    bytes: int
-    modules: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "modules": list(self.modules)}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "CodeRef":
-        """Parse and validate (the JSON may have travelled through an untrusted store)."""
-        try:
-            ref = cls(key=str(obj["key"]), sha256=str(obj["sha256"]), bytes=int(obj["bytes"]),
-                      modules=tuple(str(m) for m in obj["modules"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"invalid code reference {obj!r}: {exc}") from None
-        _check_code_ref(ref)
-        return ref
-
-
-def code_key(sha256: str) -> str:
-    """The store key of the code bundle with this digest."""
-    if not _SHA_RE.fullmatch(sha256):
-        raise ValueError(f"{sha256!r} is not a sha256 hex digest")
-    return f"{CODE_PREFIX}/{sha256}.zip"
 
 
 # --------------------------------------------------------------------------- launcher side
@@ -264,33 +224,9 @@ def upload_code(store: Store, bundle: CodeBundle) -> CodeRef:
     return CodeRef(key=key, sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
 
 
-def upload_files(
-    store: Store,
-    paths: Sequence[str | os.PathLike[str]],
-    *,
-    base_dir: str | os.PathLike[str] | None = None,
-    max_bytes: int = MAX_FILE_BYTES,
-) -> dict[str, str]:
-    """Upload local files or directories; returns ``{path as given: store key}``.
-
-    A file goes to ``files/<sha256>/<name>``; a directory (a saved model) as
-    an uncompressed deterministic zip to ``dirs/<sha256>/<name>.zip``
-    (hidden entries and ``__pycache__`` skipped). Relative paths are relative
-    to ``base_dir`` (default: the current directory). Pass the keys to
-    :func:`fetch_file` in the replica.
-    """
-    base = Path(os.path.abspath(base_dir if base_dir is not None else os.getcwd()))
-    out: dict[str, str] = {}
-    for given in paths:
-        key, data, sha = pack_path(base / given, max_bytes=max_bytes, given=os.fspath(given))
-        put_verified(store, key, data, sha)
-        out[os.fspath(given)] = key
-    return out
-
-
 def pack_path(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES,
               given: str | None = None) -> tuple[str, bytes, str]:
-    """``(store key, bytes, sha256)`` of a local file or directory as :func:`upload_files` stores it.
+    """``(store key, bytes, sha256)`` of a local file or directory, ready for :func:`put_verified`.
 
     Reads and zips in memory; writes nothing. Raises :class:`UserCodeError`
     (missing path) or :class:`BundleTooLarge` (over ``max_bytes``).
@@ -305,7 +241,7 @@ def pack_path(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES,
             entries.add(rel, file)
         data = write_zip(entries.sources, compress=False)  # weights do not compress; STORED is fast
         sha = hashlib.sha256(data).hexdigest()
-        return f"{DIRS_PREFIX}/{sha}/{name}.zip", data, sha
+        return layout.file_key(sha, name, directory=True), data, sha
     size = path.stat().st_size
     if size > max_bytes:
         raise BundleTooLarge(
@@ -313,7 +249,7 @@ def pack_path(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES,
             "publish it (e.g. to the Hugging Face Hub) and name it by id instead")
     data = path.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    return f"{FILES_PREFIX}/{sha}/{name}", data, sha
+    return layout.file_key(sha, name, directory=False), data, sha
 
 
 def path_size(path: str | os.PathLike[str]) -> int:
@@ -454,19 +390,18 @@ def install_code(store: Store, ref: CodeRef, *, cache_dir: str | os.PathLike[str
 
 
 def fetch_file(store: Store, key: str, *, cache_dir: str | os.PathLike[str]) -> Path:
-    """The local path of a key written by :func:`upload_files` (a file, or a directory for ``dirs/`` keys).
+    """The local path of a key of :func:`pack_path` (a file, or a folder for a zipped directory).
 
     Verifies the sha256 in the key before using the bytes; cached under
     ``cache_dir/<files|dirs>/<sha256>/<name>`` and reused.
     """
-    match = _FILE_KEY_RE.fullmatch(key)
-    if not match or match.group(3) in (".", "..") or (match.group(1) == DIRS_PREFIX
-                                                     and not match.group(3).endswith(".zip")):
-        raise ValueError(f"{key!r} is not a key written by upload_files "
-                         f"({FILES_PREFIX}/<sha256>/<name> or {DIRS_PREFIX}/<sha256>/<name>.zip)")
-    kind, sha, name = match.groups()
-    is_dir = kind == DIRS_PREFIX
-    target = Path(os.path.abspath(cache_dir)) / kind / sha / (name[:-len(".zip")] if is_dir else name)
+    parsed = layout.parse_file_key(key)
+    if parsed is None:
+        raise ValueError(f"{key!r} is not a key written by pack_path "
+                         f"({layout.file_key('<sha256>', '<name>', directory=False)} or "
+                         f"{layout.file_key('<sha256>', '<name>', directory=True)})")
+    is_dir, sha, name = parsed
+    target = Path(os.path.abspath(cache_dir)) / key.split("/", 1)[0] / sha / name
     if target.exists():
         return target
     data = _get_verified(store, key, sha)
@@ -687,7 +622,7 @@ def _get_verified(store: Store, key: str, sha256: str) -> bytes:
 
 def _check_code_ref(ref: CodeRef) -> None:
     if ref.key != code_key(ref.sha256):
-        raise ValueError(f"invalid code reference: key {ref.key!r} is not {CODE_PREFIX}/<sha256>.zip of {ref.sha256}")
+        raise ValueError(f"invalid code reference: key {ref.key!r} is not the bundle key of {ref.sha256}")
 
 
 # --------------------------------------------------------------------------- extraction

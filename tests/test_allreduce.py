@@ -175,7 +175,8 @@ def test_replica_left_out_of_an_open_round_observes_its_commit(store_uri):
 
     cfg = AllReduceConfig(replicas=3, min_replicas=2, quorum_timeout_s=30, round_timeout_s=30)
     st = Store(store_uri)
-    st.create_json("rounds/00000000/0/quorum.json", {"participants": [0, 1], "reason": "test"})
+    st.create_json("rounds/00000000/0/quorum.json", {"round": 0, "attempt": 0, "participants": [0, 1],
+                                                     "reason": "test"})
     results = {}
 
     def run(rank: int) -> None:

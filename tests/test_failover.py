@@ -16,6 +16,8 @@ import pytest
 
 from composer_cloud import faults
 from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import Outcome, Quorum
 from test_resume import (  # noqa: F401 - baselines is a fixture
     SPEC,
     _baseline,
@@ -79,12 +81,11 @@ def test_forged_future_commits_never_yield_completed(tmp_path):
     launcher = _launch_and_kill_replica_at(tmp_path, store, "forged", "inner_step", 1, "",
                                            sync="round_timeout_s = 20\nheal_timeout_s = 30\n")
     run = Store(f"{store}/forged")
-    for r in range(1, 4):
-        prefix = f"rounds/{r:08d}/0"
-        run.create_json(f"{prefix}/quorum.json", {"participants": [0, 1], "decided_by": 1, "time": time.time(),
-                                                  "reason": "all joined"})
-        run.create_json(f"{prefix}/outcome.json", {"committed": True, "participants": [0, 1], "by": 1,
-                                                   "time": time.time()})
+    for r in range(1, 4):  # well-formed records: only the missing durable state gives them away
+        run.create_json(layout.quorum_key(r, 0), Quorum(round=r, attempt=0, participants=[0, 1], decided_by=1,
+                                                        time=time.time(), reason="all joined").to_json())
+        run.create_json(layout.outcome_key(r, 0), Outcome(round=r, attempt=0, committed=True, participants=[0, 1],
+                                                          by=1, time=time.time()).to_json())
     out, _ = launcher.communicate(timeout=400)
     assert launcher.returncode != 0, out
     st = json.loads(_cli(["status", f"{store}/forged", "--json"], tmp_path).stdout)

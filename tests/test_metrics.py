@@ -84,11 +84,11 @@ def test_tampered_or_incomplete_objects_are_ignored(tmp_path):
     assert {r["round"] for r in rows} == {0}
 
 
-def test_legacy_single_file_is_read(tmp_path):
+def test_csv_starts_with_the_identifying_columns(tmp_path):
     store = Store(f"file://{tmp_path}/run")
-    body = "".join(json.dumps(r) + "\n" for r in [{"kind": "step", "rank": 0, "round": 0, "step": 1, "loss": 2.0},
-                                                  {"kind": "round", "rank": 0, "round": 0, "train_loss": 2.0}])
-    store.put("metrics/0.jsonl", body.encode())
+    log = MetricsLog(store, 0, launch=0)
+    log.step({"round": 0, "step": 1, "loss": 2.0})
+    log.round({"round": 0, "train_loss": 2.0})
     assert [r["kind"] for r in read_metrics(store)] == ["step", "round"]
     assert "kind,rank,round" in to_csv(read_metrics(store)).splitlines()[0]
 

@@ -21,7 +21,8 @@ import torch
 from composer_cloud.rendezvous import codec as wire
 from composer_cloud.rendezvous.allreduce import (AllReduceConfig, ObjectStoreAllReduce, RoundResult,
                                                  committed_attempt, latest_committed_round)
-from composer_cloud.rendezvous.rounds import InvalidRecord, parse_outcome, parse_quorum
+from composer_cloud.errors import BadObject
+from composer_cloud.storage.records import Outcome, Quorum
 from composer_cloud.rendezvous.store import HEADER_BYTES, Store
 from conftest import run_processes
 from workers import diloco_worker, payload, reference_diloco
@@ -101,22 +102,27 @@ def flip_byte(store: Store, key: str, offset: int = 3) -> None:
     ({"participants": [0]}, "min_replicas"),             # fewer than min_replicas
     ({}, "participants"),
     ({"participants": [0, 1], "round": 3}, "round"),     # copied from another round
+    ({"participants": [0, 1], "attempt": None}, "attempt"),  # a record must say where it belongs
     ({"participants": [0, 1], "excluded": [1]}, "excluded"),
-    ([0, 1], "JSON object"),
 ])
 def test_invalid_quorum_records_name_the_problem(quorum, field):
-    with pytest.raises(InvalidRecord) as err:
-        parse_quorum(quorum, key="rounds/00000000/0/quorum.json", round=0, attempt=0, replicas=3, min_replicas=2)
+    with pytest.raises(BadObject) as err:
+        Quorum.from_json({"round": 0, "attempt": 0, **quorum}, key="rounds/00000000/0/quorum.json", round=0,
+                         attempt=0, replicas=3, min_replicas=2)
     assert field in str(err.value) and "quorum.json" in str(err.value)
+    with pytest.raises(BadObject, match="JSON object"):
+        Quorum.from_json([0, 1], key="rounds/00000000/0/quorum.json", round=0, attempt=0, replicas=3)
 
 
 @pytest.mark.parametrize("record", [
     {"committed": "yes"}, {"committed": 1}, {"committed": True}, {"committed": False, "excluded": [9]},
     {"committed": False, "retry": "no"}, {"committed": True, "participants": [2, 1]}, None,
+    {"committed": True, "participants": [0, 1], "attempt": None},
 ])
 def test_invalid_outcome_records_are_rejected(record):
-    with pytest.raises(InvalidRecord):
-        parse_outcome(record, key="outcome.json", round=0, attempt=0, replicas=3)
+    with pytest.raises(BadObject):
+        Outcome.from_json(record if record is None else {"round": 0, "attempt": 0, **record}, key="outcome.json",
+                          round=0, attempt=0, replicas=3)
 
 
 def test_config_rejects_bad_check_settings(store_uri):
@@ -180,8 +186,6 @@ def test_bit_flipped_old_outcome_does_not_break_round_discovery(store_uri):
 
 
 def test_run_status_survives_a_corrupt_old_outcome(store_uri):
-    from composer_cloud.runs.status import rounds_committed
-
     st = Store(store_uri)
     ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1))
     for r in range(2):
@@ -189,7 +193,7 @@ def test_run_status_survives_a_corrupt_old_outcome(store_uri):
     ar.close()
     flip_byte(st, f"{Q0}/outcome.json")
     st.put(f"{Q0}/outcome.json.bak", b"junk")
-    assert rounds_committed(st) == 2
+    assert latest_committed_round(st) + 1 == 2  # what `status` counts
 
 
 def test_forged_committed_outcomes_are_not_commits(any_store_uri):
@@ -197,10 +201,13 @@ def test_forged_committed_outcomes_are_not_commits(any_store_uri):
     out = run_round(any_store_uri, 2, min_replicas=2)
     assert all(res.committed for res, _ in out.values())
     # No quorum record at all, participants that differ from the quorum, a record for another attempt.
-    st.create_json("rounds/00000005/0/outcome.json", {"committed": True, "participants": [0, 1]})
-    st.create_json("rounds/00000001/0/quorum.json", {"participants": [0, 1]})
-    st.create_json("rounds/00000001/0/outcome.json", {"committed": True, "participants": [0]})
-    st.create_json("rounds/00000002/0/outcome.json", {"committed": True, "participants": [0, 1], "attempt": 4})
+    st.create_json("rounds/00000005/0/outcome.json", {"round": 5, "attempt": 0, "committed": True,
+                                                      "participants": [0, 1]})
+    st.create_json("rounds/00000001/0/quorum.json", {"round": 1, "attempt": 0, "participants": [0, 1]})
+    st.create_json("rounds/00000001/0/outcome.json", {"round": 1, "attempt": 0, "committed": True,
+                                                      "participants": [0]})
+    st.create_json("rounds/00000002/0/outcome.json", {"round": 2, "committed": True, "participants": [0, 1],
+                                                      "attempt": 4})
     assert latest_committed_round(st, start=0) == 0
     assert latest_committed_round(st, start=1) == 0
     assert committed_attempt(st, 5) is None
@@ -416,8 +423,10 @@ def test_diloco_run_survives_junk_records_and_matches_plain_torch(store_uri):
     st = Store(store_uri)
     st.create(f"{Q0}/quorum.json", b"\xff not json")                               # current round, garbage
     st.put("rounds/00000001/0/join/README", b"hello")                                  # stray join object
-    st.create_json("rounds/00000002/0/quorum.json", {"participants": [0, 1, 2, 3]})   # future round, out of range
-    st.create_json("rounds/00000003/0/outcome.json", {"committed": True, "participants": [0, 1, 2]})  # forged
+    st.create_json("rounds/00000002/0/quorum.json", {"round": 2, "attempt": 0,
+                                                     "participants": [0, 1, 2, 3]})  # future round, out of range
+    st.create_json("rounds/00000003/0/outcome.json", {"round": 3, "attempt": 0, "committed": True,
+                                                      "participants": [0, 1, 2]})  # forged
     world, rounds = 3, 4
     outs = run_processes(_junk_kw, [(store_uri, r, world) for r in range(world)], timeout=240)
     ref = reference_diloco(world, rounds=rounds, sync_every=3)

@@ -17,19 +17,21 @@ import pytest
 
 import composer_cloud
 from composer_cloud.registry import BadReference
-from composer_cloud.rendezvous.store import ChecksumMismatch, Store
+from composer_cloud.errors import ChecksumMismatch
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.layout import code_key
+from composer_cloud.storage.records import CodeRef
 from composer_cloud.usercode import (
     BundleTooLarge,
     CodeNotFound,
-    CodeRef,
     UnsafeArchive,
     UserCodeError,
-    code_key,
     collect_code,
     fetch_file,
     install_code,
+    pack_path,
+    put_verified,
     upload_code,
-    upload_files,
 )
 
 REPO = Path(composer_cloud.__file__).resolve().parent.parent
@@ -323,17 +325,27 @@ def test_size_limit_names_the_largest_files(project, elsewhere):
     assert "my_tasks/weights.bin (5000 bytes)" in str(err.value) and "4096" in str(err.value)
 
 
+def _upload(store: Store, paths: list, *, base_dir: Path | None = None) -> dict[str, str]:
+    """What ``launch`` does with the local paths a spec names: pack each, put it write-once."""
+    keys = {}
+    for given in paths:
+        key, data, sha = pack_path((base_dir or Path.cwd()) / given, given=str(given))
+        put_verified(store, key, data, sha)
+        keys[str(given)] = key
+    return keys
+
+
 def test_local_files_and_directories_travel_by_content(project, elsewhere, tmp_path, store_uri):
     store = Store(store_uri)
     model = project / "tiny-model"
     _write(model / "config.json", '{"hidden_size": 8}')
     (model / "model.safetensors").write_bytes(bytes(range(256)) * 4)
     _write(model / ".git" / "HEAD", "ref")
-    keys = upload_files(store, ["data/pairs.jsonl", "tiny-model"], base_dir=project)
+    keys = _upload(store, ["data/pairs.jsonl", "tiny-model"], base_dir=project)
     pairs_sha = hashlib.sha256((project / "data" / "pairs.jsonl").read_bytes()).hexdigest()
     assert keys["data/pairs.jsonl"] == f"files/{pairs_sha}/pairs.jsonl"
     assert keys["tiny-model"].startswith("dirs/") and keys["tiny-model"].endswith("/tiny-model.zip")
-    assert upload_files(store, [model]) == {str(model): keys["tiny-model"]}  # same content, same key
+    assert _upload(store, [model]) == {str(model): keys["tiny-model"]}  # same content, same key
 
     cache = tmp_path / "files-cache"
     got = fetch_file(store, keys["data/pairs.jsonl"], cache_dir=cache)
@@ -347,17 +359,17 @@ def test_local_files_and_directories_travel_by_content(project, elsewhere, tmp_p
     with pytest.raises(ChecksumMismatch, match=keys["data/pairs.jsonl"]):
         fetch_file(store, keys["data/pairs.jsonl"], cache_dir=tmp_path / "fresh-cache")
     for bad in ("files/abc/x", f"files/{pairs_sha}/..", f"dirs/{pairs_sha}/model", "../files/x"):
-        with pytest.raises(ValueError, match="not a key written by upload_files"):
+        with pytest.raises(ValueError, match="not a key written by pack_path"):
             fetch_file(store, bad, cache_dir=cache)
     with pytest.raises(UserCodeError, match="missing.jsonl"):
-        upload_files(store, ["missing.jsonl"], base_dir=project)
+        _upload(store, ["missing.jsonl"], base_dir=project)
 
 
 def test_code_ref_from_untrusted_json_is_validated():
     sha = "a" * 64
     ref = CodeRef.from_json({"key": f"code/{sha}.zip", "sha256": sha, "bytes": 10, "modules": ["m"]})
     assert CodeRef.from_json(ref.to_json()) == ref
-    with pytest.raises(ValueError, match="not code/<sha256>.zip"):
+    with pytest.raises(ValueError, match="not the bundle key"):
         CodeRef.from_json({**ref.to_json(), "key": "code/../../evil.zip"})
     with pytest.raises(ValueError, match="not a sha256"):
         CodeRef.from_json({**ref.to_json(), "sha256": "../x", "key": "code/../x.zip"})

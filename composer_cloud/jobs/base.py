@@ -13,9 +13,12 @@ Handles are plain JSON (:class:`JobHandle`) and are stored at
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from composer_cloud.errors import ExecutorError  # noqa: F401 - what executors raise
+from composer_cloud.storage.records import JobHandle  # noqa: F401 - the record a launch returns
 
 
 class ReplicaState(str, enum.Enum):
@@ -42,38 +45,6 @@ class ReplicaStatus:
     exit_code: int | None = None
     message: str = ""
     restarts: int | None = None
-
-
-@dataclass
-class JobHandle:
-    """How to find one replica job again. JSON-serialisable; never holds a secret.
-
-    Attributes:
-        executor: executor name (``local``, ``modal``, ``hf-jobs``).
-        rank: replica rank.
-        job_id: the backend's id (process id, FunctionCall id, HF job id).
-        data: backend-specific details (log path, namespace, app id, ...).
-        restarts: how many times the executor relaunched this replica.
-    """
-
-    executor: str
-    rank: int
-    job_id: str
-    data: dict[str, Any] = field(default_factory=dict)
-    restarts: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "JobHandle":
-        return cls(
-            executor=str(d["executor"]),
-            rank=int(d["rank"]),
-            job_id=str(d["job_id"]),
-            data=dict(d.get("data", {})),
-            restarts=int(d.get("restarts", 0)),
-        )
 
 
 @dataclass(frozen=True)
@@ -136,7 +107,3 @@ class ServerlessExecutor(Protocol):
     def cancel(self, handle: JobHandle) -> None:
         """Stop the job (and its children). Idempotent."""
         ...
-
-
-class ExecutorError(RuntimeError):
-    """A backend refused or failed an operation; the message says what to do."""

@@ -33,10 +33,11 @@ from typing import Any
 from composer_cloud import env
 from composer_cloud.jobs.base import ExecutorError
 from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.layout import WHEELS as WHEEL_PREFIX
+from composer_cloud.storage.layout import wheel_key
 
 logger = logging.getLogger(__name__)
 
-WHEEL_PREFIX = "executor/wheel"
 #: Launcher-side override: a prebuilt wheel to stage instead of building one.
 WHEEL_ENV = env.PREBUILT_WHEEL
 _TREE_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in", "README.md", "LICENSE", "LICENSE.txt")
@@ -122,7 +123,7 @@ def stage_wheel(store: Store, wheel: str | os.PathLike[str]) -> StagedWheel:
         raise ExecutorError(f"{path} is not a wheel (*.whl)")
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    key = f"{WHEEL_PREFIX}/{digest[:16]}/{path.name}"
+    key = wheel_key(digest, path.name)
     existing = store.try_get(key)
     if existing is None or hashlib.sha256(existing).hexdigest() != digest:
         store.put(key, data)

@@ -1,7 +1,8 @@
 """Object-store all-reduce: average a flat tensor over the replicas of a round.
 
 Replicas never talk to each other; every step of a round is an object in the
-store (layout and record schemas: ``rounds.py``; payload checks: ``checks.py``).
+store (keys: ``storage/layout.py``; records: ``storage/records.py`` and ``rounds.py``;
+payload checks: ``checks.py``).
 
 Protocol for one attempt (``W`` = number of participants, ``i`` = my index):
 
@@ -44,6 +45,7 @@ import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,18 +56,19 @@ import torch
 from composer_cloud import faults
 from composer_cloud.rendezvous import codec as wire
 from composer_cloud.rendezvous.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
-                                              slot_digest, verify_reduced)
-from composer_cloud.rendezvous.rounds import (InvalidRecord, Outcome, attempt_prefix, attempts, cleanup_rounds,
-                                              committed_attempt, join_rank, latest_committed_round, read_outcome,
-                                              read_quorum, read_record, round_prefix)
-from composer_cloud.rendezvous.store import (ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreTimeout,
-                                             iter_chunks)
+                                              verify_reduced)
+from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreTimeout, SyncError
+from composer_cloud.rendezvous.rounds import (attempts, cleanup_rounds, committed_attempt, join_rank,
+                                              latest_committed_round, read_outcome, read_quorum)
+from composer_cloud.rendezvous.store import Store, iter_chunks
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import Join, Outcome, Quorum, SlotDigest
 from composer_cloud.retry import poll_until
 
 logger = logging.getLogger(__name__)
 
 
-class RoundTimeout(StoreError):
+class RoundTimeout(SyncError):
     """A round could not proceed before its deadline; names the missing ranks."""
 
     def __init__(self, round: int, missing_ranks: Sequence[int], what: str) -> None:
@@ -85,7 +88,7 @@ class _Immediate:
         return self._fn(*self._args)
 
 
-class BehindError(StoreError):
+class BehindError(SyncError):
     """The round this replica tried to join is already committed: it must heal first."""
 
     def __init__(self, round: int) -> None:
@@ -196,7 +199,7 @@ class ObjectStoreAllReduce:
         attempt = 0
         while (out := self.outcome(round, attempt)) is not None:
             # A damaged record may hide a commit: once the run has moved on to round + 1, it was one.
-            if out.committed or (out.unreadable and self.store.list_dirs(round_prefix(round + 1))):
+            if out.committed or (out.unreadable and self.store.list_dirs(layout.round_prefix(round + 1))):
                 raise BehindError(round)
             attempt += 1
         return attempt
@@ -220,7 +223,7 @@ class ObjectStoreAllReduce:
             try:
                 previous = read_quorum(self.store, round, attempt - 1, replicas=cfg.replicas,
                                        min_replicas=cfg.min_replicas)
-            except InvalidRecord:
+            except BadObject:
                 pass
         base = frozenset(previous.participants) if previous is not None else everyone
         return _Chain(position, excluded, base - excluded)
@@ -238,16 +241,15 @@ class ObjectStoreAllReduce:
 
         The quorum is decided once every rank in ``expected`` (default: all
         replicas) joined, or at the quorum deadline; ``excluded`` ranks never
-        take part. Raises :class:`InvalidRecord` if the attempt's quorum
+        take part. Raises :class:`BadObject` if the attempt's quorum
         record is unusable (the attempt must then be abandoned: the record is
         write-once), :class:`RoundTimeout` if too few replicas joined.
         """
         cfg = self.config
-        prefix = attempt_prefix(round, attempt)
-        key = f"{prefix}/quorum.json"
+        key = layout.quorum_key(round, attempt)
         t0 = time.monotonic()
-        self.store.put(f"{prefix}/join/{self.rank}.json",
-                       json.dumps({"rank": self.rank, "time": time.time()}).encode(), durable=False)
+        self.store.put(layout.join_key(round, attempt, self.rank),
+                       json.dumps(Join(rank=self.rank, time=time.time()).to_json()).encode(), durable=False)
         expected = (frozenset(range(cfg.replicas)) if expected is None else expected) - excluded
         deadline = t0 + cfg.quorum_timeout_s
 
@@ -256,14 +258,14 @@ class ObjectStoreAllReduce:
             if quorum is None:
                 return None
             if set(quorum.participants) & excluded:
-                raise InvalidRecord(key, f"participants include ranks {sorted(set(quorum.participants) & excluded)} "
+                raise BadObject(key, f"participants include ranks {sorted(set(quorum.participants) & excluded)} "
                                          "that this round's earlier attempts excluded")
             return quorum.participants
 
         def probe() -> list[int] | None:
             if (participants := decided()) is not None:
                 return participants
-            joined = sorted(self._joined(prefix) - excluded)
+            joined = sorted(self._joined(round, attempt) - excluded)
             everyone = expected <= set(joined)
             if not everyone and time.monotonic() < deadline:
                 return None
@@ -273,11 +275,11 @@ class ObjectStoreAllReduce:
                     round, missing,
                     f"only {len(joined)} of min_replicas={cfg.min_replicas} replicas joined "
                     f"within quorum_timeout_s={cfg.quorum_timeout_s}")
-            record = {"round": round, "attempt": attempt, "participants": joined, "excluded": sorted(excluded),
-                      "decided_by": self.rank, "time": time.time(),
-                      "reason": "all joined" if everyone else "quorum deadline"}
-            if self.store.create_json(key, record):
-                logger.info("round %d.%d quorum %s (%s)", round, attempt, joined, record["reason"])
+            record = Quorum(round=round, attempt=attempt, participants=joined, excluded=sorted(excluded),
+                            decided_by=self.rank, time=time.time(),
+                            reason="all joined" if everyone else "quorum deadline")
+            if self.store.create_json(key, record.to_json()):
+                logger.info("round %d.%d quorum %s (%s)", round, attempt, joined, record.reason)
             return decided()  # whichever record won the race
 
         # The probe decides at the quorum deadline itself; the poll deadline is only a backstop.
@@ -286,11 +288,11 @@ class ObjectStoreAllReduce:
             on_timeout=lambda waited: RoundTimeout(round, sorted(expected), f"no quorum after {waited:.1f}s"))
         return participants, time.monotonic() - t0
 
-    def _joined(self, prefix: str) -> set[int]:
+    def _joined(self, round: int, attempt: int) -> set[int]:
         """Ranks with a well-named ``join/<rank>.json`` (stray objects are skipped with a warning)."""
-        base = f"{prefix}/join/"
+        base = layout.join_prefix(round, attempt) + "/"
         ranks = set()
-        for k in self.store.list(f"{prefix}/join"):
+        for k in self.store.list(base[:-1]):
             name = k[len(base):] if k.startswith(base) else k
             rank = join_rank(name, replicas=self.config.replicas, where=f"{self.store.uri}/{base[:-1]}") \
                 if "/" not in name else None
@@ -337,10 +339,10 @@ class ObjectStoreAllReduce:
         try:
             participants, quorum_wait = self.join_and_decide_quorum(
                 round, attempt, excluded=chain.excluded, expected=chain.expected)
-        except InvalidRecord as exc:
+        except BadObject as exc:
             # Write-once: a bad quorum record cannot be replaced, so the attempt is dead.
             # Recording the abort lets everyone (and later arrivals) move on to a + 1.
-            out = self._abort(round, attempt, f"invalid quorum record ({exc.problem})", check="quorum", retry=True)
+            out = self._abort(round, attempt, f"invalid quorum record ({exc.reason})", check="quorum", retry=True)
             result = RoundResult(round=round, attempt=attempt, participants=[], participated=False,
                                  committed=False, reason=out.reason)
             return result, out.retry and self._retry_at_once(round, attempt)
@@ -366,7 +368,6 @@ class ObjectStoreAllReduce:
                   result: RoundResult) -> Outcome:
         """Scatter, reduce, gather, commit; returns the attempt's final outcome."""
         cfg = self.config
-        prefix = attempt_prefix(round, attempt)
         w = len(participants)
         me = participants.index(self.rank)
         slots = list(iter_chunks(flat.numel(), w))
@@ -381,7 +382,7 @@ class ObjectStoreAllReduce:
             encoded = list(self._pool.map(lambda se: wire.encode(cfg.codec, flat[se[0]:se[1]]), slots))
             result.payload_bytes = sum(len(e) for e in encoded)
             own_slot = encoded[me]
-            uploads = [self._pool.submit(self.store.put, f"{prefix}/grad/{self.rank}/{j}", encoded[j],
+            uploads = [self._pool.submit(self.store.put, layout.grad_key(round, attempt, self.rank, j), encoded[j],
                                          durable=False) for j in range(w)]
             del encoded
             uploads[0].result()
@@ -409,7 +410,7 @@ class ObjectStoreAllReduce:
                 if j == me:
                     out[s:e] = wire.decode(cfg.codec, reduced_mine, numel=e - s)
                     continue
-                key = f"{prefix}/reduced/{j}"
+                key = layout.reduced_key(round, attempt, j)
                 record, data = gathered[j].result()
                 try:
                     decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
@@ -426,15 +427,16 @@ class ObjectStoreAllReduce:
                                         excluded=exc.excluded, slot=exc.slot, retry=True)
 
         # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
-        record = {"round": round, "attempt": attempt, "committed": True, "participants": participants,
-                  "by": self.rank, "time": time.time()}
-        self.store.create_json(f"{prefix}/outcome.json", record)
+        commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
+                         time=time.time())
+        self.store.create_json(layout.outcome_key(round, attempt), commit.to_json())
         final = read_outcome(self.store, round, attempt, replicas=cfg.replicas, participants=participants)
         if final is not None and final.committed:
             flat.copy_(out)
             result.committed = True
             return final
-        final = final or Outcome(committed=False, reason="outcome record vanished", check="outcome", retry=True)
+        final = final or Outcome(round=round, attempt=attempt, committed=False, reason="outcome record vanished",
+                                 check="outcome", retry=True)
         result.reason = f"aborted by replica {final.by}: {final.reason}"
         return final
 
@@ -445,7 +447,7 @@ class ObjectStoreAllReduce:
             # A peer committed before this replica's check failed (an object changed between reads):
             # do not apply what failed here; heal from the committed state at the next sync.
             result.reason = f"check failed after the round committed ({reason}); not applied"
-            return Outcome(committed=False, reason=result.reason)
+            return Outcome(round=round, attempt=attempt, committed=False, reason=result.reason)
         result.reason = out.reason if out.by is None or out.by == self.rank else \
             f"aborted by replica {out.by}: {out.reason}"
         return out
@@ -458,12 +460,11 @@ class ObjectStoreAllReduce:
         Raises :class:`RoundTimeout` (parts missing) or :class:`RejectedPayload` (a part failed a check).
         """
         cfg = self.config
-        prefix = attempt_prefix(round, attempt)
 
         def fetch(rank: int) -> bytes | memoryview:
             if own is not None and rank == own[0]:
                 return own[1]
-            return self._wait_in_round(round, attempt, f"{prefix}/grad/{rank}/{slot}", deadline, rank)
+            return self._wait_in_round(round, attempt, layout.grad_key(round, attempt, rank, slot), deadline, rank)
 
         if parallel:
             futures = [self._pool.submit(fetch, p) for p in participants]
@@ -473,7 +474,7 @@ class ObjectStoreAllReduce:
         missing: list[int] = []
         norms: list[float] = []
         for p, fut in zip(participants, futures):
-            key = f"{prefix}/grad/{p}/{slot}"
+            key = layout.grad_key(round, attempt, p, slot)
             try:
                 part = wire.decode(cfg.codec, fut.result(), key=key, numel=numel)
             except RoundTimeout as exc:
@@ -503,30 +504,31 @@ class ObjectStoreAllReduce:
     def _publish_reduced(self, round: int, attempt: int, slot: int, data: bytes, numel: int,
                          norms: list[float]) -> dict[str, Any]:
         """Upload a reduced slot, then its write-once digest (readers wait for the digest)."""
-        key = f"{attempt_prefix(round, attempt)}/reduced/{slot}"
-        self.store.put(key, data, durable=False)
-        digest = slot_digest(round=round, attempt=attempt, slot=slot, data=data, numel=numel, input_norms=norms,
-                             by=self.rank)
-        if not self.store.create_json(f"{key}.json", digest):
+        self.store.put(layout.reduced_key(round, attempt, slot), data, durable=False)
+        digest_key = layout.reduced_digest_key(round, attempt, slot)
+        digest = SlotDigest(round=round, attempt=attempt, slot=slot, numel=numel, crc32=zlib.crc32(data),
+                            input_norms=list(norms), by=self.rank)
+        if not self.store.create_json(digest_key, digest.to_json()):
             # Another participant took over this slot (same inputs, same bytes), or someone forged it.
             try:
-                problem = digest_mismatch(digest, read_record(self.store, f"{key}.json"), key=f"{key}.json")
-            except InvalidRecord as exc:
+                problem = digest_mismatch(digest, self.store.try_get_json(digest_key), key=digest_key)
+            except BadObject as exc:
                 problem = exc
             if problem is not None:
                 raise RejectedPayload(f"reduced slot {slot}: the digest in the store is not this reducer's "
-                                      f"({problem.problem})", check="reduced", slot=slot)
-        return digest
+                                      f"({problem.reason})", check="reduced", slot=slot)
+        return digest.to_json()
 
     def _fetch_reduced(self, round: int, attempt: int, participants: list[int], slot: int, numel: int,
                        deadline: float) -> tuple[Any, bytes | memoryview]:
         """Wait for reduced slot ``slot`` and its digest; returns ``(digest record, slot bytes)``."""
-        key = f"{attempt_prefix(round, attempt)}/reduced/{slot}"
+        key = layout.reduced_key(round, attempt, slot)
         # Wait for the reducer for half the round's remaining time, then take over its slot.
         takeover_at = time.monotonic() + 0.5 * max(0.0, deadline - time.monotonic())
         try:
-            record = json.loads(bytes(self._wait_in_round(round, attempt, f"{key}.json", takeover_at,
-                                                          participants[slot])))
+            digest = self._wait_in_round(round, attempt, layout.reduced_digest_key(round, attempt, slot),
+                                         takeover_at, participants[slot])
+            record = json.loads(bytes(digest))
         except RoundTimeout as exc:
             if exc.aborted:
                 raise
@@ -567,15 +569,14 @@ class ObjectStoreAllReduce:
                missing: Sequence[int] = (), excluded: Sequence[int] = (), check: str | None = None,
                slot: int | None = None, retry: bool = False) -> Outcome:
         """Create the attempt's abort record (unless an outcome exists); returns the outcome that won."""
-        record: dict[str, Any] = {"round": round, "attempt": attempt, "committed": False, "reason": reason,
-                                  "missing": sorted(missing), "excluded": sorted(excluded), "check": check,
-                                  "retry": retry, "by": self.rank, "time": time.time()}
-        if slot is not None:
-            record["slot"] = slot
-        if self.store.create_json(f"{attempt_prefix(round, attempt)}/outcome.json", record):
+        record = Outcome(round=round, attempt=attempt, committed=False, reason=reason, missing=sorted(missing),
+                         excluded=sorted(excluded), check=check, retry=retry, by=self.rank, slot=slot,
+                         time=time.time())
+        if self.store.create_json(layout.outcome_key(round, attempt), record.to_json()):
             logger.warning("round %d.%d aborted: %s", round, attempt, reason)
         out = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
-        return out or Outcome(committed=False, reason=reason, check=check, retry=retry, by=self.rank)
+        return out or Outcome(round=round, attempt=attempt, committed=False, reason=reason, check=check, retry=retry,
+                              by=self.rank)
 
     def _wait_outcome(self, round: int, attempt: int, participants: list[int]) -> Outcome:
         return poll_until(
@@ -586,6 +587,5 @@ class ObjectStoreAllReduce:
                                                                         f"round_timeout_s ({waited:.1f}s)"))
 
 
-__all__ = ["AllReduceConfig", "BehindError", "InvalidRecord", "ObjectNotFound", "ObjectStoreAllReduce", "RoundResult",
-           "RoundTimeout", "attempt_prefix", "cleanup_rounds", "committed_attempt", "latest_committed_round",
-           "round_prefix"]
+__all__ = ["AllReduceConfig", "BehindError", "ObjectStoreAllReduce", "RoundResult", "RoundTimeout", "cleanup_rounds",
+           "committed_attempt", "latest_committed_round"]

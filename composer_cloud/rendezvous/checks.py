@@ -1,6 +1,6 @@
 """Payload checks of the object-store all-reduce: what is verified before a slot is used.
 
-Nothing read from the bucket is trusted (DESIGN.md invariant 10). Checks that
+Nothing read from the bucket is trusted (``docs/store.md``). Checks that
 cost O(payload) compute and O(W) tiny objects, so traffic stays O(P):
 
 * **Inputs** (the reducer of slot ``j``, on every participant's part of
@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
+from composer_cloud.errors import BadObject, SyncError
 from composer_cloud.rendezvous.codec import norm_rtol
-from composer_cloud.rendezvous.rounds import InvalidRecord
-from composer_cloud.rendezvous.store import StoreError
+from composer_cloud.storage.records import SlotDigest
 
 
-class RejectedPayload(StoreError):
+class RejectedPayload(SyncError):
     """A slot failed a check: the attempt is aborted with this reason (and record fields)."""
 
     def __init__(self, reason: str, *, check: str, slot: int | None, excluded: Sequence[int] = ()) -> None:
@@ -117,13 +117,6 @@ def check_outliers(ranks: Sequence[int], norms: Sequence[float], *, slot: int,
                               f"{median:.4g}", check="outlier", slot=slot, excluded=[r for r, _ in outliers])
 
 
-def slot_digest(*, round: int, attempt: int, slot: int, data: bytes | memoryview, numel: int,
-                input_norms: Sequence[float], by: int) -> dict[str, Any]:
-    """The write-once record a reducer publishes for its reduced slot."""
-    return {"round": round, "attempt": attempt, "slot": slot, "numel": numel, "crc32": zlib.crc32(data),
-            "input_norms": list(input_norms), "by": by}
-
-
 def verify_reduced(record: Any, data: bytes | memoryview, decoded: torch.Tensor, *, key: str, round: int,
                    attempt: int, slot: int, participants: Sequence[int], me: int, my_norm: float,
                    codec: str) -> None:
@@ -135,17 +128,15 @@ def verify_reduced(record: Any, data: bytes | memoryview, decoded: torch.Tensor,
     def reject(problem: str) -> RejectedPayload:
         return RejectedPayload(f"reduced slot {slot} ({key}): {problem}", check="reduced", slot=slot)
 
-    if not isinstance(record, dict):
-        raise reject("digest record is not a JSON object")
-    for name, want in (("round", round), ("attempt", attempt), ("slot", slot), ("numel", decoded.numel())):
-        if record.get(name) != want:
-            raise reject(f"digest field {name!r} is {record.get(name)!r:.40}, expected {want}")
-    norms = record.get("input_norms")
-    if (not isinstance(norms, list) or len(norms) != len(participants)
-            or not all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n >= 0
-                       for n in norms)):
-        raise reject(f"digest field 'input_norms' must be {len(participants)} finite norms")
-    if record.get("crc32") != zlib.crc32(data):
+    try:
+        digest = SlotDigest.from_json(record, key=key, round=round, attempt=attempt, slot=slot,
+                                      participants=len(participants))
+    except BadObject as exc:
+        raise reject(exc.reason) from None
+    if digest.numel != decoded.numel():
+        raise reject(f"digest field 'numel' is {digest.numel}, expected {decoded.numel()}")
+    norms = digest.input_norms
+    if digest.crc32 != zlib.crc32(data):
         raise reject("bytes do not match the reducer's digest (corrupt or replaced)")
     norm = l2(decoded)
     if not math.isfinite(norm):
@@ -159,17 +150,17 @@ def verify_reduced(record: Any, data: bytes | memoryview, decoded: torch.Tensor,
         raise reject(f"norm {norm:.6g} exceeds the mean input norm {bound:.6g}")
 
 
-def digest_mismatch(mine: dict[str, Any], found: Any, *, key: str) -> InvalidRecord | None:
+def digest_mismatch(mine: SlotDigest, found: Any, *, key: str) -> BadObject | None:
     """Why an existing digest record differs from the one this reducer computed, or None if it matches."""
-    if not isinstance(found, dict):
-        return InvalidRecord(key, "digest record is not a JSON object")
-    for name in ("crc32", "numel", "slot", "round", "attempt"):
-        if found.get(name) != mine[name]:
-            return InvalidRecord(key, f"field {name!r} differs from this reducer's result")
-    norms = found.get("input_norms")
+    try:
+        theirs = SlotDigest.from_json(found, key=key, round=mine.round, attempt=mine.attempt, slot=mine.slot,
+                                      participants=len(mine.input_norms))
+    except BadObject as exc:
+        return exc
+    for name in ("crc32", "numel"):
+        if getattr(theirs, name) != getattr(mine, name):
+            return BadObject(key, f"field {name!r} differs from this reducer's result")
     # Norms may differ in the last bits between processes (reduction order); the crc pins the bytes.
-    if not isinstance(norms, list) or len(norms) != len(mine["input_norms"]) or not all(
-            isinstance(a, (int, float)) and abs(a - b) <= 1e-9 * abs(b) + 1e-30
-            for a, b in zip(norms, mine["input_norms"])):
-        return InvalidRecord(key, "field 'input_norms' differs from this reducer's result")
+    if not all(abs(a - b) <= 1e-9 * abs(b) + 1e-30 for a, b in zip(theirs.input_norms, mine.input_norms)):
+        return BadObject(key, "field 'input_norms' differs from this reducer's result")
     return None

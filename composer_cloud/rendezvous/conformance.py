@@ -1,6 +1,6 @@
 """Store conformance probe: does a store give the guarantees the object-store all-reduce relies on?
 
-DESIGN.md invariant 11: a store's write-once and consistency properties are
+A store's write-once and consistency properties are
 probed before a run starts, and a store that lacks them is refused by name.
 :func:`probe_store` exercises the real store under a scratch prefix
 (``<uri>/.composer-cloud-probe/<uuid>/``) that it deletes afterwards, and
@@ -35,15 +35,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer_cloud.rendezvous.store import ObjectNotFound, Store, StoreConfigError, join_uri
+from composer_cloud.errors import ObjectNotFound, StoreConfigError
+from composer_cloud.rendezvous.store import Store, join_uri
+from composer_cloud.storage.layout import PROBE_PREFIX  # where the probe writes, under the store root; removed afterwards
 
 __all__ = ["PROBE_PREFIX", "ConformanceReport", "PropertyCheck", "StoreConfigError", "StoreNotConforming",
            "format_report", "probe_store", "require_conformance"]
 
 logger = logging.getLogger(__name__)
 
-#: Where the probe writes, under the store root; removed afterwards.
-PROBE_PREFIX = ".composer-cloud-probe"
 #: Concurrent creators of one key in ``concurrent_create``.
 RACERS = 8
 

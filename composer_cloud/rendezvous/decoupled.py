@@ -52,7 +52,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from composer_cloud.rendezvous.store import ChecksumMismatch, ObjectNotFound, Store, StoreError, StoreUnavailable
+from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreError, StoreUnavailable
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage import layout
 
 if TYPE_CHECKING:
     import torch
@@ -64,13 +66,8 @@ FRAGMENT_KEY = "StreamingDiLoCoFragment_0"  # torchft's key: export/load_global_
 _NUM = re.compile(r"^(\d{8})\.json$")
 
 
-class InvalidObject(StoreError):
+class InvalidObject(BadObject):
     """A decoupled object failed validation; names the key and the check."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        self.reason = reason
-        super().__init__(f"{key}: {reason}")
 
 
 # ------------------------------------------------------------------ keys
@@ -142,8 +139,6 @@ def _read_json(store: Store, key: str) -> Any | None:
         return store.get_json(key)
     except ObjectNotFound:
         return None
-    except StoreUnavailable:
-        raise
     except ChecksumMismatch as exc:
         raise InvalidObject(key, str(exc)) from None
 
@@ -435,10 +430,11 @@ def write_version(store: Store, version: int, tree: dict[str, Any], *, writer: i
 
     ckpt.write_global_state(store, version, tree, writer=writer, num_shards=1, attempt=0)
     marker = ckpt.shard_markers(store, version, attempt=0).by_count[1][0]
-    store.create_json(f"{ckpt.checkpoint_prefix(version)}/manifest.json", {
-        "round": version, "attempt": 0, "replicas": {}, "participants": (meta or {}).get("ranks", []),
-        "global": [{"key": marker["key"], "bytes": marker["bytes"], "crc32": marker["crc32"]}],
-        "time": time.time(), "decoupled": meta or {}})
+    entry = ckpt.BlobEntry(key=layout.slice_name(0, 0, 1) + ".safetensors", bytes=marker.bytes, crc32=marker.crc32)
+    manifest = ckpt.Manifest(round=version, attempt=0, slices=[entry], replicas={},
+                             participants=(meta or {}).get("ranks", []), time=time.time(),
+                             extra={"decoupled": meta or {}})
+    store.create_json(layout.manifest_key(version), manifest.to_json())
 
 
 def load_version(store: Store, version: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -527,10 +523,10 @@ def complete_version(store: Store, cfg: DecoupledConfig, record: MergeRecord, sh
         return
     if not has_version(store, v - 1):
         if depth > 8:
-            raise StoreError(f"global {v - 1} is missing and could not be rebuilt")
+            raise InvalidObject(layout.checkpoint_prefix(v - 1), "missing, and could not be rebuilt")
         prev = read_merge(store, cfg, v - 1) if v - 1 > 0 else None
         if prev is None:
-            raise StoreError(f"global version {v - 1} is neither durable nor decided by a merge record")
+            raise InvalidObject(layout.checkpoint_prefix(v - 1), "neither durable nor decided by a merge record")
         complete_version(store, cfg, prev, shapes, rank=rank, depth=depth + 1)
     base = load_version(store, v - 1, shapes)
     if deltas is None:
@@ -556,7 +552,7 @@ def _version_meta(record: MergeRecord, rank: int) -> dict[str, Any]:
 def _has_manifest(store: Store, version: int) -> bool:
     from composer_cloud import checkpoint as ckpt
 
-    return store.exists(f"{ckpt.checkpoint_prefix(version)}/manifest.json")
+    return store.exists(layout.manifest_key(version))
 
 
 def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int, ...]], *, rank: int,
@@ -673,9 +669,7 @@ def prune(store: Store, cfg: DecoupledConfig, *, newest: int, record: MergeRecor
         for v in merge_versions(store):
             if kept and v < kept[0]:
                 store.delete(merge_key(v))
-    except StoreUnavailable:
-        raise
-    except StoreError as exc:  # pruning is housekeeping: never fail a merge on it
+    except (BadObject, ObjectNotFound) as exc:  # pruning is housekeeping: never fail a merge on it
         logger.warning("pruning after version %d failed: %s", newest, exc)
 
 
@@ -722,9 +716,7 @@ def load_replica(store: Store, rank: int, *, world_size: int) -> ReplicaResume |
             if zlib.crc32(raw) != rec.get("crc32"):
                 raise InvalidObject(f"{key}.safetensors", "crc32 differs from its marker")
             return ReplicaResume(seq=seq, version=version, tree=decode_state(raw))
-        except StoreUnavailable:
-            raise
-        except (StoreError, ValueError, KeyError) as exc:
+        except (BadObject, ObjectNotFound, ValueError, KeyError) as exc:
             logger.warning("replica %d: inner state %d unusable (%s); trying an older one", rank, seq, exc)
     return None
 
@@ -771,9 +763,7 @@ def read_final(store: Store) -> int | None:
     """The final version if the run finished (``final.json`` present and well-formed and durable)."""
     try:
         rec = store.try_get_json(FINAL_KEY)
-    except StoreUnavailable:
-        raise
-    except StoreError:
+    except BadObject:
         return None
     v = rec.get("version") if isinstance(rec, dict) else None
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None

@@ -52,13 +52,13 @@ import torch
 from composer_cloud import checkpoint
 from composer_cloud.rendezvous import rounds
 from composer_cloud.rendezvous.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
-from composer_cloud.rendezvous.store import StoreError, StoreTimeout
+from composer_cloud.errors import StoreError, StoreTimeout, SyncError
 from composer_cloud.retry import PollPolicy, poll_until
 
 logger = logging.getLogger(__name__)
 
 
-class HealError(StoreError):
+class HealError(SyncError):
     """No committed global state could be loaded before the heal deadline."""
 
 

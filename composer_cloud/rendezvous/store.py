@@ -52,6 +52,14 @@ from typing import Any, TypeVar
 import fsspec
 
 from composer_cloud import env
+from composer_cloud.errors import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    SignatureMismatch,
+    StoreConfigError,
+    StoreTimeout,
+    StoreUnavailable,
+)
 from composer_cloud.retry import Outage, PollPolicy, RetryPolicy, http_error_of, is_transient, poll_until
 
 logger = logging.getLogger(__name__)
@@ -71,63 +79,6 @@ MIN_SIGNING_KEY_BYTES = 16
 #: botocore socket timeouts for S3 (seconds): connecting, and waiting for the next bytes of a response.
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 30.0
-
-
-# --------------------------------------------------------------------------- errors
-class StoreError(RuntimeError):
-    """Base class of every error raised by the store and the all-reduce."""
-
-
-class ObjectNotFound(StoreError, KeyError):
-    def __init__(self, key: str) -> None:
-        self.key = key
-        super().__init__(f"object not found: {key}")
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.args[0]
-
-
-class ChecksumMismatch(StoreError):
-    """A stored object failed verification (bad magic, length or crc32)."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        super().__init__(f"object {key} is corrupt ({reason}); it was not used")
-
-
-class SignatureMismatch(ChecksumMismatch):
-    """A stored object is unsigned or its HMAC does not verify under the run key: forged, moved or foreign."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        StoreError.__init__(self, f"object {key} is not authentic ({reason}); it was not used")
-
-
-class StoreTimeout(StoreError):
-    """A wait on the store passed its deadline."""
-
-    def __init__(self, key: str, waited_s: float) -> None:
-        self.key = key
-        self.waited_s = waited_s
-        super().__init__(f"timed out after {waited_s:.1f}s waiting for {key}")
-
-
-class StoreUnavailable(StoreError):
-    """The store kept failing with transient errors (unreachable, 5xx, throttled) for the whole outage budget.
-
-    ``__cause__`` is the last backend error; ``waited_s`` is how long the outage had lasted.
-    """
-
-    def __init__(self, store: str, what: str, waited_s: float, exc: BaseException) -> None:
-        self.store = store
-        self.what = what
-        self.waited_s = waited_s
-        super().__init__(f"store {store} unavailable: {what} failed for {waited_s:.1f}s "
-                         f"({type(exc).__name__}: {exc}); check the endpoint and the network")
-
-
-class StoreConfigError(StoreError):
-    """The store URI or its credentials cannot work; the message says how to fix it."""
 
 
 # --------------------------------------------------------------------------- framing

@@ -8,10 +8,10 @@ same calls work from a script or a notebook::
     final = cc.wait(run)
     print(final.state, final.rounds_committed)
 
-Errors (what the CLI maps to exit code 2, "bad input, nothing written"):
-:class:`~composer_cloud.spec.SpecError`, :class:`~composer_cloud.rendezvous.store.StoreConfigError`,
-:class:`~composer_cloud.runs.run.RunNotFound`, :class:`RunExists`. A backend that fails while
-jobs are being started raises :class:`LaunchError` (exit code 1).
+Errors (:mod:`composer_cloud.errors`): a :class:`~composer_cloud.errors.ConfigError`
+(``SpecError``, ``StoreConfigError``, ``RunNotFound``, ``RunExists``) is bad input and
+nothing was written (CLI exit code 2). A backend that fails while jobs are being started
+raises :class:`~composer_cloud.errors.LaunchError` (exit code 1).
 """
 
 from __future__ import annotations
@@ -26,13 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud import checkpoint as ckpt
-from composer_cloud.jobs import ExecutorError, JobHandle, LaunchPlan, assign_ranks, get_executor
-from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, join_uri
+from composer_cloud.errors import (
+    ConfigError,
+    ExecutorError,
+    LaunchError,
+    RunExists,
+    RunNotFound,
+    SpecError,
+    StoreConfigError,
+    StoreError,
+)
+from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor
+from composer_cloud.rendezvous.store import Store, join_uri
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.run import (
-    SPEC_KEY,
     Run,
-    RunNotFound,
     load_handles,
     normalize_run_uri,
     open_run,
@@ -41,17 +49,11 @@ from composer_cloud.runs.run import (
     save_handles,
 )
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
-from composer_cloud.spec import RunSpec, SpecError, load_spec, spec_from_dict
+from composer_cloud.spec import RunSpec, load_spec, spec_from_dict
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import ResumeRecord
 
 logger = logging.getLogger(__name__)
-
-
-class RunExists(FileExistsError):
-    """A run with this id already exists in the store; continue it with ``resume``."""
-
-
-class LaunchError(RuntimeError):
-    """A backend failed while replica jobs were being started; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         ref = CodeRef(key=code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
         spec = spec.model_copy(update={"code": spec.code.model_copy(update={"ref": ref.to_json()})})
     # Write-once: two launches racing on one run id cannot both start.
-    if store.exists(SPEC_KEY) or not store.create_json(SPEC_KEY, spec.to_json_dict()):
+    if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
         raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
     try:
         if bundle is not None:
@@ -353,12 +355,11 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
             put_verified(store, key, data, sha)
         _start_jobs(store, spec)
     except (LaunchError, StoreError) as exc:
-        if not store.list("executor"):
+        if not store.list(layout.HANDLES):
             # No job started: roll back, so the id is free again and nothing claims to be running.
-            store.delete("code", recursive=True)
-            store.delete("files", recursive=True)
-            store.delete("dirs", recursive=True)
-            store.delete(SPEC_KEY)
+            for prefix in (layout.CODE, layout.FILES, layout.DIRS):
+                store.delete(prefix, recursive=True)
+            store.delete(layout.SPEC)
             raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
         raise LaunchError(f"{exc} (jobs that did start are recorded; `composer-cloud cancel {store.uri}` "
                           "stops them)") from None
@@ -407,13 +408,13 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
         latest = ckpt.latest_checkpoint(store)  # after the cancel: nothing writes checkpoints any more
     from_round = latest.round if latest else -1
     ckpt.discard_after(store, from_round)
-    store.delete("control/cancel.json")
-    store.delete("executor", recursive=True)
-    store.delete("replicas", recursive=True)
-    store.put_json(SPEC_KEY, new_spec.to_json_dict())
-    n = len(store.list_dirs("resumes"))
-    store.put_json(f"resumes/{n}.json", {"from_round": from_round, "time": time.time(),
-                                         "executor": new_spec.executor, "replicas": new_spec.replicas})
+    store.delete(layout.CANCEL)
+    store.delete(layout.HANDLES, recursive=True)
+    store.delete(layout.HEARTBEATS, recursive=True)
+    store.put_json(layout.SPEC, new_spec.to_json_dict())
+    n = len(store.list_dirs(layout.RESUMES))
+    store.put_json(layout.resume_key(n), ResumeRecord(from_round=from_round, executor=new_spec.executor,
+                                                      replicas=new_spec.replicas, time=time.time()).to_json())
     resumed = Run(uri=run.uri, store=store, spec=new_spec)
     handles = _start_jobs(store, new_spec)
     return ResumeResult(run=resumed, from_round=from_round, handles=handles, warnings=warnings)
@@ -505,18 +506,18 @@ def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
     root = Store(uri, storage_options=dict(storage_options or {}))
     out: list[RunListing] = []
     for name in root.list_dirs():
-        if not root.exists(f"{name}/{SPEC_KEY}"):
+        if not root.exists(f"{name}/{layout.SPEC}"):
             continue
         run_uri = join_uri(root.uri, name)
         try:
             run = open_run(run_uri, storage_options=storage_options)
             st = run_status(run, poll_executors=poll_executors)
             try:
-                launched_at = root.modified(f"{name}/{SPEC_KEY}")
+                launched_at = root.modified(f"{name}/{layout.SPEC}")
             except (StoreError, OSError):
                 launched_at = None
             out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds, launched_at))
-        except (StoreError, SpecError, RunNotFound) as exc:
+        except (StoreError, ConfigError) as exc:
             logger.warning("cannot read run %s: %s", run_uri, exc)
             out.append(RunListing(name, run_uri, "unreadable", 0, 0))
     # Generated ids are run-<UTC time>-<hex>, so they sort by launch time.

@@ -35,22 +35,20 @@ import io
 import json
 import logging
 import math
-import re
-import secrets
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from composer_cloud.rendezvous.store import Store, StoreError, StoreUnavailable
+from composer_cloud.errors import BadObject, ObjectNotFound
+from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import MetricsDigest, ResumeRecord
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "metrics"
 KINDS = ("step", "round")
-_NAME = re.compile(r"(\d{8})-(\d{4}-\d{13}-[0-9a-f]{4})\.jsonl")
-_LEGACY = re.compile(r"(\d+)\.jsonl")
 
 
 def _clean(value: Any) -> Any:
@@ -68,18 +66,9 @@ def encode_rows(rows: Iterable[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(_clean(r), sort_keys=True, allow_nan=False) + "\n" for r in rows).encode()
 
 
-def digest_key(key: str) -> str:
-    """``metrics/0/00000003-....jsonl`` -> ``metrics/0/00000003-....json`` (its framed digest)."""
-    return key.removesuffix(".jsonl") + ".json"
-
-
 def launch_number(store: Store) -> int:
     """Which launch this process belongs to: 0 for the first, n after the n-th ``resume``."""
-    return sum(1 for k in store.list("resumes") if re.fullmatch(r"resumes/\d+\.json", k))
-
-
-def new_writer_id(launch: int) -> str:
-    return f"{launch:04d}-{int(time.time() * 1000):013d}-{secrets.token_hex(2)}"
+    return sum(1 for k in store.list(layout.RESUMES) if layout.parse_resume_key(k) is not None)
 
 
 # ---------------------------------------------------------------- writing
@@ -95,7 +84,7 @@ class MetricsLog:
         self.store = store
         self.rank = rank
         self.launch = launch_number(store) if launch is None else launch
-        self.writer = new_writer_id(self.launch)
+        self.writer = layout.new_writer_id(self.launch)
         self._steps: list[dict[str, Any]] = []
 
     def _stamp(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -118,12 +107,13 @@ class MetricsLog:
         return self._write(int(rows[-1].get("round", 0)), rows)
 
     def _write(self, round: int, rows: list[dict[str, Any]]) -> str:
-        key = f"{PREFIX}/{self.rank}/{round:08d}-{self.writer}.jsonl"
+        key = layout.metrics_key(self.rank, round, self.writer)
         body = encode_rows(rows)
         self.store.put_plain(key, body)
         # Written last: readers take an object only once its digest exists (and, signed, verifies).
-        self.store.put_json(digest_key(key), {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body),
-                                               "rows": len(rows), "rank": self.rank, "round": round})
+        digest = MetricsDigest(sha256=hashlib.sha256(body).hexdigest(), bytes=len(body), rows=len(rows),
+                               rank=self.rank, round=round)
+        self.store.put_json(layout.metrics_digest_key(key), digest.to_json())
         return key
 
 
@@ -133,29 +123,22 @@ class MetricsObject:
     key: str
     rank: int
     round: int
-    writer: str  # "" for a pre-0.x run's single metrics/<rank>.jsonl
+    writer: str
 
     @property
     def launch(self) -> int:
-        return int(self.writer[:4]) if self.writer else 0
+        return layout.writer_launch(self.writer)
 
 
 def list_objects(store: Store, *, rank: int | None = None) -> list[MetricsObject]:
-    """Every metrics object of the run (oldest writer first per rank and round); legacy files included."""
-    keys = store.list(f"{PREFIX}/{rank}" if rank is not None else PREFIX)
+    """Every complete metrics object of the run (its digest exists), oldest writer first per rank and round."""
+    keys = store.list(layout.metrics_prefix(rank))
     names = set(keys)
     out: list[MetricsObject] = []
     for key in keys:
-        parts = key.split("/")
-        if len(parts) == 3 and parts[1].isdigit() and (m := _NAME.fullmatch(parts[2])):
-            if digest_key(key) in names:  # its digest exists: the object is complete
-                out.append(MetricsObject(key, int(parts[1]), int(m.group(1)), m.group(2)))
-        elif rank is None and len(parts) == 2 and (m := _LEGACY.fullmatch(parts[1])):
-            out.append(MetricsObject(key, int(m.group(1)), -1, ""))
-    if rank is not None:
-        legacy = f"{PREFIX}/{rank}.jsonl"
-        if store.exists(legacy):
-            out.append(MetricsObject(legacy, rank, -1, ""))
+        parsed = layout.parse_metrics_key(key)
+        if parsed is not None and layout.metrics_digest_key(key) in names:
+            out.append(MetricsObject(key, *parsed))
     return sorted(out, key=lambda o: (o.rank, o.round, o.writer))
 
 
@@ -166,19 +149,15 @@ def _valid_row(row: Any, rank: int) -> bool:
 
 def _read_object(store: Store, obj: MetricsObject) -> list[dict[str, Any]]:
     """The object's rows, verified against its digest; [] (with a warning) for a bad object."""
+    digest_key = layout.metrics_digest_key(obj.key)
     try:
-        if not obj.writer:  # legacy: one framed object per rank, rewritten each round
-            body = bytes(store.get(obj.key))
-        else:
-            digest = store.get_json(digest_key(obj.key))
-            body = store.get_plain(obj.key)
-            if not isinstance(digest, dict) or digest.get("sha256") != hashlib.sha256(body).hexdigest():
-                logger.warning("ignoring %s: it does not match its digest %s", obj.key, digest_key(obj.key))
-                return []
+        digest = MetricsDigest.from_json(store.get_json(digest_key), key=digest_key)
+        body = store.get_plain(obj.key)
+        if digest.sha256 != hashlib.sha256(body).hexdigest():
+            logger.warning("ignoring %s: it does not match its digest %s", obj.key, digest_key)
+            return []
         rows = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
-    except StoreUnavailable:
-        raise
-    except (StoreError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (BadObject, ObjectNotFound, UnicodeDecodeError, json.JSONDecodeError) as exc:
         logger.warning("ignoring %s: %s", obj.key, exc)
         return []
     good = [r for r in rows if _valid_row(r, obj.rank)]
@@ -191,30 +170,21 @@ def rows_by_writer(store: Store, rank: int) -> dict[str, list[dict[str, Any]]]:
     """One replica's verified rows per writer (one writer = one replica process), oldest writer first."""
     out: dict[str, list[dict[str, Any]]] = {}
     for obj in list_objects(store, rank=rank):  # by round within a writer
-        if obj.writer:
-            out.setdefault(obj.writer, []).extend(_read_object(store, obj))
+        out.setdefault(obj.writer, []).extend(_read_object(store, obj))
     return dict(sorted(out.items()))
-
-
-def writer_started(writer: str) -> float:
-    """When the process behind ``writer`` started (epoch seconds)."""
-    return int(writer.split("-")[1]) / 1000.0
 
 
 def resume_points(store: Store) -> dict[int, int]:
     """``{launch: from_round}`` for every resume (launch n >= 1 re-ran the rounds after ``from_round``)."""
     out: dict[int, int] = {}
-    for key in store.list("resumes"):
-        m = re.fullmatch(r"resumes/(\d+)\.json", key)
-        if not m:
+    for key in store.list(layout.RESUMES):
+        n = layout.parse_resume_key(key)
+        if n is None:
             continue
         try:
-            rec = store.get_json(key)
-            out[int(m.group(1)) + 1] = int(rec["from_round"])
-        except StoreUnavailable:
-            raise
-        except (StoreError, KeyError, TypeError, ValueError):
-            continue
+            out[n + 1] = ResumeRecord.from_json(store.get_json(key), key=key).from_round
+        except (BadObject, ObjectNotFound) as exc:
+            logger.warning("ignoring %s: %s", key, exc)
     return out
 
 
@@ -223,8 +193,6 @@ def _superseded(objs: Sequence[MetricsObject], resumes: dict[int, int]) -> set[s
     out: set[str] = set()
     by_round: dict[tuple[int, int], list[MetricsObject]] = {}
     for o in objs:
-        if not o.writer:
-            continue
         if any(later > o.launch and from_round < o.round for later, from_round in resumes.items()):
             out.add(o.key)
         else:
@@ -247,8 +215,6 @@ def read_metrics(store: Store, *, rank: int | None = None, kind: str | None = No
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     objs = list_objects(store, rank=rank)
-    new_ranks = {o.rank for o in objs if o.writer}
-    objs = [o for o in objs if o.writer or o.rank not in new_ranks]  # a new-layout rank ignores a legacy file
     stale = _superseded(objs, resume_points(store)) if objs else set()
     if not superseded:
         objs = [o for o in objs if o.key not in stale]

@@ -24,28 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud import env
-from composer_cloud.jobs.base import JobHandle
-from composer_cloud.rendezvous.store import (
+from composer_cloud.errors import (
+    BadObject,
     ChecksumMismatch,
     ObjectNotFound,
-    Store,
+    RunNotFound,
+    SpecError,
     StoreConfigError,
     StoreError,
-    StoreUnavailable,
-    derive_signing_key,
-    signing_key_from_env,
 )
-from composer_cloud.spec import DEFAULT_STORE, RunSpec, SpecError, spec_from_dict
+from composer_cloud.rendezvous.store import Store, derive_signing_key, signing_key_from_env
+from composer_cloud.spec import DEFAULT_STORE, RunSpec, spec_from_dict
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import CancelRecord, JobHandle
 
 logger = logging.getLogger(__name__)
-
-SPEC_KEY = "spec.json"
-CANCEL_KEY = "control/cancel.json"
-HANDLES_PREFIX = "executor"
-
-
-class RunNotFound(LookupError):
-    """The URI names no composer-cloud run (no readable ``spec.json``)."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +117,9 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
     key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1])
     store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     try:
-        data = store.get_json(SPEC_KEY)
+        data = store.get_json(layout.SPEC)
     except ObjectNotFound:
-        raise RunNotFound(f"{uri} is not a composer-cloud run (it has no {SPEC_KEY}); "
+        raise RunNotFound(f"{uri} is not a composer-cloud run (it has no {layout.SPEC}); "
                           "check the URI, or list runs with `composer-cloud ls STORE`") from None
     except ChecksumMismatch as exc:
         raise RunNotFound(f"{uri}: {exc}") from None
@@ -136,7 +129,7 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
         raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - an unreachable endpoint, bad credentials: say which store
         raise StoreConfigError(f"cannot read run {uri}: {type(exc).__name__}: {exc}") from None
-    spec = spec_from_dict(data, source=f"{uri}/{SPEC_KEY}")
+    spec = spec_from_dict(data, source=f"{uri}/{layout.SPEC}")
     options = {**spec.store_options, **given}
     if options != given:
         store = Store(uri, storage_options=options, outage_s=outage_s, signing_key=key)
@@ -146,32 +139,29 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
 # ---------------------------------------------------------------- launch records
 def save_handles(store: Store, handles: list[JobHandle]) -> None:
     for h in handles:
-        store.put_json(f"{HANDLES_PREFIX}/{h.rank}.json", h.to_json())
+        store.put_json(layout.handle_key(h.rank), h.to_json())
 
 
 def load_handles(store: Store) -> list[JobHandle]:
     """The run's job handles, by rank. Objects that are not handles are skipped with a warning."""
     out = []
-    for key in store.list(HANDLES_PREFIX):
-        name = key.rsplit("/", 1)[-1]
-        if "/" in key[len(HANDLES_PREFIX) + 1:] or not name.endswith(".json") or not name[:-5].isdigit():
+    for key in store.list(layout.HANDLES):
+        if layout.parse_handle_key(key) is None:
             continue
         try:
             out.append(JobHandle.from_json(store.get_json(key)))
-        except StoreUnavailable:
-            raise
-        except (StoreError, KeyError, TypeError, ValueError) as exc:
+        except (BadObject, ObjectNotFound, KeyError, TypeError, ValueError) as exc:
             logger.warning("ignoring %s: not a valid job handle (%s)", key, exc)
     return sorted(out, key=lambda h: h.rank)
 
 
 def request_cancel(store: Store) -> None:
     """Record that the run was cancelled (write-once; replicas and status read it)."""
-    store.create_json(CANCEL_KEY, {"time": time.time()})
+    store.create_json(layout.CANCEL, CancelRecord(time=time.time()).to_json())
 
 
 def cancel_requested(store: Store) -> bool:
-    return store.exists(CANCEL_KEY)
+    return store.exists(layout.CANCEL)
 
 
 __all__ = ["Run", "RunNotFound", "SpecError", "load_handles", "normalize_run_uri", "open_run",

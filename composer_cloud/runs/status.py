@@ -11,13 +11,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud import checkpoint as ckpt
+from composer_cloud.errors import BadObject
+from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud.rendezvous.rounds import latest_committed_round
-from composer_cloud.rendezvous.store import Store, StoreConfigError, StoreError, StoreUnavailable
+from composer_cloud.rendezvous.store import Store
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs.run import Run, cancel_requested, load_handles
 from composer_cloud.stack import version_skew
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import Heartbeat, HeartbeatState
+
+
+#: What a job's state is once its heartbeat says it ended (the executor may not have noticed yet).
+_FINISHED_JOB_STATE = {HeartbeatState.COMPLETED: ReplicaState.SUCCEEDED, HeartbeatState.FAILED: ReplicaState.FAILED}
 
 
 @dataclass
@@ -69,18 +76,6 @@ class RunStatus:
         return asdict(self)
 
 
-def rounds_committed(store: Store) -> int:
-    return latest_committed_round(store, start=0) + 1
-
-
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _decoupled_progress(store: Store, problems: list[str]) -> tuple[int, bool]:
     """(merged versions, final version durable with a manifest) of a decoupled run."""
     from composer_cloud.rendezvous.decoupled import progress
@@ -92,15 +87,12 @@ def _decoupled_progress(store: Store, problems: list[str]) -> tuple[int, bool]:
     return merged, final is not None
 
 
-def _heartbeat(store: Store, rank: int, problems: list[str]) -> dict[str, Any]:
+def _heartbeat(store: Store, rank: int, problems: list[str]) -> Heartbeat | None:
     try:
-        beat = store.try_get_json(f"replicas/{rank}.json")
-    except StoreError as exc:
-        if isinstance(exc, (StoreConfigError, StoreUnavailable)):
-            raise
+        return Heartbeat.from_json(store.try_get_json(layout.heartbeat_key(rank)), rank=rank)
+    except BadObject as exc:
         problems.append(f"heartbeat of replica {rank} unreadable ({exc})")
-        return {}
-    return beat if isinstance(beat, dict) else {}
+        return None
 
 
 class StatusTracker:
@@ -163,26 +155,28 @@ class StatusTracker:
         stacks: list[dict[str, Any]] = []
         for h in handles:
             beat = _heartbeat(store, h.rank, problems)
-            if isinstance(beat.get("versions"), dict) and beat["versions"]:
-                stacks.append({"rank": h.rank, "versions": beat["versions"]})
+            if beat is not None and beat.versions:
+                stacks.append({"rank": h.rank, "versions": beat.versions})
             status = self._job_status(h)
             state = status.state.value
-            if not status.state.finished and beat.get("state") in ("completed", "failed"):
-                state = "succeeded" if beat["state"] == "completed" else "failed"
+            if not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
+                state = _FINISHED_JOB_STATE[beat.state].value
             restarts = status.restarts if status.restarts is not None else h.restarts
-            round_seen = beat.get("round")
-            beat_time = _num(beat.get("time"))
-            infos.append(ReplicaInfo(rank=h.rank, executor=h.executor, state=state,
-                                     last_round=round_seen if isinstance(round_seen, int) else None,
-                                     job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                                     message=str(beat.get("error", "") or status.message),
-                                     step=_int(beat.get("step")), loss=_num(beat.get("loss_ema", beat.get("loss"))),
-                                     reward=_num(beat.get("reward")), steps_per_s=_num(beat.get("steps_per_s")),
-                                     tokens_per_s=_num(beat.get("tokens_per_s")), elapsed_s=_num(beat.get("elapsed_s")),
-                                     heartbeat_age_s=None if beat_time is None else max(0.0, time.time() - beat_time)))
+            beat_time = beat.time if beat is not None and beat.time > 0 else None
+            loss = None if beat is None else beat.number("loss_ema")
+            infos.append(ReplicaInfo(
+                rank=h.rank, executor=h.executor, state=state, last_round=beat.round if beat else None,
+                job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
+                message=(beat.error if beat else "") or status.message, step=beat.step if beat else None,
+                loss=loss if loss is not None or beat is None else beat.number("loss"),
+                reward=beat.number("reward") if beat else None,
+                steps_per_s=beat.number("steps_per_s") if beat else None,
+                tokens_per_s=beat.number("tokens_per_s") if beat else None,
+                elapsed_s=beat.number("elapsed_s") if beat else None,
+                heartbeat_age_s=None if beat_time is None else max(0.0, time.time() - beat_time)))
             if beat_time is not None:
                 beats.append(beat_time)
-            started = _num(beat.get("started_at"))
+            started = beat.number("started_at") if beat else None
             if started is not None:
                 starts.append(started)
         last_durable = self._newest_durable()

@@ -1,0 +1,161 @@
+"""Every error composer-cloud raises on purpose, in one tree.
+
+::
+
+    ComposerCloudError
+    ├── ConfigError            bad input: the message says what to fix; nothing was written (CLI exit 2)
+    │   ├── SpecError          a run spec setting (``field`` names it)
+    │   ├── StoreConfigError   a store URI, its options or credentials
+    │   │   └── RunKeyError    a signed run opened without the run key, or an unsigned one with it
+    │   ├── BadReference       a ``"module:attr"`` setting that does not resolve
+    │   ├── RunNotFound        no run at a URI
+    │   └── RunExists          a run id that is taken
+    ├── StoreError             the store during a run (CLI exit 1)
+    │   ├── StoreUnavailable   unreachable for the whole outage budget: propagates, never tolerated
+    │   ├── StoreTimeout       a wait passed its deadline
+    │   ├── ObjectNotFound     a key that does not exist
+    │   ├── BadObject          an object read from the store is unusable (corrupt, forged, foreign, malformed)
+    │   │   ├── ChecksumMismatch   its bytes fail the frame's magic, length or crc32
+    │   │   │   └── SignatureMismatch  unsigned or mis-signed under the run key
+    │   │   └── CorruptCheckpoint  a checkpoint object is missing, damaged or disagrees with its marker
+    │   └── SyncError          a sync could not complete (a round's deadline, a heal without state)
+    └── ExecutorError          a backend refused or failed an operation
+        └── LaunchError        a backend failed while replica jobs were being started
+
+Readers that tolerate bad objects catch :class:`BadObject` (and
+:class:`ObjectNotFound` where absence is fine); :class:`StoreUnavailable` is a
+sibling, so an outage always propagates to the caller, who rides it out or
+fails the run. Modules add narrower classes (``RoundTimeout``, ``PayloadError``,
+``UserCodeError``) under these branches, never beside them.
+"""
+
+from __future__ import annotations
+
+
+class ComposerCloudError(Exception):
+    """Base class of every error composer-cloud raises on purpose."""
+
+
+# --------------------------------------------------------------------------- configuration
+class ConfigError(ComposerCloudError):
+    """Bad input (a setting, a URI, credentials); the message names it and says what to do."""
+
+
+class SpecError(ConfigError, ValueError):
+    """A run spec is invalid. ``field`` is the dotted name of the offending field ("" for the whole spec)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class StoreConfigError(ConfigError):
+    """The store URI, its options or its credentials cannot work; the message says how to fix it."""
+
+
+class RunKeyError(StoreConfigError):
+    """The run key (``COMPOSER_CLOUD_RUN_KEY``) does not fit the run: missing for a signed run, set for an
+    unsigned one, or too short. Nothing was read from or written to the run."""
+
+
+class BadReference(ConfigError, ValueError, LookupError):
+    """A ``"module:attr"`` setting does not resolve; the message names the setting."""
+
+
+class RunNotFound(ConfigError, LookupError):
+    """The URI names no composer-cloud run (no readable ``spec.json``)."""
+
+
+class RunExists(ConfigError, FileExistsError):
+    """A run with this id already exists in the store; continue it with ``resume``."""
+
+
+# --------------------------------------------------------------------------- the store at run time
+class StoreError(ComposerCloudError, RuntimeError):
+    """The store failed during a run (an outage, a timeout, a missing or bad object)."""
+
+
+class StoreUnavailable(StoreError):
+    """The store kept failing with transient errors (unreachable, 5xx, throttled) for the whole outage budget.
+
+    ``__cause__`` is the last backend error; ``waited_s`` is how long the outage had lasted.
+    """
+
+    def __init__(self, store: str, what: str, waited_s: float, exc: BaseException) -> None:
+        self.store = store
+        self.what = what
+        self.waited_s = waited_s
+        super().__init__(f"store {store} unavailable: {what} failed for {waited_s:.1f}s "
+                         f"({type(exc).__name__}: {exc}); check the endpoint and the network")
+
+
+class StoreTimeout(StoreError):
+    """A wait on the store passed its deadline."""
+
+    def __init__(self, key: str, waited_s: float) -> None:
+        self.key = key
+        self.waited_s = waited_s
+        super().__init__(f"timed out after {waited_s:.1f}s waiting for {key}")
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """No object at ``key``."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"object not found: {key}")
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class BadObject(StoreError):
+    """An object read from the store is unusable: ``key`` names it, ``reason`` says which check failed.
+
+    The bucket is not trusted, so this is an expected failure: a reader skips the
+    object (or aborts what it was doing) and never uses its content.
+    """
+
+    def __init__(self, key: str, reason: str, *, message: str | None = None) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(message or f"{key}: {reason}; it was not used")
+
+
+class ChecksumMismatch(BadObject):
+    """A stored object failed verification (bad magic, length or crc32, or not JSON)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key, reason, message=f"object {key} is corrupt ({reason}); it was not used")
+
+
+class SignatureMismatch(ChecksumMismatch):
+    """A stored object is unsigned or its HMAC does not verify under the run key: forged, moved or foreign."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        BadObject.__init__(self, key, reason, message=f"object {key} is not authentic ({reason}); it was not used")
+
+
+class CorruptCheckpoint(BadObject):
+    """A checkpoint object is missing, damaged or inconsistent with its marker or manifest."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key, reason, message=f"{key}: {reason}")
+
+
+class SyncError(StoreError):
+    """A sync could not complete: a round's deadline passed, or no committed state could be healed from."""
+
+
+# --------------------------------------------------------------------------- executors
+class ExecutorError(ComposerCloudError, RuntimeError):
+    """A backend refused or failed an operation; the message says what to do."""
+
+
+class LaunchError(ExecutorError):
+    """A backend failed while replica jobs were being started; the message says which and why."""
+
+
+__all__ = ["BadObject", "BadReference", "ChecksumMismatch", "ComposerCloudError", "ConfigError", "CorruptCheckpoint",
+           "ExecutorError", "LaunchError", "ObjectNotFound", "RunExists", "RunKeyError", "RunNotFound", "SignatureMismatch",
+           "SpecError", "StoreConfigError", "StoreError", "StoreTimeout", "StoreUnavailable", "SyncError"]

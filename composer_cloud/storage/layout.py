@@ -1,0 +1,314 @@
+"""Every key of a run, and its parser: the one module that spells the store layout.
+
+A run lives at ``<store>/<run_id>/``; keys below are relative to it. Numbers
+that order objects (rounds, versions, contribution seqs, metrics rounds) are
+zero-padded to :data:`NUM_WIDTH` digits so listings sort; attempts, ranks and
+slice indices are plain decimals. Parsers take one listed name (or key) and
+return its numbers, or ``None`` for a name this layout never writes (a stray
+object: the bucket is not trusted, so callers skip it).
+
+::
+
+    spec.json                                           the spec as launched (write-once; resume rewrites it)
+    executor/<rank>.json                                job handle (how to find the job again)
+    executor/wheel/<sha256[:16]>/<file>.whl             the staged composer-cloud wheel (HF Jobs)
+    replicas/<rank>.json                                heartbeat
+    metrics/<rank>/<round>-<writer>.jsonl (+ .json)     plain JSONL of one round, then its framed digest
+    resumes/<n>.json                                    the n-th resume
+    control/cancel.json                                 the cancel request (write-once)
+    code/<sha256>.zip                                   user code bundle (write-once)
+    files/<sha256>/<name>, dirs/<sha256>/<name>.zip     local files/folders the spec names (write-once)
+    rounds/<r>/<a>/join/<rank>.json                     "I reached sync r"
+    rounds/<r>/<a>/quorum.json                          write-once participant set
+    rounds/<r>/<a>/grad/<rank>/<slot>                   encoded slot of a participant's pseudo-gradient
+    rounds/<r>/<a>/reduced/<slot> (+ .json)             reduced slot, then its write-once digest
+    rounds/<r>/<a>/outcome.json                         write-once: committed or aborted
+    rounds/<r>/<a>/void.json                            write-once: the commit was abandoned
+    checkpoints/<r>/global-a<a>-<i>-of-<n>.safetensors  slice i of the global state of attempt a
+    checkpoints/<r>/global-a<a>-<i>-of-<n>.json         its write-once marker
+    checkpoints/<r>/replica-<k>.safetensors (+ .json)   replica k's inner state (lock-step), then its marker
+    checkpoints/<r>/manifest.json                       written last: the checkpoint is valid
+    decoupled/contrib/<rank>/<seq>.safetensors (+ .json)  a contribution, then its write-once meta
+    decoupled/merge/<v>.json                            write-once merge record of version v
+    decoupled/replica/<rank>/<seq>.safetensors (+ .json)  replica inner state (decoupled), then its marker
+    decoupled/final.json                                write-once: the final version
+
+Outside a run, at a store's root: :data:`PROBE_PREFIX` (the conformance probe's scratch space).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+#: Digits of the zero-padded numbers that order objects (a run of 10^8 rounds still sorts).
+NUM_WIDTH = 8
+
+SPEC = "spec.json"
+HANDLES = "executor"
+WHEELS = f"{HANDLES}/wheel"
+HEARTBEATS = "replicas"
+METRICS = "metrics"
+RESUMES = "resumes"
+CANCEL = "control/cancel.json"
+CODE = "code"
+FILES = "files"
+DIRS = "dirs"
+ROUNDS = "rounds"
+CHECKPOINTS = "checkpoints"
+DECOUPLED = "decoupled"
+CONTRIBUTIONS = f"{DECOUPLED}/contrib"
+MERGES = f"{DECOUPLED}/merge"
+DECOUPLED_REPLICAS = f"{DECOUPLED}/replica"
+FINAL = f"{DECOUPLED}/final.json"
+#: Scratch prefix of the store conformance probe, at the store's root (never inside a run).
+PROBE_PREFIX = ".composer-cloud-probe"
+
+_NUM = re.compile(rf"[0-9]{{{NUM_WIDTH},10}}")
+_SMALL_INT = re.compile(r"0|[1-9][0-9]{0,8}")
+_JSON_NUM = re.compile(rf"([0-9]{{{NUM_WIDTH}}})\.json")
+_RANK_JSON = re.compile(r"(0|[1-9][0-9]{0,8})\.json")
+_SLICE_MARKER = re.compile(r"global-a(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})-of-([1-9][0-9]{0,8})\.json")
+_SHA = re.compile(r"[0-9a-f]{64}")
+_FILE_KEY = re.compile(rf"({FILES}|{DIRS})/([0-9a-f]{{64}})/([^/]+)")
+_WRITER = re.compile(r"[0-9]{4}-[0-9]{13}-[0-9a-f]{4}")
+_METRICS_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})-({_WRITER.pattern})\.jsonl")
+
+
+def num(n: int) -> str:
+    """``n`` zero-padded to :data:`NUM_WIDTH` digits (rounds, versions, seqs)."""
+    return f"{n:0{NUM_WIDTH}d}"
+
+
+def parse_num(name: str) -> int | None:
+    """The number of a zero-padded directory name (``00000012`` -> 12), else None."""
+    return int(name) if _NUM.fullmatch(name) else None
+
+
+def parse_small_int(name: str) -> int | None:
+    """A plain decimal name (attempts, ranks): ``0`` or no leading zero, at most 9 digits; else None."""
+    return int(name) if _SMALL_INT.fullmatch(name) else None
+
+
+def parse_rank_json(name: str) -> int | None:
+    """``<rank>.json`` -> rank (join objects, handles, heartbeats), else None."""
+    m = _RANK_JSON.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------- launch records
+def handle_key(rank: int) -> str:
+    return f"{HANDLES}/{rank}.json"
+
+
+def parse_handle_key(key: str) -> int | None:
+    """The rank of an ``executor/<rank>.json`` key (None: the wheel, or a stray object)."""
+    head, _, name = key.rpartition("/")
+    return parse_rank_json(name) if head == HANDLES else None
+
+
+def wheel_key(sha256: str, filename: str) -> str:
+    """Content-addressed: the first 16 hex digits of the wheel's sha256, then its file name (pip needs it)."""
+    return f"{WHEELS}/{sha256[:16]}/{filename}"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"{HEARTBEATS}/{rank}.json"
+
+
+def resume_key(n: int) -> str:
+    return f"{RESUMES}/{n}.json"
+
+
+def parse_resume_key(key: str) -> int | None:
+    head, _, name = key.rpartition("/")
+    return parse_rank_json(name) if head == RESUMES else None
+
+
+# --------------------------------------------------------------------------- metrics
+def new_writer_id(launch: int) -> str:
+    """``<launch:04d>-<start ms:013d>-<4 hex>``: names sort by launch, then by process start."""
+    return f"{launch:04d}-{int(time.time() * 1000):013d}-{secrets.token_hex(2)}"
+
+
+def writer_launch(writer: str) -> int:
+    return int(writer[:4])
+
+
+def writer_started(writer: str) -> float:
+    """When the process behind ``writer`` started (epoch seconds)."""
+    return int(writer.split("-")[1]) / 1000.0
+
+
+def metrics_prefix(rank: int | None = None) -> str:
+    return METRICS if rank is None else f"{METRICS}/{rank}"
+
+
+def metrics_key(rank: int, round: int, writer: str) -> str:
+    return f"{METRICS}/{rank}/{num(round)}-{writer}.jsonl"
+
+
+def metrics_digest_key(key: str) -> str:
+    """``metrics/0/00000003-....jsonl`` -> ``metrics/0/00000003-....json`` (its framed digest)."""
+    return key.removesuffix(".jsonl") + ".json"
+
+
+def parse_metrics_key(key: str) -> tuple[int, int, str] | None:
+    """``(rank, round, writer)`` of a metrics object key, else None (digests, strays)."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != METRICS or (rank := parse_small_int(parts[1])) is None:
+        return None
+    m = _METRICS_NAME.fullmatch(parts[2])
+    return (rank, int(m.group(1)), m.group(2)) if m else None
+
+
+# --------------------------------------------------------------------------- user code and files
+def code_key(sha256: str) -> str:
+    """The key of the code bundle with this digest."""
+    if not _SHA.fullmatch(sha256):
+        raise ValueError(f"{sha256!r} is not a sha256 hex digest")
+    return f"{CODE}/{sha256}.zip"
+
+
+def file_key(sha256: str, name: str, *, directory: bool) -> str:
+    """``files/<sha256>/<name>``, or ``dirs/<sha256>/<name>.zip`` for a folder (zipped)."""
+    return f"{DIRS}/{sha256}/{name}.zip" if directory else f"{FILES}/{sha256}/{name}"
+
+
+def parse_file_key(key: str) -> tuple[bool, str, str] | None:
+    """``(directory, sha256, name)`` of a :func:`file_key` (``name`` without ``.zip``), else None."""
+    m = _FILE_KEY.fullmatch(key)
+    if not m or m.group(3) in (".", ".."):
+        return None
+    directory = m.group(1) == DIRS
+    if directory and not m.group(3).endswith(".zip"):
+        return None
+    return directory, m.group(2), m.group(3).removesuffix(".zip") if directory else m.group(3)
+
+
+# --------------------------------------------------------------------------- rounds (lock-step)
+def round_prefix(round: int) -> str:
+    return f"{ROUNDS}/{num(round)}"
+
+
+def attempt_prefix(round: int, attempt: int) -> str:
+    return f"{round_prefix(round)}/{attempt}"
+
+
+def join_prefix(round: int, attempt: int) -> str:
+    return f"{attempt_prefix(round, attempt)}/join"
+
+
+def join_key(round: int, attempt: int, rank: int) -> str:
+    return f"{join_prefix(round, attempt)}/{rank}.json"
+
+
+def quorum_key(round: int, attempt: int) -> str:
+    return f"{attempt_prefix(round, attempt)}/quorum.json"
+
+
+def outcome_key(round: int, attempt: int) -> str:
+    return f"{attempt_prefix(round, attempt)}/outcome.json"
+
+
+def void_key(round: int, attempt: int) -> str:
+    return f"{attempt_prefix(round, attempt)}/void.json"
+
+
+def grad_key(round: int, attempt: int, rank: int, slot: int) -> str:
+    return f"{attempt_prefix(round, attempt)}/grad/{rank}/{slot}"
+
+
+def reduced_key(round: int, attempt: int, slot: int) -> str:
+    return f"{attempt_prefix(round, attempt)}/reduced/{slot}"
+
+
+def reduced_digest_key(round: int, attempt: int, slot: int) -> str:
+    return f"{reduced_key(round, attempt, slot)}.json"
+
+
+#: Sub-prefixes of an attempt holding payloads (deleted once a later checkpoint exists); records stay.
+ATTEMPT_PAYLOADS = ("grad", "reduced", "join")
+
+
+# --------------------------------------------------------------------------- checkpoints
+def checkpoint_prefix(round: int) -> str:
+    """``checkpoints/<r>``: every object of round (or decoupled version) ``r``'s checkpoint lies under it."""
+    return f"{CHECKPOINTS}/{num(round)}"
+
+
+def slice_name(attempt: int, index: int, num_slices: int) -> str:
+    return f"global-a{attempt}-{index}-of-{num_slices}"
+
+
+def slice_blob_key(round: int, attempt: int, index: int, num_slices: int) -> str:
+    return f"{checkpoint_prefix(round)}/{slice_name(attempt, index, num_slices)}.safetensors"
+
+
+def slice_marker_key(round: int, attempt: int, index: int, num_slices: int) -> str:
+    return f"{checkpoint_prefix(round)}/{slice_name(attempt, index, num_slices)}.json"
+
+
+def parse_slice_marker(name: str) -> tuple[int, int, int] | None:
+    """``(attempt, index, num_slices)`` of a slice marker's name, else None (index must be < num_slices)."""
+    m = _SLICE_MARKER.fullmatch(name)
+    if m is None:
+        return None
+    attempt, index, n = (int(g) for g in m.groups())
+    return (attempt, index, n) if index < n else None
+
+
+def replica_blob_name(rank: int) -> str:
+    """The blob's name inside its checkpoint (manifests list blobs by name)."""
+    return f"replica-{rank}.safetensors"
+
+
+def replica_blob_key(round: int, rank: int) -> str:
+    return f"{checkpoint_prefix(round)}/{replica_blob_name(rank)}"
+
+
+def replica_marker_key(round: int, rank: int) -> str:
+    return f"{checkpoint_prefix(round)}/replica-{rank}.json"
+
+
+def manifest_key(round: int) -> str:
+    return f"{checkpoint_prefix(round)}/manifest.json"
+
+
+def in_checkpoint(round: int, name: str) -> str:
+    """The key of object ``name`` listed by round ``round``'s manifest or marker (names carry no ``/``)."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not an object name inside a checkpoint")
+    return f"{checkpoint_prefix(round)}/{name}"
+
+
+# --------------------------------------------------------------------------- decoupled
+def contribution_prefix(rank: int) -> str:
+    return f"{CONTRIBUTIONS}/{rank}"
+
+
+def contribution_key(rank: int, seq: int, ext: str) -> str:
+    """Contribution ``seq`` of ``rank``: ``ext`` is ``safetensors`` (the blob) or ``json`` (the meta)."""
+    return f"{CONTRIBUTIONS}/{rank}/{num(seq)}.{ext}"
+
+
+def merge_key(version: int) -> str:
+    return f"{MERGES}/{num(version)}.json"
+
+
+def decoupled_replica_prefix(rank: int) -> str:
+    return f"{DECOUPLED_REPLICAS}/{rank}"
+
+
+def decoupled_replica_key(rank: int, seq: int, ext: str) -> str:
+    return f"{DECOUPLED_REPLICAS}/{rank}/{num(seq)}.{ext}"
+
+
+def parse_num_json(name: str) -> int | None:
+    """``<8 digits>.json`` -> the number (merge records, contribution metas, replica markers), else None."""
+    m = _JSON_NUM.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "re", "secrets", "time")]
