@@ -71,10 +71,10 @@ from typing import Any
 
 import torch
 
-from composer_cloud.rendezvous import codec as wire
-from composer_cloud.rendezvous import store as store_mod
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.store import PollPolicy, Store, iter_chunks
+from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.storage import store as store_mod
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+from composer_cloud.storage.store import PollPolicy, Store, iter_chunks
 
 METHODS = ("raw_store", "scatter_reduce", "naive", "gloo")
 STORE_METHODS = ("raw_store", "scatter_reduce", "naive")
@@ -133,7 +133,7 @@ def install_profiler() -> None:
     Store._local_put = PROF.wrap("file_write", Store._local_put)  # makedirs, write, fsync, rename
 
     timed_sleep = PROF.wrap("poll_sleep", time.sleep)
-    from composer_cloud.rendezvous import allreduce as ar_mod
+    from composer_cloud.sync.lockstep import allreduce as ar_mod
     for mod in (store_mod, ar_mod):
         shim = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
         shim.sleep = timed_sleep
@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     # np.ctypeslib, and the first touch from several encode threads at once can fail with a
     # RecursionError inside numpy's module __getattr__ (seen once in ~250 worker processes).
     ctx.set_forkserver_preload(["__main__", "numpy.ctypeslib", "torch", "torch.distributed",
-                                "composer_cloud.rendezvous.allreduce"])
+                                "composer_cloud.sync.lockstep.allreduce"])
     poll = {"initial_s": args.poll_initial_s, "max_s": args.poll_max_s, "factor": args.poll_factor}
     import composer_cloud
     library = os.path.dirname(os.path.abspath(composer_cloud.__file__))

@@ -363,8 +363,8 @@ class Harness:
 
     # ---------------------------------------------------------------- polling
     def poll(self) -> None:
-        from composer_cloud import checkpoint as ckpt
-        from composer_cloud.rendezvous.store import StoreError
+        from composer_cloud.sync.checkpoint import global_state as ckpt
+        from composer_cloud.storage.store import StoreError
 
         now = time.time()
         with self.lock:
@@ -524,9 +524,9 @@ def evaluate_versions(cfg: Config, run: dict[str, Any], model_dir: Path, heldout
     import torch
     from transformers import AutoModelForCausalLM
 
-    from composer_cloud import checkpoint as ckpt
-    from composer_cloud.diloco import load_global_parameters, split_fragments
-    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.sync.checkpoint import global_state as ckpt
+    from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
+    from composer_cloud.storage.store import Store
 
     store = Store(run["run_uri"])
     seen = {int(r): t for r, t in run["versions_seen"].items()}

@@ -232,14 +232,14 @@ def phase(rec: dict[str, Any]):
 def _tensor_digest(tree: Any) -> dict[str, int]:
     import torch
 
-    from composer_cloud.rendezvous.state import flatten
+    from composer_cloud.storage.tensors import flatten
 
     tensors, _ = flatten(tree)
     return {k: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for k, t in tensors.items()}
 
 
 def _tensor_bytes(tree: Any) -> int:
-    from composer_cloud.rendezvous.state import flatten
+    from composer_cloud.storage.tensors import flatten
 
     tensors, _ = flatten(tree)
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -387,7 +387,7 @@ def _tiny_setup() -> tuple[Any, Any, int]:
 
 def _write_whole_global(store: Any, round: int, tree: dict[str, Any]) -> int:
     """The whole global state by one writer (W = 1)."""
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     return ckpt.write_global_state(store, round, tree, writer=0, num_shards=1)
 
@@ -395,7 +395,7 @@ def _write_whole_global(store: Any, round: int, tree: dict[str, Any]) -> int:
 def _write_my_slice(store: Any, round: int, tree: dict[str, Any], world: int, index: int) -> int:
     """What one participant uploads after a commit: its 1/W slice (``_publish_global_state`` without the
     takeover wait, which only writes when another participant died)."""
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     return ckpt.write_global_shard(store, round, ckpt.split_global_state(tree, world), index, writer=index)
 
@@ -457,7 +457,7 @@ def load_old_checkpoint_module(commit: str = OLD_COMMIT) -> types.ModuleType:
 def old_write_global_state(store: Any, round: int, tree: dict[str, Any], *, writer: int = 0) -> int:
     """The leader's upload before sharding (``ObjectStoreManager._write_global_state`` at 951ee6d,
     ``rendezvous/manager.py:256-260``): one blob of the whole state, then the write-once marker."""
-    from composer_cloud.rendezvous.state import encode_state
+    from composer_cloud.storage.tensors import encode_state
 
     prefix = f"checkpoints/{round:08d}"
     blob = encode_state(tree, metadata={"round": str(round)})
@@ -478,7 +478,7 @@ def _split_timers(total_s: float, tm: dict[str, float]) -> dict[str, float]:
 
 def _fresh_store(uri: str) -> Any:
     """A new Store object on the same store: its own ``bytes_read``/``bytes_written`` counters."""
-    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.storage.store import Store
 
     return Store(uri)
 
@@ -491,8 +491,8 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
     guard = MemoryGuard(int(opts["memory_floor_gb"] * 2**30))
     guard.start()
 
-    from composer_cloud import checkpoint as ckpt
-    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.sync.checkpoint import global_state as ckpt
+    from composer_cloud.storage.store import Store
 
     snapshot = _replica_snapshot_fn()
     timers = Timers()
@@ -817,7 +817,7 @@ def _time_rounds(opts: dict[str, Any], trainer: Any, live_g: GlobalLive, real: A
                  snapshot: Any) -> dict[str, Any]:
     """Alternate plain rounds, global-only rounds and checkpoint rounds of participant 0 of W = ``resume_w``,
     as the runtime does them (its global slice every committed round; its replica state on checkpoint rounds)."""
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     world = opts["resume_w"]
 

@@ -33,7 +33,7 @@ Engines (``--engine``):
 ``store`` (default)
     The real thing: W replica processes (forked from this process) over a
     temporary ``file://`` store. DiLoCo is torchft's ``DiLoCo`` on
-    ``composer_cloud.rendezvous.manager.ObjectStoreManager`` (exactly what
+    ``composer_cloud.sync.lockstep.manager.ObjectStoreManager`` (exactly what
     ``composer_cloud.replica`` runs); the sync baseline all-reduces the
     flattened gradients every step with ``ObjectStoreAllReduce``. Bytes are
     the store's own byte counters (read + written, framing and small quorum /
@@ -49,7 +49,7 @@ Engines (``--engine``):
     (payload cut into W contiguous slots, each slot encoded with the wire codec,
     summed in float32 in rank order, divided by W, encoded again); bytes are
     computed, not measured: ``(3 - 1/W) * P`` per replica per sync, with ``P``
-    the real encoded payload size (``composer_cloud.rendezvous.codec.encode``
+    the real encoded payload size (``composer_cloud.sync.lockstep.codec.encode``
     of the W slots) -- the traffic formula of the scatter-reduce all-reduce.
 
 Held-out loss is ``CausalLMTrainer.evaluate()`` (mean next-token loss on the
@@ -237,16 +237,16 @@ def set_flat_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
 
 def payload_bytes(codec: str, numel: int, world: int) -> int:
     """Encoded bytes of one replica's payload as the store all-reduce sends it (W slots)."""
-    from composer_cloud.rendezvous import codec as wire
-    from composer_cloud.rendezvous.store import iter_chunks
+    from composer_cloud.sync.lockstep import codec as wire
+    from composer_cloud.storage.store import iter_chunks
 
     return sum(len(wire.encode(codec, torch.zeros(e - s))) for s, e in iter_chunks(numel, world))
 
 
 def simulated_allreduce(codec: str, flats: list[torch.Tensor]) -> torch.Tensor:
     """The mean the store all-reduce produces: per slot, encoded parts summed in rank order / W, encoded again."""
-    from composer_cloud.rendezvous import codec as wire
-    from composer_cloud.rendezvous.store import iter_chunks
+    from composer_cloud.sync.lockstep import codec as wire
+    from composer_cloud.storage.store import iter_chunks
 
     w = len(flats)
     out = torch.empty_like(flats[0])
@@ -367,9 +367,9 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
     try:
         cfg = Config(**cfg_dict)
         torch.set_num_threads(cfg.threads)
-        from composer_cloud.diloco import OuterOptimizerConfig, build_diloco
-        from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, attempt_prefix
-        from composer_cloud.rendezvous.store import Store
+        from composer_cloud.sync.lockstep.diloco import OuterOptimizerConfig, build_diloco
+        from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce, attempt_prefix
+        from composer_cloud.storage.store import Store
         from composer_cloud.retry import PollPolicy
 
         POLL = PollPolicy(initial_s=POLL_INITIAL_S, max_s=POLL_MAX_S)
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     base_uri = ""
     if cfg.engine == "store":
-        from composer_cloud.rendezvous.store import Store
+        from composer_cloud.storage.store import Store
 
         # A tmpfs when there is one: the store fsyncs every object, and the sync baseline makes
         # 4 x 7 objects per step; on a shared disk that, not training, would dominate the runtime.
@@ -727,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         # tokenizer (cached) but run no parallel torch op: the workers start in a second, not 20.
         import torchft.local_sgd  # noqa: F401
 
-        import composer_cloud.rendezvous.manager  # noqa: F401
+        import composer_cloud.sync.lockstep.manager  # noqa: F401
         import composer_cloud.trainer.causal_lm  # noqa: F401
 
         ctx = mp.get_context("fork")

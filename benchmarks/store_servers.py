@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from s3server import s3_environ, s3_server  # noqa: E402
 from storeproxy import StoreProxy  # noqa: E402
 
-from composer_cloud.rendezvous.conformance import probe_store  # noqa: E402
-from composer_cloud.rendezvous.store import Store, StoreUnavailable  # noqa: E402
+from composer_cloud.storage.conformance import probe_store  # noqa: E402
+from composer_cloud.storage.store import Store, StoreUnavailable  # noqa: E402
 from composer_cloud.retry import RetryPolicy  # noqa: E402
 
 

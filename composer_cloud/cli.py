@@ -28,7 +28,7 @@ from rich.table import Table
 
 from composer_cloud import runs
 from composer_cloud.errors import ConfigError, LaunchError, StoreError
-from composer_cloud.rendezvous.store import join_uri
+from composer_cloud.storage.store import join_uri
 from composer_cloud.runs import Run, RunStatus
 from composer_cloud.spec import DEFAULT_STORE, RunSpec
 
@@ -132,7 +132,7 @@ def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/pre
 
     Exit 0: it does; 2: it does not (the failing properties are named) or cannot be reached.
     """
-    from composer_cloud.rendezvous.conformance import format_report, probe_store
+    from composer_cloud.storage.conformance import format_report, probe_store
 
     with _user_errors():
         report = probe_store(runs.normalize_run_uri(store), storage_options=_storage_options(store_option))
@@ -543,7 +543,7 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
            round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
     """Write the global parameters as a Hugging Face model directory."""
-    from composer_cloud.export import export_model
+    from composer_cloud.runs.export import export_model
 
     run = _open(run_uri, store_option)
     if out.exists() and not out.is_dir():

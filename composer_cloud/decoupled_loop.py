@@ -4,7 +4,7 @@ Per boundary (every ``inner_steps`` inner steps), in this order:
 
 1. publish the contribution ``base - local`` (fp32), with the tokens and inner
    steps behind it and the version ``base`` came from;
-2. :func:`~composer_cloud.rendezvous.decoupled.try_merge`: merge the pending
+2. :func:`~composer_cloud.sync.decoupled.protocol.try_merge`: merge the pending
    contributions if a quorum of replicas or the grace window says so (losing
    the race is fine), or finish an overdue merge of a dead merger;
 3. adopt the newest durable global newer than the one adopted:
@@ -23,7 +23,7 @@ dropped: at most one segment per replica).
 Ordering and failure reasoning: the contribution is published before the
 inner state is written, so a replica killed in between republishes those
 steps under a new seq after its restart (at-least-once; never the same seq
-twice, see :func:`~composer_cloud.rendezvous.decoupled.next_seq`). The inner
+twice, see :func:`~composer_cloud.sync.decoupled.protocol.next_seq`). The inner
 state stores the local parameters *after* adoption, which are also the next
 base, so a resumed replica continues exactly where that boundary left it.
 """
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from composer_cloud import checkpoint as ckpt
+from composer_cloud.sync.checkpoint import global_state as ckpt
 from composer_cloud import faults
-from composer_cloud.rendezvous import decoupled as dc
+from composer_cloud.sync.decoupled import protocol as dc
 from composer_cloud.errors import BadObject
 from composer_cloud.runs.metrics import Progress
 from composer_cloud.stack import runtime_versions

@@ -44,6 +44,6 @@ CODE_REF = "COMPOSER_CLOUD_CODE_REF"
 #: Set by the launcher on cloud jobs, so the digests a replica checks did not come from the store.
 FILES = "COMPOSER_CLOUD_FILES"
 #: The run key (a secret): objects in the store are signed with an HMAC derived from it, and unsigned
-#: or mis-signed objects are rejected (see :func:`composer_cloud.rendezvous.store.signing_key_from_env`).
+#: or mis-signed objects are rejected (see :func:`composer_cloud.storage.store.signing_key_from_env`).
 #: Unset or empty: signing is off.
 RUN_KEY = "COMPOSER_CLOUD_RUN_KEY"

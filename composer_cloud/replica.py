@@ -10,7 +10,7 @@ reports goes to the store:
 * ``metrics/<rank>/<round>-<writer>.jsonl`` — one plain-JSONL object per round
   (its step rows, then the round row), written once, never rewritten (see
   :mod:`composer_cloud.runs.metrics`).
-* ``checkpoints/<r>/...`` — see :mod:`composer_cloud.checkpoint`.
+* ``checkpoints/<r>/...`` — see :mod:`composer_cloud.sync.checkpoint.global_state`.
 
 Ordering at a round boundary (the commit of round ``r`` happens inside the
 inner optimizer's ``step()``, in DiLoCo's post-hook): once ``step()`` returns,
@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from composer_cloud import checkpoint as ckpt
+from composer_cloud.sync.checkpoint import global_state as ckpt
 from composer_cloud import env, faults
-from composer_cloud.diloco import OuterLoop, OuterOptimizerConfig, build_diloco, params_digest
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, cleanup_rounds, latest_committed_round
-from composer_cloud.rendezvous.manager import SyncRecord
+from composer_cloud.sync.lockstep.diloco import OuterLoop, OuterOptimizerConfig, build_diloco, params_digest
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, cleanup_rounds, latest_committed_round
+from composer_cloud.sync.lockstep.manager import SyncRecord
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.metrics import MetricsLog, Progress
-from composer_cloud.runs.run import open_run
+from composer_cloud.storage.run import open_run
 from composer_cloud.stack import runtime_versions
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState

@@ -31,7 +31,7 @@ Invariants:
   object whose bytes do not hash to its name is replaced, never reused.
 * **Nothing read from the store is trusted.** The replica verifies the
   sha256 (on top of the store's crc32 framing) before using a byte; a
-  mismatch is a :class:`~composer_cloud.rendezvous.store.ChecksumMismatch`
+  mismatch is a :class:`~composer_cloud.storage.store.ChecksumMismatch`
   naming the key. Archives are checked entry by entry *before* anything is
   written: absolute paths, ``..``, symlinks, special files, encrypted entries
   and oversized or over-long archives are refused with :class:`UnsafeArchive`.
@@ -65,7 +65,7 @@ from typing import Any
 from composer_cloud.archive import MAX_ENTRIES, UnsafeArchive, extract_atomic, write_zip  # noqa: F401 - re-exported
 from composer_cloud.errors import BadReference, ChecksumMismatch, ConfigError
 from composer_cloud.registry import is_reference
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.layout import code_key
 from composer_cloud.storage.records import CodeRef

@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "composer_cloud.rendezvous.manager"])
+_CTX.set_forkserver_preload(["torch", "composer_cloud.sync.lockstep.manager"])
 
 
 def run_processes(target: Callable[..., Any], args_per_proc: Sequence[tuple], *, timeout: float = 120) -> list[Any]:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from composer_cloud.rendezvous import codec as wire
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundTimeout
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundTimeout
+from composer_cloud.storage.store import Store
 from conftest import run_processes
 from workers import allreduce_worker, diloco_worker, payload, reference_diloco
 

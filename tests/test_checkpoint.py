@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_cloud import checkpoint as ckpt
-from composer_cloud.rendezvous.state import flatten
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.sync.checkpoint import global_state as ckpt
+from composer_cloud.storage.tensors import flatten
+from composer_cloud.storage.store import Store
 
 
 def _tree(seed: int = 0) -> dict:
@@ -76,8 +76,8 @@ def test_encodings_are_byte_identical_across_processes(tmp_path):
     code = ("import hashlib, torch, sys\n"
             "sys.path.insert(0, sys.argv[1])\n"
             "from test_checkpoint import _tree\n"
-            "from composer_cloud import checkpoint as ckpt\n"
-            "from composer_cloud.rendezvous import codec\n"
+            "from composer_cloud.sync.checkpoint import global_state as ckpt\n"
+            "from composer_cloud.sync.lockstep import codec\n"
             "s = ckpt.split_global_state(_tree(), 2)\n"
             "x = torch.arange(1000, dtype=torch.float32)\n"
             "blobs = [s.encode(0, round=5), s.encode(1, round=5)] + [codec.encode(c, x) for c in codec.CODECS]\n"

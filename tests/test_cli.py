@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import composer_cloud.cli as cli_module
 from composer_cloud import faults
 from composer_cloud.cli import app
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.runs.metrics import read_metrics
 
 from conftest import SMALL_RUN_TOML as SMALL_MODEL
@@ -129,7 +129,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, args, needl
 def test_launch_onto_existing_run_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "store" / "taken"
-    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.storage.store import Store
 
     Store(f"file://{run}").put_json("spec.json", {"sentinel": True})
     before = (run / "spec.json").read_bytes()

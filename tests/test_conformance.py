@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from composer_cloud.rendezvous.conformance import (
+from composer_cloud.storage.conformance import (
     PROBE_PREFIX,
     ConformanceReport,
     PropertyCheck,
@@ -13,7 +13,7 @@ from composer_cloud.rendezvous.conformance import (
     probe_store,
     require_conformance,
 )
-from composer_cloud.rendezvous.store import Store, StoreConfigError
+from composer_cloud.storage.store import Store, StoreConfigError
 from storeproxy import StoreProxy
 
 REQUIRED = ["conditional_create", "concurrent_create", "read_after_write", "list_after_write",

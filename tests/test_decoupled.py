@@ -17,8 +17,8 @@ from composer_cloud.runs.metrics import read_metrics
 import torch
 
 from composer_cloud import faults
-from composer_cloud.rendezvous import decoupled as dc
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.storage.store import Store
 from composer_cloud.spec import SpecError, spec_from_dict
 from conftest import SMALL_RUN_TOML
 
@@ -202,7 +202,7 @@ def test_tampered_foreign_and_nan_contributions_are_skipped(store):
     _publish(store, 1, 1, 1.0, tokens=100)
     _publish(store, 2, 1, 1.0, tokens=100)
     # Tampered: blob replaced by other (well-formed) tensors; its meta's sha256 no longer matches.
-    from composer_cloud.rendezvous.state import save_tensors
+    from composer_cloud.storage.tensors import save_tensors
     store.put(f"{dc.contrib_key(1, 1)}.safetensors", save_tensors(_delta(100.0), {}))
     # Foreign: a contribution of another run copied into this one.
     meta = store.get_json(f"{dc.contrib_key(2, 1)}.json")

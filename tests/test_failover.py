@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from composer_cloud import faults
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum
 from test_resume import (  # noqa: F401 - baselines is a fixture

@@ -31,7 +31,7 @@ from composer_cloud.jobs.hf_jobs import (
     known_flavors,
 )
 from composer_cloud.jobs.wheel import WHEEL_PREFIX, build_wheel, stage_wheel
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.spec import spec_from_dict
 from hf_jobs_server import HARDWARE, HFJobsServer, make_job_python
 
@@ -41,7 +41,7 @@ NAMESPACE = "tester"
 # A job that proves it runs the *installed* wheel and can use the store.
 PROBE = """
 import json, sys, composer_cloud
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 run_uri, rank = sys.argv[1], int(sys.argv[2])
 Store(run_uri).put_json(f"probe/{rank}.json", {"rank": rank, "package": composer_cloud.__file__})
 print(f"probe rank {rank} ok", flush=True)

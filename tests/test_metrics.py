@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from composer_cloud import faults
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.runs.metrics import MetricsLog, Progress, list_objects, read_metrics, to_csv
 from conftest import SMALL_RUN_TOML
 
@@ -157,7 +157,7 @@ class _FakeExecutor:
 def _fake_run(tmp_path, monkeypatch, ex):
     from composer_cloud.jobs import JobHandle
     from composer_cloud.runs import logs as logs_mod
-    from composer_cloud.runs.run import Run, save_handles
+    from composer_cloud.storage.run import Run, save_handles
     from composer_cloud.spec import RunSpec
 
     store = Store(f"file://{tmp_path}/run")

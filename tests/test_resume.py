@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from composer_cloud import faults
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from conftest import SMALL_RUN_TOML
 
 SPEC = """
@@ -138,7 +138,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, baselines):
     res = _launch(tmp_path, store, "corrupt")
     assert res.returncode == 0, res.stderr
     run = Store(f"{store}/corrupt")
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     assert ckpt.latest_checkpoint(run).round == 3
     path = tmp_path / "store/corrupt/checkpoints/00000003/replica-1.safetensors"

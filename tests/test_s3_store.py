@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.store import (
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+from composer_cloud.storage.store import (
     ChecksumMismatch,
     SignatureMismatch,
     Store,
@@ -164,7 +164,7 @@ def test_a_replica_process_rides_out_an_outage_through_the_proxy(s3_store, tmp_p
     script = tmp_path / "reader.py"
     script.write_text(
         "import sys\n"
-        "from composer_cloud.rendezvous.store import Store\n"
+        "from composer_cloud.storage.store import Store\n"
         "from composer_cloud.retry import RetryPolicy\n"
         "st = Store(sys.argv[1], outage_s=60, retry=RetryPolicy(base_s=0.05, cap_s=0.5))\n"
         "open(sys.argv[2], 'w').close()\n"  # ready: the test starts the outage now

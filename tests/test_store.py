@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from composer_cloud.rendezvous.store import (
+from composer_cloud.storage.store import (
     ChecksumMismatch,
     ObjectNotFound,
     RetryPolicy,
@@ -145,12 +145,15 @@ def test_bad_uris_rejected(uri):
         Store(uri)
 
 
-def test_no_pickle_in_the_sync_layer():
+def test_no_pickle_in_the_storage_and_sync_layers():
     import pathlib
 
-    import composer_cloud.rendezvous as pkg
+    import composer_cloud
 
-    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+    root = pathlib.Path(composer_cloud.__file__).parent
+    paths = [*(root / "storage").rglob("*.py"), *(root / "sync").rglob("*.py")]
+    assert len(paths) > 10
+    for path in paths:
         text = path.read_text()
         assert "import pickle" not in text and "torch.load" not in text, path
 
@@ -168,7 +171,7 @@ def _client_error(status: int, code: str, condition: str | None = None):
 def test_a_412_means_exists_whatever_the_body_says():
     from s3fs.errors import translate_boto_error
 
-    from composer_cloud.rendezvous.store import _is_precondition_failed
+    from composer_cloud.storage.store import _is_precondition_failed
 
     # AWS and moto name the condition: s3fs gives FileExistsError. SeaweedFS does not: s3fs gives EINVAL.
     aws = translate_boto_error(_client_error(412, "PreconditionFailed", "If-None-Match"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from conftest import SMALL_RUN_TOML
 from storeproxy import StoreProxy
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from test_resume import (  # noqa: F401 - baselines is a fixture
     SPEC,
     _baseline,

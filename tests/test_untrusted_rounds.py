@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from composer_cloud.rendezvous import codec as wire
-from composer_cloud.rendezvous.allreduce import (AllReduceConfig, ObjectStoreAllReduce, RoundResult,
+from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.sync.lockstep.allreduce import (AllReduceConfig, ObjectStoreAllReduce, RoundResult,
                                                  committed_attempt, latest_committed_round)
 from composer_cloud.errors import BadObject
 from composer_cloud.storage.records import Outcome, Quorum
-from composer_cloud.rendezvous.store import HEADER_BYTES, Store
+from composer_cloud.storage.store import HEADER_BYTES, Store
 from conftest import run_processes
 from workers import diloco_worker, payload, reference_diloco
 
@@ -138,7 +138,7 @@ def test_stray_join_objects_are_skipped_with_one_warning(any_store_uri, caplog):
     st = Store(any_store_uri)
     for name in ("README", "7.json", "01.json", "x/0.json", "-1.json"):
         st.put(f"{Q0}/join/{name}", b"not a join record")
-    with caplog.at_level(logging.WARNING, logger="composer_cloud.rendezvous.rounds"):
+    with caplog.at_level(logging.WARNING, logger="composer_cloud.sync.lockstep.rounds"):
         out = run_round(any_store_uri, 2, min_replicas=2)
     for rank in (0, 1):
         assert_committed(*out[rank], ranks=[0, 1], attempt=0)
@@ -446,7 +446,7 @@ def test_diloco_run_survives_junk_records_and_matches_plain_torch(store_uri):
 
 
 def test_stray_attempt_directories_are_not_joined_and_cleanup_skips_stray_names(store_uri):
-    from composer_cloud.rendezvous.allreduce import cleanup_rounds
+    from composer_cloud.sync.lockstep.allreduce import cleanup_rounds
 
     st = Store(store_uri)
     st.put("rounds/00000000/5/join/0.json", b"{}")        # a far-ahead attempt nobody opened
@@ -460,7 +460,7 @@ def test_stray_attempt_directories_are_not_joined_and_cleanup_skips_stray_names(
 
 
 def test_damaged_outcome_of_a_round_the_run_has_left_is_not_rejoined(store_uri):
-    from composer_cloud.rendezvous.allreduce import BehindError
+    from composer_cloud.sync.lockstep.allreduce import BehindError
 
     st = Store(store_uri)
     ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1))

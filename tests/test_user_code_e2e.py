@@ -112,7 +112,7 @@ def test_user_task_prompts_hints_and_model_folder_travel_to_hf_jobs_through_s3(h
     import secrets as _secrets
 
     from composer_cloud.runs.lifecycle import wait
-    from composer_cloud.runs.run import open_run
+    from composer_cloud.storage.run import open_run
 
     user = _user_project(tmp_path, model_dir=True)
     (user / "spec.toml").write_text(f"""replicas = 2
@@ -180,7 +180,7 @@ def test_local_files_are_refused_or_checked_before_anything_is_written(tmp_path)
 
 
 def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(tmp_path, monkeypatch):
-    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.storage.store import Store
     from composer_cloud.spec import load_spec
     from composer_cloud.usercode import apply_spec_paths, localize_spec, pack_path, spec_local_paths
 

@@ -18,7 +18,7 @@ import pytest
 import composer_cloud
 from composer_cloud.registry import BadReference
 from composer_cloud.errors import ChecksumMismatch
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage.layout import code_key
 from composer_cloud.storage.records import CodeRef
 from composer_cloud.usercode import (
@@ -90,7 +90,7 @@ INSTALL_AND_LOAD = """
     import json, sys
     from pathlib import Path
     from composer_cloud.registry import load_object
-    from composer_cloud.rendezvous.store import Store
+    from composer_cloud.storage.store import Store
     from composer_cloud.usercode import CodeRef, install_code
 
     try:

@@ -8,8 +8,8 @@ import traceback
 import numpy as np
 import torch
 
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+from composer_cloud.storage.store import Store
 
 
 def payload(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -70,7 +70,7 @@ def diloco_worker(q, index: int, uri: str, rank: int, world: int, *, rounds: int
                   delay_before_step: dict[int, float] | None = None, codec: str = "fp32",
                   bucketize: bool = False) -> None:
     """Runs torchft's DiLoCo on the object-store manager; reports params after every sync."""
-    from composer_cloud.diloco import OuterOptimizerConfig, build_diloco
+    from composer_cloud.sync.lockstep.diloco import OuterOptimizerConfig, build_diloco
 
     try:
         model = make_model()

@@ -46,7 +46,7 @@ import zlib
 
 BOOTSTRAP_EXIT_CODE = 97
 _MAGIC = b"CCO1"
-_HEADER = struct.Struct("<4sIQ")  # must match composer_cloud.rendezvous.store
+_HEADER = struct.Struct("<4sIQ")  # must match composer_cloud.storage.store
 _FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 #: Pinned versions (requirements.txt text). The launcher replaces this line's value; None: unconstrained.
 CONSTRAINTS = None

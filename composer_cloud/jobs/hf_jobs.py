@@ -71,7 +71,7 @@ from composer_cloud.jobs.base import (
     replica_command,
 )
 from composer_cloud.jobs.wheel import WHEEL_PREFIX, StagedWheel, build_and_stage_wheel
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.retry import RetryPolicy
 from composer_cloud.spec import RunSpec
 

@@ -13,7 +13,7 @@ Invariants:
 * The staged object lives at ``<run>/executor/wheel/<sha256[:16]>/<file>.whl``
   (content-addressed: re-staging the same bytes is a no-op, different bytes
   never overwrite a wheel a running job may be reading). It is written through
-  :class:`~composer_cloud.rendezvous.store.Store`, so it is framed with a crc32
+  :class:`~composer_cloud.storage.store.Store`, so it is framed with a crc32
   and the job additionally checks the sha256 carried in :class:`StagedWheel`.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from composer_cloud import env
 from composer_cloud.jobs.base import ExecutorError
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage.layout import WHEELS as WHEEL_PREFIX
 from composer_cloud.storage.layout import wheel_key
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_cloud import checkpoint as ckpt
+from composer_cloud.sync.checkpoint import global_state as ckpt
 from composer_cloud.errors import (
     ConfigError,
     ExecutorError,
@@ -37,9 +37,9 @@ from composer_cloud.errors import (
     StoreError,
 )
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor
-from composer_cloud.rendezvous.store import Store, join_uri
+from composer_cloud.storage.store import Store, join_uri
 from composer_cloud.retry import PollPolicy, poll_until
-from composer_cloud.runs.run import (
+from composer_cloud.storage.run import (
     Run,
     load_handles,
     normalize_run_uri,
@@ -119,11 +119,11 @@ def _open_store_for(spec: RunSpec) -> Store:
     """The run's store, after proving the store provides what a run needs.
 
     The conformance probe (reachability and credentials, write-once create,
-    read/list-after-write, delete; :mod:`composer_cloud.rendezvous.conformance`)
+    read/list-after-write, delete; :mod:`composer_cloud.storage.conformance`)
     writes only under its own scratch prefix and removes it; a store that fails
     is refused with :class:`StoreConfigError` naming the property and the store.
     """
-    from composer_cloud.rendezvous.conformance import require_conformance
+    from composer_cloud.storage.conformance import require_conformance
 
     report = require_conformance(spec.store, storage_options=spec.store_options)
     return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options,
@@ -383,7 +383,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
         latest = ckpt.latest_checkpoint(run.store)  # verified: every object read once
         last = spec.rounds - 1
         if spec.sync.mode == "decoupled":  # the final version is recorded, not implied by the round count
-            from composer_cloud.rendezvous.decoupled import read_final
+            from composer_cloud.sync.decoupled.protocol import read_final
 
             last = read_final(run.store)
         if executor is None and replicas is None and latest is not None and latest.round == last:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from composer_cloud.jobs import JobHandle, get_executor
-from composer_cloud.runs.run import Run, load_handles
+from composer_cloud.storage.run import Run, load_handles
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?(Z)?")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_cloud.errors import BadObject, ObjectNotFound
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import MetricsDigest, ResumeRecord
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud.runs.metrics import read_metrics
-from composer_cloud.runs.run import Run
+from composer_cloud.storage.run import Run
 
 INSTALL_HINT = "pip install 'composer-cloud[report]'"
 

@@ -11,13 +11,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_cloud import checkpoint as ckpt
+from composer_cloud.sync.checkpoint import global_state as ckpt
 from composer_cloud.errors import BadObject
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
-from composer_cloud.rendezvous.rounds import latest_committed_round
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.sync.lockstep.rounds import latest_committed_round
+from composer_cloud.storage.store import Store
 from composer_cloud.runs import metrics as _metrics
-from composer_cloud.runs.run import Run, cancel_requested, load_handles
+from composer_cloud.storage.run import Run, cancel_requested, load_handles
 from composer_cloud.stack import version_skew
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState
@@ -78,7 +78,7 @@ class RunStatus:
 
 def _decoupled_progress(store: Store, problems: list[str]) -> tuple[int, bool]:
     """(merged versions, final version durable with a manifest) of a decoupled run."""
-    from composer_cloud.rendezvous.decoupled import progress
+    from composer_cloud.sync.decoupled.protocol import progress
 
     merged, final = progress(store)
     if final is not None and ckpt.read_manifest(store, final) is None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from composer_cloud.rendezvous.state import flatten, unflatten
+from composer_cloud.storage.tensors import flatten, unflatten
 
 
 def build_inner_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.AdamW:

@@ -11,7 +11,7 @@ Invariants:
 * After a commit, or a heal, the model's synced parameters equal the round's
   global parameters, bitwise, on every replica.
 * :meth:`OuterLoop.restore` and healing load the same tree that
-  :func:`composer_cloud.checkpoint.write_global_state` wrote, keyed by
+  :func:`composer_cloud.sync.checkpoint.global_state.write_global_state` wrote, keyed by
   torchft's own state-dict keys (``StreamingDiLoCoFragment_<i>``).
 """
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.rendezvous.manager import ObjectStoreManager, SyncRecord
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
+from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +124,11 @@ class OuterLoop:
     def verify_durable(self, round: int) -> None:
         """Read round ``round``'s stored global state back and check it equals this replica's, bitwise.
 
-        Raises :class:`~composer_cloud.checkpoint.CorruptCheckpoint` naming the round otherwise. Run at
+        Raises :class:`~composer_cloud.sync.checkpoint.global_state.CorruptCheckpoint` naming the round otherwise. Run at
         the end of a run: "completed" must mean the final state is durable and right.
         """
-        from composer_cloud import checkpoint
-        from composer_cloud.rendezvous.state import flatten
+        from composer_cloud.sync.checkpoint import global_state as checkpoint
+        from composer_cloud.storage.tensors import flatten
 
         stored, _ = flatten(checkpoint.load_global(self.manager.store, round))
         live, _ = flatten(self.manager.state())

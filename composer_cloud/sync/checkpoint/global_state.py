@@ -26,7 +26,7 @@ Invariants:
   costs no second pass: every object is verified by the same read that loads it.
 * **Void commits.** If a committed round's global state can never become
   durable (every participant died before writing its slice), a replica voids
-  that attempt's commit (:func:`composer_cloud.rendezvous.rounds.declare_void`);
+  that attempt's commit (:func:`composer_cloud.sync.lockstep.rounds.declare_void`);
   the round is then run again as a new attempt. Slices are named by attempt,
   so a voided attempt's slices are never mixed with the new ones.
 * Old checkpoints beyond ``keep`` are deleted only after a newer manifest exists.
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from composer_cloud import faults
-from composer_cloud.rendezvous import rounds
+from composer_cloud.sync.lockstep import rounds
 from composer_cloud.errors import BadObject, ChecksumMismatch, CorruptCheckpoint, ObjectNotFound, StoreTimeout
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, ReplicaMarker, SliceMarker
 from composer_cloud.retry import PollPolicy, poll_until
@@ -90,7 +90,7 @@ class GlobalStateSlices:
         """Slice ``index`` as safetensors bytes; the tree's skeleton rides in every slice's metadata."""
         meta = {"round": str(round), "shard": str(index), "num_shards": str(self.num_shards),
                 "skeleton": json.dumps(self.skeleton)}
-        from composer_cloud.rendezvous.state import save_tensors
+        from composer_cloud.storage.tensors import save_tensors
 
         return save_tensors({k: self.tensors[k] for k in self.groups[index]}, meta)
 
@@ -103,7 +103,7 @@ def split_global_state(tree: dict[str, Any], num_shards: int) -> GlobalStateSlic
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    from composer_cloud.rendezvous.state import flatten
+    from composer_cloud.storage.tensors import flatten
 
     tensors, skeleton = flatten(tree)
     sizes = [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
@@ -240,7 +240,7 @@ def load_global(store: Store, round: int, *, num_shards: int | None = None) -> d
                                 f"{ {k: sorted(v) for k, v in markers.by_count.items()} })")
     from safetensors.torch import load as st_load
 
-    from composer_cloud.rendezvous.state import read_metadata, unflatten
+    from composer_cloud.storage.tensors import read_metadata, unflatten
 
     tensors: dict[str, torch.Tensor] = {}
     skeleton: Any = None
@@ -293,7 +293,7 @@ def write_replica_state(store: Store, round: int, rank: int, tree: dict[str, Any
     ``world_size`` (the run's replica count) is recorded: a data position means
     nothing under another replica count.
     """
-    from composer_cloud.rendezvous.state import encode_state
+    from composer_cloud.storage.tensors import encode_state
 
     blob = encode_state(tree, metadata={"round": str(round), "rank": str(rank)})
     store.put(layout.replica_blob_key(round, rank), blob)
@@ -320,7 +320,7 @@ def load_replica_at(store: Store, round: int, rank: int, crc32: int | None = Non
     key = layout.replica_blob_key(round, rank)
     data = _read_verified(store, key, crc32)
     try:
-        from composer_cloud.rendezvous.state import decode_state
+        from composer_cloud.storage.tensors import decode_state
 
         return decode_state(data)
     except Exception as exc:  # noqa: BLE001

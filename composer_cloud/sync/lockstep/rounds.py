@@ -32,7 +32,7 @@ import threading
 from typing import Any
 
 from composer_cloud.errors import BadObject, ChecksumMismatch
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum, Void
 

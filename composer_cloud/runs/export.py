@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from composer_cloud import checkpoint as ckpt
-from composer_cloud.runs.run import Run
+from composer_cloud.sync.checkpoint import global_state as ckpt
+from composer_cloud.storage.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ def export_model(run: Run, out: Path, *, round: int | None = None) -> int:
     ``round`` defaults to the latest valid checkpoint. Raises ``LookupError``
     naming the run if there is none, or if ``round`` has no global state.
     """
-    from composer_cloud.diloco import load_global_parameters, split_fragments
+    from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
     from composer_cloud.model import load_spec_model
 
     store, spec = run.store, run.spec

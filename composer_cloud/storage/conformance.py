@@ -5,7 +5,7 @@ probed before a run starts, and a store that lacks them is refused by name.
 :func:`probe_store` exercises the real store under a scratch prefix
 (``<uri>/.composer-cloud-probe/<uuid>/``) that it deletes afterwards, and
 reports each property; it never raises for a failing property, only
-:class:`~composer_cloud.rendezvous.store.StoreConfigError` when the store
+:class:`~composer_cloud.storage.store.StoreConfigError` when the store
 cannot be reached at all.
 
 Required properties (a run is unsafe without them):
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_cloud.errors import ObjectNotFound, StoreConfigError
-from composer_cloud.rendezvous.store import Store, join_uri
+from composer_cloud.storage.store import Store, join_uri
 from composer_cloud.storage.layout import PROBE_PREFIX  # where the probe writes, under the store root; removed afterwards
 
 __all__ = ["PROBE_PREFIX", "ConformanceReport", "PropertyCheck", "StoreConfigError", "StoreNotConforming",

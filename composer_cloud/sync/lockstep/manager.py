@@ -27,7 +27,7 @@ How a sync maps onto the store (round ``r`` = ``current_step()``):
 Global state: after a commit, DiLoCo's outer step produces the new global
 parameters, bitwise identical on every participant. At the next manager call
 (or :meth:`publish_state`) each participant writes its slice of every
-registered ``save_fn``'s state (:func:`composer_cloud.checkpoint.write_global_shard`),
+registered ``save_fn``'s state (:func:`composer_cloud.sync.checkpoint.global_state.write_global_shard`),
 in the background; a participant that still misses a slice after
 ``takeover_after_s`` writes it itself. ``start_quorum`` joins that work, so a
 round's global state is durable before its participants sync again, whoever
@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from composer_cloud import checkpoint
-from composer_cloud.rendezvous import rounds
-from composer_cloud.rendezvous.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
+from composer_cloud.sync.checkpoint import global_state as checkpoint
+from composer_cloud.sync.lockstep import rounds
+from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
 from composer_cloud.errors import StoreError, StoreTimeout, SyncError
 from composer_cloud.retry import PollPolicy, poll_until
 

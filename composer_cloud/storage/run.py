@@ -33,7 +33,7 @@ from composer_cloud.errors import (
     StoreConfigError,
     StoreError,
 )
-from composer_cloud.rendezvous.store import Store, derive_signing_key, signing_key_from_env
+from composer_cloud.storage.store import Store, derive_signing_key, signing_key_from_env
 from composer_cloud.spec import DEFAULT_STORE, RunSpec, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import CancelRecord, JobHandle

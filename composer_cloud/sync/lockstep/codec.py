@@ -27,7 +27,7 @@ import numpy.ctypeslib  # noqa: F401 - safetensors imports it lazily; racing fir
 import torch
 from safetensors.torch import load as st_load
 
-from composer_cloud.rendezvous.state import save_tensors
+from composer_cloud.storage.tensors import save_tensors
 
 CodecName = Literal["fp32", "bf16", "int8"]
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8")

@@ -54,13 +54,13 @@ from typing import Any
 import torch
 
 from composer_cloud import faults
-from composer_cloud.rendezvous import codec as wire
-from composer_cloud.rendezvous.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
+from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
                                               verify_reduced)
 from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreTimeout, SyncError
-from composer_cloud.rendezvous.rounds import (attempts, cleanup_rounds, committed_attempt, join_rank,
+from composer_cloud.sync.lockstep.rounds import (attempts, cleanup_rounds, committed_attempt, join_rank,
                                               latest_committed_round, read_outcome, read_quorum)
-from composer_cloud.rendezvous.store import Store, iter_chunks
+from composer_cloud.storage.store import Store, iter_chunks
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Join, Outcome, Quorum, SlotDigest
 from composer_cloud.retry import poll_until

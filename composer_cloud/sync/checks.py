@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from composer_cloud.errors import BadObject, SyncError
-from composer_cloud.rendezvous.codec import norm_rtol
+from composer_cloud.sync.lockstep.codec import norm_rtol
 from composer_cloud.storage.records import SlotDigest
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreError, StoreUnavailable
-from composer_cloud.rendezvous.store import Store
+from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def publish_contribution(store: Store, cfg: DecoupledConfig, *, rank: int, seq: 
     second publisher of the same ``(rank, seq)`` (a zombie) loses the create
     and raises: seqs are never reused (see :func:`next_seq`).
     """
-    from composer_cloud.rendezvous.state import save_tensors
+    from composer_cloud.storage.tensors import save_tensors
 
     blob = save_tensors({k: v.detach().to("cpu", dtype=_fp32()).contiguous() for k, v in delta.items()},
                         {"run_id": cfg.run_id, "rank": str(rank), "seq": str(seq)})
@@ -412,7 +412,7 @@ def outer_step(state: Mapping[str, Any], deltas: Sequence[Mapping[str, torch.Ten
 
 
 def has_version(store: Store, version: int) -> bool:
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     return ckpt.has_global_state(store, version, num_shards=1, attempt=0)
 
@@ -426,7 +426,7 @@ def write_version(store: Store, version: int, tree: dict[str, Any], *, writer: i
     the manifest exists, so ``resume`` (which discards checkpoints without one) never drops a version
     whose inputs are gone.
     """
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     ckpt.write_global_state(store, version, tree, writer=writer, num_shards=1, attempt=0)
     marker = ckpt.shard_markers(store, version, attempt=0).by_count[1][0]
@@ -442,7 +442,7 @@ def load_version(store: Store, version: int, shapes: Mapping[str, tuple[int, ...
 
     Raises :class:`InvalidObject` (or ``CorruptCheckpoint``) naming the checkpoint.
     """
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     tree = ckpt.load_global(store, version, num_shards=1)
     key = ckpt.checkpoint_prefix(version)
@@ -463,7 +463,7 @@ def load_version(store: Store, version: int, shapes: Mapping[str, tuple[int, ...
 
 def newest_version(store: Store, *, floor: int = -1) -> int | None:
     """Newest version > ``floor`` whose global state is durable (None if none)."""
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     for v in sorted((r for r in ckpt.checkpoint_rounds(store) if r > floor), reverse=True):
         if has_version(store, v):
@@ -550,7 +550,7 @@ def _version_meta(record: MergeRecord, rank: int) -> dict[str, Any]:
 
 
 def _has_manifest(store: Store, version: int) -> bool:
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     return store.exists(layout.manifest_key(version))
 
@@ -634,7 +634,7 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Mapping[str, tuple[int
 
 
 def _norm(d: Mapping[str, torch.Tensor]) -> float:
-    from composer_cloud.rendezvous.checks import l2
+    from composer_cloud.sync.checks import l2
 
     return math.sqrt(sum(l2(t.reshape(-1)) ** 2 for t in d.values()))
 
@@ -654,7 +654,7 @@ def prune(store: Store, cfg: DecoupledConfig, *, newest: int, record: MergeRecor
     ``keep_checkpoints`` go once a newer one is durable; merge records older
     than the oldest kept global go (the newest record carries the cursor).
     """
-    from composer_cloud import checkpoint as ckpt
+    from composer_cloud.sync.checkpoint import global_state as ckpt
 
     try:
         for c in record.contributions:
@@ -677,7 +677,7 @@ def prune(store: Store, cfg: DecoupledConfig, *, newest: int, record: MergeRecor
 def write_replica(store: Store, rank: int, seq: int, tree: dict[str, Any], *, version: int,
                   world_size: int, keep: int = 2) -> None:
     """Replica ``rank``'s inner state after its boundary ``seq`` (blob, then marker; older ones pruned)."""
-    from composer_cloud.rendezvous.state import encode_state
+    from composer_cloud.storage.tensors import encode_state
 
     blob = encode_state(tree, metadata={"rank": str(rank), "seq": str(seq), "version": str(version)})
     key = replica_key(rank, seq)
@@ -699,7 +699,7 @@ class ReplicaResume:
 
 def load_replica(store: Store, rank: int, *, world_size: int) -> ReplicaResume | None:
     """Newest verified inner state of ``rank`` (None: none usable; the replica starts fresh from a global)."""
-    from composer_cloud.rendezvous.state import decode_state
+    from composer_cloud.storage.tensors import decode_state
 
     seqs = sorted((int(m.group(1)) for n in store.list_dirs(f"{PREFIX}/replica/{rank}") if (m := _NUM.match(n))),
                   reverse=True)
