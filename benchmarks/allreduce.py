@@ -72,9 +72,12 @@ from typing import Any
 import torch
 
 from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.retry import PollPolicy
+from composer_cloud.storage import framing
 from composer_cloud.storage import store as store_mod
+from composer_cloud.storage.backends import LocalBackend
+from composer_cloud.storage.store import Store, iter_chunks
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.storage.store import PollPolicy, Store, iter_chunks
 
 METHODS = ("raw_store", "scatter_reduce", "naive", "gloo")
 STORE_METHODS = ("raw_store", "scatter_reduce", "naive")
@@ -128,9 +131,9 @@ def install_profiler() -> None:
     wire.decode = PROF.wrap("decode", wire.decode)
     store_mod.frame = PROF.wrap("frame", store_mod.frame)        # header + copies + crc32
     store_mod.unframe = PROF.wrap("unframe", store_mod.unframe)  # checks + crc32
-    store_mod.zlib = types.SimpleNamespace(crc32=PROF.wrap("crc32", zlib.crc32))
+    framing.zlib = types.SimpleNamespace(crc32=PROF.wrap("crc32", zlib.crc32))
     os.fsync = PROF.wrap("fsync", os.fsync)
-    Store._local_put = PROF.wrap("file_write", Store._local_put)  # makedirs, write, fsync, rename
+    LocalBackend._write = PROF.wrap("file_write", LocalBackend._write)  # makedirs, write, fsync, rename
 
     timed_sleep = PROF.wrap("poll_sleep", time.sleep)
     from composer_cloud.sync.lockstep import allreduce as ar_mod
@@ -145,7 +148,7 @@ def install_profiler() -> None:
         start_ns = time.time_ns()
         out = orig_wait_get(self, key, **kwargs)
         end_ns = time.time_ns()
-        if self.local:
+        if isinstance(self.backend, LocalBackend):
             try:
                 visible_ns = os.stat(self.path(key)).st_ctime_ns  # rename sets ctime: when it became visible
             except OSError:
@@ -159,7 +162,7 @@ def install_profiler() -> None:
 
 
 def _patch_fs_reads(store: Store) -> None:
-    cls = type(store.fs)
+    cls = type(store.backend.fs)
     if not getattr(cls.cat_file, "_bench_wrapped", False):
         wrapped = PROF.wrap("file_read", cls.cat_file)
         wrapped._bench_wrapped = True

@@ -364,7 +364,7 @@ class Harness:
     # ---------------------------------------------------------------- polling
     def poll(self) -> None:
         from composer_cloud.sync.checkpoint import global_state as ckpt
-        from composer_cloud.storage.store import StoreError
+        from composer_cloud.errors import StoreError
 
         now = time.time()
         with self.lock:

@@ -81,7 +81,7 @@ def _watcher(uri: str, mode: str, counts: Counter[str], stop: threading.Event, p
     from composer_cloud.jobs import get_executor
 
     run = runs.open_run(uri)
-    run.store.fs = CountingFS(run.store.fs, counts)  # this watcher's store object only
+    run.store.backend.fs = CountingFS(run.store.backend.fs, counts)  # this watcher's store object only
     tracker = StatusTracker(run)
     n = 0
     while not stop.is_set():

@@ -33,7 +33,8 @@ from s3server import s3_environ, s3_server  # noqa: E402
 from storeproxy import StoreProxy  # noqa: E402
 
 from composer_cloud.storage.conformance import probe_store  # noqa: E402
-from composer_cloud.storage.store import Store, StoreUnavailable  # noqa: E402
+from composer_cloud.errors import StoreUnavailable  # noqa: E402
+from composer_cloud.storage.store import Store  # noqa: E402
 from composer_cloud.retry import RetryPolicy  # noqa: E402
 
 

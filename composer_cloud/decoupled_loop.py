@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from composer_cloud.sync.checkpoint import global_state as ckpt
-from composer_cloud import faults
+from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
 from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
 from composer_cloud.errors import BadObject
 from composer_cloud.runs.metrics import Progress
 from composer_cloud.stack import runtime_versions
@@ -69,15 +69,16 @@ class DecoupledLoop:
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.alpha = spec.sync.fragment_update_alpha
         self.tokens_per_step = spec.trainer.batch_size * spec.trainer.seq_len
+        self.replica_states = ReplicaStateStore(self.store, hooks=replica.hooks)
         self.adopted = -1  # the global version the model last adopted
         self.seq = 0  # contributions published (the next one is seq + 1)
 
     # ------------------------------------------------------------ state
     def _start(self) -> None:
         """Resume my inner state if I have one, else start from the newest durable global (version 0 first)."""
-        resume = dc.load_replica(self.store, self.rank, world_size=self.spec.replicas)
+        resume = self.replica_states.load_decoupled(self.rank, world_size=self.spec.replicas)
         if resume is not None:
-            local = ckpt.restore_replica_state(self.trainer, resume.tree["inner"])
+            local = restore_replica_state(self.trainer, resume.tree["inner"])
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
                     p.copy_(local[name])
@@ -103,7 +104,7 @@ class DecoupledLoop:
             logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
                            exc, self.adopted)
             return False
-        params = tree[dc.FRAGMENT_KEY]["original_parameters"]
+        params = tree[FRAGMENT_KEY]["original_parameters"]
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 g = params[name].to(p.device, p.dtype)
@@ -116,8 +117,9 @@ class DecoupledLoop:
 
     def _write_state(self, params: dict[str, torch.Tensor]) -> None:
         """Write this replica's inner state; ``params`` is a CPU copy of the model's parameters as they are now."""
-        tree = {"inner": ckpt.replica_state(self.trainer, params)}
-        dc.write_replica(self.store, self.rank, self.seq, tree, version=self.adopted, world_size=self.spec.replicas)
+        tree = {"inner": replica_state(self.trainer, params)}
+        self.replica_states.write_decoupled(self.rank, self.seq, tree, version=self.adopted,
+                                            world_size=self.spec.replicas, keep=2)
 
     # ------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -148,10 +150,10 @@ class DecoupledLoop:
                         finished = True
                         break
                 if i == spec.inner_steps // 2:
-                    faults.stall_point("inner_step", self.seq, rank)
+                    rep.hooks.at("inner_step", self.seq, rank)
                 t0 = time.monotonic()
                 out = self.trainer.step()
-                faults.slow_step(rank, time.monotonic() - t0)  # simulated slow hardware counts as compute
+                rep.hooks.after_step(rank, time.monotonic() - t0)  # simulated slow hardware counts as compute
                 dt = time.monotonic() - t0
                 compute_s += dt
                 step += 1

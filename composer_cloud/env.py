@@ -9,6 +9,9 @@ to the store, a record or a log.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 #: Log level of a replica process (``INFO`` by default).
 LOG_LEVEL = "COMPOSER_CLOUD_LOG"
 #: torch intra-op threads of a replica process (the local executor splits the cores).
@@ -44,6 +47,24 @@ CODE_REF = "COMPOSER_CLOUD_CODE_REF"
 #: Set by the launcher on cloud jobs, so the digests a replica checks did not come from the store.
 FILES = "COMPOSER_CLOUD_FILES"
 #: The run key (a secret): objects in the store are signed with an HMAC derived from it, and unsigned
-#: or mis-signed objects are rejected (see :func:`composer_cloud.storage.store.signing_key_from_env`).
-#: Unset or empty: signing is off.
+#: or mis-signed objects are rejected (:mod:`composer_cloud.storage.framing`). Whether a run is signed is
+#: recorded in its spec at launch; a process must have the key to open a signed run, and must not have it
+#: to open an unsigned one (:func:`composer_cloud.storage.run.open_run`). Unset or empty: no key.
 RUN_KEY = "COMPOSER_CLOUD_RUN_KEY"
+#: The standard AWS variables naming an S3-compatible endpoint (MinIO, R2, SeaweedFS), most specific first.
+AWS_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def run_key(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The run key as set (never logged), or None when unset or empty."""
+    return environ.get(RUN_KEY) or None
+
+
+def s3_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The S3 endpoint the standard AWS variables name, or None (the provider's default)."""
+    return next((environ[n] for n in AWS_ENDPOINTS if environ.get(n)), None)
+
+
+def store_options(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The raw JSON of :data:`STORE_OPTIONS`, or None when unset or empty."""
+    return environ.get(STORE_OPTIONS) or None

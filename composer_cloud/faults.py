@@ -73,3 +73,13 @@ def slow_step(rank: int, step_s: float) -> float:
     if extra > 0:
         time.sleep(extra)
     return extra
+
+
+class EnvFaults:
+    """The :class:`~composer_cloud.hooks.Hooks` of crash tests, from this process's environment."""
+
+    def at(self, phase: str, round: int, rank: int) -> None:
+        stall_point(phase, round, rank)
+
+    def after_step(self, rank: int, step_s: float) -> float:
+        return slow_step(rank, step_s)

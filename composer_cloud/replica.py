@@ -34,10 +34,15 @@ from typing import Any
 
 import torch
 
-from composer_cloud.sync.checkpoint import global_state as ckpt
 from composer_cloud import env, faults
-from composer_cloud.sync.lockstep.diloco import OuterLoop, OuterOptimizerConfig, build_diloco, params_digest
-from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, cleanup_rounds, latest_committed_round
+from composer_cloud.sync.checkpoint import manifests
+from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+from composer_cloud.sync.checkpoint.replica_state import (ReplicaStateStore, ResumePoint, replica_state,
+                                                          restore_replica_state)
+from composer_cloud.errors import CorruptCheckpoint
+from composer_cloud.sync.lockstep import rounds
+from composer_cloud.sync.lockstep.diloco import LockstepConfig, OuterLoop, build_diloco, params_digest
+from composer_cloud.sync.lockstep.allreduce import cleanup_rounds, latest_committed_round
 from composer_cloud.sync.lockstep.manager import SyncRecord
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs.metrics import MetricsLog, Progress
@@ -75,6 +80,9 @@ class Replica:
         if not 0 <= rank < self.spec.replicas:
             raise ValueError(f"--rank {rank} out of range: the run has {self.spec.replicas} replicas")
         self.metrics = MetricsLog(self.store, rank)
+        self.hooks = faults.EnvFaults()
+        self.global_states = GlobalStateStore(self.store, hooks=self.hooks)
+        self.replica_states = ReplicaStateStore(self.store, hooks=self.hooks)
         self.progress: Progress | None = None  # set once training starts
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-state-io")
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
@@ -146,19 +154,9 @@ class Replica:
 
         start = self._resume_point()
         start_round = start.round + 1 if start else 0
-        loop = build_diloco(
-            store=self.store, rank=self.rank, model=model, inner_optimizer=trainer.optimizer,
-            sync_every=spec.inner_steps, fragments=spec.sync.fragments,
-            fragment_sync_delay=spec.sync.fragment_sync_delay,
-            allreduce=AllReduceConfig(
-                replicas=spec.replicas, min_replicas=spec.min_replicas, codec=spec.sync.codec,
-                quorum_timeout_s=spec.sync.quorum_timeout_s, round_timeout_s=spec.sync.round_timeout_s,
-                io_threads=spec.sync.io_threads, outlier_factor=spec.sync.outlier_factor,
-                max_attempts=spec.sync.max_attempts),
-            outer=OuterOptimizerConfig(lr=spec.outer_optimizer.lr, momentum=spec.outer_optimizer.momentum,
-                                       nesterov=spec.outer_optimizer.nesterov),
-            heal_timeout_s=spec.sync.heal_timeout_s, takeover_after_s=spec.sync.quorum_timeout_s,
-            start_round=start_round, on_sync=self._syncs.append)
+        loop = build_diloco(store=self.store, rank=self.rank, model=model, inner_optimizer=trainer.optimizer,
+                            config=LockstepConfig.from_spec(spec), hooks=self.hooks, start_round=start_round,
+                            on_sync=self._syncs.append)
         manager = loop.manager
         if start is not None:
             self._restore(start, loop, trainer)
@@ -176,13 +174,13 @@ class Replica:
         with loop:
             while manager.current_step() < spec.rounds:
                 if step % spec.inner_steps == spec.inner_steps // 2:
-                    faults.stall_point("inner_step", manager.current_step(), self.rank)
+                    self.hooks.at("inner_step", manager.current_step(), self.rank)
                 round_now = manager.current_step()  # the round this step belongs to (a sync may end it)
                 t0 = time.monotonic()
                 out = trainer.step()
                 dt = time.monotonic() - t0
                 in_sync = self._syncs[-1].result.wall_s if self._syncs and self._syncs[-1].result else 0.0
-                dt += faults.slow_step(self.rank, dt - in_sync)  # simulated slow hardware counts as compute
+                dt += self.hooks.after_step(self.rank, dt - in_sync)  # simulated slow hardware counts as compute
                 step += 1
                 round_losses.append(out.get("loss", float("nan")))
                 if "reward_mean" in out:
@@ -264,21 +262,22 @@ class Replica:
         # Snapshot on the critical path (training mutates optimizer state next
         # step), then encode and upload in the background.
         t0 = time.monotonic()
-        tree = _snapshot(ckpt.replica_state(trainer, local))
+        tree = _snapshot(replica_state(trainer, local))
         row["checkpoint_snapshot_s"] = time.monotonic() - t0
-        self._state_write = self._io.submit(ckpt.write_replica_state, self.store, round, self.rank, tree,
+        self._state_write = self._io.submit(self.replica_states.write, round, self.rank, tree,
                                             world_size=spec.replicas)
         self._pending_io.append(self._state_write)
         loop.manager.publish_state(after=self._state_write)
 
         def finish() -> None:
-            if ckpt.write_manifest(self.store, round, participants, deadline_s=spec.sync.round_timeout_s,
-                                   attempt=attempt, spec_round_meta={"replicas_launched": spec.replicas}):
-                ckpt.prune_checkpoints(self.store, keep=spec.keep_checkpoints, newest=round)
+            if manifests.write_manifest(self.global_states, self.replica_states, round, attempt, participants,
+                                        deadline_s=spec.sync.round_timeout_s,
+                                        extra={"replicas_launched": spec.replicas}):
+                manifests.prune(self.global_states, keep=spec.keep_checkpoints, newest=round)
                 cleanup_rounds(self.store, before=round)
         self._pending_io.append(self._manifest_io.submit(finish))
 
-    def _resume_point(self) -> ckpt.ResumePoint | None:
+    def _resume_point(self) -> ResumePoint | None:
         """Where to start: the newest durable round, with my own inner state if I wrote it.
 
         A replica restarted right after a commit it took part in waits (up to
@@ -287,31 +286,35 @@ class Replica:
         round with my own inner state is exact.
         """
         committed = latest_committed_round(self.store)
-        if (committed >= 0 and ckpt.replica_state_marker(self.store, committed, self.rank) is not None
-                and not ckpt.has_global_state(self.store, committed)):
+        attempt = rounds.committed_attempt(self.store, committed) if committed >= 0 else None
+        if (attempt is not None and self.replica_states.marker(committed, self.rank) is not None
+                and not self.global_states.durable(committed, attempt)):
             logger.info("replica %d: waiting for round %d's global state to become durable", self.rank, committed)
             try:
-                poll_until(lambda: True if ckpt.has_global_state(self.store, committed) else None,
+                poll_until(lambda: True if self.global_states.durable(committed, attempt) else None,
                            deadline=time.monotonic() + self.spec.sync.round_timeout_s,
                            policy=PollPolicy(initial_s=0.2, max_s=2.0),
                            on_timeout=lambda waited: TimeoutError(waited))
             except TimeoutError:
                 logger.warning("replica %d: round %d's global state did not become durable within "
                                "round_timeout_s; resuming from an earlier round", self.rank, committed)
-        return ckpt.resume_point(self.store, self.rank, world_size=self.spec.replicas)
+        durable = self.global_states.durable_rounds(rounds.attempt_of(self.store))
+        return self.replica_states.resume_point(self.rank, world_size=self.spec.replicas, durable_rounds=durable)
 
-    def _restore(self, start: ckpt.ResumePoint, loop: OuterLoop, trainer: Any) -> None:
+    def _restore(self, start: ResumePoint, loop: OuterLoop, trainer: Any) -> None:
         """Load global state into DiLoCo and the model, and this replica's inner state if present."""
-        loop.restore(ckpt.load_global(self.store, start.round))
+        attempt = rounds.committed_attempt(self.store, start.round)
+        assert attempt is not None  # a durable round is a committed one
+        loop.restore(self.global_states.load(start.round, attempt))
         if start.replica_crc32 is None:
             logger.warning("%s: fresh inner state from global params", start.reason)
             return
         try:
-            tree = ckpt.load_replica_at(self.store, start.round, self.rank, start.replica_crc32)
-        except ckpt.CorruptCheckpoint as exc:
+            tree = self.replica_states.load(start.round, self.rank, start.replica_crc32)
+        except CorruptCheckpoint as exc:
             logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
             return
-        local = ckpt.restore_replica_state(trainer, tree)
+        local = restore_replica_state(trainer, tree)
         if local:
             with torch.no_grad():
                 for name, p in trainer.model.named_parameters():

@@ -174,6 +174,10 @@ class RunSpec(_Strict):
     run_id: str = ""
     store: str = DEFAULT_STORE
     store_options: dict[str, Any] = Field(default_factory=dict)
+    #: Whether the run's objects are HMAC-signed. Set by ``launch`` from whether ``COMPOSER_CLOUD_RUN_KEY``
+    #: is set; ``true`` in a spec file makes the key required at launch. A process without the key refuses
+    #: to open a signed run (see ``docs/store.md``).
+    signed: bool = False
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)

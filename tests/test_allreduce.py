@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from composer_cloud.sync.lockstep import codec as wire
-from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundTimeout
+from composer_cloud.sync.lockstep.allreduce import ObjectStoreAllReduce, RoundTimeout
 from composer_cloud.storage.store import Store
 from conftest import run_processes
-from workers import allreduce_worker, diloco_worker, payload, reference_diloco
+from workers import allreduce_config, allreduce_worker, diloco_worker, payload, reference_diloco
 
 
 def _expected(world: int, numel: int, round: int = 0) -> torch.Tensor:
@@ -96,8 +96,8 @@ def test_traffic_per_replica_is_independent_of_world_size(store_uri, tmp_path):
 
 
 def test_too_few_replicas_raises_round_timeout_naming_missing(store_uri):
-    ar = ObjectStoreAllReduce(Store(store_uri), 0, AllReduceConfig(
-        replicas=3, min_replicas=2, quorum_timeout_s=0.5, round_timeout_s=5))
+    ar = ObjectStoreAllReduce(Store(store_uri), 0, allreduce_config(
+        3, min_replicas=2, quorum_timeout_s=0.5, round_timeout_s=5))
     with pytest.raises(RoundTimeout) as err:
         ar.allreduce(0, torch.ones(10))
     assert err.value.missing_ranks == [1, 2]
@@ -173,7 +173,7 @@ def test_replica_left_out_of_an_open_round_observes_its_commit(store_uri):
     """Rank 2 arrives after the quorum was fixed but before the commit: not a participant, sees the commit."""
     import threading
 
-    cfg = AllReduceConfig(replicas=3, min_replicas=2, quorum_timeout_s=30, round_timeout_s=30)
+    cfg = allreduce_config(3, min_replicas=2, quorum_timeout_s=30, round_timeout_s=30)
     st = Store(store_uri)
     st.create_json("rounds/00000000/0/quorum.json", {"round": 0, "attempt": 0, "participants": [0, 1],
                                                      "reason": "test"})
@@ -205,7 +205,7 @@ def test_a_failing_participant_aborts_the_round_for_everyone_quickly(store_uri):
                 raise OSError(28, "No space left on device")
             return super().put(key, payload, **kw)
 
-    cfg = AllReduceConfig(replicas=2, min_replicas=2, quorum_timeout_s=30, round_timeout_s=60)
+    cfg = allreduce_config(2, min_replicas=2, quorum_timeout_s=30, round_timeout_s=60)
     outcome = {}
 
     def healthy():

@@ -5,9 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_cloud.sync.checkpoint import global_state as ckpt
-from composer_cloud.storage.tensors import flatten
+from composer_cloud.errors import CorruptCheckpoint
 from composer_cloud.storage.store import Store
+from composer_cloud.storage.tensors import flatten
+from composer_cloud.sync.checkpoint import manifests
+from composer_cloud.sync.checkpoint.global_state import GlobalStateStore, split_global_state
+from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
+
+A = 0  # the attempt every state here belongs to (the sync layer names it; here: by hand)
+
+
+def _attempt_0(round: int) -> int:
+    return A
 
 
 def _tree(seed: int = 0) -> dict:
@@ -27,43 +36,51 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
 def test_slices_are_deterministic_cover_the_state_and_round_trip(tmp_path, n):
     tree = _tree()
-    a, b = ckpt.split_global_state(tree, n), ckpt.split_global_state(_tree(), n)
+    a, b = split_global_state(tree, n), split_global_state(_tree(), n)
     assert [a.encode(i, round=0) for i in range(n)] == [b.encode(i, round=0) for i in range(n)]
     assert sorted(k for g in a.groups for k in g) == sorted(a.tensors)
-    store = Store(f"file://{tmp_path}/s")
+    states = GlobalStateStore(Store(f"file://{tmp_path}/s"))
     for i in range(n):  # each participant writes its own slice
-        assert ckpt.write_global_shard(store, 3, a, i, writer=i) > 0
-        assert ckpt.has_global_state(store, 3) == (i == n - 1)
-    assert ckpt.write_global_shard(store, 3, a, 0, writer=1) == 0  # a taker-over writes nothing twice
-    assert _same(ckpt.load_global(store, 3), tree)
+        assert states.write_slice(3, A, a, i, writer=i) > 0
+        assert states.durable(3, A) == (i == n - 1)
+    assert not states.durable(3, A + 1)  # another attempt's state is another state
+    assert states.write_slice(3, A, a, 0, writer=1) == 0  # a taker-over writes nothing twice
+    assert _same(states.load(3, A), tree)
 
 
 def test_a_well_framed_but_malformed_global_slice_is_never_used(tmp_path):
     store = Store(f"file://{tmp_path}/s")
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
     for r in (0, 1):
-        ckpt.write_global_state(store, r, _tree(r), writer=0, num_shards=2)
+        states.write(r, A, _tree(r), writer=0, num_slices=2)
         for rank in (0, 1):
-            ckpt.write_replica_state(store, r, rank, {"x": torch.ones(2)}, world_size=2)
-        assert ckpt.write_manifest(store, r, [0, 1], deadline_s=5)
-    assert ckpt.latest_checkpoint(store).round == 1
+            replicas.write(r, rank, {"x": torch.ones(2)}, world_size=2)
+        assert manifests.write_manifest(states, replicas, r, A, [0, 1], deadline_s=5)
+    assert manifests.latest_checkpoint(states, _attempt_0).round == 1
+    assert manifests.latest_checkpoint(states, lambda r: A + 1) is None  # every manifest names another attempt
     # Valid framing (the store's crc32 matches), garbage content: the marker's/manifest's crc32 differs.
     store.put("checkpoints/00000001/global-a0-1-of-2.safetensors", b"not a safetensors blob")
-    with pytest.raises(ckpt.CorruptCheckpoint, match="global-a0-1-of-2"):
-        ckpt.load_global(store, 1)
-    assert ckpt.latest_checkpoint(store).round == 0  # resume and export fall back
+    with pytest.raises(CorruptCheckpoint, match="global-a0-1-of-2"):
+        states.load(1, A)
+    assert manifests.latest_checkpoint(states, _attempt_0).round == 0  # resume and export fall back
 
 
 def test_resume_point_prefers_own_state_of_the_newest_durable_round(tmp_path):
     store = Store(f"file://{tmp_path}/s")
-    assert ckpt.resume_point(store, 0, world_size=2) is None
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
+
+    def resume_point(rank: int, world_size: int):
+        return replicas.resume_point(rank, world_size=world_size, durable_rounds=states.durable_rounds(_attempt_0))
+
+    assert resume_point(0, 2) is None
     for r in (0, 1, 2):
-        ckpt.write_global_state(store, r, _tree(r), writer=0, num_shards=2)
-    ckpt.write_replica_state(store, 1, 0, {"x": torch.ones(2)}, world_size=2)
-    point = ckpt.resume_point(store, 0, world_size=2)
+        states.write(r, A, _tree(r), writer=0, num_slices=2)
+    replicas.write(1, 0, {"x": torch.ones(2)}, world_size=2)
+    point = resume_point(0, 2)
     assert point.round == 1 and point.replica_crc32 is not None  # exact: own state at round 1
-    point = ckpt.resume_point(store, 1, world_size=2)
+    point = resume_point(1, 2)
     assert point.round == 2 and point.replica_crc32 is None and "no state for replica 1" in point.reason
-    point = ckpt.resume_point(store, 0, world_size=3)  # another replica count: data positions mean nothing
+    point = resume_point(0, 3)  # another replica count: data positions mean nothing
     assert point.round == 2 and point.replica_crc32 is None and "2 replicas, now 3" in point.reason
 
 
@@ -76,9 +93,9 @@ def test_encodings_are_byte_identical_across_processes(tmp_path):
     code = ("import hashlib, torch, sys\n"
             "sys.path.insert(0, sys.argv[1])\n"
             "from test_checkpoint import _tree\n"
-            "from composer_cloud.sync.checkpoint import global_state as ckpt\n"
+            "from composer_cloud.sync.checkpoint.global_state import split_global_state\n"
             "from composer_cloud.sync.lockstep import codec\n"
-            "s = ckpt.split_global_state(_tree(), 2)\n"
+            "s = split_global_state(_tree(), 2)\n"
             "x = torch.arange(1000, dtype=torch.float32)\n"
             "blobs = [s.encode(0, round=5), s.encode(1, round=5)] + [codec.encode(c, x) for c in codec.CODECS]\n"
             "print([hashlib.sha256(b).hexdigest() for b in blobs])")

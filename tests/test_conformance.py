@@ -13,7 +13,8 @@ from composer_cloud.storage.conformance import (
     probe_store,
     require_conformance,
 )
-from composer_cloud.storage.store import Store, StoreConfigError
+from composer_cloud.errors import StoreConfigError
+from composer_cloud.storage.store import Store
 from storeproxy import StoreProxy
 
 REQUIRED = ["conditional_create", "concurrent_create", "read_after_write", "list_after_write",

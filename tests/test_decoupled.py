@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,20 @@ from composer_cloud.runs.metrics import read_metrics
 import torch
 
 from composer_cloud import faults
-from composer_cloud.sync.decoupled import protocol as dc
-from composer_cloud.storage.store import Store
+from composer_cloud.errors import BadObject
 from composer_cloud.spec import SpecError, spec_from_dict
+from composer_cloud.storage import layout
+from composer_cloud.storage.store import Store
+from composer_cloud.sync.decoupled import outer
+from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.sync.outer import OuterOptimizerConfig
 from conftest import SMALL_RUN_TOML
 
 SHAPES = {"w": (3,), "b": (2,)}
-CFG = dc.DecoupledConfig(run_id="run", replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=5.0,
-                         outer_lr=0.7, outer_momentum=0.9, nesterov=True, outlier_factor=10.0, keep_checkpoints=10)
+# The merge math below is checked with DiLoCo's lr 0.7 / momentum 0.9, set in the spec like any other setting.
+CFG = dc.DecoupledConfig.from_spec(spec_from_dict({
+    "run_id": "run", "replicas": 3, "keep_checkpoints": 10, "outer_optimizer": {"lr": 0.7, "momentum": 0.9},
+    "sync": {"mode": "decoupled", "min_quorum": 2, "grace_min_s": 0.5, "grace_max_s": 5.0}}))
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -41,7 +48,7 @@ def _publish(store: Store, rank: int, seq: int, scale: float, tokens: int, base:
 
 
 def _global(store: Store, v: int) -> dict[str, torch.Tensor]:
-    return dc.load_version(store, v, SHAPES)[dc.FRAGMENT_KEY]["original_parameters"]
+    return dc.load_version(store, v, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]
 
 
 def _blob(store: Store, v: int) -> bytes:
@@ -68,6 +75,15 @@ def test_spec_refuses_fragments_with_decoupled_and_names_the_field():
     assert err.value.field == "sync.fragment_update_alpha"
     spec = spec_from_dict({"sync": {"mode": "decoupled"}})
     assert spec.sync.mode == "decoupled" and spec_from_dict({}).sync.mode == "lockstep"
+
+
+def test_the_decoupled_config_takes_the_spec_defaults_of_its_mode():
+    """The outer optimizer's defaults are the spec's, per sync mode, and nowhere else."""
+    decoupled = dc.DecoupledConfig.from_spec(spec_from_dict({"replicas": 4, "sync": {"mode": "decoupled"}}))
+    assert decoupled.outer == OuterOptimizerConfig(lr=1.0, momentum=0.3, nesterov=True)
+    assert decoupled.min_quorum == 2 and decoupled.keep_checkpoints == 2
+    assert OuterOptimizerConfig.from_spec(spec_from_dict({})) == OuterOptimizerConfig(lr=0.7, momentum=0.9,
+                                                                                      nesterov=True)
 
 
 def test_slow_factor_parsing(monkeypatch):
@@ -103,7 +119,7 @@ def test_merge_is_token_weighted_nesterov_step(store):
     _publish(store, 2, 1, 2.0, tokens=100, base=0)
     out = dc.try_merge(store, CFG, SHAPES, rank=2)
     assert out.merged == 2
-    assert dc.read_merge(store, CFG, 2).raw["staleness"] == [0, 1]  # rank 2 started from version 0
+    assert dc.read_merge(store, CFG, 2).staleness == (0, 1)  # rank 2 started from version 0
     g2 = {k: share * v for k, v in _delta(2.0).items()}
     buf2 = {k: m * g1[k] + g2[k] for k in SHAPES}
     want2 = {k: want1[k] - lr * (g2[k] + m * buf2[k]) for k in SHAPES}
@@ -203,10 +219,10 @@ def test_tampered_foreign_and_nan_contributions_are_skipped(store):
     _publish(store, 2, 1, 1.0, tokens=100)
     # Tampered: blob replaced by other (well-formed) tensors; its meta's sha256 no longer matches.
     from composer_cloud.storage.tensors import save_tensors
-    store.put(f"{dc.contrib_key(1, 1)}.safetensors", save_tensors(_delta(100.0), {}))
+    store.put(layout.contribution_key(1, 1, "safetensors"), save_tensors(_delta(100.0), {}))
     # Foreign: a contribution of another run copied into this one.
-    meta = store.get_json(f"{dc.contrib_key(2, 1)}.json")
-    store.put_json(f"{dc.contrib_key(2, 1)}.json", {**meta, "run_id": "other-run"})
+    meta = store.get_json(layout.contribution_key(2, 1, "json"))
+    store.put_json(layout.contribution_key(2, 1, "json"), {**meta, "run_id": "other-run"})
     # NaN: a correctly published contribution whose values are not finite.
     bad = _delta(1.0)
     bad["w"][1] = float("nan")
@@ -216,7 +232,7 @@ def test_tampered_foreign_and_nan_contributions_are_skipped(store):
     assert out.merged == 1
     rec = dc.read_merge(store, CFG, 1)
     assert [(c.rank, c.seq) for c in rec.contributions] == [(0, 1), (1, 2)]
-    rejected = {(r["rank"], r["seq"]): r["reason"] for r in rec.raw["rejected"]}
+    rejected = {(r.rank, r.seq): r.reason for r in rec.rejected}
     assert set(rejected) == {(0, 2), (1, 1), (2, 1)}
     assert "non-finite" in rejected[(0, 2)] and "sha256" in rejected[(1, 1)] and "other-run" in rejected[(2, 1)]
     assert rec.cursor == {0: 2, 1: 2, 2: 1}  # never looked at again
@@ -228,15 +244,15 @@ def test_forged_merge_record_and_global_are_refused(store):
     _publish(store, 0, 1, 1.0, tokens=100)
     _publish(store, 1, 1, 1.0, tokens=100)
     assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
-    rec = store.get_json(dc.merge_key(1))
-    with pytest.raises(dc.InvalidObject, match="weights"):
+    rec = store.get_json(layout.merge_key(1))
+    with pytest.raises(BadObject, match="weights"):
         dc.parse_merge({**rec, "weights": [0.9, 0.1]}, "k", CFG, 1)
-    with pytest.raises(dc.InvalidObject, match="other"):
+    with pytest.raises(BadObject, match="other"):
         dc.parse_merge({**rec, "run_id": "other"}, "k", CFG, 1)
     # A global whose values are not finite (written with a valid marker) is never adopted.
-    tree = dc.initial_state({"w": torch.tensor([float("inf"), 0, 0]), "b": torch.zeros(2)}, CFG)
+    tree = outer.initial_state({"w": torch.tensor([float("inf"), 0, 0]), "b": torch.zeros(2)}, CFG.outer)
     dc.write_version(store, 5, tree, writer=0)
-    with pytest.raises(dc.InvalidObject, match="non-finite"):
+    with pytest.raises(BadObject, match="non-finite"):
         dc.load_version(store, 5, SHAPES)
 
 
@@ -270,7 +286,7 @@ def test_final_merge_with_nothing_pending_still_closes_merging(store):
     assert v == 2 and dc.read_merge(store, CFG, 2).final
     before, after = dc.load_version(store, 1, SHAPES), dc.load_version(store, 2, SHAPES)
     for n in SHAPES:  # an empty final merge is no step: same parameters, same momentum
-        key = dc.FRAGMENT_KEY
+        key = outer.FRAGMENT_KEY
         assert torch.equal(before[key]["original_parameters"][n], after[key]["original_parameters"][n])
 
 
@@ -302,7 +318,7 @@ def test_protocol_on_real_s3_servers(s3_store, monkeypatch):
     _publish(store, 2, 1, 1.0, tokens=100)
     assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2
     assert dc.read_merge(store, CFG, 2).cursor == {0: 1, 1: 1, 2: 1}
-    assert not store.list(f"{dc.PREFIX}/contrib/2")  # consumed and durable: pruned
+    assert not store.list(layout.contribution_prefix(2))  # consumed and durable: pruned
 
 
 # ------------------------------------------------------------------ multi-process runs
@@ -360,7 +376,8 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
 
 
 def _cfg(run_id: str) -> dc.DecoupledConfig:
-    return dc.DecoupledConfig(run_id=run_id, replicas=3, min_quorum=2, grace_min_s=0.5, grace_max_s=10)
+    """The config the replicas of a run built from ``SPEC`` use (to read its records)."""
+    return dc.DecoupledConfig.from_spec(spec_from_dict({**tomllib.loads(SPEC), "run_id": run_id}))
 
 
 def _with_rounds(rounds: int) -> str:

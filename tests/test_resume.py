@@ -14,6 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 from composer_cloud import faults
+from composer_cloud.runs.sync_state import latest_checkpoint
+from composer_cloud.storage.run import open_run
 from composer_cloud.storage.store import Store
 from conftest import SMALL_RUN_TOML
 
@@ -137,15 +139,13 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, baselines):
     store = _store_uri("file", tmp_path)
     res = _launch(tmp_path, store, "corrupt")
     assert res.returncode == 0, res.stderr
-    run = Store(f"{store}/corrupt")
-    from composer_cloud.sync.checkpoint import global_state as ckpt
-
-    assert ckpt.latest_checkpoint(run).round == 3
+    run = open_run(f"{store}/corrupt")
+    assert latest_checkpoint(run.store, run.spec).round == 3
     path = tmp_path / "store/corrupt/checkpoints/00000003/replica-1.safetensors"
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert ckpt.latest_checkpoint(run).round == 2
+    assert latest_checkpoint(run.store, run.spec).round == 2
     res = _cli(["resume", f"{store}/corrupt"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     # The warning names the skipped checkpoint, and redoing round 3 gives the same model.

@@ -7,16 +7,12 @@ import threading
 import pytest
 import torch
 
-from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.storage.store import (
-    ChecksumMismatch,
-    SignatureMismatch,
-    Store,
-    StoreConfigError,
-    StoreUnavailable,
-)
+from composer_cloud.sync.lockstep.allreduce import ObjectStoreAllReduce
+from composer_cloud.errors import ChecksumMismatch, SignatureMismatch, StoreConfigError, StoreUnavailable
+from composer_cloud.storage.store import Store
 from composer_cloud.retry import RetryPolicy
 from storeproxy import StoreProxy
+from workers import allreduce_config
 
 
 def test_s3_put_get_create_list(s3_store):
@@ -62,7 +58,7 @@ def test_s3_corrupt_object_is_detected(s3_store):
 
 def test_s3_allreduce_single_process_rounds(s3_store):
     st = Store(f"s3://{s3_store.bucket}/ar")
-    ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1, codec="bf16", quorum_timeout_s=5))
+    ar = ObjectStoreAllReduce(st, 0, allreduce_config(1, codec="bf16", quorum_timeout_s=5))
     x = torch.arange(100, dtype=torch.float32)
     res = ar.allreduce(0, x)
     assert res.committed and torch.allclose(x, torch.arange(100, dtype=torch.float32), rtol=2**-8)

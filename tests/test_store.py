@@ -7,20 +7,19 @@ import time
 
 import pytest
 
-from composer_cloud.storage.store import (
+from composer_cloud import env
+from composer_cloud.errors import (
     ChecksumMismatch,
     ObjectNotFound,
-    RetryPolicy,
+    RunKeyError,
     SignatureMismatch,
-    Store,
     StoreConfigError,
     StoreTimeout,
-    derive_signing_key,
-    frame,
-    signing_key_from_env,
-    unframe,
 )
-from composer_cloud.retry import Outage, is_transient
+from composer_cloud.retry import Outage, RetryPolicy, is_transient
+from composer_cloud.storage.backends import LocalBackend, is_precondition_failed
+from composer_cloud.storage.framing import derive_signing_key, frame, run_key_bytes, unframe
+from composer_cloud.storage.store import Store
 from conftest import _CTX, run_processes
 
 
@@ -171,7 +170,6 @@ def _client_error(status: int, code: str, condition: str | None = None):
 def test_a_412_means_exists_whatever_the_body_says():
     from s3fs.errors import translate_boto_error
 
-    from composer_cloud.storage.store import _is_precondition_failed
 
     # AWS and moto name the condition: s3fs gives FileExistsError. SeaweedFS does not: s3fs gives EINVAL.
     aws = translate_boto_error(_client_error(412, "PreconditionFailed", "If-None-Match"))
@@ -180,8 +178,8 @@ def test_a_412_means_exists_whatever_the_body_says():
     assert isinstance(aws, FileExistsError)
     assert type(seaweed) is OSError and seaweed.errno == 22
     for exc in (aws, seaweed, bare):
-        assert _is_precondition_failed(exc) and not is_transient(exc)
-    assert not _is_precondition_failed(translate_boto_error(_client_error(400, "InvalidArgument")))
+        assert is_precondition_failed(exc) and not is_transient(exc)
+    assert not is_precondition_failed(translate_boto_error(_client_error(400, "InvalidArgument")))
 
 
 @pytest.mark.parametrize("status,code,transient", [
@@ -265,7 +263,7 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(caplog):
 
 def test_a_create_whose_response_was_lost_still_knows_it_won(store_uri, monkeypatch):
     st = Store(store_uri, retry=RetryPolicy(base_s=0.001))
-    real = Store._local_put
+    real = LocalBackend._write
     lost = {"n": 1}
 
     def put_then_lose_the_answer(self, path, data, **kw):
@@ -274,7 +272,7 @@ def test_a_create_whose_response_was_lost_still_knows_it_won(store_uri, monkeypa
             lost["n"] -= 1
             raise ConnectionResetError("the response was lost")
 
-    monkeypatch.setattr(Store, "_local_put", put_then_lose_the_answer)
+    monkeypatch.setattr(LocalBackend, "_write", put_then_lose_the_answer)
     assert st.create("quorum.json", b"mine")  # the retry finds our own bytes: we won
     lost["n"] = 1
     assert not st.create("quorum.json", b"someone else's")  # the retry finds other bytes: we lost
@@ -288,7 +286,7 @@ def test_a_create_whose_response_was_lost_still_knows_it_won(store_uri, monkeypa
             lost["n"] -= 1
             raise ReadTimeoutError(endpoint_url="http://store")
 
-    monkeypatch.setattr(Store, "_local_put", put_then_time_out)
+    monkeypatch.setattr(LocalBackend, "_write", put_then_time_out)
     lost["n"] = 1
     assert st.create("commit.json", b"mine")
 
@@ -326,11 +324,22 @@ def test_signed_objects_round_trip_and_unsigned_or_moved_ones_are_rejected(store
         signed.get("rounds/4/quorum.json")
 
 
+def test_the_hf_bootstrap_reads_both_frames_it_may_find(tmp_path):
+    """The HF Jobs bootstrap unframes the staged wheel before composer-cloud is installed, with its own copy."""
+    from composer_cloud.images import hf_bootstrap
+
+    payload = b"PK\x03\x04 a wheel"
+    for data in (frame(payload), frame(payload, key="executor/wheel/x.whl", signing_key=KEY)):
+        assert hf_bootstrap._unframe("file:///wheel", data) == payload
+    with pytest.raises(SystemExit):
+        hf_bootstrap._unframe("file:///wheel", frame(payload)[:-1])
+
+
 def test_the_run_key_comes_from_the_environment_and_is_never_echoed(store_uri):
-    assert signing_key_from_env({}) is None and signing_key_from_env({"COMPOSER_CLOUD_RUN_KEY": ""}) is None
-    assert signing_key_from_env({"COMPOSER_CLOUD_RUN_KEY": "s3cr3t-" * 4}) == ("s3cr3t-" * 4).encode()
-    with pytest.raises(StoreConfigError, match="COMPOSER_CLOUD_RUN_KEY is too short") as err:
-        signing_key_from_env({"COMPOSER_CLOUD_RUN_KEY": "hunter2"})
+    assert env.run_key({}) is None and env.run_key({"COMPOSER_CLOUD_RUN_KEY": ""}) is None
+    assert run_key_bytes(env.run_key({"COMPOSER_CLOUD_RUN_KEY": "s3cr3t-" * 4})) == ("s3cr3t-" * 4).encode()
+    with pytest.raises(RunKeyError, match="COMPOSER_CLOUD_RUN_KEY is too short") as err:
+        run_key_bytes("hunter2")
     assert "hunter2" not in str(err.value)
     st = Store(store_uri, signing_key=b"hunter2-hunter2-hunter2")
     assert "hunter2" not in repr(st) and "signed=True" in repr(st)

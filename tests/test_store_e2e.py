@@ -57,8 +57,8 @@ def test_three_replicas_complete_on_seaweedfs(tmp_path, s3_server_seaweedfs, mon
 
 @pytest.mark.slow
 def test_a_run_signed_with_a_run_key_rejects_unsigned_objects(tmp_path):
-    """With COMPOSER_CLOUD_RUN_KEY every object is signed: the run completes, a reader without the key
-    is refused by name, and an object written without the key is not accepted."""
+    """With COMPOSER_CLOUD_RUN_KEY every object is signed: the run completes, the spec records it, a process
+    without the key is refused naming the secret, and an object written without the key is not accepted."""
     cfg = tmp_path / "spec.toml"
     cfg.write_text("replicas = 2\nrounds = 2\ninner_steps = 2\n" + SMALL_RUN_TOML)
     key = "k" * 48
@@ -68,9 +68,11 @@ def test_a_run_signed_with_a_run_key_rejects_unsigned_objects(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     st = _cli(["status", f"{store}/signed", "--json"], tmp_path, env)
     assert st.returncode == 0 and json.loads(st.stdout)["state"] == "completed", st.stderr
-    # The key authenticates writers; reading needs none (the bucket's own access control keeps data private).
+    assert Store(f"{store}/signed").get_json("spec.json")["signed"] is True
+    # Without the key a process cannot tell forged objects from real ones: it refuses the run, naming the secret.
     unsigned = {k: v for k, v in os.environ.items() if k != "COMPOSER_CLOUD_RUN_KEY"}
-    assert _cli(["status", f"{store}/signed"], tmp_path, unsigned).returncode == 0
+    res = _cli(["status", f"{store}/signed"], tmp_path, unsigned)
+    assert res.returncode == 2 and "COMPOSER_CLOUD_RUN_KEY" in res.stderr, res.stderr
     # A bucket writer without the key replaces the spec: with the key, the run is refused by name.
     Store(f"{store}/signed").put_json("spec.json", {"replicas": 1})
     res = _cli(["status", f"{store}/signed"], tmp_path, env)

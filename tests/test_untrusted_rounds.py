@@ -6,6 +6,7 @@ protocol, and as real processes (torchft DiLoCo) where it is the whole run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,9 +24,10 @@ from composer_cloud.sync.lockstep.allreduce import (AllReduceConfig, ObjectStore
                                                  committed_attempt, latest_committed_round)
 from composer_cloud.errors import BadObject
 from composer_cloud.storage.records import Outcome, Quorum
-from composer_cloud.storage.store import HEADER_BYTES, Store
+from composer_cloud.storage.framing import HEADER_BYTES
+from composer_cloud.storage.store import Store
 from conftest import run_processes
-from workers import diloco_worker, payload, reference_diloco
+from workers import allreduce_config, diloco_worker, payload, reference_diloco
 
 NUMEL = 999
 Q0 = "rounds/00000000/0"
@@ -41,7 +43,7 @@ def any_store_uri(request, tmp_path) -> str:
 
 
 def cfg(world: int, **kw: Any) -> AllReduceConfig:
-    return AllReduceConfig(**{"replicas": world, "min_replicas": min(2, world), "quorum_timeout_s": 30,
+    return allreduce_config(world, **{"min_replicas": min(2, world), "quorum_timeout_s": 30,
                               "round_timeout_s": 30, "io_threads": 4, **kw})
 
 
@@ -128,9 +130,9 @@ def test_invalid_outcome_records_are_rejected(record):
 def test_config_rejects_bad_check_settings(store_uri):
     for bad in (1.0, 0.5, float("nan"), float("inf"), "10"):
         with pytest.raises(ValueError, match="sync.outlier_factor"):
-            ObjectStoreAllReduce(Store(store_uri), 0, AllReduceConfig(replicas=2, outlier_factor=bad))
+            ObjectStoreAllReduce(Store(store_uri), 0, dataclasses.replace(allreduce_config(2), outlier_factor=bad))
     with pytest.raises(ValueError, match="sync.max_attempts"):
-        ObjectStoreAllReduce(Store(store_uri), 0, AllReduceConfig(replicas=2, max_attempts=0))
+        ObjectStoreAllReduce(Store(store_uri), 0, dataclasses.replace(allreduce_config(2), max_attempts=0))
 
 
 # --------------------------------------------------------------------------- stray and garbage records
@@ -161,7 +163,7 @@ def test_garbage_quorum_of_the_current_attempt_moves_everyone_to_the_next(any_st
 
 def test_bit_flipped_old_outcome_does_not_break_round_discovery(store_uri):
     st = Store(store_uri)
-    ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1))
+    ar = ObjectStoreAllReduce(st, 0, allreduce_config(1))
     for r in range(4):
         assert ar.allreduce(r, torch.ones(8)).committed
     flip_byte(st, f"{Q0}/outcome.json")
@@ -187,7 +189,7 @@ def test_bit_flipped_old_outcome_does_not_break_round_discovery(store_uri):
 
 def test_run_status_survives_a_corrupt_old_outcome(store_uri):
     st = Store(store_uri)
-    ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1))
+    ar = ObjectStoreAllReduce(st, 0, allreduce_config(1))
     for r in range(2):
         ar.allreduce(r, torch.ones(4))
     ar.close()
@@ -463,7 +465,7 @@ def test_damaged_outcome_of_a_round_the_run_has_left_is_not_rejoined(store_uri):
     from composer_cloud.sync.lockstep.allreduce import BehindError
 
     st = Store(store_uri)
-    ar = ObjectStoreAllReduce(st, 0, AllReduceConfig(replicas=1))
+    ar = ObjectStoreAllReduce(st, 0, allreduce_config(1))
     ar.allreduce(0, torch.ones(4))
     flip_byte(st, f"{Q0}/outcome.json")
     # Nobody has moved on yet: the damaged attempt counts as aborted and round 0 is retried.

@@ -8,8 +8,21 @@ import traceback
 import numpy as np
 import torch
 
-from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+from composer_cloud.spec import RunSpec, spec_from_dict
 from composer_cloud.storage.store import Store
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+
+
+def run_spec(world: int, *, min_replicas: int = 1, inner_steps: int = 1, outer: dict | None = None,
+             **sync: object) -> RunSpec:
+    """A spec with ``world`` replicas and these ``[sync]`` settings: configs come from specs only."""
+    return spec_from_dict({"replicas": world, "min_replicas": min_replicas, "inner_steps": inner_steps,
+                           "outer_optimizer": outer or {}, "sync": sync})
+
+
+def allreduce_config(world: int, **settings: object) -> AllReduceConfig:
+    """The all-reduce settings of a ``world``-replica run (``min_replicas`` and ``[sync]`` keys as keywords)."""
+    return AllReduceConfig.from_spec(run_spec(world, **settings))
 
 
 def payload(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -20,8 +33,8 @@ def payload(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.
 def allreduce_worker(q, index: int, uri: str, rank: int, world: int, numel: int, codec: str,
                      rounds: int = 1) -> None:
     try:
-        ar = ObjectStoreAllReduce(Store(uri), rank, AllReduceConfig(
-            replicas=world, min_replicas=world, codec=codec, quorum_timeout_s=30, round_timeout_s=60))
+        ar = ObjectStoreAllReduce(Store(uri), rank, allreduce_config(
+            world, min_replicas=world, codec=codec, quorum_timeout_s=30, round_timeout_s=60))
         outs = []
         for r in range(rounds):
             x = payload(rank + 10 * r, numel)
@@ -70,17 +83,18 @@ def diloco_worker(q, index: int, uri: str, rank: int, world: int, *, rounds: int
                   delay_before_step: dict[int, float] | None = None, codec: str = "fp32",
                   bucketize: bool = False) -> None:
     """Runs torchft's DiLoCo on the object-store manager; reports params after every sync."""
-    from composer_cloud.sync.lockstep.diloco import OuterOptimizerConfig, build_diloco
+    from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
 
     try:
         model = make_model()
         inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        loop = build_diloco(
-            store=Store(uri), rank=rank, model=model, inner_optimizer=inner, sync_every=sync_every,
-            fragments=fragments_of(model, fragments), use_bucketization=bucketize, heal_timeout_s=60,
-            outer=OuterOptimizerConfig(**OUTER),
-            allreduce=AllReduceConfig(replicas=world, min_replicas=min_replicas or world, codec=codec,
-                                      quorum_timeout_s=quorum_timeout_s, round_timeout_s=60))
+        spec = run_spec(world, min_replicas=min_replicas or world, inner_steps=sync_every, outer=OUTER,
+                        fragments=fragments, codec=codec, quorum_timeout_s=quorum_timeout_s, round_timeout_s=60,
+                        heal_timeout_s=60)
+        syncs = []
+        loop = build_diloco(store=Store(uri), rank=rank, model=model, inner_optimizer=inner,
+                            config=LockstepConfig.from_spec(spec), fragments=fragments_of(model, fragments),
+                            use_bucketization=bucketize, on_sync=syncs.append)
         manager = loop.manager
         snapshots = []
         steps = rounds * sync_every // fragments
@@ -93,7 +107,7 @@ def diloco_worker(q, index: int, uri: str, rank: int, world: int, *, rounds: int
                     snapshots.append([p.detach().numpy().copy() for p in model.parameters()])
         loop.close()
         history = [(h.round, h.committed, h.healed_to, h.result.participants if h.result else None)
-                   for h in manager.history]
+                   for h in syncs]
         q.put((index, {"snapshots": snapshots, "history": history, "step": manager.current_step()}))
     except Exception as exc:  # report, so the parent can assert on the error
         q.put((index, {"error": traceback.format_exc(), "type": type(exc).__name__,

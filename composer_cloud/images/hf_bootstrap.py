@@ -45,8 +45,12 @@ import tempfile
 import zlib
 
 BOOTSTRAP_EXIT_CODE = 97
+# The frame of composer_cloud.storage.framing (tests/test_store.py pins the two): unsigned, and signed
+# (a signed run's objects); the signature is not checked here: the wheel's sha256 comes from the launcher.
 _MAGIC = b"CCO1"
-_HEADER = struct.Struct("<4sIQ")  # must match composer_cloud.storage.store
+_HEADER = struct.Struct("<4sIQ")
+_SIGNED_MAGIC = b"CCS1"
+_SIGNED_HEADER = struct.Struct("<4sIQ32s")
 _FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 #: Pinned versions (requirements.txt text). The launcher replaces this line's value; None: unconstrained.
 CONSTRAINTS = None
@@ -157,11 +161,12 @@ def _read(uri):
 
 
 def _unframe(uri, data):
-    if len(data) < _HEADER.size:
+    header = _SIGNED_HEADER if data[:4] == _SIGNED_MAGIC else _HEADER
+    if len(data) < header.size:
         _fail("%s is truncated (%d bytes)" % (uri, len(data)))
-    magic, crc, length = _HEADER.unpack_from(data)
-    payload = data[_HEADER.size:]
-    if magic != _MAGIC or len(payload) != length or zlib.crc32(payload) != crc:
+    magic, crc, length = header.unpack_from(data)[:3]
+    payload = data[header.size:]
+    if magic not in (_MAGIC, _SIGNED_MAGIC) or len(payload) != length or zlib.crc32(payload) != crc:
         _fail("%s is corrupt (bad magic, length or crc32); relaunch to stage the wheel again" % uri)
     return payload
 

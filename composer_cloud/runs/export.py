@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from composer_cloud.sync.checkpoint import global_state as ckpt
+from composer_cloud.errors import CorruptCheckpoint
 from composer_cloud.storage.run import Run
+from composer_cloud.runs import sync_state
+from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 
 logger = logging.getLogger(__name__)
 
@@ -17,29 +19,31 @@ def export_model(run: Run, out: Path, *, round: int | None = None) -> int:
     ``round`` defaults to the latest valid checkpoint. Raises ``LookupError``
     naming the run if there is none, or if ``round`` has no global state.
     """
-    from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
     from composer_cloud.model import load_spec_model
+    from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
 
     store, spec = run.store, run.spec
+    states, attempt_of = GlobalStateStore(store), sync_state.attempt_of(store, spec)
     model, tokenizer = load_spec_model(spec.model, seed=spec.seed)
     fragments = split_fragments(model, spec.sync.fragments)
     if round is not None:
-        if not ckpt.has_global_state(store, round):
+        attempt = attempt_of(round)
+        if attempt is None or not states.durable(round, attempt):
             raise LookupError(f"run {store.uri} has no global state for round {round} "
-                              f"(available: {ckpt.global_state_rounds(store)})")
-        load_global_parameters(fragments, ckpt.load_global(store, round))
+                              f"(available: {states.durable_rounds(attempt_of)})")
+        load_global_parameters(fragments, states.load(round, attempt))
     else:
         # Newest checkpoint with a manifest whose global state reads back intact: one verified read each.
         before = None
         while True:
-            found = ckpt.latest_checkpoint(store, before=before, verify=False)
+            found = sync_state.latest_checkpoint(store, spec, before=before, verify=False)
             if found is None:
                 raise LookupError(f"run {store.uri} has no valid checkpoint to export yet")
             try:
-                load_global_parameters(fragments, ckpt.load_global(store, found.round))
+                load_global_parameters(fragments, states.load(found.round, found.manifest.attempt))
                 round = found.round
                 break
-            except ckpt.CorruptCheckpoint as exc:
+            except CorruptCheckpoint as exc:
                 logger.warning("checkpoint %d cannot be exported (%s); trying the previous one", found.round, exc)
                 before = found.round
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_cloud.sync.checkpoint import global_state as ckpt
+from composer_cloud import env
+from composer_cloud.runs import sync_state
+from composer_cloud.sync.checkpoint.manifests import Checkpoint
 from composer_cloud.errors import (
     ConfigError,
     ExecutorError,
@@ -128,6 +130,16 @@ def _open_store_for(spec: RunSpec) -> Store:
     report = require_conformance(spec.store, storage_options=spec.store_options)
     return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options,
                  signing_key=run_signing_key(spec.run_id))
+
+
+def _with_signing(spec: RunSpec) -> RunSpec:
+    """``spec`` with ``signed`` set from whether this process has the run key (required if the spec asks for it)."""
+    key = run_signing_key(spec.run_id)
+    if spec.signed and key is None:
+        raise SpecError("signed", f"the spec asks for a signed run, but {env.RUN_KEY} is not set; export the run "
+                        "key (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`) and pass it to the "
+                        "replicas like the store credentials")
+    return spec.model_copy(update={"signed": key is not None})
 
 
 def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:
@@ -341,6 +353,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
 
         spec = spec_from_dict(apply_spec_paths(spec.to_json_dict(), {p.setting: str(p.path) for p in paths}),
                               source="spec with absolute paths")
+    spec = _with_signing(spec)
     store = _open_store_for(spec)
     if bundle is not None:  # the digest is fixed before the spec is stored; jobs get it in their environment
         ref = CodeRef(key=code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
@@ -377,15 +390,11 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     """
     run = _as_run(run, storage_options)
     spec = run.spec
-    latest: ckpt.Checkpoint | None = None
+    latest: Checkpoint | None = None
     finished = run_status(run).state == "completed"
     if finished:  # nothing runs: the checkpoint cannot change under us
-        latest = ckpt.latest_checkpoint(run.store)  # verified: every object read once
-        last = spec.rounds - 1
-        if spec.sync.mode == "decoupled":  # the final version is recorded, not implied by the round count
-            from composer_cloud.sync.decoupled.protocol import read_final
-
-            last = read_final(run.store)
+        latest = sync_state.latest_checkpoint(run.store, spec)  # verified: every object read once
+        last = sync_state.progress(run.store, spec).final
         if executor is None and replicas is None and latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
                 f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
@@ -405,9 +414,9 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     warnings = _cancel_jobs(run)[1]
     warnings = [f"could not cancel a job of the previous launch: {w}" for w in warnings]
     if not finished:
-        latest = ckpt.latest_checkpoint(store)  # after the cancel: nothing writes checkpoints any more
+        latest = sync_state.latest_checkpoint(store, spec)  # after the cancel: nothing writes checkpoints any more
     from_round = latest.round if latest else -1
-    ckpt.discard_after(store, from_round)
+    sync_state.discard_after(store, from_round)
     store.delete(layout.CANCEL)
     store.delete(layout.HANDLES, recursive=True)
     store.delete(layout.HEARTBEATS, recursive=True)

@@ -11,16 +11,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_cloud.sync.checkpoint import global_state as ckpt
 from composer_cloud.errors import BadObject
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
-from composer_cloud.sync.lockstep.rounds import latest_committed_round
-from composer_cloud.storage.store import Store
 from composer_cloud.runs import metrics as _metrics
-from composer_cloud.storage.run import Run, cancel_requested, load_handles
 from composer_cloud.stack import version_skew
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState
+from composer_cloud.storage.run import Run, cancel_requested, load_handles
+from composer_cloud.storage.store import Store
+from composer_cloud.runs import sync_state
+from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+from composer_cloud.sync.checkpoint.manifests import read_manifest
 
 
 #: What a job's state is once its heartbeat says it ended (the executor may not have noticed yet).
@@ -76,15 +77,9 @@ class RunStatus:
         return asdict(self)
 
 
-def _decoupled_progress(store: Store, problems: list[str]) -> tuple[int, bool]:
-    """(merged versions, final version durable with a manifest) of a decoupled run."""
-    from composer_cloud.sync.decoupled.protocol import progress
-
-    merged, final = progress(store)
-    if final is not None and ckpt.read_manifest(store, final) is None:
-        problems.append(f"final version {final} has no checkpoint manifest")
-        return merged, False
-    return merged, final is not None
+def _final_name(spec: Any, final: int) -> str:
+    """The last round (lock-step) or the final version (decoupled: merged versions, not rounds)."""
+    return f"final version {final}" if spec.sync.mode == "decoupled" else f"round {spec.rounds}/{spec.rounds}"
 
 
 def _heartbeat(store: Store, rank: int, problems: list[str]) -> Heartbeat | None:
@@ -111,14 +106,14 @@ class StatusTracker:
         self._terminal: dict[tuple[int, str], ReplicaStatus] = {}
         self._committed = 0  # rounds known committed (a count)
         self._durable: int | None = None  # newest round seen durable
+        self._states = GlobalStateStore(run.store)
+        self._attempt_of = sync_state.attempt_of(run.store, run.spec)
 
     def _newest_durable(self) -> int | None:
         """Newest round with a durable global state, checking newest first and nothing below the last seen."""
-        floor = -1 if self._durable is None else self._durable
-        for round in sorted((r for r in ckpt.checkpoint_rounds(self.run.store) if r > floor), reverse=True):
-            if ckpt.has_global_state(self.run.store, round):
-                self._durable = round
-                break
+        newest = self._states.newest_durable(self._attempt_of, above=-1 if self._durable is None else self._durable)
+        if newest is not None:
+            self._durable = newest
         return self._durable
 
     def _job_status(self, h: Any) -> ReplicaStatus:
@@ -147,8 +142,8 @@ class StatusTracker:
         store, spec = self.run.store, self.run.spec
         problems: list[str] = []
         handles = load_handles(store)
-        committed = latest_committed_round(store, start=self._committed) + 1
-        self._committed = committed
+        progress = sync_state.progress(store, spec, start=self._committed)
+        committed = self._committed = progress.committed
         infos: list[ReplicaInfo] = []
         starts: list[float] = []
         beats: list[float] = []
@@ -180,16 +175,14 @@ class StatusTracker:
             if started is not None:
                 starts.append(started)
         last_durable = self._newest_durable()
-        final = spec.rounds - 1
-        final_durable = committed >= spec.rounds and last_durable is not None and last_durable >= final
-        if committed >= spec.rounds and not final_durable:
-            problems.append(f"round {spec.rounds}/{spec.rounds} committed but its global state is not durable "
+        final = progress.final
+        final_durable = final is not None and last_durable is not None and last_durable >= final
+        if final is not None and not final_durable:
+            problems.append(f"{_final_name(spec, final)} committed but its global state is not durable "
                             f"(newest durable: {'none' if last_durable is None else f'round {last_durable + 1}'})")
-        elif final_durable and ckpt.read_manifest(store, final) is None:
+        elif final is not None and read_manifest(self._states, final) is None:
             final_durable = False
-            problems.append(f"round {spec.rounds}/{spec.rounds} has no checkpoint manifest yet")
-        if spec.sync.mode == "decoupled":  # merged versions, not rounds (docs/decoupled.md)
-            committed, final_durable = _decoupled_progress(store, problems)
+            problems.append(f"{_final_name(spec, final)} has no checkpoint manifest yet")
         cancelled = cancel_requested(store)
         finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
         if cancelled:

@@ -28,7 +28,6 @@ Informational (reported, never refused):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -153,13 +152,8 @@ def _run(name: str, check: Callable[[Store], tuple[bool, str]], store: Store, re
 
 
 def _cleanup(root: Store, scratch: Store) -> None:
-    prefix = scratch.root[len(root.root) + 1:]
-    root.delete(prefix, recursive=True)
-    if root.local:  # drop the probe directory too, unless another probe is using it (rmdir needs it empty)
-        try:
-            os.rmdir(root.path(PROBE_PREFIX))
-        except OSError:
-            pass
+    root.delete(scratch.uri[len(root.uri) + 1:], recursive=True)
+    root.remove_empty_prefix(PROBE_PREFIX)  # unless another probe is still using it
 
 
 def _conditional_create(st: Store) -> tuple[bool, str]:

@@ -8,15 +8,22 @@ carries reach all of them. Options needed *before* the spec can be read (an
 ``endpoint_url``) come from the caller or from ``$COMPOSER_CLOUD_STORE_OPTIONS``
 (JSON), which every executor sets for its replica jobs.
 
-Also here: the run's launch records (``executor/<rank>.json`` job handles) and
-the cancel request (``control/cancel.json``).
+**Signed runs.** A run launched with ``COMPOSER_CLOUD_RUN_KEY`` set is signed:
+its spec says so (``signed: true``) and every object is HMAC-signed
+(:mod:`composer_cloud.storage.framing`). A process without the key refuses to
+open a signed run, and a process with a key refuses an unsigned one, each with
+a :class:`~composer_cloud.errors.RunKeyError` naming the variable: a replica
+started without the secret stops before it writes anything, instead of writing
+unsigned objects that keyed readers reject, and a reader without the key never
+accepts a signed run's objects on their crc alone.
+
+Also here: the run's launch records (job handles) and the cancel request.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,12 +35,15 @@ from composer_cloud.errors import (
     BadObject,
     ChecksumMismatch,
     ObjectNotFound,
+    RunKeyError,
     RunNotFound,
+    SignatureMismatch,
     SpecError,
     StoreConfigError,
     StoreError,
 )
-from composer_cloud.storage.store import Store, derive_signing_key, signing_key_from_env
+from composer_cloud.storage.framing import derive_signing_key, is_signed, run_key_bytes, unframe
+from composer_cloud.storage.store import Store
 from composer_cloud.spec import DEFAULT_STORE, RunSpec, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import CancelRecord, JobHandle
@@ -76,7 +86,7 @@ def normalize_run_uri(uri: str) -> str:
 
 def store_options_from_env() -> dict[str, Any]:
     """``$COMPOSER_CLOUD_STORE_OPTIONS`` as a dict (empty when unset); names the variable if it is not JSON."""
-    raw = os.environ.get(env.STORE_OPTIONS)
+    raw = env.store_options()
     if not raw:
         return {}
     try:
@@ -90,8 +100,8 @@ def store_options_from_env() -> dict[str, Any]:
 
 def run_signing_key(run_id: str) -> bytes | None:
     """The per-run HMAC key when ``$COMPOSER_CLOUD_RUN_KEY`` is set (a secret, never stored), else None."""
-    run_key = signing_key_from_env()
-    return None if run_key is None else derive_signing_key(run_key, run_id)
+    run_key = env.run_key()
+    return None if run_key is None else derive_signing_key(run_key_bytes(run_key), run_id)
 
 
 def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outage_s: float = 0.0) -> Run:
@@ -109,31 +119,50 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
         SpecError: the stored spec is invalid (names the field).
 
     ``outage_s``: how long store calls ride out an outage (0 for one-shot
-    commands: fail within seconds; replicas pass ``sync.store_outage_s``). With
-    ``$COMPOSER_CLOUD_RUN_KEY`` set, every object is signed and verified (HMAC).
+    commands: fail within seconds; replicas pass ``sync.store_outage_s``).
+
+    A signed run needs ``$COMPOSER_CLOUD_RUN_KEY`` (every object is then signed
+    and verified); an unsigned run must be opened without it. Either mismatch
+    raises :class:`~composer_cloud.errors.RunKeyError` before anything is written.
     """
     uri = normalize_run_uri(uri)
     given = dict(storage_options) if storage_options is not None else store_options_from_env()
     key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1])
     store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     try:
-        data = store.get_json(layout.SPEC)
+        raw = store.get_plain(layout.SPEC)
     except ObjectNotFound:
         raise RunNotFound(f"{uri} is not a composer-cloud run (it has no {layout.SPEC}); "
                           "check the URI, or list runs with `composer-cloud ls STORE`") from None
-    except ChecksumMismatch as exc:
-        raise RunNotFound(f"{uri}: {exc}") from None
-    except StoreConfigError:
-        raise
     except StoreError as exc:
         raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - an unreachable endpoint, bad credentials: say which store
         raise StoreConfigError(f"cannot read run {uri}: {type(exc).__name__}: {exc}") from None
-    spec = spec_from_dict(data, source=f"{uri}/{layout.SPEC}")
+    spec = _read_spec(uri, raw, key)
+    if key is None and (spec.signed or is_signed(raw)):
+        raise RunKeyError(f"run {uri} is signed: set {env.RUN_KEY} to its run key (a secret, passed like the store "
+                          "credentials) to read or write it; nothing was read from it or written to it")
     options = {**spec.store_options, **given}
     if options != given:
         store = Store(uri, storage_options=options, outage_s=outage_s, signing_key=key)
     return Run(uri=store.uri, store=store, spec=spec)
+
+
+def _read_spec(uri: str, raw: bytes, key: bytes | None) -> RunSpec:
+    """The spec in ``raw`` (the framed ``spec.json``), verified under ``key`` when there is one."""
+    if key is not None and not is_signed(raw):
+        raise RunKeyError(f"run {uri}: its {layout.SPEC} is not signed, but {env.RUN_KEY} is set: the run was launched "
+                          "without a key (unset it to open the run), or someone without the key replaced the spec")
+    try:
+        data = json.loads(bytes(unframe(layout.SPEC, raw, signing_key=key)))
+    except SignatureMismatch:
+        raise RunKeyError(f"run {uri}: its {layout.SPEC} does not verify under {env.RUN_KEY}; set it to the key "
+                          "the run was launched with") from None
+    except ChecksumMismatch as exc:
+        raise RunNotFound(f"{uri}: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunNotFound(f"{uri}: {layout.SPEC} is not JSON ({exc})") from None
+    return spec_from_dict(data, source=f"{uri}/{layout.SPEC}")
 
 
 # ---------------------------------------------------------------- launch records

@@ -1,23 +1,22 @@
 """An object store over fsspec with the guarantees the all-reduce needs.
 
-Invariants (see ``DESIGN.md`` and ``docs/store.md``):
+Invariants (see ``docs/store.md``):
 
 * **Atomic objects.** :meth:`Store.put` never exposes a partial object. On a
   local filesystem it writes a temporary file in the same directory and
   renames it over the key; on S3 a single PUT is atomic.
 * **Verified objects.** Every object is framed as ``MAGIC | crc32 | length |
-  payload`` (16-byte little-endian header). :meth:`Store.get` checks all three
-  and raises :class:`ChecksumMismatch` naming the key; a damaged payload is
-  never returned.
+  payload`` (:mod:`composer_cloud.storage.framing`). :meth:`Store.get` checks
+  all three and raises :class:`ChecksumMismatch` naming the key; a damaged
+  payload is never returned.
 * **Authentic objects** (with a signing key). The frame also carries an
   HMAC-SHA256 over the key and the payload; unsigned or mis-signed objects
   raise :class:`SignatureMismatch`, so a bucket writer without the run key
   cannot inject or move an object.
 * **Write-once records.** :meth:`Store.create` succeeds for exactly one of any
-  number of racing writers: ``os.link`` of a fully written temporary file onto
-  the key on local filesystems (fails if the key exists), ``If-None-Match: *``
-  on S3 (via s3fs ``mode="create"``). A 412 answer means "exists" whatever its
-  body says (SeaweedFS omits the ``<Condition>`` element s3fs looks for).
+  number of racing writers (how each backend does it, and its quirks:
+  :mod:`composer_cloud.storage.backends`). A create whose response was lost
+  is settled by comparing the stored bytes with ours.
 * **Deadlines, not hangs.** :meth:`Store.wait_get` polls with capped
   exponential backoff until a deadline and raises :class:`StoreTimeout`.
 * **No pickle.** The store moves bytes; callers encode tensors with
@@ -25,7 +24,7 @@ Invariants (see ``DESIGN.md`` and ``docs/store.md``):
 
 Transient backend errors (connection refused/reset, timeouts, HTTP 5xx, S3
 ``SlowDown``) are retried by :class:`~composer_cloud.retry.RetryPolicy` only:
-s3fs and botocore are configured not to retry (:func:`open_filesystem`).
+s3fs and botocore are configured not to retry (:mod:`~composer_cloud.storage.backends`).
 ``Store(outage_s=...)`` sets how long a store may be unreachable before a call
 fails with :class:`StoreUnavailable`: ``0`` (default) gives up after a few seconds of retries (one-shot
 commands), replicas pass ``spec.sync.store_outage_s`` to ride out an outage.
@@ -34,135 +33,28 @@ commands), replicas pass ``spec.sync.store_outage_s`` to ride out an outage.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import hashlib
-import hmac
 import json
 import logging
 import math
-import os
-import struct
 import threading
 import time
-import uuid
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import fsspec
-
-from composer_cloud import env
 from composer_cloud.errors import (
     ChecksumMismatch,
     ObjectNotFound,
-    SignatureMismatch,
     StoreConfigError,
     StoreTimeout,
     StoreUnavailable,
 )
-from composer_cloud.retry import Outage, PollPolicy, RetryPolicy, http_error_of, is_transient, poll_until
+from composer_cloud.retry import Outage, PollPolicy, RetryPolicy, is_transient, poll_until
+from composer_cloud.storage.backends import Backend, open_backend
+from composer_cloud.storage.framing import MIN_SIGNING_KEY_BYTES, frame, unframe
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-MAGIC = b"CCO1"
-_HEADER = struct.Struct("<4sIQ")  # magic, crc32(payload), len(payload)
-HEADER_BYTES = _HEADER.size
-SIGNED_MAGIC = b"CCS1"
-_SIGNED_HEADER = struct.Struct("<4sIQ32s")  # magic, crc32(payload), len(payload), hmac-sha256
-SIGNED_HEADER_BYTES = _SIGNED_HEADER.size
-_MAC_DOMAIN = b"composer-cloud/object/v1\0"
-#: Shortest accepted run key, in bytes (a shorter secret is guessable offline from one signed object).
-MIN_SIGNING_KEY_BYTES = 16
-
-#: botocore socket timeouts for S3 (seconds): connecting, and waiting for the next bytes of a response.
-CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 30.0
-
-
-# --------------------------------------------------------------------------- framing
-def _mac(signing_key: bytes, key: str, payload: memoryview) -> bytes:
-    h = hmac.new(signing_key, _MAC_DOMAIN, hashlib.sha256)
-    h.update(key.encode())
-    h.update(b"\0")
-    h.update(payload)
-    return h.digest()
-
-
-def frame(payload: bytes | bytearray | memoryview, *, key: str | None = None,
-          signing_key: bytes | None = None) -> bytes:
-    """Prefix ``payload`` with the verification header (signed over ``key`` + payload with ``signing_key``)."""
-    view = memoryview(payload)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B") if view.c_contiguous else memoryview(bytes(view))
-    if signing_key is None:
-        return _HEADER.pack(MAGIC, zlib.crc32(view), view.nbytes) + bytes(view)
-    if key is None:
-        raise ValueError("frame(signing_key=...) needs the object's key: the signature covers it")
-    return _SIGNED_HEADER.pack(SIGNED_MAGIC, zlib.crc32(view), view.nbytes, _mac(signing_key, key, view)) + bytes(view)
-
-
-def unframe(key: str, data: bytes, *, signing_key: bytes | None = None) -> memoryview:
-    """Verify and strip the header; raises :class:`ChecksumMismatch` (:class:`SignatureMismatch`).
-
-    Without ``signing_key`` signed and unsigned frames are accepted (their
-    crc32 is checked, the signature is not). With it, only a frame whose
-    HMAC over ``key`` and the payload verifies is accepted.
-    """
-    if len(data) < HEADER_BYTES:
-        raise ChecksumMismatch(key, f"truncated: {len(data)} bytes")
-    magic = bytes(data[:4])
-    if magic == SIGNED_MAGIC:
-        if len(data) < SIGNED_HEADER_BYTES:
-            raise ChecksumMismatch(key, f"truncated: {len(data)} bytes")
-        _, crc, length, mac = _SIGNED_HEADER.unpack_from(data)
-        payload = memoryview(data)[SIGNED_HEADER_BYTES:]
-    elif magic == MAGIC:
-        if signing_key is not None:
-            raise SignatureMismatch(key, "unsigned, but this run requires signed objects")
-        _, crc, length = _HEADER.unpack_from(data)
-        mac = None
-        payload = memoryview(data)[HEADER_BYTES:]
-    else:
-        raise ChecksumMismatch(key, "not a composer-cloud object")
-    if payload.nbytes != length:
-        raise ChecksumMismatch(key, f"length {payload.nbytes} != recorded {length}")
-    if zlib.crc32(payload) != crc:
-        raise ChecksumMismatch(key, "crc32 mismatch")
-    if signing_key is not None and not hmac.compare_digest(mac, _mac(signing_key, key, payload)):
-        raise SignatureMismatch(key, "HMAC mismatch: written without this run's key, or under another key name")
-    return payload
-
-
-def signing_key_from_env(environ: Mapping[str, str] = os.environ) -> bytes | None:
-    """The run key from ``COMPOSER_CLOUD_RUN_KEY`` (UTF-8 bytes), or ``None`` when unset or empty.
-
-    Raises :class:`StoreConfigError` (naming the variable, never echoing the
-    value) if it is shorter than :data:`MIN_SIGNING_KEY_BYTES`.
-    """
-    value = environ.get(env.RUN_KEY, "")
-    if not value:
-        return None
-    key = value.encode()
-    if len(key) < MIN_SIGNING_KEY_BYTES:
-        raise StoreConfigError(f"{env.RUN_KEY} is too short ({len(key)} bytes); use at least "
-                               f"{MIN_SIGNING_KEY_BYTES} random bytes, e.g. `python -c 'import secrets; "
-                               "print(secrets.token_hex(32))'`")
-    return key
-
-
-def derive_signing_key(run_key: bytes, run_id: str) -> bytes:
-    """The per-run signing key: HMAC-SHA256(run_key, run_id), so a key reused across runs cannot replay objects."""
-    return hmac.new(run_key, b"composer-cloud/run/v1\0" + run_id.encode(), hashlib.sha256).digest()
-
-
-# --------------------------------------------------------------------------- store
-def _is_precondition_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` is an HTTP 412 answer. s3fs gives ``FileExistsError`` only if the body names the
-    ``If-None-Match`` condition (AWS, moto); SeaweedFS and body-less 412s get ``OSError(EINVAL)``."""
-    http = http_error_of(exc)
-    return http is not None and (http[0] == 412 or http[1] in ("PreconditionFailed", "412"))
 
 
 class Store:
@@ -201,16 +93,12 @@ class Store:
             raise ValueError(f"Store(outage_s=...) must be a finite number of seconds >= 0, got {outage_s!r}")
         if signing_key is not None and len(signing_key) < MIN_SIGNING_KEY_BYTES:
             raise StoreConfigError(f"Store(signing_key=...) is too short; use at least {MIN_SIGNING_KEY_BYTES} bytes")
-        self.uri = uri.rstrip("/")
         self.retry = dataclasses.replace(retry, budget_s=float(outage_s))
         self.poll = poll
         self.outage_s = float(outage_s)
         self._signing_key = signing_key
-        self.fs, root = open_filesystem(self.uri, storage_options or {})
-        self.root = root.rstrip("/")
-        self.local = "file" in _protocols(self.fs)
-        if self.local:
-            self.uri = f"file://{self.root}"  # absolute, so other processes resolve it alike
+        self.backend: Backend = open_backend(uri.rstrip("/"), storage_options or {})
+        self.uri = self.backend.uri
         self.outage = Outage(f"store {self.uri}", budget_s=self.outage_s)
         self._counters = [0, 0]
         self._lock = threading.Lock()
@@ -226,7 +114,7 @@ class Store:
     @property
     def endpoint(self) -> str | None:
         """The S3 endpoint URL in use, if one was configured (``None``: the provider's default)."""
-        return (getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url")
+        return getattr(self.backend, "endpoint", None)
 
     @property
     def bytes_read(self) -> int:
@@ -252,8 +140,8 @@ class Store:
             raise StoreUnavailable(self.uri, what, time.monotonic() - since if since else 0.0, exc) from exc
 
     def path(self, key: str) -> str:
-        _check_key(key)
-        return f"{self.root}/{key}"
+        """Where ``key`` lives in the backend (a filesystem path, or ``bucket/prefix/key``)."""
+        return self.backend.path(key)
 
     def uri_of(self, key: str) -> str:
         return f"{self.uri}/{key}"
@@ -271,11 +159,8 @@ class Store:
         return self._overwrite(key, self._frame(key, payload), durable=durable)
 
     def _overwrite(self, key: str, data: bytes, *, durable: bool) -> int:
-        path = self.path(key)
-        if self.local:
-            self._retry(f"put {key}", lambda: self._local_put(path, data, exclusive=False, durable=durable))
-        else:
-            self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
+        self.backend.path(key)  # validates the key before anything is retried
+        self._retry(f"put {key}", lambda: self.backend.put(key, data, durable=durable))
         self._count(written=len(data))
         return len(data)
 
@@ -284,59 +169,34 @@ class Store:
 
         Returns True if this call created the object, False if it already
         existed (someone else won). Exactly one of any set of racing callers
-        gets True. An HTTP 412 means "exists" whatever its body says.
+        gets True.
 
         A create whose response was lost (a transient error after the request may have reached the
         store) is retried; if the retry finds the key, the stored bytes decide: ours or another's.
         """
         data = self._frame(key, payload)
-        path = self.path(key)
+        self.backend.path(key)
         maybe_ours = False
 
         def attempt() -> bool:
             nonlocal maybe_ours
             try:
-                if self.local:
-                    self._local_put(path, data, exclusive=True)
-                else:
-                    self.fs.pipe_file(path, data, mode="create")
-                return True
-            except FileExistsError:
-                pass
-            except Exception as exc:  # botocore's timeouts are not OSError; a 412 may be an OSError(EINVAL)
-                if not _is_precondition_failed(exc):
-                    maybe_ours = maybe_ours or is_transient(exc)
-                    raise
+                if self.backend.create(key, data):
+                    return True
+            except Exception as exc:  # noqa: BLE001 - classified, then re-raised for the retry policy
+                maybe_ours = maybe_ours or is_transient(exc)
+                raise
             if not maybe_ours:
                 return False
             try:
-                return bytes(self.fs.cat_file(path)) == data
-            except FileNotFoundError:  # deleted in between: the create can be tried again
+                return bytes(self.backend.read(key)) == data
+            except ObjectNotFound:  # deleted in between: the create can be tried again
                 raise ConnectionResetError(f"{key} vanished after a create was refused") from None
 
         created = self._retry(f"create {key}", attempt)
         if created:
             self._count(written=len(data))
         return created
-
-    def _local_put(self, path: str, data: bytes, *, exclusive: bool, durable: bool = True) -> None:
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if durable or exclusive:
-                    f.flush()
-                    os.fsync(f.fileno())
-            if exclusive:
-                # link() fails with EEXIST if the key exists: an atomic test-and-set.
-                os.link(tmp, path)
-            else:
-                os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def put_plain(self, key: str, payload: bytes | bytearray | memoryview) -> int:
         """Atomically write ``payload`` at ``key`` *unframed* (no header, no signature). Returns bytes written.
@@ -349,21 +209,10 @@ class Store:
 
     def get_plain(self, key: str) -> bytes:
         """The raw bytes at ``key`` (an object written by :meth:`put_plain`); the caller verifies them."""
-        data = self._retry(f"get {key}", lambda: self._cat(key))
+        self.backend.path(key)
+        data = self._retry(f"get {key}", lambda: self.backend.read(key))
         self._count(read=len(data))
         return bytes(data)
-
-    def _cat(self, key: str) -> bytes:
-        """One read of ``key``'s bytes as stored; ObjectNotFound, or ChecksumMismatch for a damaged response."""
-        try:
-            return self.fs.cat_file(self.path(key))
-        except FileNotFoundError:
-            raise ObjectNotFound(key) from None
-        except Exception as exc:
-            # botocore verifies the response's x-amz-checksum-* header when the store sends one.
-            if type(exc).__name__ == "FlexibleChecksumError":
-                raise ChecksumMismatch(key, f"response checksum mismatch: {exc}") from None
-            raise
 
     def put_json(self, key: str, obj: Any) -> int:
         return self.put(key, _dumps(obj))
@@ -375,9 +224,9 @@ class Store:
     def get(self, key: str) -> memoryview:
         """Read and verify ``key``. Raises :class:`ObjectNotFound` or :class:`ChecksumMismatch`.
 
-        On S3 an object that fails verification is read once more (damaged in transit: one extra GET).
+        A backend whose reads can be damaged in transit (S3) reads an object that fails verification once more.
         """
-        for tries_left in (1, 0) if not self.local else (0,):
+        for tries_left in range(self.backend.rereads, -1, -1):
             try:
                 data = self.get_plain(key)
                 return unframe(key, data, signing_key=self._signing_key)
@@ -406,20 +255,13 @@ class Store:
             return None
 
     def exists(self, key: str) -> bool:
-        path = self.path(key)
-        return self._retry(f"exists {key}", lambda: self.fs.exists(path))
+        self.backend.path(key)
+        return self._retry(f"exists {key}", lambda: self.backend.exists(key))
 
     def modified(self, key: str) -> float | None:
-        """When ``key`` was last written (epoch seconds), or None when the filesystem does not say."""
-        path = self.path(key)
-        info = self._retry(f"info {key}", lambda: self.fs.info(path))
-        for name in ("mtime", "LastModified", "last_modified", "created"):
-            value = info.get(name)
-            if isinstance(value, datetime.datetime):
-                return value.timestamp()
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-        return None
+        """When ``key`` was last written (epoch seconds), or None when the backend does not say."""
+        self.backend.path(key)
+        return self._retry(f"info {key}", lambda: self.backend.modified(key))
 
     def wait_get(self, key: str, *, deadline: float, what: str | None = None,
                  between: Callable[[int], None] | None = None) -> memoryview:
@@ -432,30 +274,10 @@ class Store:
 
     # ------------------------------------------------------------ listing and deletion
     def list(self, prefix: str = "") -> list[str]:
-        """Keys (recursively) under ``prefix``, relative to the store root, sorted. Objects only.
-
-        Directory entries are dropped: SeaweedFS keeps a directory for a
-        prefix whose objects were all deleted, and s3fs reports it when the
-        prefix has no objects.
-        """
-        base = self.path(prefix) if prefix else self.root
-
-        def ls() -> list[str]:
-            try:
-                found = self.fs.find(base, detail=True)
-            except FileNotFoundError:
-                return []
-            return [p for p, info in found.items() if info.get("type") != "directory"]
-
-        found = self._retry(f"list {prefix}", ls)
-        out = []
-        for p in found:
-            p = self.fs._strip_protocol(p) if "://" in p else p
-            rel = p[len(self.root) + 1:] if p.startswith(self.root + "/") else p
-            if os.path.basename(rel).startswith(".tmp-"):
-                continue
-            out.append(rel)
-        return sorted(out)
+        """Keys (recursively) under ``prefix``, relative to the store root, sorted. Objects only."""
+        if prefix:
+            self.backend.path(prefix)
+        return sorted(self._retry(f"list {prefix}", lambda: self.backend.find(prefix)))
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         """Immediate child names under ``prefix`` (directories and objects).
@@ -465,54 +287,31 @@ class Store:
         Callers read the objects they need (e.g. a manifest) and skip names
         without them.
         """
-        base = self.path(prefix) if prefix else self.root
-
-        def ls() -> list[str]:
-            try:
-                return self.fs.ls(base, detail=False)
-            except FileNotFoundError:
-                return []
-
-        names = [os.path.basename(p.rstrip("/")) for p in self._retry(f"ls {prefix}", ls)]
-        return sorted(n for n in names if n and not n.startswith(".tmp-"))
+        if prefix:
+            self.backend.path(prefix)
+        return sorted(self._retry(f"ls {prefix}", lambda: self.backend.children(prefix)))
 
     def delete(self, key: str, *, recursive: bool = False) -> None:
         """Delete ``key`` (or everything under it with ``recursive``). Missing keys are fine."""
-        path = self.path(key)
+        self.backend.path(key)
+        self._retry(f"delete {key}", lambda: self.backend.delete(key, recursive=recursive))
 
-        def rm() -> None:
-            try:
-                self.fs.rm(path, recursive=recursive)
-            except FileNotFoundError:
-                pass
-
-        self._retry(f"delete {key}", rm)
+    def remove_empty_prefix(self, prefix: str) -> None:
+        """Remove what is left of an emptied ``prefix`` where the backend keeps directories (local disks)."""
+        self.backend.remove_empty_prefix(prefix)
 
     def check_access(self) -> None:
         """Fail fast with :class:`StoreConfigError`, naming the store, if it cannot be used.
 
-        Costs one LIST of the bucket. Retries transient errors within this
+        Costs one LIST of the bucket on S3. Retries transient errors within this
         store's ``outage_s`` (use ``0`` here so an unreachable endpoint fails
         in seconds).
         """
-        if self.local:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-            except OSError as exc:
-                raise StoreConfigError(f"cannot create store directory {self.root} ({exc.strerror})") from None
-            return
-        bucket = self.root.split("/", 1)[0]
         where = f" at {self.endpoint}" if self.endpoint else ""
         try:
-            self._retry(f"list bucket {bucket}", lambda: self.fs.ls(bucket, detail=False, refresh=True))
-        except FileNotFoundError:
-            raise StoreConfigError(
-                f"bucket {bucket!r} of store {self.uri} does not exist{where} (or is not visible with these "
-                "credentials); create it first or check AWS_ENDPOINT_URL") from None
-        except PermissionError as exc:
-            raise StoreConfigError(
-                f"access to bucket {bucket!r} of store {self.uri}{where} was denied ({exc}); check the "
-                "credentials in the standard AWS_* environment variables or profile") from None
+            self._retry("check access", self.backend.check_access)
+        except StoreConfigError:
+            raise
         except StoreUnavailable as exc:
             cause = exc.__cause__
             raise StoreConfigError(
@@ -525,68 +324,6 @@ class Store:
 # --------------------------------------------------------------------------- helpers
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _check_key(key: str) -> None:
-    if not key or key.startswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
-        raise ValueError(f"invalid store key {key!r}: keys are relative paths without '..' or empty parts")
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    p = fs.protocol
-    return (p,) if isinstance(p, str) else tuple(p)
-
-
-def open_filesystem(uri: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
-    """Resolve ``uri`` to an fsspec filesystem and a root path.
-
-    ``s3://`` honours the standard AWS credential chain and
-    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (for MinIO, R2, SeaweedFS),
-    unless ``endpoint_url`` is given in ``storage_options``.
-
-    One retry layer: s3fs (its ``retries`` attribute set to 1) and botocore (``standard`` mode,
-    ``total_max_attempts=1``) make one attempt per call, with socket timeouts of
-    :data:`CONNECT_TIMEOUT_S` / :data:`READ_TIMEOUT_S`; :class:`Store`'s
-    :class:`~composer_cloud.retry.RetryPolicy` does all retrying. Options
-    given in ``storage_options`` win.
-    """
-    if "://" not in uri:
-        raise StoreConfigError(
-            f"store {uri!r} has no scheme; use file:///abs/path, file://./relative, or s3://bucket/prefix")
-    scheme = uri.split("://", 1)[0]
-    if scheme not in fsspec.available_protocols():
-        raise StoreConfigError(
-            f"store {uri!r}: unknown scheme {scheme!r}; supported here: file://, s3:// and other fsspec protocols")
-    options = dict(storage_options)
-    if scheme in ("s3", "s3a"):
-        endpoint = options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-            "AWS_ENDPOINT_URL")
-        if endpoint:
-            options["client_kwargs"] = {**options.get("client_kwargs", {}), "endpoint_url": endpoint}
-        config = dict(options.get("config_kwargs", {}))
-        config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
-        config.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
-        config.setdefault("read_timeout", READ_TIMEOUT_S)
-        options["config_kwargs"] = config
-        options.setdefault("cache_regions", False)
-        options.setdefault("use_listings_cache", False)
-        options.setdefault("skip_instance_cache", True)
-    if scheme == "file":
-        path = uri.split("://", 1)[1]
-        path = os.path.abspath(path)
-        fs = fsspec.filesystem("file", **options)
-        return fs, path
-    # s3fs takes its retry count as a class attribute, not a constructor option.
-    s3fs_retries = options.pop("retries", 1) if scheme in ("s3", "s3a") else None
-    try:
-        fs, root = fsspec.core.url_to_fs(uri, **options)
-    except ImportError as exc:
-        raise StoreConfigError(f"store {uri!r}: the fsspec backend for {scheme!r} is not installed ({exc})") from None
-    except TypeError as exc:
-        raise StoreConfigError(f"store {uri!r}: invalid storage option ({exc}); check store_options") from None
-    if s3fs_retries is not None:
-        fs.retries = int(s3fs_retries)  # an instance of our own (skip_instance_cache)
-    return fs, root
 
 
 def join_uri(base: str, *parts: str) -> str:

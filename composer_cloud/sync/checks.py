@@ -1,4 +1,10 @@
-"""Payload checks of the object-store all-reduce: what is verified before a slot is used.
+"""Payload checks of both sync modes: what is verified before a pseudo-gradient or a state is used.
+
+Shared: :func:`l2` (an accurate norm at float32 speed), :func:`outliers` (the
+median rule), :func:`check_tree` (names, shapes, finite values of a tensor
+tree read from the store). The decoupled merge applies them to whole
+contributions (``sync/decoupled/protocol.py``); the lock-step all-reduce to
+slots, as follows.
 
 Nothing read from the bucket is trusted (``docs/store.md``). Checks that
 cost O(payload) compute and O(W) tiny objects, so traffic stays O(P):
@@ -39,14 +45,14 @@ from __future__ import annotations
 import math
 import statistics
 import zlib
-from collections.abc import Sequence
-from typing import Any
-
-import torch
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from composer_cloud.errors import BadObject, SyncError
-from composer_cloud.sync.lockstep.codec import norm_rtol
 from composer_cloud.storage.records import SlotDigest
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RejectedPayload(SyncError):
@@ -71,6 +77,8 @@ def l2(x: torch.Tensor) -> float:
     elements) at float32 speed (~3 ms for 16M elements on one core). A row
     that overflows float32 is redone in float64, so finite inputs give finite norms.
     """
+    import torch
+
     n = x.numel()
     full = n - n % _NORM_ROW
     total = torch.zeros((), dtype=torch.float64)
@@ -85,6 +93,8 @@ def l2(x: torch.Tensor) -> float:
 
 
 def nonfinite_count(x: torch.Tensor) -> int:
+    import torch
+
     return int(x.numel() - torch.isfinite(x).sum()) if x.numel() else 0
 
 
@@ -98,32 +108,57 @@ def check_finite(x: torch.Tensor, *, rank: int, slot: int | None) -> float:
     return norm
 
 
-def check_outliers(ranks: Sequence[int], norms: Sequence[float], *, slot: int,
-                   outlier_factor: float | None) -> None:
-    """Raise :class:`RejectedPayload` excluding every rank whose norm exceeds ``outlier_factor`` x the median.
+def outliers(norms: Sequence[float], outlier_factor: float | None) -> tuple[float, list[int]]:
+    """``(median, indices of the norms above outlier_factor x median)``.
 
-    Applies only with at least 3 participants (with 2, the median cannot tell
-    which one is off) and a positive median.
+    Applies only with at least 3 norms (with 2, the median cannot tell which
+    one is off) and a positive median; otherwise nothing is an outlier.
     """
     if outlier_factor is None or len(norms) < 3:
-        return
+        return 0.0, []
     median = statistics.median(norms)
     if median <= 0:
-        return
-    outliers = [(r, n) for r, n in zip(ranks, norms) if n > outlier_factor * median]
-    if outliers:
-        desc = ", ".join(f"replica {r} has norm {n:.4g}" for r, n in outliers)
+        return median, []
+    return median, [i for i, n in enumerate(norms) if n > outlier_factor * median]
+
+
+def check_outliers(ranks: Sequence[int], norms: Sequence[float], *, slot: int,
+                   outlier_factor: float | None) -> None:
+    """Raise :class:`RejectedPayload` excluding every rank whose norm is an outlier (:func:`outliers`)."""
+    median, bad = outliers(norms, outlier_factor)
+    if bad:
+        desc = ", ".join(f"replica {ranks[i]} has norm {norms[i]:.4g}" for i in bad)
         raise RejectedPayload(f"pseudo-gradient slot {slot}: {desc} > outlier_factor={outlier_factor} x median "
-                              f"{median:.4g}", check="outlier", slot=slot, excluded=[r for r, _ in outliers])
+                              f"{median:.4g}", check="outlier", slot=slot, excluded=[ranks[i] for i in bad])
+
+
+def tree_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of a tree of tensors taken as one vector."""
+    return math.sqrt(sum(l2(t.reshape(-1)) ** 2 for t in tensors.values()))
+
+
+def check_tree(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], key: str) -> None:
+    """Names and shapes equal ``shapes``; every floating value finite. Raises :class:`BadObject` naming ``key``."""
+    import torch
+
+    if set(tensors) != set(shapes):
+        extra, missing = sorted(set(tensors) - set(shapes))[:3], sorted(set(shapes) - set(tensors))[:3]
+        raise BadObject(key, f"tensors differ from the model's (extra {extra}, missing {missing})")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(shapes[name]):
+            raise BadObject(key, f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise BadObject(key, f"tensor {name!r} has non-finite values")
 
 
 def verify_reduced(record: Any, data: bytes | memoryview, decoded: torch.Tensor, *, key: str, round: int,
                    attempt: int, slot: int, participants: Sequence[int], me: int, my_norm: float,
-                   codec: str) -> None:
+                   rtol: float) -> None:
     """Check a reduced slot against its digest record; raises :class:`RejectedPayload`.
 
     ``my_norm`` is the norm of this reader's own part of the slot before
-    encoding; ``me`` its index among ``participants``.
+    encoding; ``me`` its index among ``participants``; ``rtol`` the wire
+    codec's relative norm error (``codec.norm_rtol``).
     """
     def reject(problem: str) -> RejectedPayload:
         return RejectedPayload(f"reduced slot {slot} ({key}): {problem}", check="reduced", slot=slot)
@@ -141,7 +176,6 @@ def verify_reduced(record: Any, data: bytes | memoryview, decoded: torch.Tensor,
     norm = l2(decoded)
     if not math.isfinite(norm):
         raise reject(f"{nonfinite_count(decoded)} non-finite values")
-    rtol = norm_rtol(codec)
     if abs(norms[me] - my_norm) > rtol * my_norm + 1e-30:
         raise reject(f"digest says this replica's input norm is {norms[me]:.6g}, it sent {my_norm:.6g}")
     bound = sum(norms) / len(norms)

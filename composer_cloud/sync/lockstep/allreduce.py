@@ -49,11 +49,10 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_cloud import faults
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
                                               verify_reduced)
@@ -63,7 +62,11 @@ from composer_cloud.sync.lockstep.rounds import (attempts, cleanup_rounds, commi
 from composer_cloud.storage.store import Store, iter_chunks
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Join, Outcome, Quorum, SlotDigest
+from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import poll_until
+
+if TYPE_CHECKING:
+    from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,8 @@ class BehindError(SyncError):
 
 @dataclass(frozen=True)
 class AllReduceConfig:
-    """Settings of the object-store all-reduce. Times are seconds.
+    """Settings of the object-store all-reduce. Times are seconds. Built from the spec
+    (:meth:`from_spec`), which holds every default.
 
     Attributes:
         replicas: number of replicas launched (the quorum is decided early when all joined).
@@ -116,13 +120,20 @@ class AllReduceConfig:
     """
 
     replicas: int
-    min_replicas: int = 1
-    codec: str = "fp32"
-    quorum_timeout_s: float = 60.0
-    round_timeout_s: float = 600.0
-    io_threads: int = 8
-    outlier_factor: float | None = 10.0
-    max_attempts: int = 3
+    min_replicas: int
+    codec: str
+    quorum_timeout_s: float
+    round_timeout_s: float
+    io_threads: int
+    outlier_factor: float | None
+    max_attempts: int
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec) -> "AllReduceConfig":
+        s = spec.sync
+        return cls(replicas=spec.replicas, min_replicas=spec.min_replicas, codec=s.codec,
+                   quorum_timeout_s=s.quorum_timeout_s, round_timeout_s=s.round_timeout_s, io_threads=s.io_threads,
+                   outlier_factor=s.outlier_factor, max_attempts=s.max_attempts)
 
 
 @dataclass
@@ -157,7 +168,7 @@ class _Chain:
 class ObjectStoreAllReduce:
     """Runs all-reduce rounds for one replica over a run's store."""
 
-    def __init__(self, store: Store, rank: int, config: AllReduceConfig) -> None:
+    def __init__(self, store: Store, rank: int, config: AllReduceConfig, *, hooks: Hooks = NO_HOOKS) -> None:
         if not 0 <= rank < config.replicas:
             raise ValueError(f"rank {rank} out of range for {config.replicas} replicas")
         if config.codec not in wire.CODECS:
@@ -172,6 +183,7 @@ class ObjectStoreAllReduce:
         self.store = store
         self.rank = rank
         self.config = config
+        self.hooks = hooks
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix=f"allreduce-r{rank}")
 
     def close(self) -> None:
@@ -386,7 +398,7 @@ class ObjectStoreAllReduce:
                                          durable=False) for j in range(w)]
             del encoded
             uploads[0].result()
-            faults.stall_point("upload", round, self.rank)
+            self.hooks.at("upload", round, self.rank)
             for u in uploads:
                 u.result()
             timings["scatter_s"] = time.monotonic() - t
@@ -397,7 +409,7 @@ class ObjectStoreAllReduce:
             reduced_mine, norms = self._reduce_slot(round, attempt, participants, me, e - s, deadline,
                                                     own=(self.rank, own_slot))
             self._publish_reduced(round, attempt, me, reduced_mine, e - s, norms)
-            faults.stall_point("reduce", round, self.rank)
+            self.hooks.at("reduce", round, self.rank)
             timings["reduce_s"] = time.monotonic() - t
 
             # 3. gather every reduced slot (recomputing a slot whose reducer vanished) and check it.
@@ -417,7 +429,8 @@ class ObjectStoreAllReduce:
                 except wire.PayloadError as exc:
                     raise RejectedPayload(f"reduced slot {j}: {exc}", check="reduced", slot=j) from None
                 verify_reduced(record, data, decoded, key=key, round=round, attempt=attempt, slot=j,
-                               participants=participants, me=me, my_norm=my_norms[j], codec=cfg.codec)
+                               participants=participants, me=me, my_norm=my_norms[j],
+                               rtol=wire.norm_rtol(cfg.codec))
                 out[s:e] = decoded
             timings["gather_s"] = time.monotonic() - t
         except RoundTimeout as exc:

@@ -1,18 +1,19 @@
 """torchft's DiLoCo wired to the object-store manager: the one place that builds the outer loop.
 
 The replica, the tests and the benchmarks all call :func:`build_diloco`, so
-the wiring (fragments, outer optimizers, the manager, the heal hook, the
-resume point) exists once. torchft's ``DiLoCo`` runs unchanged; the only
-torchft internal this module touches is ``DiLoCo._restore_parameters`` (copy
-the fragments' global backups into the model), and only here.
+the wiring (fragments, outer optimizers, the manager and its global-state
+port, the heal hook, the resume point) exists once. torchft's ``DiLoCo`` runs
+unchanged; the only torchft internal this module touches is
+``DiLoCo._restore_parameters`` (copy the fragments' global backups into the
+model), and only here (:func:`_restore_parameters` checks it exists).
 
 Invariants:
 
 * After a commit, or a heal, the model's synced parameters equal the round's
   global parameters, bitwise, on every replica.
-* :meth:`OuterLoop.restore` and healing load the same tree that
-  :func:`composer_cloud.sync.checkpoint.global_state.write_global_state` wrote, keyed by
-  torchft's own state-dict keys (``StreamingDiLoCoFragment_<i>``).
+* :meth:`OuterLoop.restore` and healing load the same tree the manager
+  published (:meth:`ObjectStoreManager.state`), keyed by torchft's own
+  state-dict keys (``StreamingDiLoCoFragment_<i>``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,22 @@ import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_cloud.errors import CorruptCheckpoint
+from composer_cloud.hooks import NO_HOOKS, Hooks
+from composer_cloud.storage import layout
+from composer_cloud.storage.store import Store
+from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
-from composer_cloud.storage.store import Store
+from composer_cloud.sync.outer import OuterOptimizerConfig, outer_sgd
+
+if TYPE_CHECKING:
+    from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +95,41 @@ def params_digest(model: torch.nn.Module) -> str:
 
 
 @dataclass(frozen=True)
-class OuterOptimizerConfig:
-    """Nesterov SGD on the averaged pseudo-gradient (DiLoCo's outer step)."""
+class LockstepConfig:
+    """Everything the lock-step outer loop needs, from the spec (:meth:`from_spec`; no defaults here).
 
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    Attributes:
+        sync_every: inner steps per round.
+        fragments: DiLoCo fragments (Streaming DiLoCo when > 1), synced in turn.
+        fragment_sync_delay: inner steps a fragment's exchange may overlap.
+        heal_timeout_s: how long healing may wait for a committed state to become durable.
+        takeover_after_s: how long a participant waits for the others' slices of a committed
+            state before writing them itself (the quorum timeout: the expected straggler spread).
+    """
+
+    allreduce: AllReduceConfig
+    outer: OuterOptimizerConfig
+    sync_every: int
+    fragments: int
+    fragment_sync_delay: int
+    heal_timeout_s: float
+    takeover_after_s: float
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec) -> "LockstepConfig":
+        return cls(allreduce=AllReduceConfig.from_spec(spec), outer=OuterOptimizerConfig.from_spec(spec),
+                   sync_every=spec.inner_steps, fragments=spec.sync.fragments,
+                   fragment_sync_delay=spec.sync.fragment_sync_delay, heal_timeout_s=spec.sync.heal_timeout_s,
+                   takeover_after_s=spec.sync.quorum_timeout_s)
+
+
+def _restore_parameters(diloco: Any) -> None:
+    """Copy the fragments' global backups into the model: torchft's private ``DiLoCo._restore_parameters``."""
+    restore = getattr(diloco, "_restore_parameters", None)
+    if restore is None:
+        raise RuntimeError("torchft's DiLoCo has no _restore_parameters (torchft changed?); composer-cloud needs "
+                           "torchft 0.2.x")
+    restore()
 
 
 @dataclass
@@ -119,28 +158,29 @@ class OuterLoop:
     def restore(self, tree: Mapping[str, Any]) -> None:
         """Load a stored global state (fragment backups + outer optimizer state) and copy it into the model."""
         self.manager.load_state(dict(tree))
-        self.diloco._restore_parameters()
+        _restore_parameters(self.diloco)
 
     def verify_durable(self, round: int) -> None:
         """Read round ``round``'s stored global state back and check it equals this replica's, bitwise.
 
-        Raises :class:`~composer_cloud.sync.checkpoint.global_state.CorruptCheckpoint` naming the round otherwise. Run at
-        the end of a run: "completed" must mean the final state is durable and right.
+        Raises :class:`~composer_cloud.errors.CorruptCheckpoint` naming the round otherwise. Run at the
+        end of a run: "completed" must mean the final state is durable and right.
         """
-        from composer_cloud.sync.checkpoint import global_state as checkpoint
         from composer_cloud.storage.tensors import flatten
 
-        stored, _ = flatten(checkpoint.load_global(self.manager.store, round))
+        where = layout.checkpoint_prefix(round)
+        attempt = rounds.committed_attempt(self.manager.store, round)
+        if attempt is None:
+            raise CorruptCheckpoint(where, "the round has no valid commit")
+        stored, _ = flatten(self.manager.global_state.load(round, attempt))
         live, _ = flatten(self.manager.state())
         if stored.keys() != live.keys():
-            raise checkpoint.CorruptCheckpoint(f"stored global state of round {round} has other tensors than the "
-                                               "model's")
+            raise CorruptCheckpoint(where, "the stored global state has other tensors than the model's")
         for key, tensor in live.items():
             mine = tensor.detach().cpu().contiguous().reshape(-1)
             theirs = stored[key].contiguous().reshape(-1)
             if theirs.dtype != mine.dtype or not torch.equal(theirs.view(torch.uint8), mine.view(torch.uint8)):
-                raise checkpoint.CorruptCheckpoint(f"stored global state of round {round} differs from the "
-                                                   f"replica's at {key}")
+                raise CorruptCheckpoint(where, f"the stored global state differs from the replica's at {key}")
 
     def close(self) -> None:
         """Finish pending uploads and stop the manager's threads."""
@@ -153,47 +193,43 @@ def build_diloco(
     rank: int,
     model: torch.nn.Module,
     inner_optimizer: torch.optim.Optimizer,
-    sync_every: int,
-    allreduce: AllReduceConfig,
-    outer: OuterOptimizerConfig = OuterOptimizerConfig(),
-    fragments: int | Sequence[torch.nn.Module] = 1,
-    fragment_sync_delay: int = 0,
+    config: LockstepConfig,
+    hooks: Hooks = NO_HOOKS,
+    fragments: Sequence[torch.nn.Module] | None = None,
     use_bucketization: bool = False,
-    heal_timeout_s: float = 600.0,
-    takeover_after_s: float | None = None,
     start_round: int = 0,
     on_sync: Callable[[SyncRecord], None] | None = None,
 ) -> OuterLoop:
     """Build torchft's DiLoCo over an :class:`ObjectStoreManager` for replica ``rank``.
 
     Args:
-        fragments: a fragment count (parameters split by :func:`split_fragments`)
-            or the fragment modules themselves.
-        takeover_after_s: how long to wait for other participants' slices of a
-            committed global state before writing them (default: the quorum timeout,
-            the expected straggler spread).
+        config: the run's lock-step settings (:meth:`LockstepConfig.from_spec`).
+        hooks: fault points for crash tests (the all-reduce and the global-state upload).
+        fragments: the fragment modules, when not ``config.fragments`` groups of
+            :func:`split_fragments` (tests with hand-made groups).
+        use_bucketization: torchft's option: one ``allreduce`` per bucket instead of per parameter.
         start_round: the first round this replica syncs (checkpoint round + 1 on resume).
         on_sync: called with every :class:`SyncRecord` (see the manager).
     """
     from torchft.local_sgd import DiLoCo
 
-    frags = split_fragments(model, fragments) if isinstance(fragments, int) else list(fragments)
-    outers = [torch.optim.SGD(f.parameters(), lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
-              for f in frags]
-    ar = ObjectStoreAllReduce(store, rank, allreduce)
+    frags = split_fragments(model, config.fragments) if fragments is None else list(fragments)
+    outers = [outer_sgd(f.parameters(), config.outer) for f in frags]
+    ar = ObjectStoreAllReduce(store, rank, config.allreduce, hooks=hooks)
     loop: OuterLoop | None = None
 
     def on_heal(round: int) -> None:
         # The manager already loaded the registered state; copy it into the model.
         assert loop is not None
-        loop.diloco._restore_parameters()
+        _restore_parameters(loop.diloco)
 
     manager = ObjectStoreManager(
-        ar, heal_timeout_s=heal_timeout_s, start_step=start_round, on_heal=on_heal, on_sync=on_sync,
-        takeover_after_s=allreduce.quorum_timeout_s if takeover_after_s is None else takeover_after_s,
+        ar, GlobalStateStore(store, hooks=hooks), heal_timeout_s=config.heal_timeout_s, start_step=start_round,
+        on_heal=on_heal, on_sync=on_sync, takeover_after_s=config.takeover_after_s,
         # A committed round nobody can finish is voided after the round deadline (within the heal budget).
-        void_after_s=min(allreduce.round_timeout_s, 0.5 * heal_timeout_s))
-    diloco = DiLoCo(manager, frags, inner_optimizer, outers, sync_every=sync_every,
-                    fragment_sync_delay=fragment_sync_delay, use_bucketization=use_bucketization, pin_memory=False)
+        void_after_s=min(config.allreduce.round_timeout_s, 0.5 * config.heal_timeout_s))
+    diloco = DiLoCo(manager, frags, inner_optimizer, outers, sync_every=config.sync_every,
+                    fragment_sync_delay=config.fragment_sync_delay, use_bucketization=use_bucketization,
+                    pin_memory=False)
     loop = OuterLoop(diloco=diloco, manager=manager, fragments=frags, outer_optimizers=outers)
     return loop

@@ -26,12 +26,13 @@ How a sync maps onto the store (round ``r`` = ``current_step()``):
 
 Global state: after a commit, DiLoCo's outer step produces the new global
 parameters, bitwise identical on every participant. At the next manager call
-(or :meth:`publish_state`) each participant writes its slice of every
-registered ``save_fn``'s state (:func:`composer_cloud.sync.checkpoint.global_state.write_global_shard`),
-in the background; a participant that still misses a slice after
-``takeover_after_s`` writes it itself. ``start_quorum`` joins that work, so a
-round's global state is durable before its participants sync again, whoever
-died. Healing reads only durable states.
+(or :meth:`publish_state`) each participant hands the state of every registered
+``save_fn`` to its :class:`GlobalStatePort` (the checkpoint layer, given at
+construction: the manager never spells a checkpoint key), in the background:
+the port writes this replica's slice and, after ``takeover_after_s``, any slice
+still missing. ``start_quorum`` joins that work, so a round's global state is
+durable before its participants sync again, whoever died. Healing reads only
+durable states, through the same port.
 
 Every sync is reported to ``on_sync`` (a :class:`SyncRecord`), so the caller
 learns about commits, aborts and heals without inspecting the manager.
@@ -44,15 +45,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from composer_cloud.sync.checkpoint import global_state as checkpoint
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
-from composer_cloud.errors import StoreError, StoreTimeout, SyncError
+from composer_cloud.errors import StoreTimeout, SyncError
 from composer_cloud.retry import PollPolicy, poll_until
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,27 @@ logger = logging.getLogger(__name__)
 
 class HealError(SyncError):
     """No committed global state could be loaded before the heal deadline."""
+
+
+class GlobalStatePort(Protocol):
+    """What the manager needs from the checkpoint layer (``GlobalStateStore`` provides it).
+
+    Like torchft's ``CheckpointTransport``: the manager decides *when* state moves,
+    the port owns *where* it lives. ``attempt`` is the round's committed attempt.
+    """
+
+    def publish(self, round: int, attempt: int, tree: dict[str, Any], *, participants: Sequence[int], rank: int,
+                takeover_after_s: float) -> int:
+        """Make the committed state durable (this replica's share, then any missing share); returns bytes."""
+        ...
+
+    def durable(self, round: int, attempt: int) -> bool:
+        """Whether the committed state of ``round`` is durable."""
+        ...
+
+    def load(self, round: int, attempt: int) -> dict[str, Any]:
+        """The committed state of ``round`` (verified; raises ``CorruptCheckpoint``)."""
+        ...
 
 
 def _completed(value: Any) -> _ThreadFuture:
@@ -101,6 +123,7 @@ class ObjectStoreManager:
 
     Args:
         allreduce: the replica's object-store all-reduce (holds store, rank, deadlines).
+        global_state: where committed global states are published and healed from.
         heal_timeout_s: how long healing may wait for a committed global state.
         void_after_s: how long a healer waits for a committed round's state to
             become durable before voiding that commit (its participants are gone).
@@ -119,15 +142,17 @@ class ObjectStoreManager:
     def __init__(
         self,
         allreduce: ObjectStoreAllReduce,
+        global_state: GlobalStatePort,
         *,
-        heal_timeout_s: float = 600.0,
-        takeover_after_s: float = 60.0,
-        void_after_s: float = 300.0,
+        heal_timeout_s: float,
+        takeover_after_s: float,
+        void_after_s: float,
         on_heal: Callable[[int], None] | None = None,
         on_sync: Callable[[SyncRecord], None] | None = None,
         start_step: int = 0,
     ) -> None:
         self._ar = allreduce
+        self.global_state = global_state
         self.store = allreduce.store
         self.rank = allreduce.rank
         self.heal_timeout_s = heal_timeout_s
@@ -147,7 +172,7 @@ class ObjectStoreManager:
         self._publish_round: int | None = None
         self._round_open = False
         self._skip_sync = False
-        self.history: list[SyncRecord] = []
+        self.last_sync: SyncRecord | None = None
 
     # ------------------------------------------------------------ torchft Manager surface
     def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
@@ -228,7 +253,7 @@ class ObjectStoreManager:
         return False
 
     def _record(self, record: SyncRecord) -> None:
-        self.history.append(record)
+        self.last_sync = record
         if self.on_sync is not None:
             self.on_sync(record)
 
@@ -277,7 +302,7 @@ class ObjectStoreManager:
         round, self._publish_round = self._publish_round, None
         if round is None or not self._save_fns:
             return
-        last = self.history[-1].result
+        last = self.last_sync.result if self.last_sync is not None else None
         if last is None or self.rank not in last.participants:
             return
         # save_fns return views of DiLoCo's backup tensors and outer optimizer
@@ -289,35 +314,11 @@ class ObjectStoreManager:
 
     def _publish_global_state(self, round: int, attempt: int, participants: list[int], tree: dict[str, Any],
                               after: _ThreadFuture | None) -> None:
-        """Write my slice; then make sure every slice exists, writing missing ones myself after a grace.
-
-        Every participant holds the same global state, so a slice whose owner
-        died is written by whoever notices first (same bytes; markers are
-        write-once). Nothing of round ``round`` then depends on one replica.
-        """
+        """Hand the committed state to the port (my slice, then any missing one after a grace)."""
         if after is not None:
             after.result()  # e.g. the replica's own state first: a kill after this point loses no inner state
-        n = len(participants)
-        slices = checkpoint.split_global_state(tree, n)
-        mine = participants.index(self.rank)
-        self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, mine, writer=self.rank,
-                                                              attempt=attempt)
-
-        def complete() -> bool | None:
-            return True if checkpoint.has_global_state(self.store, round, num_shards=n, attempt=attempt) else None
-
-        try:
-            poll_until(complete, deadline=time.monotonic() + self.takeover_after_s,
-                       policy=PollPolicy(initial_s=0.05, max_s=1.0), on_timeout=lambda waited: StoreTimeout(
-                           f"global state of round {round}", waited))
-            return
-        except StoreTimeout:
-            pass
-        for index in checkpoint.shard_markers(self.store, round, attempt=attempt).missing(n):
-            logger.warning("round %d: slice %d of the global state (replica %d's) is missing after %.0fs; "
-                           "writing it", round, index, participants[index], self.takeover_after_s)
-            self.bytes_published += checkpoint.write_global_shard(self.store, round, slices, index,
-                                                                  writer=self.rank, attempt=attempt)
+        self.bytes_published += self.global_state.publish(round, attempt, tree, participants=participants,
+                                                          rank=self.rank, takeover_after_s=self.takeover_after_s)
 
     def publish_state(self, *, after: _ThreadFuture | None = None) -> None:
         """Start writing this replica's slice of the last committed round's global state (background).
@@ -339,11 +340,11 @@ class ObjectStoreManager:
         return {key: fn() for key, fn in self._save_fns.items()}
 
     def load_state(self, tree: dict[str, Any]) -> None:
-        """Load a global state tree (as written by :func:`checkpoint.write_global_state`) into
-        every registered state (DiLoCo's fragment backups and outer optimizers)."""
+        """Load a global state tree (as :meth:`state` returned it) into every registered state
+        (DiLoCo's fragment backups and outer optimizers)."""
         missing = sorted(set(self._load_fns) - set(tree))
         if missing:
-            raise StoreError(f"global state has no entry for {missing}; it was written for another model layout")
+            raise SyncError(f"global state has no entry for {missing}; it was written for another model layout")
         for key, load_fn in self._load_fns.items():
             load_fn(tree[key])
 
@@ -367,29 +368,31 @@ class ObjectStoreManager:
         def newest_committed() -> int:
             return self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
 
-        def durable() -> tuple[int | None] | None:
+        def durable() -> tuple[int, int] | tuple[None, None] | None:
             newest = newest_committed()
             if newest < floor:
-                return (None,)
+                return (None, None)
             for round in range(newest, floor - 1, -1):
-                if checkpoint.has_global_state(self.store, round):
-                    return (round,)
+                attempt = rounds.committed_attempt(self.store, round)
+                if attempt is not None and self.global_state.durable(round, attempt):
+                    return (round, attempt)
             return None
 
         while True:
             deadline = min(give_up, void_at)
             try:
-                (round,) = poll_until(durable, deadline=deadline, policy=poll,
-                                      on_timeout=lambda waited: StoreTimeout("a durable global state", waited))
+                round, attempt = poll_until(
+                    durable, deadline=deadline, policy=poll,
+                    on_timeout=lambda waited: StoreTimeout("a durable global state", waited))
                 break
             except StoreTimeout:
                 if time.monotonic() >= give_up:
                     raise HealError(f"replica {self.rank}: no committed global state for round >= {floor} became "
                                     f"durable within heal_timeout_s={self.heal_timeout_s}") from None
             newest = newest_committed()
-            attempt = rounds.committed_attempt(self.store, newest) if newest >= 0 else None
-            if attempt is not None:
-                rounds.declare_void(self.store, newest, attempt, by=self.rank,
+            committed = rounds.committed_attempt(self.store, newest) if newest >= 0 else None
+            if committed is not None:
+                rounds.declare_void(self.store, newest, committed, by=self.rank,
                                     reason=f"its global state was not durable {self.void_after_s:.0f}s after "
                                            f"replica {self.rank} needed it; no participant is left to finish it")
             latest = None
@@ -397,7 +400,7 @@ class ObjectStoreManager:
         if round is None:
             logger.info("replica %d: no committed round >= %d any more (voided); nothing to heal", self.rank, floor)
             return None
-        self.load_state(checkpoint.load_global(self.store, round))
+        self.load_state(self.global_state.load(round, attempt))
         self._step = round + 1
         if self.on_heal is not None:
             self.on_heal(round)

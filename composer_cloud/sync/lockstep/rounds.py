@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from composer_cloud.errors import BadObject, ChecksumMismatch
@@ -160,6 +161,11 @@ def _round_state(store: Store, round: int) -> tuple[int | None, bool]:
 def committed_attempt(store: Store, round: int) -> int | None:
     """The attempt of ``round`` with a valid commit, if any (an unreadable outcome is not one)."""
     return _round_state(store, round)[0]
+
+
+def attempt_of(store: Store) -> Callable[[int], int | None]:
+    """The attempt whose global state is round ``r``'s, for the checkpoint layer: the committed (not void) one."""
+    return lambda round: committed_attempt(store, round)
 
 
 def latest_committed_round(store: Store, *, start: int = 0) -> int:

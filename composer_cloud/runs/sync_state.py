@@ -1,0 +1,58 @@
+"""A run's sync state as the client sees it (``status``, ``resume``, ``export``): what depends on the sync mode.
+
+Both modes keep their global states as checkpoints; they differ in which
+attempt of a round counts (lock-step: the committed one, from the round
+records; decoupled: the one attempt of a version), in what "committed" counts
+(rounds, or merged versions) and in which round is the final one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composer_cloud.spec import RunSpec
+from composer_cloud.storage.store import Store
+from composer_cloud.sync.checkpoint import manifests
+from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore
+from composer_cloud.sync.decoupled import protocol as decoupled
+from composer_cloud.sync.lockstep import rounds
+
+
+def attempt_of(store: Store, spec: RunSpec) -> AttemptOf:
+    """Which attempt's global state is round (or version) ``r``'s."""
+    if spec.sync.mode == "decoupled":
+        return lambda version: manifests.VERSION_ATTEMPT
+    return rounds.attempt_of(store)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a run got: ``committed`` rounds (decoupled: merged versions), and its final round or version
+    when it is known (``final``; lock-step: ``rounds - 1`` once committed; decoupled: the recorded final version)."""
+
+    committed: int
+    final: int | None
+
+
+def progress(store: Store, spec: RunSpec, *, start: int = 0) -> Progress:
+    """The run's progress from its records alone (``start``: a round known committed, to scan from)."""
+    if spec.sync.mode == "decoupled":
+        merged, final = decoupled.progress(store)
+        return Progress(committed=merged, final=final)
+    committed = rounds.latest_committed_round(store, start=start) + 1
+    return Progress(committed=committed, final=spec.rounds - 1 if committed >= spec.rounds else None)
+
+
+def latest_checkpoint(store: Store, spec: RunSpec, *, before: int | None = None,
+                      verify: bool = True) -> manifests.Checkpoint | None:
+    """The run's newest valid checkpoint (see :func:`~composer_cloud.sync.checkpoint.manifests.latest_checkpoint`)."""
+    return manifests.latest_checkpoint(GlobalStateStore(store), attempt_of(store, spec), before=before, verify=verify)
+
+
+def discard_after(store: Store, round: int) -> None:
+    """Delete what rounds after ``round`` left (round records, checkpoints): ``resume`` runs them again."""
+    rounds.discard_after(store, round)
+    manifests.discard_after(GlobalStateStore(store), round)
+
+
+__all__ = ["Progress", "attempt_of", "discard_after", "latest_checkpoint", "progress"]

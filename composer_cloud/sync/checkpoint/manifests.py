@@ -1,0 +1,207 @@
+"""Checkpoints as a whole: manifests (written last), the newest valid checkpoint, pruning, and versions.
+
+A checkpoint of round (or decoupled version) ``r`` is valid for ``resume`` and
+``export`` once ``checkpoints/<r>/manifest.json`` exists: it is written last and
+write-once, and lists every object with its size and crc32. Lock-step: any
+participant writes it once the round's global state is durable and the
+participants' inner states are present (:func:`write_manifest`). Decoupled:
+the writer of version ``v`` writes it right after ``v``'s one slice
+(:func:`write_version`); the decoupled protocol calls only the version API
+here (:func:`write_version`, :func:`read_version`, :func:`version_durable`,
+:func:`version_complete`, :func:`versions`) and never spells a checkpoint key.
+
+Old checkpoints beyond ``keep`` are deleted only after a newer manifest exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from composer_cloud.errors import BadObject, CorruptCheckpoint, ObjectNotFound, StoreTimeout
+from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
+from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
+from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
+
+logger = logging.getLogger(__name__)
+
+#: Decoupled versions are single-writer states: one attempt, one slice.
+VERSION_ATTEMPT = 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A valid checkpoint: its round and manifest."""
+
+    round: int
+    manifest: Manifest
+
+
+def _slice_entry(marker: SliceMarker) -> BlobEntry:
+    name = layout.slice_blob_key(marker.round, marker.attempt, marker.index, marker.num_slices).rsplit("/", 1)[1]
+    return BlobEntry(key=name, bytes=marker.bytes, crc32=marker.crc32)
+
+
+class _ManifestExists(Exception):
+    """Another participant already wrote the manifest: stop waiting."""
+
+
+def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round: int, attempt: int,
+                   participants: list[int], *, deadline_s: float, extra: dict[str, Any] | None = None) -> bool:
+    """Wait for the durable global state and every participant's inner state, then write the manifest.
+
+    Any participant may call this; the manifest is write-once, so the first
+    writer wins and the others return False. Replicas whose state does not
+    arrive by the deadline are left out (they resume with fresh inner state).
+    """
+    store = states.store
+    deadline = time.monotonic() + deadline_s
+    n = len(participants)
+
+    def stop_if_written(misses: int) -> None:
+        if misses % 8 == 0 and store.exists(layout.manifest_key(round)):
+            raise _ManifestExists()
+
+    try:
+        poll_until(lambda: True if states.durable(round, attempt, num_slices=n) else None,
+                   deadline=deadline, policy=PollPolicy(initial_s=0.05, max_s=1.0), between=stop_if_written,
+                   on_timeout=lambda waited: StoreTimeout(f"{layout.checkpoint_prefix(round)} global state", waited))
+    except StoreTimeout:
+        logger.warning("checkpoint %d: global state not durable within %.0fs; no manifest from this replica",
+                       round, deadline_s)
+        return False
+    except _ManifestExists:
+        return False
+    markers = states.markers(round, attempt).by_count[n]
+    entries: dict[int, BlobEntry] = {}
+    for rank in participants:
+        try:
+            store.wait_get(layout.replica_marker_key(round, rank), deadline=deadline)
+        except StoreTimeout:
+            logger.warning("checkpoint %d: replica %d state missing; it will resume with fresh inner state",
+                           round, rank)
+            continue
+        rec = replicas.marker(round, rank)
+        if rec is not None:
+            entries[rank] = BlobEntry(key=layout.replica_blob_name(rank), bytes=rec.bytes, crc32=rec.crc32)
+    manifest = Manifest(round=round, attempt=attempt, slices=[_slice_entry(markers[i]) for i in range(n)],
+                        replicas=entries, participants=participants, time=time.time(), extra=dict(extra or {}))
+    return store.create_json(layout.manifest_key(round), manifest.to_json())
+
+
+def read_manifest(states: GlobalStateStore, round: int) -> Manifest | None:
+    """Round ``round``'s manifest if present and well-formed, else None (with a warning if unusable)."""
+    key = layout.manifest_key(round)
+    try:
+        return Manifest.from_json(states.store.get_json(key), key=key, round=round)
+    except ObjectNotFound:
+        return None
+    except BadObject as exc:
+        logger.warning("checkpoint %s is unusable (%s); skipping it", layout.checkpoint_prefix(round), exc)
+        return None
+
+
+def latest_checkpoint(states: GlobalStateStore, attempt_of: AttemptOf, *, before: int | None = None,
+                      verify: bool = True) -> Checkpoint | None:
+    """Newest valid checkpoint (manifest present, of the attempt ``attempt_of`` names), optionally ``< before``.
+
+    ``verify=True`` reads every listed object once, one object in memory at a
+    time, and checks it against the manifest (what ``resume`` does before it
+    discards anything). Readers that load the state anyway pass ``verify=False``
+    and verify what they load in the same read. A torn or corrupt checkpoint is
+    skipped with a warning naming it, and the previous one is used.
+    """
+    store = states.store
+    for round in reversed(states.rounds()):
+        if before is not None and round >= before:
+            continue
+        prefix = layout.checkpoint_prefix(round)
+        manifest = read_manifest(states, round)
+        if manifest is None:
+            logger.warning("checkpoint %s/%s has no valid manifest (torn write?); skipping it", store.uri, prefix)
+            continue
+        if attempt_of(round) != manifest.attempt:
+            logger.warning("checkpoint %s/%s belongs to a voided commit; skipping it", store.uri, prefix)
+            continue
+        if verify:
+            try:
+                for entry in [*manifest.slices, *manifest.replicas.values()]:
+                    read_verified(store, layout.in_checkpoint(round, entry.key), entry.crc32)
+            except CorruptCheckpoint as exc:
+                logger.warning("checkpoint %s/%s is corrupt or incomplete (%s); falling back to an earlier one",
+                               store.uri, prefix, exc)
+                continue
+        return Checkpoint(round=round, manifest=manifest)
+    return None
+
+
+def prune(states: GlobalStateStore, *, keep: int, newest: int) -> list[int]:
+    """Delete checkpoints older than the ``keep`` newest manifests (never ``newest`` or later); returns them.
+
+    Rounds with a global state but no manifest older than ``newest`` (healing states) go too.
+    """
+    store = states.store
+    present = states.rounds()
+    valid = [r for r in present if r <= newest and store.exists(layout.manifest_key(r))]
+    keep_set = set(valid[-keep:])
+    removed = []
+    for r in present:
+        if r < newest and r not in keep_set:
+            store.delete(layout.checkpoint_prefix(r), recursive=True)
+            removed.append(r)
+    return removed
+
+
+def discard_after(states: GlobalStateStore, round: int) -> None:
+    """Delete checkpoints newer than ``round`` (resume from ``round``: they belong to rounds run again).
+
+    Only valid when every replica of the previous launch is stopped.
+    """
+    for r in states.rounds():
+        if r > round:
+            states.store.delete(layout.checkpoint_prefix(r), recursive=True)
+
+
+# ---------------------------------------------------------------- versions (decoupled)
+def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], *, writer: int,
+                  meta: dict[str, Any]) -> None:
+    """Global ``version`` as checkpoint ``version``: blob, write-once marker, then (write-once) the manifest.
+
+    Idempotent: an existing marker is kept (the blob is not rewritten) and a
+    second manifest is refused, so a completer finishes whatever a dead writer
+    left, in order. ``meta`` is recorded in the manifest under ``decoupled``
+    (its ``ranks`` as the participants).
+    """
+    states.write(version, VERSION_ATTEMPT, tree, writer=writer, num_slices=1)
+    marker = states.markers(version, VERSION_ATTEMPT).by_count[1][0]
+    manifest = Manifest(round=version, attempt=VERSION_ATTEMPT, slices=[_slice_entry(marker)], replicas={},
+                        participants=list(meta.get("ranks", [])), time=time.time(), extra={"decoupled": meta})
+    states.store.create_json(layout.manifest_key(version), manifest.to_json())
+
+
+def read_version(states: GlobalStateStore, version: int) -> dict[str, Any]:
+    """Global ``version``'s state tree, read once through its marker's crc32 (raises ``CorruptCheckpoint``)."""
+    return states.load(version, VERSION_ATTEMPT, num_slices=1)
+
+
+def version_durable(states: GlobalStateStore, version: int) -> bool:
+    """Whether global ``version`` is durable (its slice's marker exists): it may be adopted."""
+    return states.durable(version, VERSION_ATTEMPT, num_slices=1)
+
+
+def version_complete(states: GlobalStateStore, version: int) -> bool:
+    """Whether global ``version``'s manifest exists too (its writer finished; its inputs may be pruned)."""
+    return states.store.exists(layout.manifest_key(version))
+
+
+def versions(states: GlobalStateStore, *, above: int = -1) -> list[int]:
+    """Durable global versions ``> above``, ascending."""
+    return states.durable_rounds(lambda v: VERSION_ATTEMPT, above=above)
+
+
+__all__ = ["Checkpoint", "VERSION_ATTEMPT", "discard_after", "latest_checkpoint", "prune", "read_manifest",
+           "read_version", "version_complete", "version_durable", "versions", "write_manifest", "write_version"]
