@@ -73,6 +73,7 @@ import torch
 
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.retry import PollPolicy
+from composer_cloud.spec import SyncSpec, spec_from_dict
 from composer_cloud.storage import framing
 from composer_cloud.storage import store as store_mod
 from composer_cloud.storage.backends import LocalBackend
@@ -215,9 +216,10 @@ class StoreRunner(Runner):
 class ScatterReduceRunner(StoreRunner):
     def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
         super().__init__(rank, world, cfg)
-        self.ar = ObjectStoreAllReduce(self.store, rank, AllReduceConfig(
-            replicas=world, min_replicas=world, codec=cfg["codec"], io_threads=cfg["io_threads"],
-            quorum_timeout_s=cfg["timeout_s"], round_timeout_s=cfg["timeout_s"]))
+        spec = spec_from_dict({"replicas": world, "min_replicas": world, "sync": {
+            "codec": cfg["codec"], "io_threads": cfg["io_threads"], "quorum_timeout_s": cfg["timeout_s"],
+            "round_timeout_s": cfg["timeout_s"]}})
+        self.ar = ObjectStoreAllReduce(self.store, rank, AllReduceConfig.from_spec(spec))
 
     def run(self, i: int) -> dict[str, Any]:
         res = self.ar.allreduce(i, self.x)
@@ -598,7 +600,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timed operations per method and W")
     ap.add_argument("--warmup", type=int, default=1, help="untimed operations first")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--io-threads", type=int, default=AllReduceConfig(replicas=1).io_threads,
+    ap.add_argument("--io-threads", type=int, default=SyncSpec().io_threads,
                     help="parallel transfers per replica (all store methods)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch intra-op threads per worker (default: max(1, cores // W))")

@@ -363,8 +363,10 @@ class Harness:
 
     # ---------------------------------------------------------------- polling
     def poll(self) -> None:
-        from composer_cloud.sync.checkpoint import global_state as ckpt
         from composer_cloud.errors import StoreError
+        from composer_cloud.runs.sync_state import attempt_of
+        from composer_cloud.storage.run import open_run
+        from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 
         now = time.time()
         with self.lock:
@@ -391,9 +393,9 @@ class Harness:
             useful += acc["useful_steps"]
         self.timeline.append((now, steps, useful))
         try:
-            for r in ckpt.checkpoint_rounds(self.store):
-                if r not in self.versions_seen and ckpt.has_global_state(self.store, r):
-                    self.versions_seen[r] = now
+            states, run = GlobalStateStore(self.store), open_run(self.store.uri)
+            for r in states.durable_rounds(attempt_of(run.store, run.spec)):
+                self.versions_seen.setdefault(r, now)
         except StoreError:
             pass
 
@@ -524,13 +526,15 @@ def evaluate_versions(cfg: Config, run: dict[str, Any], model_dir: Path, heldout
     import torch
     from transformers import AutoModelForCausalLM
 
-    from composer_cloud.sync.checkpoint import global_state as ckpt
+    from composer_cloud.runs.sync_state import attempt_of
+    from composer_cloud.storage.run import open_run
+    from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
     from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
-    from composer_cloud.storage.store import Store
 
-    store = Store(run["run_uri"])
+    opened = open_run(run["run_uri"])
+    states, attempt = GlobalStateStore(opened.store), attempt_of(opened.store, opened.spec)
     seen = {int(r): t for r, t in run["versions_seen"].items()}
-    rounds = sorted(set(ckpt.global_state_rounds(store)) | set(seen))
+    rounds = sorted(set(states.durable_rounds(attempt)) | set(seen))
     if len(rounds) > max_points:
         idx = sorted({round(i * (len(rounds) - 1) / (max_points - 1)) for i in range(max_points)})
         rounds = [rounds[i] for i in idx]
@@ -540,7 +544,7 @@ def evaluate_versions(cfg: Config, run: dict[str, Any], model_dir: Path, heldout
     out = []
     for r in rounds:
         try:
-            load_global_parameters(fragments, ckpt.load_global(store, r))
+            load_global_parameters(fragments, states.load(r, attempt(r)))
         except Exception as exc:  # noqa: BLE001 - report and go on: one unreadable version is not the run
             print(f"  version {r}: cannot load ({type(exc).__name__}: {exc})", flush=True)
             continue

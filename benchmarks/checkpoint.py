@@ -360,11 +360,48 @@ def tiny_global_live(model: Any) -> GlobalLive:
     return GlobalLive({n: p.detach().clone() for (n, _), p in zip(named, shadow)}, outer.state_dict)
 
 
-def _replica_snapshot_fn() -> Any:
-    """The runtime's replica snapshot (``composer_cloud.replica._snapshot``, since 3897ab5)."""
-    from composer_cloud import replica
+def _ckpt_api() -> Any:
+    """The checkpoint calls this benchmark times, on the library's classes (attempt 0: no round records here)."""
+    import types
 
-    return getattr(replica, "_snapshot", lambda tree: tree)
+    from composer_cloud.storage import layout
+    from composer_cloud.sync.checkpoint import manifests
+    from composer_cloud.sync.checkpoint.global_state import GlobalStateStore, split_global_state
+    from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state
+
+    def attempt_0(round: int) -> int:
+        return 0
+
+    def resume_point(store: Any, rank: int, *, world_size: int) -> Any:
+        durable = GlobalStateStore(store).durable_rounds(attempt_0)
+        return ReplicaStateStore(store).resume_point(rank, world_size=world_size, durable_rounds=durable)
+
+    return types.SimpleNamespace(
+        split_global_state=split_global_state, replica_state=replica_state,
+        checkpoint_prefix=layout.checkpoint_prefix,
+        write_global_state=lambda store, round, tree, *, writer, num_shards=1: GlobalStateStore(store).write(
+            round, 0, tree, writer=writer, num_slices=num_shards),
+        write_global_shard=lambda store, round, slices, index, *, writer: GlobalStateStore(store).write_slice(
+            round, 0, slices, index, writer=writer),
+        has_global_state=lambda store, round, num_shards=None: GlobalStateStore(store).durable(
+            round, 0, num_slices=num_shards),
+        load_global=lambda store, round: GlobalStateStore(store).load(round, 0),
+        write_replica_state=lambda store, round, rank, tree, world_size=1: ReplicaStateStore(store).write(
+            round, rank, tree, world_size=world_size),
+        load_replica_at=lambda store, round, rank, crc32=None: ReplicaStateStore(store).load(round, rank, crc32),
+        write_manifest=lambda store, round, participants, *, deadline_s: manifests.write_manifest(
+            GlobalStateStore(store), ReplicaStateStore(store), round, 0, participants, deadline_s=deadline_s),
+        read_manifest=lambda store, round: manifests.read_manifest(GlobalStateStore(store), round),
+        latest_checkpoint=lambda store, verify=True: manifests.latest_checkpoint(GlobalStateStore(store), attempt_0,
+                                                                                   verify=verify),
+        resume_point=resume_point)
+
+
+def _replica_snapshot_fn() -> Any:
+    """The runtime's replica snapshot (``composer_cloud.replica.boundary.snapshot``)."""
+    from composer_cloud.replica.boundary import snapshot
+
+    return snapshot
 
 
 def _tiny_setup() -> tuple[Any, Any, int]:
@@ -387,7 +424,7 @@ def _tiny_setup() -> tuple[Any, Any, int]:
 
 def _write_whole_global(store: Any, round: int, tree: dict[str, Any]) -> int:
     """The whole global state by one writer (W = 1)."""
-    from composer_cloud.sync.checkpoint import global_state as ckpt
+    ckpt = _ckpt_api()
 
     return ckpt.write_global_state(store, round, tree, writer=0, num_shards=1)
 
@@ -395,7 +432,7 @@ def _write_whole_global(store: Any, round: int, tree: dict[str, Any]) -> int:
 def _write_my_slice(store: Any, round: int, tree: dict[str, Any], world: int, index: int) -> int:
     """What one participant uploads after a commit: its 1/W slice (``_publish_global_state`` without the
     takeover wait, which only writes when another participant died)."""
-    from composer_cloud.sync.checkpoint import global_state as ckpt
+    ckpt = _ckpt_api()
 
     return ckpt.write_global_shard(store, round, ckpt.split_global_state(tree, world), index, writer=index)
 
@@ -491,7 +528,7 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
     guard = MemoryGuard(int(opts["memory_floor_gb"] * 2**30))
     guard.start()
 
-    from composer_cloud.sync.checkpoint import global_state as ckpt
+    ckpt = _ckpt_api()
     from composer_cloud.storage.store import Store
 
     snapshot = _replica_snapshot_fn()
@@ -817,7 +854,7 @@ def _time_rounds(opts: dict[str, Any], trainer: Any, live_g: GlobalLive, real: A
                  snapshot: Any) -> dict[str, Any]:
     """Alternate plain rounds, global-only rounds and checkpoint rounds of participant 0 of W = ``resume_w``,
     as the runtime does them (its global slice every committed round; its replica state on checkpoint rounds)."""
-    from composer_cloud.sync.checkpoint import global_state as ckpt
+    ckpt = _ckpt_api()
 
     world = opts["resume_w"]
 

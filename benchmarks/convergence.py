@@ -367,10 +367,12 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
     try:
         cfg = Config(**cfg_dict)
         torch.set_num_threads(cfg.threads)
-        from composer_cloud.sync.lockstep.diloco import OuterOptimizerConfig, build_diloco
-        from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce, attempt_prefix
-        from composer_cloud.storage.store import Store
         from composer_cloud.retry import PollPolicy
+        from composer_cloud.spec import spec_from_dict
+        from composer_cloud.storage import layout
+        from composer_cloud.storage.store import Store
+        from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+        from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
 
         POLL = PollPolicy(initial_s=POLL_INITIAL_S, max_s=POLL_MAX_S)
         t_build = time.monotonic()
@@ -393,9 +395,13 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
         else:
             w = cfg.replicas
             store = Store(uri, poll=POLL)
-            ar_config = AllReduceConfig(
-                replicas=w, min_replicas=w, codec=cfg.codec_of(method), quorum_timeout_s=cfg.timeout_s,
-                round_timeout_s=cfg.timeout_s, io_threads=4)
+            spec = spec_from_dict({
+                "replicas": w, "min_replicas": w, "inner_steps": 1 if method == "sync" else sync_every(method),
+                "outer_optimizer": {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum,
+                                    "nesterov": cfg.outer_momentum > 0},
+                "sync": {"codec": cfg.codec_of(method), "quorum_timeout_s": cfg.timeout_s,
+                         "round_timeout_s": cfg.timeout_s, "heal_timeout_s": cfg.timeout_s, "io_threads": 4}})
+            ar_config = AllReduceConfig.from_spec(spec)
             ar_bytes, payload = 0, 0
             if method == "sync":
                 ar = ObjectStoreAllReduce(store, rank, ar_config)
@@ -425,18 +431,14 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
                         # payloads so 2000 rounds do not leave gigabytes in the store.
                         if s >= 2:
                             for att in ar.attempts(s - 2):
-                                for sub in ("grad", "reduced", "join"):
-                                    store.delete(f"{attempt_prefix(s - 2, att)}/{sub}", recursive=True)
+                                for sub in layout.ATTEMPT_PAYLOADS:
+                                    store.delete(f"{layout.attempt_prefix(s - 2, att)}/{sub}", recursive=True)
                 ar.close()
                 out.update(syncs=cfg.steps, allreduce_bytes=ar_bytes, payload_bytes=payload, other_store_bytes=0)
             else:
                 syncs: list[Any] = []
-                loop = build_diloco(
-                    store=store, rank=rank, model=model, inner_optimizer=trainer.optimizer,
-                    sync_every=sync_every(method), allreduce=ar_config, heal_timeout_s=cfg.timeout_s,
-                    outer=OuterOptimizerConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                               nesterov=cfg.outer_momentum > 0),
-                    on_sync=syncs.append)
+                loop = build_diloco(store=store, rank=rank, model=model, inner_optimizer=trainer.optimizer,
+                                    config=LockstepConfig.from_spec(spec), on_sync=syncs.append)
                 with loop:
                     for s in range(1, cfg.steps + 1):
                         train.append(trainer.step()["loss"])

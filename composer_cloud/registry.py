@@ -2,9 +2,10 @@
 
 Settings that name user code (a task factory, a hint source, a trainer or
 executor implementation) use ``"package.module:attribute"``. Every such
-setting is resolved here, so every one fails the same way: a
-:class:`BadReference` (a ``LookupError``) naming the setting and saying what
-was wrong.
+setting is loaded by :func:`load_object`, so every one fails the same way: a
+:class:`~composer_cloud.errors.BadReference` (a ``LookupError``) naming the
+setting and saying what was wrong. :func:`resolve` takes a registered name or
+a reference, for settings that accept both.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@
   log once when it starts and once when it ends, and all of them give up at
   the same moment (``start + budget_s``), not ``budget_s`` after each call.
 * :func:`poll_until` repeats a cheap probe until it yields a value or a
-  deadline passes, with capped exponential backoff between probes. Every wait
-  in the package (records in the store, a job's state) goes through it, so a
-  wait always has a deadline (``deadline=None`` only where a human is
-  watching and can press Ctrl-C).
+  deadline passes, with capped exponential backoff between probes;
+  :func:`wait_until` is the same for a yes/no condition. The waits of the
+  store and the sync layer go through them, so such a wait always has a
+  deadline (``deadline=None`` only where a human is watching and can press
+  Ctrl-C).
 
 Times are seconds; deadlines are ``time.monotonic()`` values.
 """
@@ -255,3 +256,20 @@ def poll_until(
         sleep = delay if deadline is None else min(delay, max(0.0, deadline - now))
         time.sleep(sleep)
         delay = min(policy.max_s, delay * policy.factor)
+
+
+class _Deadline(Exception):
+    pass
+
+
+def wait_until(condition: Callable[[], bool], *, deadline: float, policy: PollPolicy = PollPolicy(),
+               between: Callable[[int], None] | None = None) -> bool:
+    """Poll ``condition`` until it holds (True) or ``deadline`` (a ``time.monotonic()`` value) passes (False).
+
+    ``between`` as for :func:`poll_until` (it may raise to stop the wait early).
+    """
+    try:
+        return poll_until(lambda: True if condition() else None, deadline=deadline, policy=policy, between=between,
+                          on_timeout=lambda waited: _Deadline())
+    except _Deadline:
+        return False

@@ -36,6 +36,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from composer_cloud import env
+
 logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "bpe", "heldout")
@@ -50,7 +52,6 @@ MAX_FILE_BYTES = 400_000
 DEFAULT_VOCAB = 4096
 #: Characters of bpe-split text the tokenizer is trained on (enough for a 4k vocabulary, ~2 s).
 BPE_TRAIN_CHARS = 1_500_000
-CACHE_ENV = "COMPOSER_CLOUD_CACHE"
 #: Qwen2's pre-tokenizer split (``transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX``). The model
 #: directory is a Qwen2 model, and transformers 5's ``AutoTokenizer`` loads its tokenizer as ``Qwen2Tokenizer``,
 #: which *replaces* the saved normalizer and pre-tokenizer with NFC + this split + ByteLevel. The BPE is trained
@@ -124,9 +125,7 @@ def texts_digest(texts: list[str]) -> str:
 
 
 def cache_dir() -> Path:
-    d = os.environ.get(CACHE_ENV)
-    base = Path(d) if d else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-cloud"
-    return base / "stdlib"
+    return env.cache_root() / "stdlib"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -147,7 +146,7 @@ def train_bpe_json(vocab_size: int = DEFAULT_VOCAB, max_chars: int = BPE_TRAIN_C
     path = cache_dir() / f"bpe-{key}.json"
     if path.exists():
         return path.read_text()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread: the merges do not depend on timing
+    env.single_threaded_tokenizers()  # one thread: the merges do not depend on timing
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -16,7 +16,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import composer_cloud.cli as cli_module
-from composer_cloud import faults
+from composer_cloud import env
 from composer_cloud.cli import app
 from composer_cloud.storage.store import Store
 from composer_cloud.runs.metrics import read_metrics
@@ -201,7 +201,7 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         # 6x slower steps (~40 s in all): the run must still be going after Ctrl-C while status is read, even on a
         # loaded CI box (400 unslowed steps take ~7 s).
-        env={**os.environ, faults.SLOW_ENV: "0:6,1:6"})
+        env={**os.environ, env.SLOW: "0:6,1:6"})
     try:
         run_store = Store(run_uri)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from composer_cloud import env
 from composer_cloud import stdlib_corpus as sc
 from composer_cloud.trainer.base import TrainerContext
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(sc.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(env.CACHE, str(tmp_path / "cache"))
     return tmp_path / "cache" / "stdlib"
 
 
@@ -42,7 +43,7 @@ def test_split_is_deterministic_disjoint_and_excludes_tests():
 def test_bpe_is_deterministic(tmp_path, monkeypatch):
     jsons = []
     for i in range(2):  # two empty caches: trained twice from scratch
-        monkeypatch.setenv(sc.CACHE_ENV, str(tmp_path / f"c{i}"))
+        monkeypatch.setenv(env.CACHE, str(tmp_path / f"c{i}"))
         jsons.append(sc.train_bpe_json(vocab_size=512, max_chars=200_000))
     assert jsons[0] == jsons[1]
     assert '"<|endoftext|>"' in jsons[0]

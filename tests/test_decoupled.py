@@ -17,8 +17,11 @@ import pytest
 from composer_cloud.runs.metrics import read_metrics
 import torch
 
-from composer_cloud import faults
-from composer_cloud.errors import BadObject
+from composer_cloud import env
+from composer_cloud.env import JobEnv
+from composer_cloud.errors import BadObject, ConfigError
+from composer_cloud.hooks import NO_HOOKS
+from composer_cloud.replica.faults import EnvFaults
 from composer_cloud.spec import SpecError, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
@@ -86,12 +89,16 @@ def test_the_decoupled_config_takes_the_spec_defaults_of_its_mode():
                                                                                       nesterov=True)
 
 
-def test_slow_factor_parsing(monkeypatch):
-    monkeypatch.setenv(faults.SLOW_ENV, "2:3,0:1.5")
-    assert faults.slow_factor(2) == 3.0 and faults.slow_factor(0) == 1.5 and faults.slow_factor(1) == 1.0
-    monkeypatch.setenv(faults.SLOW_ENV, "oops")
-    with pytest.raises(ValueError, match="COMPOSER_CLOUD_SLOW"):
-        faults.slow_factor(0)
+def test_fault_hooks_are_read_once_from_the_job_environment():
+    assert EnvFaults.from_env(JobEnv.from_environ({})) is NO_HOOKS  # production: no fault code at all
+    hooks = EnvFaults.from_env(JobEnv.from_environ({env.SLOW: "2:3,0:1.5", env.STALL_AT: "upload:4:1"}))
+    assert hooks.slow == {2: 3.0, 0: 1.5} and hooks.stall == ("upload", 4, 1)
+    assert hooks.after_step(1, 10.0) == 0.0 and hooks.after_step(2, 0.001) == pytest.approx(0.002)
+    hooks.at("reduce", 4, 1)  # not the stall point: returns at once
+    for bad, name in (({env.SLOW: "oops"}, "COMPOSER_CLOUD_SLOW"), ({env.SLOW: "0:0.5"}, "COMPOSER_CLOUD_SLOW"),
+                      ({env.STALL_AT: "sleep:1:0"}, "COMPOSER_CLOUD_STALL_AT")):
+        with pytest.raises(ConfigError, match=name):
+            EnvFaults.from_env(JobEnv.from_environ(bad))
 
 
 # ------------------------------------------------------------------ merge math
@@ -352,9 +359,9 @@ def _rounds(run: Store, rank: int) -> list[dict]:
 def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     cfg = tmp_path / "spec.toml"
     cfg.write_text(SPEC)
-    env = {**os.environ, faults.SLOW_ENV: "2:8"}
+    environ = {**os.environ, env.SLOW: "2:8"}
     res = _cli(["launch", "--config", str(cfg), "--store", f"file://{tmp_path}/store", "--run-id", "slow"],
-               tmp_path, env=env, timeout=180)
+               tmp_path, env=environ, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = Store(f"file://{tmp_path}/store/slow")
     beats = _heartbeats(run, 3)
@@ -393,11 +400,11 @@ def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str 
     cfg = tmp_path / f"{run_id}.toml"
     cfg.write_text(extra + spec)
     marker = tmp_path / f"stalled-{run_id}"
-    env = {**os.environ, faults.ENV: f"inner_step:{seq}:{rank}", faults.MARKER_ENV: str(marker)}
+    environ = {**os.environ, env.STALL_AT: f"inner_step:{seq}:{rank}", env.STALL_MARKER: str(marker)}
     if slow:
-        env[faults.SLOW_ENV] = slow
+        environ[env.SLOW] = slow
     launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
-                                 "--store", f"file://{tmp_path}/store", "--run-id", run_id], cwd=tmp_path, env=env,
+                                 "--store", f"file://{tmp_path}/store", "--run-id", run_id], cwd=tmp_path, env=environ,
                                 start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not marker.exists():

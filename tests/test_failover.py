@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_cloud import faults
+from composer_cloud import env
 from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum
@@ -39,9 +39,9 @@ def _launch_and_kill_replica_at(tmp_path: Path, store: str, run_id: str, phase: 
     assert spec != SPEC
     cfg.write_text(extra + spec)
     marker = tmp_path / f"stalled-{run_id}"
-    env = {**os.environ, faults.ENV: f"{phase}:{round}:0", faults.MARKER_ENV: str(marker)}
+    environ = {**os.environ, env.STALL_AT: f"{phase}:{round}:0", env.STALL_MARKER: str(marker)}
     launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
-                                 "--store", store, "--run-id", run_id], cwd=tmp_path, env=env,
+                                 "--store", store, "--run-id", run_id], cwd=tmp_path, env=environ,
                                 start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     while not marker.exists():

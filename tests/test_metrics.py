@@ -13,9 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from composer_cloud import faults
+from composer_cloud import env
 from composer_cloud.storage.store import Store
-from composer_cloud.runs.metrics import MetricsLog, Progress, list_objects, read_metrics, to_csv
+from composer_cloud.replica.telemetry import MetricsLog, Progress
+from composer_cloud.runs.metrics import list_objects, read_metrics, to_csv
 from conftest import SMALL_RUN_TOML
 
 
@@ -195,7 +196,7 @@ def test_metrics_survive_cancel_and_resume(tmp_path):
     res = _cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "3", "--inner-steps", "60", "--run-id", "cr",
                "--store", f"file://{store}", "--detach", cwd=tmp_path,
                # 8x slower replicas: rounds 1-2 outlast the cancel even on a loaded CI box (the resume runs at speed).
-               env={**os.environ, faults.SLOW_ENV: "0:8,1:8"})
+               env={**os.environ, env.SLOW: "0:8,1:8"})
     assert res.returncode == 0, res.stdout + res.stderr
     uri = f"file://{store}/cr"
     deadline = time.monotonic() + 120

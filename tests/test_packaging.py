@@ -217,3 +217,143 @@ def test_jobs_and_images_import_one_way():
     back = {m: sorted(e for e in edges if e.startswith("composer_cloud.jobs"))
             for m, edges in graph.items() if m.startswith("composer_cloud.images")}
     assert not any(back.values()), f"images must not import jobs (jobs -> images only): {back}"
+
+
+# --------------------------------------------------------------------------- packages and layers
+def _package(module: str) -> str:
+    """The package a module belongs to (a package's ``__init__`` belongs to the package itself).
+
+    Modules directly under ``composer_cloud/`` are concepts of their own on different floors (``errors``,
+    ``cli``), so each counts as its own node.
+    """
+    if MODULES[module].name == "__init__.py" or module.count(".") == 1:
+        return module
+    return module.rpartition(".")[0]
+
+
+def test_no_import_cycles_between_packages():
+    """Packages import one way too: ``sync.lockstep`` may use ``sync``'s shared modules, never the reverse.
+
+    Lazy (function-level) imports count: a cycle that only closes at run time is still a cycle.
+    """
+    graph: dict[str, set[str]] = {}
+    for module, edges in _graph().items():
+        if module == "composer_cloud":  # the lazy facade (``cc.launch``) imports runs/ on purpose
+            continue
+        graph.setdefault(_package(module), set()).update(_package(e) for e in edges if _package(e) != _package(module))
+    cycles = [c for c in _cycles(graph) if c not in KNOWN_PACKAGE_CYCLES]
+    assert not cycles, "package cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+    stale = [c for c in KNOWN_PACKAGE_CYCLES if c not in _cycles(graph)]
+    assert not stale, f"these cycles are gone: remove them from KNOWN_PACKAGE_CYCLES: {stale}"
+
+
+#: Cycles being removed elsewhere. trainer/ <-> trainer/three_channel/: the three-channel modules still in
+#: trainer/ (loss, replay, tasks, sandbox, dataset_task) move under three_channel/ (issue 19, trainer part).
+KNOWN_PACKAGE_CYCLES = [["composer_cloud.trainer", "composer_cloud.trainer.three_channel"]]
+
+
+#: The floors of composer_cloud/, lowest first: a module imports only from its own floor or below.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "stack", "archive")),
+    ("storage", ("storage",)),
+    ("sync and model", ("sync", "model", "corpus", "stdlib_corpus", "trainer")),
+    ("replica and executors", ("replica", "jobs", "images")),
+    ("client", ("runs",)),
+    ("command line", ("cli",)),
+]
+
+
+def _layer(module: str) -> int:
+    rel = module.removeprefix("composer_cloud.")
+    for level, (_, tops) in enumerate(LAYERS):
+        if rel.split(".")[0] in tops:
+            return level
+    raise AssertionError(f"{module} is on no floor: add it to LAYERS (and docs/architecture.md)")
+
+
+def test_layers_import_only_downward():
+    """storage never imports sync; sync never imports the replica, executors or client; the replica (the
+    worker) never imports the client (runs/) and the client never imports the worker."""
+    up = []
+    for module, edges in _graph().items():
+        if module == "composer_cloud":
+            continue
+        up += [f"{module} -> {e}" for e in sorted(edges) if e != "composer_cloud" and _layer(e) > _layer(module)]
+    assert not up, "imports up the floors: " + "; ".join(up)
+    def top(module: str) -> str:
+        return (module.split(".") + [""])[1]
+
+    worker_client = [f"{m} -> {e}" for m, edges in _graph().items() for e in edges
+                     if {top(m), top(e)} == {"replica", "runs"}]
+    assert not worker_client, f"the replica and the client import each other: {worker_client}"
+
+
+def test_the_layer_checks_find_what_they_look_for():
+    assert _package("composer_cloud.sync.lockstep.rounds") == "composer_cloud.sync.lockstep"
+    assert _package("composer_cloud.sync") == "composer_cloud.sync"
+    assert _package("composer_cloud.errors") == "composer_cloud.errors"
+    assert _layer("composer_cloud.storage.layout") < _layer("composer_cloud.sync.checks") < _layer(
+        "composer_cloud.runs.status")
+
+
+# --------------------------------------------------------------------------- one owner per concept
+def _code_strings(path: Path) -> list[tuple[int, str]]:
+    """String constants of a module that are not docstrings (f-string parts included), with their lines."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+#: The top-level key prefixes of a run, all spelled by ``storage/layout.py`` alone.
+RUN_PREFIXES = ("checkpoints", "rounds", "metrics", "decoupled", "replicas", "executor", "control", "code",
+                "files", "dirs", "resumes")
+_PREFIX_RE = re.compile(rf"(?<![\w.-])({'|'.join(RUN_PREFIXES)})/")
+_BARE_PREFIXES = {"checkpoints", "resumes"}  # "rounds", "replicas", "decoupled"... are field and mode names too
+
+
+def test_each_key_prefix_of_a_run_is_spelled_in_one_module():
+    owner = PACKAGE / "storage" / "layout.py"
+    spelled: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for line, text in _code_strings(path):
+            found = set(_PREFIX_RE.findall(text)) | ({text} & _BARE_PREFIXES) | (
+                {"spec.json"} if text == "spec.json" else set())
+            for prefix in found:
+                spelled.setdefault(prefix, []).append(f"{path.relative_to(ROOT)}:{line}")
+    elsewhere = {p: [w for w in where if not w.startswith(str(owner.relative_to(ROOT)))]
+                 for p, where in spelled.items()}
+    assert not any(elsewhere.values()), f"run keys spelled outside {owner.name}: {elsewhere}"
+    in_layout = [text for _, text in _code_strings(owner)]
+    missing = [p for p in RUN_PREFIXES if not any(t == p or t.startswith(f"{p}/") for t in in_layout)]
+    assert not missing, f"layout.py no longer spells {missing}"
+
+
+#: Modules that may read the process environment: the env module, and entry points that run before
+#: (or without) it: the CLI, the replica's __main__, and what runs inside a job before composer-cloud does.
+ENV_READERS = {"composer_cloud.env", "composer_cloud.cli", "composer_cloud.replica.__main__",
+               "composer_cloud.images.hf_bootstrap", "composer_cloud.images.container",
+               # Launcher side of the executors: they forward this environment's secrets and endpoints to jobs.
+               "composer_cloud.jobs.local", "composer_cloud.jobs.hf_jobs", "composer_cloud.jobs.modal_jobs",
+               "composer_cloud.jobs.wheel"}
+
+
+def test_only_the_env_module_and_entry_points_read_the_environment():
+    readers = set()
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            attr = node.attr if isinstance(node, ast.Attribute) else None
+            if attr in ("environ", "getenv", "environb") and isinstance(node.value, ast.Name) and node.value.id == "os":
+                readers.add(module)
+            if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                    a.name in ("environ", "getenv") for a in node.names):
+                readers.add(module)
+    assert readers <= ENV_READERS, f"read os.environ outside the env module: {sorted(readers - ENV_READERS)}"
+    below_the_replica = {m for m in readers if _layer(m) <= _layer("composer_cloud.sync")}
+    assert below_the_replica <= {"composer_cloud.env"}, below_the_replica

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from composer_cloud import faults
+from composer_cloud import env
+from composer_cloud.hooks import PHASES
 from composer_cloud.runs.sync_state import latest_checkpoint
 from composer_cloud.storage.run import open_run
 from composer_cloud.storage.store import Store
@@ -66,9 +67,9 @@ def _kill_run_at(tmp_path: Path, store: str, run_id: str, phase: str) -> None:
     cfg = tmp_path / "spec.toml"
     cfg.write_text(SPEC)
     marker = tmp_path / f"stalled-{run_id}"
-    env = {**os.environ, faults.ENV: f"{phase}:2:0", faults.MARKER_ENV: str(marker)}
+    environ = {**os.environ, env.STALL_AT: f"{phase}:2:0", env.STALL_MARKER: str(marker)}
     launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
-                                 "--store", store, "--run-id", run_id], cwd=tmp_path, env=env,
+                                 "--store", store, "--run-id", run_id], cwd=tmp_path, env=environ,
                                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while not marker.exists():
@@ -107,7 +108,7 @@ def _same_weights(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", faults.PHASES)
+@pytest.mark.parametrize("phase", PHASES)
 def test_resume_after_sigkill_is_bitwise_exact(phase, tmp_path, baselines):
     check_resume_after_sigkill("file", phase, tmp_path, baselines)
 

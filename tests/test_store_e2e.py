@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from composer_cloud import env
+from composer_cloud.env import JobEnv
+from composer_cloud.errors import RunKeyError
+from composer_cloud.spec import spec_from_dict
+from composer_cloud.storage import layout
+from composer_cloud.storage.run import open_run, run_signing_key
 from composer_cloud.storage.store import Store
 from conftest import SMALL_RUN_TOML
 from storeproxy import StoreProxy
@@ -77,3 +83,40 @@ def test_a_run_signed_with_a_run_key_rejects_unsigned_objects(tmp_path):
     Store(f"{store}/signed").put_json("spec.json", {"replicas": 1})
     res = _cli(["status", f"{store}/signed"], tmp_path, env)
     assert res.returncode == 2 and "spec.json" in res.stderr and key not in res.stderr + res.stdout, res.stderr
+
+
+KEY = "k" * 48
+
+
+def _run_with_spec(tmp_path: Path, *, signed: bool) -> Store:
+    """A run with only its spec: signed (and recorded as signed) with ``KEY``, or unsigned."""
+    uri = f"file://{tmp_path}/store/{'signed' if signed else 'plain'}"
+    spec = spec_from_dict({"run_id": uri.rsplit("/", 1)[1], "signed": signed})
+    store = Store(uri, signing_key=run_signing_key(spec.run_id, KEY if signed else None))
+    assert store.create_json(layout.SPEC, spec.to_json_dict())
+    return store
+
+
+def test_a_replica_without_the_run_key_refuses_a_signed_run_and_writes_nothing(tmp_path):
+    store = _run_with_spec(tmp_path, signed=True)
+    before = {k: store.get_plain(k) for k in store.list()}
+    keyless = {k: v for k, v in os.environ.items() if k != env.RUN_KEY}
+    res = subprocess.run([sys.executable, "-m", "composer_cloud.replica", "--run", store.uri, "--rank", "0"],
+                         env=keyless, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and f"is signed: set {env.RUN_KEY}" in out, out[-2000:]
+    assert {k: store.get_plain(k) for k in store.list()} == before  # no heartbeat, no metrics, nothing
+    with pytest.raises(RunKeyError, match=env.RUN_KEY):
+        open_run(store.uri, job_env=JobEnv())  # the library refuses too (status, cancel, resume, export)
+
+
+def test_a_keyed_process_refuses_an_unsigned_run_and_a_wrong_key(tmp_path):
+    plain = _run_with_spec(tmp_path, signed=False)
+    with pytest.raises(RunKeyError, match="not signed, but COMPOSER_CLOUD_RUN_KEY is set"):
+        open_run(plain.uri, job_env=JobEnv(run_key=KEY))
+    assert open_run(plain.uri, job_env=JobEnv()).spec.signed is False
+    signed = _run_with_spec(tmp_path, signed=True)
+    assert open_run(signed.uri, job_env=JobEnv(run_key=KEY)).store.signed
+    with pytest.raises(RunKeyError, match="does not verify") as err:
+        open_run(signed.uri, job_env=JobEnv(run_key="another-key-" * 3))
+    assert KEY not in str(err.value) and "another-key" not in str(err.value)

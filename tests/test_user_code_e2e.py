@@ -182,7 +182,10 @@ def test_local_files_are_refused_or_checked_before_anything_is_written(tmp_path)
 def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(tmp_path, monkeypatch):
     from composer_cloud.storage.store import Store
     from composer_cloud.spec import load_spec
-    from composer_cloud.usercode import apply_spec_paths, localize_spec, pack_path, spec_local_paths
+    from composer_cloud.env import JobEnv
+    from composer_cloud.replica.usercode import localize_spec
+    from composer_cloud.runs.packaging import pack_path, spec_local_paths
+    from composer_cloud.spec import apply_spec_paths
 
     (tmp_path / "pairs.jsonl").write_text("{}\n")
     (tmp_path / "data").mkdir()
@@ -194,7 +197,7 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
     assert spec_local_paths("org/model", {"pairs": "s3://b/p.jsonl", "dataset": "org/ds"}, base_dir=tmp_path) == []
     # cloud: the replica swaps in verified copies from the store
     store = Store(f"file://{tmp_path}/store/run")
-    from composer_cloud.usercode import put_verified
+    from composer_cloud.runs.packaging import put_verified
 
     files = {}
     for p in found:
@@ -203,8 +206,7 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
         files[p.setting] = key
     spec = load_spec(None, {"trainer.pairs": "pairs.jsonl", "trainer.dataset": "json",
                             "trainer.data_files": ["data/a.jsonl"], "code.files": files})
-    monkeypatch.delenv("COMPOSER_CLOUD_FILES", raising=False)
-    local = localize_spec(store, spec, cache_dir=tmp_path / "cache")
+    local = localize_spec(store, spec, cache_dir=tmp_path / "cache")  # no map from the launcher: the spec's
     settings = local.trainer.settings()
     assert settings["pairs"].startswith(str(tmp_path / "cache" / "files"))
     assert Path(settings["data_files"][0]).read_text() == '{"prompt": "p"}\n'
@@ -212,11 +214,11 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
     # The launcher's map in the job environment wins over the store's copy of the spec (a forged key is not used).
     forged = spec.model_copy(update={"code": spec.code.model_copy(update={"files": {"trainer.pairs": "files/"
                                                                                     + "0" * 64 + "/x"}})})
-    monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps(files))
-    assert localize_spec(store, forged, cache_dir=tmp_path / "cache").trainer.settings() == settings
+    job_env = JobEnv.from_environ({"COMPOSER_CLOUD_FILES": json.dumps(files)})
+    assert localize_spec(store, forged, cache_dir=tmp_path / "cache",
+                         files=job_env.files).trainer.settings() == settings
     with pytest.raises(ValueError, match="invalid uploaded file entry"):
-        monkeypatch.setenv("COMPOSER_CLOUD_FILES", json.dumps({"sync.codec": files["trainer.pairs"]}))
-        localize_spec(store, spec, cache_dir=tmp_path / "cache")
+        localize_spec(store, spec, cache_dir=tmp_path / "cache", files={"sync.codec": files["trainer.pairs"]})
 
 
 def test_a_model_name_that_is_no_folder_and_no_reachable_hub_model_warns(tmp_path, monkeypatch, caplog):

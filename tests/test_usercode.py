@@ -21,14 +21,13 @@ from composer_cloud.errors import ChecksumMismatch
 from composer_cloud.storage.store import Store
 from composer_cloud.storage.layout import code_key
 from composer_cloud.storage.records import CodeRef
-from composer_cloud.usercode import (
+from composer_cloud.archive import UnsafeArchive
+from composer_cloud.replica.usercode import fetch_file, install_code
+from composer_cloud.runs.packaging import (
     BundleTooLarge,
     CodeNotFound,
-    UnsafeArchive,
     UserCodeError,
     collect_code,
-    fetch_file,
-    install_code,
     pack_path,
     put_verified,
     upload_code,
@@ -90,8 +89,9 @@ INSTALL_AND_LOAD = """
     import json, sys
     from pathlib import Path
     from composer_cloud.registry import load_object
+    from composer_cloud.replica.usercode import install_code
+    from composer_cloud.storage.records import CodeRef
     from composer_cloud.storage.store import Store
-    from composer_cloud.usercode import CodeRef, install_code
 
     try:
         import my_tasks

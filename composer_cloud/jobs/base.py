@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from composer_cloud.errors import ExecutorError  # noqa: F401 - what executors raise
 from composer_cloud.storage.records import JobHandle  # noqa: F401 - the record a launch returns

@@ -33,7 +33,7 @@ from typing import Any
 from composer_cloud import env
 from composer_cloud.jobs.base import ExecutorError
 from composer_cloud.storage.store import Store
-from composer_cloud.storage.layout import WHEELS as WHEEL_PREFIX
+from composer_cloud.storage.layout import WHEELS as WHEEL_PREFIX  # noqa: F401 - hf_jobs names it
 from composer_cloud.storage.layout import wheel_key
 
 logger = logging.getLogger(__name__)

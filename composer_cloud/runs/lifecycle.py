@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud import env
+from composer_cloud.env import JobEnv
 from composer_cloud.runs import sync_state
 from composer_cloud.sync.checkpoint.manifests import Checkpoint
 from composer_cloud.errors import (
@@ -33,7 +34,6 @@ from composer_cloud.errors import (
     ExecutorError,
     LaunchError,
     RunExists,
-    RunNotFound,
     SpecError,
     StoreConfigError,
     StoreError,
@@ -51,9 +51,9 @@ from composer_cloud.storage.run import (
     save_handles,
 )
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
-from composer_cloud.spec import RunSpec, load_spec, spec_from_dict
+from composer_cloud.spec import RunSpec, load_spec, spec_from_dict, with_paths
 from composer_cloud.storage import layout
-from composer_cloud.storage.records import ResumeRecord
+from composer_cloud.storage.records import CodeRef, ResumeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def plan(spec: RunSpec) -> list[LaunchPlan]:
     return plans
 
 
-def _open_store_for(spec: RunSpec) -> Store:
+def _open_store_for(spec: RunSpec, *, signing_key: bytes | None) -> Store:
     """The run's store, after proving the store provides what a run needs.
 
     The conformance probe (reachability and credentials, write-once create,
@@ -128,18 +128,18 @@ def _open_store_for(spec: RunSpec) -> Store:
     from composer_cloud.storage.conformance import require_conformance
 
     report = require_conformance(spec.store, storage_options=spec.store_options)
-    return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options,
-                 signing_key=run_signing_key(spec.run_id))
+    return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options, signing_key=signing_key)
 
 
-def _with_signing(spec: RunSpec) -> RunSpec:
-    """``spec`` with ``signed`` set from whether this process has the run key (required if the spec asks for it)."""
-    key = run_signing_key(spec.run_id)
+def _signing(spec: RunSpec) -> tuple[RunSpec, bytes | None]:
+    """``spec`` with ``signed`` set from whether this process has the run key (required if the spec asks for
+    it), and the run's signing key."""
+    key = run_signing_key(spec.run_id, JobEnv.from_environ().run_key)
     if spec.signed and key is None:
         raise SpecError("signed", f"the spec asks for a signed run, but {env.RUN_KEY} is not set; export the run "
                         "key (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`) and pass it to the "
                         "replicas like the store credentials")
-    return spec.model_copy(update={"signed": key is not None})
+    return spec.model_copy(update={"signed": key is not None}), key
 
 
 def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:
@@ -161,7 +161,7 @@ def _has_cloud_executor(spec: RunSpec) -> bool:
 
 def _spec_paths(spec: RunSpec, base_dir: Path | None) -> list[Any]:
     """The local files and folders the spec names (``usercode.spec_local_paths``), errors as SpecError."""
-    from composer_cloud.usercode import UserCodeError, spec_local_paths
+    from composer_cloud.runs.packaging import UserCodeError, spec_local_paths
 
     try:
         return spec_local_paths(spec.model.name, spec.trainer.settings(), base_dir=base_dir or Path.cwd())
@@ -263,7 +263,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     Raises :class:`SpecError` naming the field.
     """
     from composer_cloud.trainer import check_settings
-    from composer_cloud.usercode import UserCodeError, collect_code
+    from composer_cloud.runs.packaging import UserCodeError, collect_code
 
     settings = spec.trainer.settings()
     try:
@@ -278,7 +278,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         raise SpecError("code", str(exc)) from None
     paths = _spec_paths(spec, base_dir)
     if _has_cloud_executor(spec):
-        from composer_cloud.usercode import MAX_FILE_BYTES, path_size
+        from composer_cloud.runs.packaging import MAX_FILE_BYTES, path_size
 
         for p in paths:
             size = path_size(p.path)
@@ -321,7 +321,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         LaunchError: a backend failed; what this launch wrote was removed again
             if no job had started, else the run stays for ``resume``/``cancel``.
     """
-    from composer_cloud.usercode import CodeRef, code_key, put_verified, upload_code
+    from composer_cloud.runs.packaging import put_verified, upload_code
 
     if spec is None:
         spec = build_spec(config=config, overrides=overrides)
@@ -337,7 +337,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     packed: list[tuple[str, bytes, str]] = []
     paths = _spec_paths(spec, base)
     if paths and _has_cloud_executor(spec):
-        from composer_cloud.usercode import UserCodeError, pack_path
+        from composer_cloud.runs.packaging import UserCodeError, pack_path
 
         files: dict[str, str] = {}
         for p in paths:
@@ -349,14 +349,12 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
             files[p.setting] = key
         spec = spec.model_copy(update={"code": spec.code.model_copy(update={"files": files})})
     elif paths:
-        from composer_cloud.usercode import apply_spec_paths
-
-        spec = spec_from_dict(apply_spec_paths(spec.to_json_dict(), {p.setting: str(p.path) for p in paths}),
-                              source="spec with absolute paths")
-    spec = _with_signing(spec)
-    store = _open_store_for(spec)
+        spec = with_paths(spec, {p.setting: str(p.path) for p in paths}, source="spec with absolute paths")
+    spec, signing_key = _signing(spec)
+    store = _open_store_for(spec, signing_key=signing_key)
     if bundle is not None:  # the digest is fixed before the spec is stored; jobs get it in their environment
-        ref = CodeRef(key=code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
+        ref = CodeRef(key=layout.code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size,
+                      modules=bundle.modules)
         spec = spec.model_copy(update={"code": spec.code.model_copy(update={"ref": ref.to_json()})})
     # Write-once: two launches racing on one run id cannot both start.
     if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud import env
+from composer_cloud.env import JobEnv
 from composer_cloud.errors import (
     BadObject,
     ChecksumMismatch,
@@ -84,27 +85,13 @@ def normalize_run_uri(uri: str) -> str:
     return f"file://{Path(uri).resolve()}"
 
 
-def store_options_from_env() -> dict[str, Any]:
-    """``$COMPOSER_CLOUD_STORE_OPTIONS`` as a dict (empty when unset); names the variable if it is not JSON."""
-    raw = env.store_options()
-    if not raw:
-        return {}
-    try:
-        options = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise StoreConfigError(f"${env.STORE_OPTIONS} is not JSON ({exc})") from None
-    if not isinstance(options, dict):
-        raise StoreConfigError(f"${env.STORE_OPTIONS} must be a JSON object of fsspec storage options")
-    return options
-
-
-def run_signing_key(run_id: str) -> bytes | None:
-    """The per-run HMAC key when ``$COMPOSER_CLOUD_RUN_KEY`` is set (a secret, never stored), else None."""
-    run_key = env.run_key()
+def run_signing_key(run_id: str, run_key: str | None) -> bytes | None:
+    """The per-run HMAC key of ``run_key`` (``$COMPOSER_CLOUD_RUN_KEY``, a secret, never stored), else None."""
     return None if run_key is None else derive_signing_key(run_key_bytes(run_key), run_id)
 
 
-def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outage_s: float = 0.0) -> Run:
+def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outage_s: float = 0.0,
+             job_env: JobEnv | None = None) -> Run:
     """Open the run at ``uri`` and read its spec.
 
     Args:
@@ -112,6 +99,7 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
         storage_options: fsspec options needed to reach the store before the
             spec is read (default: ``$COMPOSER_CLOUD_STORE_OPTIONS``); they
             override the spec's ``store_options`` for this process.
+        job_env: this process's environment, already read (default: read it now).
 
     Raises:
         RunNotFound: no run at ``uri``.
@@ -126,8 +114,9 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
     raises :class:`~composer_cloud.errors.RunKeyError` before anything is written.
     """
     uri = normalize_run_uri(uri)
-    given = dict(storage_options) if storage_options is not None else store_options_from_env()
-    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1])
+    job_env = JobEnv.from_environ() if job_env is None else job_env
+    given = dict(storage_options) if storage_options is not None else dict(job_env.store_options)
+    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1], job_env.run_key)
     store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     try:
         raw = store.get_plain(layout.SPEC)
@@ -194,4 +183,4 @@ def cancel_requested(store: Store) -> bool:
 
 
 __all__ = ["Run", "RunNotFound", "SpecError", "load_handles", "normalize_run_uri", "open_run",
-           "request_cancel", "save_handles", "store_options_from_env"]
+           "request_cancel", "run_signing_key", "save_handles"]

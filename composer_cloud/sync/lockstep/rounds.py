@@ -67,7 +67,7 @@ def join_rank(name: str, *, replicas: int, where: str = "join") -> int | None:
     return rank
 
 
-def attempt_number(name: str, *, where: str = "rounds/<r>") -> int | None:
+def attempt_number(name: str, *, where: str) -> int | None:
     """The attempt a round's child name stands for, or None (a stray name, warned about once)."""
     attempt = layout.parse_small_int(name)
     if attempt is None:

@@ -1,18 +1,14 @@
-"""User code and local files that travel with a run, through the run's store.
+"""Launcher side of the user code and local files that travel with a run, through the run's store.
 
 A run names user code by ``"module:attr"`` settings (a task factory, a hint
 source, a reward) and may list extra paths (``[code] include``). On the local
 executor those happen to be importable because the replica inherits the
 launcher's directory; on Modal or Hugging Face Jobs nothing but the installed
-packages exists. This module packages the user's code at launch and puts it on
-``sys.path`` in every replica, so the replica's working directory no longer
-matters:
-
-* launcher: :func:`collect_code` -> :func:`upload_code`; local files named by
-  the spec: :func:`spec_local_paths` -> :func:`pack_path` -> :func:`put_verified`
-  (``runs.lifecycle.launch``);
-* replica: :func:`install_code` and :func:`localize_spec` (:func:`fetch_file`
-  for each uploaded file).
+packages exists. ``launch`` therefore packages the user's code
+(:func:`collect_code` -> :func:`upload_code`) and the local files the spec
+names (:func:`spec_local_paths` -> :func:`pack_path` -> :func:`put_verified`);
+each replica installs them (:mod:`composer_cloud.replica.usercode`), so its
+working directory no longer matters.
 
 Invariants:
 
@@ -25,21 +21,10 @@ Invariants:
 * **Content-addressed and deterministic.** A bundle is a zip with sorted
   entries, fixed timestamps and permissions and no ``__pycache__``, ``*.pyc``
   or hidden files (``.git``, ``.env``, ...), so the same code gives the same
-  sha256 and lives at ``code/<sha256>.zip``; files live at
-  ``files/<sha256>/<name>`` and directories, as a zip, at
-  ``dirs/<sha256>/<name>.zip``. Objects are created write-once; an existing
-  object whose bytes do not hash to its name is replaced, never reused.
-* **Nothing read from the store is trusted.** The replica verifies the
-  sha256 (on top of the store's crc32 framing) before using a byte; a
-  mismatch is a :class:`~composer_cloud.storage.store.ChecksumMismatch`
-  naming the key. Archives are checked entry by entry *before* anything is
-  written: absolute paths, ``..``, symlinks, special files, encrypted entries
-  and oversized or over-long archives are refused with :class:`UnsafeArchive`.
-  Nothing is unpickled or executed on extraction.
-* **Atomic, shared caches.** Extraction goes to a temporary directory beside
-  the target and is renamed into place, so a cache entry is either complete or
-  absent; replicas sharing a cache directory race safely (the loser discards
-  its copy and uses the winner's, which has the same sha256).
+  sha256 and the same key (:func:`composer_cloud.storage.layout.code_key`,
+  :func:`~composer_cloud.storage.layout.file_key`). Objects are created
+  write-once; an existing object whose bytes do not hash to its name is
+  replaced, never reused.
 """
 
 from __future__ import annotations
@@ -52,23 +37,20 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import re
 import site
 import sys
 import sysconfig
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_cloud.archive import MAX_ENTRIES, UnsafeArchive, extract_atomic, write_zip  # noqa: F401 - re-exported
+from composer_cloud.archive import MAX_ENTRIES, write_zip
 from composer_cloud.errors import BadReference, ChecksumMismatch, ConfigError
 from composer_cloud.registry import is_reference
-from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
-from composer_cloud.storage.layout import code_key
 from composer_cloud.storage.records import CodeRef
+from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +60,6 @@ MAX_CODE_BYTES = 50 * 2**20
 #: Objects travel through memory; larger models belong on the Hugging Face Hub, named by repo id.
 MAX_FILE_BYTES = 2**30
 
-_PATH_SETTING_RE = re.compile(r"model\.name|trainer\.(pairs|dataset)|trainer\.data_files\.\d{1,4}")
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -219,7 +200,7 @@ def upload_code(store: Store, bundle: CodeBundle) -> CodeRef:
     """
     if hashlib.sha256(bundle.data).hexdigest() != bundle.sha256:
         raise ValueError("bundle.sha256 does not match bundle.data; build bundles with collect_code")
-    key = code_key(bundle.sha256)
+    key = layout.code_key(bundle.sha256)
     put_verified(store, key, bundle.data, bundle.sha256)
     return CodeRef(key=key, sha256=bundle.sha256, bytes=bundle.size, modules=bundle.modules)
 
@@ -259,8 +240,6 @@ def path_size(path: str | os.PathLike[str]) -> int:
 
 
 # --------------------------------------------------------------------------- local paths named by a spec
-#: Spec settings whose value may name a local file or folder.
-PATH_SETTINGS = ("model.name", "trainer.pairs", "trainer.dataset", "trainer.data_files")
 #: Values of those settings that are never paths.
 _NOT_PATHS = {"model.name": {"tiny"}, "trainer.pairs": {"auto", "builtin", "none"}}
 #: ``datasets`` builders whose ``data_files`` are local files (with any other dataset they live in its repo).
@@ -326,121 +305,6 @@ def spec_local_paths(model_name: str, settings: Mapping[str, Any], *,
             raise UserCodeError(f"{setting} = {value!r}: glob patterns are not shipped; name the files")
         out.append(SpecPath(setting, value, path))
     return out
-
-
-def apply_spec_paths(spec_dict: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a spec's JSON with each dotted setting of ``values`` replaced (``trainer.data_files.<i>``
-    replaces one entry of the list)."""
-    import copy
-
-    out = copy.deepcopy(spec_dict)
-    for setting, value in values.items():
-        parts = setting.split(".")
-        if parts[0] == "model":
-            out["model"][parts[1]] = value
-        elif len(parts) == 3:  # trainer.data_files.<i>
-            files = out["trainer"][parts[1]]
-            if isinstance(files, str):
-                out["trainer"][parts[1]] = value
-            else:
-                files[int(parts[2])] = value
-        else:
-            out["trainer"][parts[1]] = value
-    return out
-
-
-def localize_files(store: Store, files: Mapping[str, str], *,
-                   cache_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """Replica side: fetch every uploaded file of ``files`` (``{setting: store key}``, from the launcher);
-    returns ``{setting: local path}`` for :func:`apply_spec_paths`."""
-    out = {}
-    for setting, key in files.items():
-        if not _PATH_SETTING_RE.fullmatch(str(setting)) or not isinstance(key, str):
-            raise ValueError(f"invalid uploaded file entry {setting!r}: {key!r}")
-        out[setting] = str(fetch_file(store, key, cache_dir=cache_dir))
-    return out
-
-
-# --------------------------------------------------------------------------- replica side
-def install_code(store: Store, ref: CodeRef, *, cache_dir: str | os.PathLike[str]) -> Path:
-    """Make the bundle ``ref`` importable here; returns its directory (now first on ``sys.path``).
-
-    Downloads ``ref.key``, verifies its sha256 (a mismatch raises
-    :class:`ChecksumMismatch` naming the key), checks every entry, and
-    extracts it atomically to ``cache_dir/<sha256>/``. An existing extraction
-    is reused without reading the store.
-    """
-    _check_code_ref(ref)
-    target = Path(os.path.abspath(cache_dir)) / ref.sha256
-    if target.is_dir():
-        logger.debug("code %s already extracted at %s", ref.sha256[:12], target)
-    else:
-        data = _get_verified(store, ref.key, ref.sha256)
-        extract_atomic(data, ref.key, target)
-        logger.info("installed code %s (%s) at %s", ref.sha256[:12], ", ".join(ref.modules) or "-", target)
-    if str(target) not in sys.path:
-        sys.path.insert(0, str(target))
-    importlib.invalidate_caches()
-    stale = [m for m in ref.modules if getattr(sys.modules.get(m), "__file__", None)
-             and not sys.modules[m].__file__.startswith(str(target) + os.sep)]
-    if stale:
-        logger.warning("modules %s were imported before the run's code was installed; the old versions stay "
-                       "in use in this process", stale)
-    return target
-
-
-def fetch_file(store: Store, key: str, *, cache_dir: str | os.PathLike[str]) -> Path:
-    """The local path of a key of :func:`pack_path` (a file, or a folder for a zipped directory).
-
-    Verifies the sha256 in the key before using the bytes; cached under
-    ``cache_dir/<files|dirs>/<sha256>/<name>`` and reused.
-    """
-    parsed = layout.parse_file_key(key)
-    if parsed is None:
-        raise ValueError(f"{key!r} is not a key written by pack_path "
-                         f"({layout.file_key('<sha256>', '<name>', directory=False)} or "
-                         f"{layout.file_key('<sha256>', '<name>', directory=True)})")
-    is_dir, sha, name = parsed
-    target = Path(os.path.abspath(cache_dir)) / key.split("/", 1)[0] / sha / name
-    if target.exists():
-        return target
-    data = _get_verified(store, key, sha)
-    if is_dir:
-        extract_atomic(data, key, target)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, target)  # same bytes if a concurrent fetch won
-        finally:
-            tmp.unlink(missing_ok=True)
-    logger.info("fetched %s to %s", key, target)
-    return target
-
-
-def localize_spec(store: Store, spec: Any, *, cache_dir: str | os.PathLike[str] | None = None) -> Any:
-    """Replica side: ``spec`` with each uploaded local file replaced by a verified local copy.
-
-    The ``{setting: key}`` map comes from the job's environment when the
-    launcher set it (:data:`composer_cloud.env.FILES`), else from
-    ``spec.code.files``; each key carries the sha256 its bytes must have.
-    Cached under ``cache_dir`` (default ``$XDG_CACHE_HOME/composer-cloud``).
-    """
-    import json
-
-    from composer_cloud import env
-    from composer_cloud.spec import spec_from_dict
-
-    raw = os.environ.get(env.FILES)
-    files = json.loads(raw) if raw else dict(spec.code.files)
-    if not files:
-        return spec
-    if cache_dir is None:
-        cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-cloud"
-    local = localize_files(store, files, cache_dir=cache_dir)
-    logger.info("local files of the spec fetched from the store: %s", local)
-    return spec_from_dict(apply_spec_paths(spec.to_json_dict(), local), source="spec with fetched files")
 
 
 # --------------------------------------------------------------------------- module lookup
@@ -610,19 +474,3 @@ def put_verified(store: Store, key: str, data: bytes, sha256: str) -> None:
     # A content-addressed key with other content is damaged or forged: no reader may use it, so replace it.
     logger.warning("replacing %s: %s", key, reason)
     store.put(key, data)
-
-
-def _get_verified(store: Store, key: str, sha256: str) -> bytes:
-    data = bytes(store.get(key))  # crc32 framing checked by the store
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise ChecksumMismatch(key, f"sha256 {got} does not match the expected {sha256}")
-    return data
-
-
-def _check_code_ref(ref: CodeRef) -> None:
-    if ref.key != code_key(ref.sha256):
-        raise ValueError(f"invalid code reference: key {ref.key!r} is not the bundle key of {ref.sha256}")
-
-
-# --------------------------------------------------------------------------- extraction

@@ -1,0 +1,226 @@
+"""The decoupled boundary (``sync.mode = "decoupled"``): publish, merge, adopt; one replica on its own clock.
+
+Per boundary (every ``inner_steps`` inner steps), in this order:
+
+1. publish the contribution ``base - local`` (fp32), with the tokens and inner
+   steps behind it and the version ``base`` came from;
+2. :func:`~composer_cloud.sync.decoupled.protocol.try_merge`: merge the pending
+   contributions if a quorum of replicas or the grace window says so (losing
+   the race is fine), or finish an overdue merge of a dead merger;
+3. adopt the newest durable global newer than the one adopted:
+   ``local = alpha * global + (1 - alpha) * local``;
+4. ``base = local`` (the next pseudo-gradient counts only new steps);
+5. every ``checkpoint_every`` contributions, write the inner state.
+
+Nothing in it waits for another replica: every store call is a read, a
+write or a write-once create that returns at once. The run's work budget is
+the fleet's: ``replicas * rounds`` contributions, whoever makes them (a fast
+replica makes more, a slow or dead one fewer). The replica whose contribution
+reaches it makes the final merge and writes ``decoupled/final.json``; every
+other replica stops at its next boundary, or within :data:`FINISH_CHECK_S` of
+the final record between boundaries (the segment it was training is dropped:
+at most one segment per replica).
+
+Ordering and failure reasoning: the contribution is published before the
+inner state is written, so a replica killed in between republishes those
+steps under a new seq after its restart (at-least-once; never the same seq
+twice, see :func:`~composer_cloud.sync.decoupled.protocol.next_seq`). The inner
+state stores the local parameters *after* adoption, which are also the next
+base, so a resumed replica continues exactly where that boundary left it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+
+from composer_cloud.errors import BadObject
+from composer_cloud.replica.boundary import ReplicaContext, Segment, cpu_params, params_replaced
+from composer_cloud.storage import layout
+from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
+from composer_cloud.sync.decoupled import protocol
+from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
+
+logger = logging.getLogger(__name__)
+
+#: How often (seconds) a replica looks for the run's end between boundaries: one small GET.
+FINISH_CHECK_S = 2.0
+#: Inner states a replica keeps (the newest, and one before it in case the newest is torn).
+KEEP_STATES = 2
+
+
+class DecoupledBoundary:
+    """Publishes, merges and adopts at every boundary; never waits for another replica."""
+
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.ctx = ctx
+        self.store = ctx.run.store
+        self.spec = ctx.spec
+        self.rank = ctx.rank
+        self.cfg = protocol.DecoupledConfig.from_spec(self.spec)
+        self.shapes = {n: tuple(p.shape) for n, p in ctx.model.named_parameters()}
+        self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)
+        self.budget = self.spec.replicas * self.spec.rounds
+        self.adopted = -1  # the global version the model last adopted
+        self.seq = 0  # contributions published (the next one is seq + 1)
+        self._base: dict[str, torch.Tensor] = {}  # the parameters the next contribution is measured from
+        self._last_look = time.monotonic()
+        self._stopped = False
+
+    @property
+    def position(self) -> int:
+        return self.seq
+
+    # ------------------------------------------------------------ start
+    def start(self) -> dict[str, Any]:
+        """Resume my inner state if I have one, else start from the newest durable global (version 0 first)."""
+        resume = self.replica_states.load_decoupled(self.rank, world_size=self.spec.replicas)
+        if resume is not None:
+            local = restore_replica_state(self.ctx.trainer, resume.tree["inner"])
+            with torch.no_grad():
+                for name, p in self.ctx.model.named_parameters():
+                    p.copy_(local[name])
+            self.seq, self.adopted = resume.seq, resume.version
+            logger.info("replica %d resumed its inner state after contribution %d (version %d)", self.rank,
+                        resume.seq, resume.version)
+        else:
+            protocol.ensure_initial(self.store, self.cfg, cpu_params(self.ctx.model), rank=self.rank)
+            if not self._adopt(alpha=1.0):  # a fresh model takes the global as it is
+                raise BadObject(layout.checkpoint_prefix(0), "no usable global version to start from")
+        params_replaced(self.ctx.trainer)
+        # Never reuse a seq: a kill after publishing but before the inner state was written leaves
+        # contributions newer than my state.
+        self.seq = protocol.next_seq(self.store, self.cfg, self.rank, self.seq) - 1
+        self._base = cpu_params(self.ctx.model)
+        return {"round": self.seq, "version": self.adopted}
+
+    def _adopt(self, *, alpha: float) -> bool:
+        """Adopt the newest durable global newer than mine; False if none (or none readable)."""
+        v = protocol.newest_version(self.store, floor=self.adopted)
+        if v is None:
+            return False
+        try:
+            tree = protocol.load_version(self.store, v, self.shapes)
+        except BadObject as exc:  # never adopt an unverified object
+            logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
+                           exc, self.adopted)
+            return False
+        params = tree[FRAGMENT_KEY]["original_parameters"]
+        with torch.no_grad():
+            for name, p in self.ctx.model.named_parameters():
+                g = params[name].to(p.device, p.dtype)
+                if alpha >= 1.0:
+                    p.copy_(g)
+                else:
+                    p.mul_(1.0 - alpha).add_(g, alpha=alpha)
+        self.adopted = v
+        return True
+
+    # ------------------------------------------------------------ the loop's side
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def running(self, segment: Segment) -> bool:
+        if self._stopped:
+            return False
+        if segment.steps == 0:  # a boundary: is there still work for the fleet?
+            self._last_look = time.monotonic()
+            return protocol.read_final(self.store) is None and protocol.published_total(self.store, self.cfg) < \
+                self.budget
+        # Between boundaries, one small GET every FINISH_CHECK_S: once the run finished, the rest of this
+        # segment could never be merged, so stop computing (billing) it now rather than at the boundary.
+        if time.monotonic() - self._last_look >= FINISH_CHECK_S:
+            self._last_look = time.monotonic()
+            if protocol.read_final(self.store) is not None:
+                self._drop(segment)
+                return False
+        return True
+
+    def _drop(self, segment: Segment) -> None:
+        logger.info("replica %d: the run finished while it trained; its last %d steps are dropped", self.rank,
+                    segment.steps)
+        self._stopped = True
+
+    def sync_s(self) -> float:
+        return 0.0  # the boundary runs between steps, not inside one
+
+    def after_step(self, segment: Segment) -> dict[str, Any] | None:
+        if segment.steps < self.spec.inner_steps:
+            return None
+        t_sync = time.monotonic()
+        if protocol.read_final(self.store) is not None:
+            self._drop(segment)
+            return None
+        local = cpu_params(self.ctx.model)
+        delta = {n: self._base[n] - local[n] for n in local}
+        read0, written0 = self.store.bytes_read, self.store.bytes_written
+        contrib = protocol.publish_contribution(self.store, self.cfg, rank=self.rank, seq=self.seq + 1,
+                                                base_version=self.adopted, tokens=segment.tokens,
+                                                inner_steps=self.spec.inner_steps, delta=delta)
+        self.seq += 1
+        outcome = self._merge()
+        adopted_before = self.adopted
+        self._adopt(alpha=self.spec.sync.fragment_update_alpha)
+        self._base = cpu_params(self.ctx.model)
+        adopted = self.adopted != adopted_before
+        if adopted:
+            params_replaced(self.ctx.trainer)
+        row: dict[str, Any] = {
+            "round": self.seq - 1, "committed": True, "merged_version": self.adopted, "adopted": adopted,
+            "merged_here": outcome.merged if outcome else None,
+            "merge_reason": outcome.reason if outcome else "error",
+            "grace_s": outcome.grace_s if outcome else None,
+            "staleness": (outcome.base if outcome else self.adopted) - contrib.base_version,
+            "participants": self._participants(), "tokens": segment.tokens,
+            "sync_s": time.monotonic() - t_sync, "wait_s": 0.0, "quorum_wait_s": 0.0,
+            "bytes_read": self.store.bytes_read - read0, "bytes_written": self.store.bytes_written - written0,
+        }
+        trainer = self.ctx.trainer
+        if self.rank == 0 and hasattr(trainer, "evaluate") and adopted:
+            row.update(trainer.evaluate())
+        if self.seq % self.spec.checkpoint_every == 0 or self.seq == self.spec.rounds:
+            t0 = time.monotonic()
+            # The model is unchanged since the base was copied (evaluate() only reads).
+            self.replica_states.write_decoupled(self.rank, self.seq, {"inner": replica_state(trainer, self._base)},
+                                                version=self.adopted, world_size=self.spec.replicas,
+                                                keep=KEEP_STATES)
+            row["checkpoint_s"] = time.monotonic() - t0
+        return row
+
+    def _merge(self) -> protocol.MergeOutcome | None:
+        """:func:`~composer_cloud.sync.decoupled.protocol.try_merge`, where a bad object costs this boundary's
+        merge attempt, never the replica."""
+        try:
+            return protocol.try_merge(self.store, self.cfg, self.shapes, rank=self.rank)
+        except BadObject as exc:
+            logger.warning("replica %d: no merge at this boundary (%s)", self.rank, exc)
+            return None
+
+    def _participants(self) -> list[int]:
+        """Replicas merged into the adopted version (from its record; [] for version 0 or if unreadable)."""
+        if self.adopted <= 0:
+            return []
+        try:
+            rec = protocol.read_merge(self.store, self.cfg, self.adopted)
+        except BadObject:
+            return []
+        return rec.ranks if rec else []
+
+    def heartbeat_fields(self, steps: int) -> dict[str, Any]:
+        return {"round": self.seq, "step": steps, "version": self.adopted}
+
+    # ------------------------------------------------------------ the end
+    def finish(self, steps: int) -> dict[str, Any]:
+        """The fleet's budget is published (or another replica already made the final merge): the final merge."""
+        final = protocol.finish(self.store, self.cfg, self.shapes, rank=self.rank, rounds=self.spec.rounds)
+        if final is None:
+            logger.info("replica %d: others still training; the final merge is theirs", self.rank)
+        fields = {"round": self.seq, "step": steps, "version": self.adopted}
+        return fields if final is None else {**fields, "final_version": final}
+
+
+__all__ = ["DecoupledBoundary", "FINISH_CHECK_S"]

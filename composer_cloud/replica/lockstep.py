@@ -1,0 +1,214 @@
+"""The lock-step boundary: torchft's DiLoCo syncs inside the inner step; the replica checkpoints after it.
+
+The commit of round ``r`` happens inside the inner optimizer's ``step()``, in
+DiLoCo's post-hook (the manager reports it through ``on_sync``). Once
+``step()`` returns, the model holds the new global parameters, so the
+boundary then checkpoints round ``r`` in this order:
+
+1. this replica's inner state (snapshot on the training thread, upload in the
+   background; at most one in flight);
+2. this replica's slice of the global state, which waits for (1): a replica
+   killed during the global upload has a complete inner state for ``r`` and
+   resumes it exactly; a participant that still misses another's slice after
+   the quorum timeout writes it itself;
+3. the manifest, by any participant (write-once), once the global state is
+   durable and the participants' inner states are present.
+
+Rounds that are not checkpointed still publish their global state (healers
+need it). A (re)starting replica resumes from the newest durable round, with
+its own inner state when it has one (:meth:`LockstepBoundary.start`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from composer_cloud.errors import CorruptCheckpoint
+from composer_cloud.replica.boundary import ReplicaContext, Segment, params_replaced, snapshot
+from composer_cloud.retry import PollPolicy, wait_until
+from composer_cloud.sync.checkpoint import manifests
+from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+from composer_cloud.sync.checkpoint.replica_state import (ReplicaStateStore, ResumePoint, replica_state,
+                                                          restore_replica_state)
+from composer_cloud.sync.lockstep import rounds
+from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco, params_digest
+from composer_cloud.sync.lockstep.manager import SyncRecord
+
+logger = logging.getLogger(__name__)
+
+
+class LockstepBoundary:
+    """Builds torchft's DiLoCo over the object-store manager, and checkpoints after each commit."""
+
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.ctx = ctx
+        self.store = ctx.run.store
+        self.spec = ctx.spec
+        self.rank = ctx.rank
+        self.global_states = GlobalStateStore(self.store, hooks=ctx.hooks)
+        self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)
+        self._syncs: list[SyncRecord] = []  # filled by the manager's on_sync, drained after each step
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-state-io")
+        self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
+        self._pending_io: list[Future] = []
+        self._state_write: Future | None = None
+        self._resume = self._resume_point()
+        self._start_round = self._resume.round + 1 if self._resume else 0
+        self.loop = build_diloco(store=self.store, rank=self.rank, model=ctx.model,
+                                 inner_optimizer=ctx.trainer.optimizer, config=LockstepConfig.from_spec(self.spec),
+                                 hooks=ctx.hooks, start_round=self._start_round, on_sync=self._syncs.append)
+
+    @property
+    def position(self) -> int:
+        return self.loop.manager.current_step()
+
+    # ------------------------------------------------------------ start
+    def start(self) -> dict[str, Any]:
+        if self._resume is not None:
+            self._restore(self._resume)
+            params_replaced(self.ctx.trainer)
+        return {"round": self.position, "step": self._start_round * self.spec.inner_steps}
+
+    def _resume_point(self) -> ResumePoint | None:
+        """Where to start: the newest durable round, with my own inner state if I wrote it.
+
+        A replica restarted right after a commit it took part in waits (up to
+        ``round_timeout_s``) for that round's global state to become durable:
+        the surviving participants write the missing slices, and resuming that
+        round with my own inner state is exact.
+        """
+        committed = rounds.latest_committed_round(self.store)
+        attempt = rounds.committed_attempt(self.store, committed) if committed >= 0 else None
+        if (attempt is not None and self.replica_states.marker(committed, self.rank) is not None
+                and not self.global_states.durable(committed, attempt)):
+            logger.info("replica %d: waiting for round %d's global state to become durable", self.rank, committed)
+            if not wait_until(lambda: self.global_states.durable(committed, attempt),
+                              deadline=time.monotonic() + self.spec.sync.round_timeout_s,
+                              policy=PollPolicy(initial_s=0.2, max_s=2.0)):
+                logger.warning("replica %d: round %d's global state did not become durable within "
+                               "round_timeout_s; resuming from an earlier round", self.rank, committed)
+        durable = self.global_states.durable_rounds(rounds.attempt_of(self.store))
+        return self.replica_states.resume_point(self.rank, world_size=self.spec.replicas, durable_rounds=durable)
+
+    def _restore(self, start: ResumePoint) -> None:
+        """Load global state into DiLoCo and the model, and this replica's inner state if present."""
+        attempt = rounds.committed_attempt(self.store, start.round)
+        assert attempt is not None  # a durable round is a committed one
+        self.loop.restore(self.global_states.load(start.round, attempt))
+        if start.replica_crc32 is None:
+            logger.warning("%s: fresh inner state from global params", start.reason)
+            return
+        try:
+            tree = self.replica_states.load(start.round, self.rank, start.replica_crc32)
+        except CorruptCheckpoint as exc:
+            logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
+            return
+        local = restore_replica_state(self.ctx.trainer, tree)
+        if local:
+            with torch.no_grad():
+                for name, p in self.ctx.model.named_parameters():
+                    p.copy_(local[name])
+        logger.info("replica %d resumed from checkpoint %d", self.rank, start.round)
+
+    # ------------------------------------------------------------ the loop's side
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        return self.loop
+
+    def running(self, segment: Segment) -> bool:
+        return self.position < self.spec.rounds
+
+    def sync_s(self) -> float:
+        rec = self._syncs[-1] if self._syncs else None
+        return rec.result.wall_s if rec is not None and rec.result is not None else 0.0
+
+    def after_step(self, segment: Segment) -> dict[str, Any] | None:
+        """A sync happened inside this step (DiLoCo's optimizer post-hook) iff the manager reported one."""
+        if not self._syncs:
+            return None
+        rec = self._syncs[-1]
+        self._syncs.clear()
+        res = rec.result
+        row: dict[str, Any] = {
+            "round": rec.round, "committed": rec.committed, "healed_to": rec.healed_to,
+            "participants": res.participants if res else [], "sync_s": res.wall_s if res else 0.0,
+            "quorum_wait_s": res.quorum_wait_s if res else 0.0, "bytes_read": res.bytes_read if res else 0,
+            "bytes_written": res.bytes_written if res else 0}
+        if rec.committed or rec.healed_to is not None:
+            params_replaced(self.ctx.trainer)  # the outer step (or a heal) replaced the synced parameters
+        if rec.committed and res is not None:
+            self._after_commit(rec.round, res.attempt, res.participants, row)
+        self._reap_io()
+        return row
+
+    def heartbeat_fields(self, steps: int) -> dict[str, Any]:
+        return {"round": self.position}
+
+    # ------------------------------------------------------------ checkpoints
+    def _reap_io(self) -> None:
+        """Raise the error of any finished background write; keep the unfinished ones."""
+        still = []
+        for fut in self._pending_io:
+            if fut.done():
+                fut.result()
+            else:
+                still.append(fut)
+        self._pending_io = still
+
+    def _after_commit(self, round: int, attempt: int, participants: list[int], row: dict[str, Any]) -> None:
+        """Checkpoint round ``round``: my inner state, then my slice of the global state, then the manifest."""
+        spec, trainer, manager = self.spec, self.ctx.trainer, self.loop.manager
+        if self.rank == min(participants) and hasattr(trainer, "evaluate"):
+            row.update(trainer.evaluate())
+        if (round + 1) % spec.checkpoint_every and round + 1 != spec.rounds:
+            manager.publish_state()  # global state every round: healers need it
+            return
+        local = None
+        if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
+            local = {n: p.detach().cpu().clone() for n, p in self.ctx.model.named_parameters()}
+        # At most one of this replica's state writes in flight: if the store is slower than the rounds,
+        # wait here (and record it) rather than queue full snapshots. Manifest writers are not waited on:
+        # they wait for other replicas, which may be gone.
+        t0 = time.monotonic()
+        if self._state_write is not None:
+            self._state_write.result()
+            self._state_write = None
+        row["checkpoint_wait_s"] = time.monotonic() - t0
+        # Snapshot on the critical path (training mutates optimizer state next step), then upload in the background.
+        t0 = time.monotonic()
+        tree = snapshot(replica_state(trainer, local))
+        row["checkpoint_snapshot_s"] = time.monotonic() - t0
+        self._state_write = self._io.submit(self.replica_states.write, round, self.rank, tree,
+                                            world_size=spec.replicas)
+        self._pending_io.append(self._state_write)
+        manager.publish_state(after=self._state_write)
+
+        def finish() -> None:
+            if manifests.write_manifest(self.global_states, self.replica_states, round, attempt, participants,
+                                        deadline_s=spec.sync.round_timeout_s,
+                                        extra={"replicas_launched": spec.replicas}):
+                manifests.prune(self.global_states, keep=spec.keep_checkpoints, newest=round)
+                rounds.cleanup_rounds(self.store, before=round)
+        self._pending_io.append(self._manifest_io.submit(finish))
+
+    # ------------------------------------------------------------ the end
+    def finish(self, steps: int) -> dict[str, Any]:
+        """Finish every upload, then read the final state back: "completed" means durable and verified."""
+        manager = self.loop.manager
+        manager.flush_state()
+        for fut in self._pending_io:
+            fut.result()
+        if manager.current_step() > 0:
+            self.loop.verify_durable(manager.current_step() - 1)
+        self.loop.close()
+        self._io.shutdown(wait=True)
+        self._manifest_io.shutdown(wait=True)
+        return {"round": manager.current_step(), "params_sha256": params_digest(self.ctx.model)}
+
+
+__all__ = ["LockstepBoundary"]

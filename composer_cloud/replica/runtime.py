@@ -1,0 +1,150 @@
+"""One replica of a run: build the model and trainer, run THE inner loop, report.
+
+Every executor runs ``python -m composer_cloud.replica --run RUN_URI --rank R``
+(:mod:`composer_cloud.replica.__main__`), which builds a :class:`Replica` and
+calls :meth:`Replica.run`. The loop is the same in both sync modes: inner steps
+of the trainer, each with its metrics row, log line and progress heartbeat,
+and a *boundary* every round that the sync mode's :class:`Boundary` strategy
+handles:
+
+* lock-step (:class:`~composer_cloud.replica.lockstep.LockstepBoundary`): the
+  sync happens inside ``trainer.step()`` (torchft DiLoCo's optimizer
+  post-hook); after the step the boundary checkpoints in order (inner state,
+  then this replica's slice of the global state, then the manifest);
+* decoupled (:class:`~composer_cloud.replica.decoupled.DecoupledBoundary`):
+  after every ``inner_steps`` steps it publishes the contribution, may merge,
+  and adopts the newest global.
+
+Everything a replica reports goes to the store: ``replicas/<rank>.json``
+(heartbeat), ``metrics/<rank>/...`` (:mod:`~composer_cloud.replica.telemetry`),
+and the checkpoints its boundary writes.
+
+The boundaries tell the trainer when its parameters were replaced outside
+its optimizer (``on_params_replaced()``, :mod:`composer_cloud.replica.boundary`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+
+
+import torch
+
+from composer_cloud.env import JobEnv
+from composer_cloud.hooks import Hooks
+from composer_cloud.replica.boundary import Boundary, ReplicaContext, Segment
+from composer_cloud.replica.decoupled import DecoupledBoundary
+from composer_cloud.replica.lockstep import LockstepBoundary
+from composer_cloud.replica.telemetry import Telemetry
+from composer_cloud.replica.usercode import install_code, localize_spec
+from composer_cloud.stack import runtime_versions
+from composer_cloud.storage.records import CodeRef, HeartbeatState
+from composer_cloud.storage.run import Run, open_run
+
+logger = logging.getLogger(__name__)
+
+
+class Replica:
+    """One replica of a run: trains, syncs through the store, checkpoints, reports.
+
+    Opening the run is the first thing it does: a signed run without the run
+    key (or an unsigned one with it) is refused there, before anything is written.
+    """
+
+    def __init__(self, run_uri: str, rank: int, *, job_env: JobEnv, hooks: Hooks) -> None:
+        run = open_run(run_uri, job_env=job_env)
+        # Ride out store outages up to the spec's budget (the spec had to be read first).
+        self.opened = open_run(run_uri, outage_s=run.spec.sync.store_outage_s, job_env=job_env)
+        spec = self.opened.spec
+        if not 0 <= rank < spec.replicas:
+            raise ValueError(f"--rank {rank} out of range: the run has {spec.replicas} replicas")
+        self.rank = rank
+        self.job_env = job_env
+        self.hooks = hooks
+        self.telemetry = Telemetry(self.opened.store, rank, rounds=spec.rounds, inner_steps=spec.inner_steps,
+                                   progress_every_s=spec.progress_every_s)
+
+    def install_user_code(self) -> None:
+        """Local copies of the files the spec names, and the run's user code on ``sys.path``, both verified.
+
+        The digests come from the job's environment when the executor set them
+        (not from the store, which anyone with bucket access could change).
+        """
+        store, cache = self.opened.store, self.job_env.cache_dir
+        spec = localize_spec(store, self.opened.spec, cache_dir=cache, files=self.job_env.files)
+        self.opened = Run(uri=self.opened.uri, store=store, spec=spec)
+        ref_json = self.job_env.code_ref or spec.code.ref
+        if ref_json:
+            where = install_code(store, CodeRef.from_json(ref_json), cache_dir=cache / "code")
+            logger.info("user code %s installed at %s", ref_json.get("modules"), where)
+
+    def _build(self) -> ReplicaContext:
+        from composer_cloud.model import load_spec_model
+        from composer_cloud.trainer import TrainerContext, build_trainer
+
+        spec = self.opened.spec
+        device = torch.device("cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+                              else "cpu")
+        torch.manual_seed(spec.seed)
+        model, tokenizer = load_spec_model(spec.model, seed=spec.seed, device=device)
+        trainer = build_trainer(spec.trainer.name, TrainerContext(
+            model=model, tokenizer=tokenizer, rank=self.rank, world_size=spec.replicas, seed=spec.seed,
+            device=device, settings=spec.trainer.settings(),
+            inner_optimizer=spec.inner_optimizer.model_dump(mode="json")))
+        return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
+                              hooks=self.hooks, telemetry=self.telemetry)
+
+    def run(self) -> None:
+        self.install_user_code()
+        ctx = self._build()
+        spec = ctx.spec
+        boundary: Boundary = DecoupledBoundary(ctx) if spec.sync.mode == "decoupled" else LockstepBoundary(ctx)
+        first = boundary.start()
+        self.telemetry.start(runtime_versions(device=ctx.device.type))
+        self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
+        logger.info("replica %d/%d (%s) on %s: %s, starting at round %d of %d", self.rank, spec.replicas,
+                    spec.sync.mode, ctx.device, spec.model.name, boundary.position, spec.rounds)
+        steps = _inner_loop(ctx, boundary)
+        final = boundary.finish(steps)
+        self.telemetry.flush()
+        self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
+        logger.info("replica %d completed at round %d", self.rank, final.get("round", boundary.position))
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Best effort: the steps of the unfinished round, and a failed heartbeat naming the error."""
+        self.telemetry.flush()
+        self.telemetry.heartbeat(HeartbeatState.FAILED, error=f"{type(exc).__name__}: {exc}")
+
+
+def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
+    """THE inner loop of both sync modes; returns the inner steps this process took."""
+    spec, trainer, hooks, rank = ctx.spec, ctx.trainer, ctx.hooks, ctx.rank
+    h = spec.inner_steps
+    tokens_per_step = spec.trainer.batch_size * spec.trainer.seq_len
+    steps = 0
+    segment = Segment()
+    with boundary.session():
+        while boundary.running(segment):
+            if steps % h == h // 2:
+                hooks.at("inner_step", boundary.position, rank)
+            position = boundary.position  # the round this step belongs to (a sync inside it may end the round)
+            t0 = time.monotonic()
+            out = trainer.step()
+            dt = time.monotonic() - t0
+            sync_s = boundary.sync_s()
+            dt += hooks.after_step(rank, dt - sync_s)  # simulated slow hardware counts as compute
+            steps += 1
+            segment.add(out, compute_s=max(0.0, dt - sync_s), tokens=int(out.get("tokens", tokens_per_step)))
+            ctx.telemetry.step(position, steps, out, dt)
+            row = boundary.after_step(segment)
+            if row is None:
+                continue
+            ctx.telemetry.round({**segment.row(), **row})
+            ctx.telemetry.heartbeat(HeartbeatState.RUNNING, **boundary.heartbeat_fields(steps))
+            segment = Segment()
+    return steps
+
+
+__all__ = ["Replica"]
