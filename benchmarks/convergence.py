@@ -371,6 +371,7 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
         from composer_cloud.spec import spec_from_dict
         from composer_cloud.storage import layout
         from composer_cloud.storage.store import Store
+        from composer_cloud.sync.lockstep import rounds
         from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
         from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
 
@@ -430,7 +431,7 @@ def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: 
                         # Every replica has finished round s-2 once round s-1 committed: drop its
                         # payloads so 2000 rounds do not leave gigabytes in the store.
                         if s >= 2:
-                            for att in ar.attempts(s - 2):
+                            for att in rounds.attempts(store, s - 2):
                                 for sub in layout.ATTEMPT_PAYLOADS:
                                     store.delete(f"{layout.attempt_prefix(s - 2, att)}/{sub}", recursive=True)
                 ar.close()

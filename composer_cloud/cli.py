@@ -28,9 +28,9 @@ from rich.table import Table
 
 from composer_cloud import runs
 from composer_cloud.errors import ConfigError, LaunchError, StoreError
-from composer_cloud.storage.store import join_uri
 from composer_cloud.runs import Run, RunStatus
 from composer_cloud.spec import DEFAULT_STORE, RunSpec
+from composer_cloud.storage.store import join_uri
 
 app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")

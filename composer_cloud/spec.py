@@ -13,8 +13,8 @@ import datetime as _dt
 import re
 import secrets as _secrets
 import tomllib
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator

@@ -357,3 +357,11 @@ def test_only_the_env_module_and_entry_points_read_the_environment():
     assert readers <= ENV_READERS, f"read os.environ outside the env module: {sorted(readers - ENV_READERS)}"
     below_the_replica = {m for m in readers if _layer(m) <= _layer("composer_cloud.sync")}
     assert below_the_replica <= {"composer_cloud.env"}, below_the_replica
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules (one concept per file): {long}"

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from composer_cloud.sync.lockstep import codec as wire
-from composer_cloud.sync.lockstep.allreduce import (AllReduceConfig, ObjectStoreAllReduce, RoundResult,
-                                                 committed_attempt, latest_committed_round)
+from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundResult
+from composer_cloud.sync.lockstep.rounds import committed_attempt, latest_committed_round
 from composer_cloud.errors import BadObject
 from composer_cloud.storage.records import Outcome, Quorum
-from composer_cloud.storage.framing import HEADER_BYTES
+from composer_cloud.storage.framing import HEADER_BYTES, frame
 from composer_cloud.storage.store import Store
 from conftest import run_processes
 from workers import allreduce_config, diloco_worker, payload, reference_diloco
@@ -403,11 +403,13 @@ def test_bit_flipped_payload_is_retried_with_everyone(store_uri):
         done = False
 
         def put(self, key, payload, **kw):
-            n = super().put(key, payload, **kw)
-            if key == f"{Q0}/grad/2/0" and not FlipOnce.done:
-                FlipOnce.done = True
-                flip_byte(self, key, offset=200)
-            return n
+            if key != f"{Q0}/grad/2/0" or FlipOnce.done:
+                return super().put(key, payload, **kw)
+            FlipOnce.done = True  # the object appears already damaged: no reader can see it intact first
+            data = bytearray(frame(payload))
+            data[HEADER_BYTES + 200] ^= 0x01
+            self.backend.put(key, bytes(data), durable=False)
+            return len(data)
 
     out = run_round(store_uri, 3, stores={2: FlipOnce(store_uri)})
     for rank in range(3):
@@ -448,7 +450,7 @@ def test_diloco_run_survives_junk_records_and_matches_plain_torch(store_uri):
 
 
 def test_stray_attempt_directories_are_not_joined_and_cleanup_skips_stray_names(store_uri):
-    from composer_cloud.sync.lockstep.allreduce import cleanup_rounds
+    from composer_cloud.sync.lockstep.rounds import cleanup_rounds
 
     st = Store(store_uri)
     st.put("rounds/00000000/5/join/0.json", b"{}")        # a far-ahead attempt nobody opened

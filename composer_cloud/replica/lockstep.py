@@ -34,8 +34,12 @@ from composer_cloud.replica.boundary import ReplicaContext, Segment, params_repl
 from composer_cloud.retry import PollPolicy, wait_until
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
-from composer_cloud.sync.checkpoint.replica_state import (ReplicaStateStore, ResumePoint, replica_state,
-                                                          restore_replica_state)
+from composer_cloud.sync.checkpoint.replica_state import (
+    ReplicaStateStore,
+    ResumePoint,
+    replica_state,
+    restore_replica_state,
+)
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco, params_digest
 from composer_cloud.sync.lockstep.manager import SyncRecord

@@ -28,8 +28,6 @@ from __future__ import annotations
 import logging
 import time
 
-
-
 import torch
 
 from composer_cloud.env import JobEnv

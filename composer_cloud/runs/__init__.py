@@ -18,8 +18,8 @@ from composer_cloud.runs.lifecycle import (
     resume,
     wait,
 )
-from composer_cloud.storage.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run
 from composer_cloud.runs.status import ReplicaInfo, RunStatus, RunSummary, read_metrics, summarize
+from composer_cloud.storage.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run
 
 __all__ = [
     "CancelResult",

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 from composer_cloud.errors import CorruptCheckpoint
-from composer_cloud.storage.run import Run
 from composer_cloud.runs import sync_state
+from composer_cloud.storage.run import Run
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 
 logger = logging.getLogger(__name__)

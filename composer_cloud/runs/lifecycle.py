@@ -27,8 +27,6 @@ from typing import Any
 
 from composer_cloud import env
 from composer_cloud.env import JobEnv
-from composer_cloud.runs import sync_state
-from composer_cloud.sync.checkpoint.manifests import Checkpoint
 from composer_cloud.errors import (
     ConfigError,
     ExecutorError,
@@ -39,8 +37,12 @@ from composer_cloud.errors import (
     StoreError,
 )
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor
-from composer_cloud.storage.store import Store, join_uri
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.runs import sync_state
+from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
+from composer_cloud.spec import RunSpec, load_spec, spec_from_dict, with_paths
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import CodeRef, ResumeRecord
 from composer_cloud.storage.run import (
     Run,
     load_handles,
@@ -50,10 +52,8 @@ from composer_cloud.storage.run import (
     run_signing_key,
     save_handles,
 )
-from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
-from composer_cloud.spec import RunSpec, load_spec, spec_from_dict, with_paths
-from composer_cloud.storage import layout
-from composer_cloud.storage.records import CodeRef, ResumeRecord
+from composer_cloud.storage.store import Store, join_uri
+from composer_cloud.sync.checkpoint.manifests import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +262,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     be reached from here is a warning), each executor's own preflight (credentials, reachable store).
     Raises :class:`SpecError` naming the field.
     """
-    from composer_cloud.trainer import check_settings
     from composer_cloud.runs.packaging import UserCodeError, collect_code
+    from composer_cloud.trainer import check_settings
 
     settings = spec.trainer.settings()
     try:

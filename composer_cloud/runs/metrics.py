@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_cloud.errors import BadObject, ObjectNotFound
-from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import MetricsDigest, ResumeRecord
+from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,14 @@ from typing import Any
 from composer_cloud.errors import BadObject
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
 from composer_cloud.runs import metrics as _metrics
+from composer_cloud.runs import sync_state
 from composer_cloud.stack import version_skew
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState
 from composer_cloud.storage.run import Run, cancel_requested, load_handles
 from composer_cloud.storage.store import Store
-from composer_cloud.runs import sync_state
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.manifests import read_manifest
-
 
 #: What a job's state is once its heartbeat says it ended (the executor may not have noticed yet).
 _FINISHED_JOB_STATE = {HeartbeatState.COMPLETED: ReplicaState.SUCCEEDED, HeartbeatState.FAILED: ReplicaState.FAILED}

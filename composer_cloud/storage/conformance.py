@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_cloud.errors import ObjectNotFound, StoreConfigError
+from composer_cloud.storage.layout import (
+    PROBE_PREFIX,  # where the probe writes, under the store root; removed afterwards
+)
 from composer_cloud.storage.store import Store, join_uri
-from composer_cloud.storage.layout import PROBE_PREFIX  # where the probe writes, under the store root; removed afterwards
 
 __all__ = ["PROBE_PREFIX", "ConformanceReport", "PropertyCheck", "StoreConfigError", "StoreNotConforming",
            "format_report", "probe_store", "require_conformance"]

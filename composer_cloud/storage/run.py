@@ -43,11 +43,11 @@ from composer_cloud.errors import (
     StoreConfigError,
     StoreError,
 )
-from composer_cloud.storage.framing import derive_signing_key, is_signed, run_key_bytes, unframe
-from composer_cloud.storage.store import Store
 from composer_cloud.spec import DEFAULT_STORE, RunSpec, spec_from_dict
 from composer_cloud.storage import layout
+from composer_cloud.storage.framing import derive_signing_key, is_signed, run_key_bytes, unframe
 from composer_cloud.storage.records import CancelRecord, JobHandle
+from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
 

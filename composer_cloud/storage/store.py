@@ -74,7 +74,7 @@ class Store:
             of the outage, shared by all calls of this store. ``0``: a few
             seconds of retries (``retry.attempts``), for one-shot commands.
         signing_key: with a key, objects are written signed and only
-            authentic objects are read (see :func:`signing_key_from_env`).
+            authentic objects are read (:func:`~composer_cloud.storage.framing.derive_signing_key` of the run key).
             Keys are signed relative to this store's root: open the store at
             the run's root so that writers and readers agree.
     """

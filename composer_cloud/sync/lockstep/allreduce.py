@@ -53,17 +53,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_cloud.sync.lockstep import codec as wire
-from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
-                                              verify_reduced)
 from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreTimeout, SyncError
-from composer_cloud.sync.lockstep.rounds import (attempts, cleanup_rounds, committed_attempt, join_rank,
-                                              latest_committed_round, read_outcome, read_quorum)
-from composer_cloud.storage.store import Store, iter_chunks
-from composer_cloud.storage import layout
-from composer_cloud.storage.records import Join, Outcome, Quorum, SlotDigest
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import poll_until
+from composer_cloud.storage import layout
+from composer_cloud.storage.records import Join, Outcome, Quorum, SlotDigest
+from composer_cloud.storage.store import Store, iter_chunks
+from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
+                                        verify_reduced)
+from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.sync.lockstep.rounds import join_rank, read_outcome, read_quorum
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
@@ -193,12 +192,6 @@ class ObjectStoreAllReduce:
     def outcome(self, round: int, attempt: int) -> Outcome | None:
         """The attempt's validated outcome (an unusable record reads as an abort), None if undecided."""
         return read_outcome(self.store, round, attempt, replicas=self.config.replicas)
-
-    def attempts(self, round: int) -> list[int]:
-        return attempts(self.store, round)
-
-    def latest_committed_round(self, *, start: int = 0) -> int:
-        return latest_committed_round(self.store, start=start)
 
     def open_attempt(self, round: int) -> int:
         """The attempt a replica arriving at ``round`` should join: the first without an outcome.
@@ -600,5 +593,4 @@ class ObjectStoreAllReduce:
                                                                         f"round_timeout_s ({waited:.1f}s)"))
 
 
-__all__ = ["AllReduceConfig", "BehindError", "ObjectStoreAllReduce", "RoundResult", "RoundTimeout", "cleanup_rounds",
-           "committed_attempt", "latest_committed_round"]
+__all__ = ["AllReduceConfig", "BehindError", "ObjectStoreAllReduce", "RoundResult", "RoundTimeout"]

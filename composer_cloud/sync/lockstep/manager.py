@@ -42,19 +42,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from composer_cloud.sync.lockstep import rounds
-from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
 from composer_cloud.errors import StoreTimeout, SyncError
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.sync.lockstep import rounds
+from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -202,13 +201,13 @@ class ObjectStoreManager:
             round = self._last_commit[0]
             self._last_commit = None
             logger.warning("replica %d: the commit of round %d was voided; healing back", self.rank, round)
-            healed = self._heal(0, latest=self._ar.latest_committed_round(start=0))
+            healed = self._heal(0, latest=rounds.latest_committed_round(self.store, start=0))
             if healed is None:
                 raise HealError(f"replica {self.rank}: round {round} was voided and no earlier state is durable; "
                                 "restart the replica (it resumes from the newest checkpoint)")
             self._skip_sync = True
             self._record(SyncRecord(healed, None, committed=False, healed_to=healed))
-        latest = self._ar.latest_committed_round(start=self._step)
+        latest = rounds.latest_committed_round(self.store, start=self._step)
         if not self._skip_sync and latest >= self._step:
             logger.info("replica %d is behind (at round %d, committed %d): healing", self.rank, self._step, latest)
             healed = self._heal(self._step)
@@ -366,7 +365,7 @@ class ObjectStoreManager:
         poll = PollPolicy(initial_s=0.2, max_s=1.0)
 
         def newest_committed() -> int:
-            return self._ar.latest_committed_round(start=max(floor, 0)) if latest is None else latest
+            return rounds.latest_committed_round(self.store, start=max(floor, 0)) if latest is None else latest
 
         def durable() -> tuple[int, int] | tuple[None, None] | None:
             newest = newest_committed()

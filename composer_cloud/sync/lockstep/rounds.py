@@ -33,9 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 from composer_cloud.errors import BadObject, ChecksumMismatch
-from composer_cloud.storage.store import Store
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum, Void
+from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
