@@ -11,7 +11,7 @@ import torch
 from composer_cloud.rendezvous import codec as wire
 from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundTimeout
 from composer_cloud.rendezvous.store import Store
-from conftest import run_processes
+from support.processes import run_processes
 from workers import allreduce_worker, diloco_worker, payload, reference_diloco
 
 

@@ -21,7 +21,7 @@ from composer_cloud.rendezvous.store import (
     unframe,
 )
 from composer_cloud.retry import Outage, is_transient
-from conftest import _CTX, run_processes
+from support.processes import run_processes
 
 
 def test_put_get_roundtrip_and_counters(store_uri):

@@ -23,7 +23,7 @@ from composer_cloud.rendezvous.allreduce import (AllReduceConfig, ObjectStoreAll
                                                  committed_attempt, latest_committed_round)
 from composer_cloud.rendezvous.rounds import InvalidRecord, parse_outcome, parse_quorum
 from composer_cloud.rendezvous.store import HEADER_BYTES, Store
-from conftest import run_processes
+from support.processes import run_processes
 from workers import diloco_worker, payload, reference_diloco
 
 NUMEL = 999
