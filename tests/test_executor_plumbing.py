@@ -9,16 +9,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from composer_cloud.jobs import EXECUTORS, get_executor
-from composer_cloud.jobs.base import (
-    ExecutorError,
-    JobHandle,
-    LaunchPlan,
-    ReplicaState,
-    ReplicaStatus,
-    ServerlessExecutor,
-    run_id_of,
-)
+from composer_cloud.jobs import EXECUTORS, ExecutorError, JobHandle, LaunchPlan, ServerlessExecutor, get_executor
+from composer_cloud.jobs.base import ReplicaState, ReplicaStatus, run_id_of
 from composer_cloud.jobs.environment import job_env
 from composer_cloud.jobs.hf_jobs import is_transient as hf_transient
 from composer_cloud.jobs.local import LocalProcessExecutor
