@@ -71,6 +71,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.processes import run_processes  # noqa: E402
+
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.retry import PollPolicy
 from composer_cloud.spec import SyncSpec, spec_from_dict
@@ -328,7 +331,7 @@ RUNNERS = {"scatter_reduce": ScatterReduceRunner, "naive": NaiveRunner, "gloo": 
            "raw_store": RawStoreRunner}
 
 
-def worker(q, method: str, rank: int, world: int, cfg: dict[str, Any], barrier) -> None:
+def worker(q, rank: int, method: str, world: int, cfg: dict[str, Any], barrier) -> None:
     """Entry point of one replica process. Puts ``(rank, report)`` on ``q`` exactly once."""
     tmo = cfg["timeout_s"]
     try:
@@ -368,30 +371,15 @@ def worker(q, method: str, rank: int, world: int, cfg: dict[str, Any], barrier) 
 
 # =========================================================================== parent side
 def run_method(ctx, method: str, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    q = ctx.Queue()
     barrier = ctx.Barrier(world)
-    procs = [ctx.Process(target=worker, args=(q, method, r, world, cfg, barrier), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        deadline = time.monotonic() + cfg["timeout_s"] * (cfg["warmup"] + cfg["repeats"] + 1)
-        while len(reports) < world:
-            rank, rep = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            reports[rank] = rep
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [f"replica {r}:\n{rep['error']}" for r, rep in sorted(reports.items()) if "error" in rep]
-    if errors:
-        raise RuntimeError(f"{method} W={world} failed:\n" + "\n".join(errors))
+    reports = run_processes(
+        worker, [(method, world, cfg, barrier)] * world, ctx=ctx, join_s=30,
+        timeout=cfg["timeout_s"] * (cfg["warmup"] + cfg["repeats"] + 1),
+        failure=lambda r, rep: f"{method} W={world} failed: replica {r}:\n{rep['error']}" if "error" in rep else None)
     if reports[0]["library"] != cfg["library"]:
         print(f"WARNING: workers imported composer_cloud from {reports[0]['library']}, "
               f"this process from {cfg['library']}", flush=True)
-    return [reports[r] for r in range(world)]
+    return reports
 
 
 def host_cpu_busy(sample_s: float = 1.0) -> float:

@@ -88,6 +88,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.processes import run_processes  # noqa: E402
+
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 # Store polling for the replicas: start at 5 ms, back off to at most 100 ms (the library default
 # backs off to 500 ms, which would dominate a per-step all-reduce of a 0.5 MB payload).
@@ -362,7 +365,7 @@ def _tail(xs: list[float], n: int = 50) -> float:
 
 
 # ----------------------------------------------------------------------------- store engine
-def store_worker(q: Any, method: str, cfg_dict: dict[str, Any], rank: int, uri: str) -> None:
+def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: str) -> None:
     """One replica process of ``method`` (``sync``, ``diloco_h<H>`` or ``single``)."""
     try:
         cfg = Config(**cfg_dict)
@@ -474,31 +477,10 @@ def run_store(cfg: Config, method: str, ctx: Any, base_uri: str) -> dict[str, An
     threads = cfg.threads or 1
     cfg_dict = asdict(cfg) | {"threads": threads}
     uri = f"{base_uri}/{method}"
-    q = ctx.Queue()
     t0 = time.monotonic()
-    procs = [ctx.Process(target=store_worker, args=(q, method, cfg_dict, r, uri), daemon=True) for r in range(w)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        deadline = time.monotonic() + cfg.timeout_s
-        while len(reports) < w:
-            try:
-                rank, rep = q.get(timeout=5)
-            except Exception:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{method}: replica processes failed or timed out "
-                                       f"(exit codes {[p.exitcode for p in procs]})") from None
-                continue
-            if "error" in rep:
-                raise RuntimeError(f"{method} replica {rank} failed:\n{rep['error']}")
-            reports[rank] = rep
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+    reports = dict(enumerate(run_processes(
+        store_worker, [(method, cfg_dict, uri)] * w, ctx=ctx, timeout=cfg.timeout_s,
+        failure=lambda r, rep: f"{method} replica {r} failed:\n{rep['error']}" if "error" in rep else None)))
     wall = time.monotonic() - t0
     lead = reports[0]
     ranks = sorted(reports)

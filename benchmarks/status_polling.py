@@ -32,23 +32,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.specs import SMALL_RUN_TOML  # noqa: E402
 
 from composer_cloud import runs  # noqa: E402
 from composer_cloud.runs.status import StatusTracker  # noqa: E402
-
-SMALL = """
-[model]
-hidden_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 128
-[trainer]
-name = "causal-lm"
-batch_size = 4
-seq_len = 32
-"""
-
 
 class CountingFS:
     """Forwards every attribute of an fsspec filesystem, counting method calls by name."""
@@ -106,7 +95,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "spec.toml"
-        cfg.write_text(SMALL)
+        cfg.write_text(SMALL_RUN_TOML)
         run = runs.launch(config=cfg, overrides={"store": f"file://{tmp}/store", "run_id": "watched",
                                                  "rounds": args.rounds, "inner_steps": args.inner_steps})
         results: dict[str, dict[str, Any]] = {}

@@ -159,6 +159,11 @@ def s3_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
     return next((environ[n] for n in AWS_ENDPOINTS if environ.get(n)), None)
 
 
+def present(names: tuple[str, ...], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``{name: value}`` of those ``names`` set (non-empty) in ``environ``: what a launcher forwards to its jobs."""
+    return {name: environ[name] for name in names if environ.get(name)}
+
+
 def single_threaded_tokenizers() -> None:
     """Ask HF ``tokenizers`` for one thread (unless the user chose), so trained merges never depend on timing."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,32 +1,17 @@
-"""Shared fixtures. Replicas in these tests are separate OS processes."""
+"""Shared fixtures and collection order. Replicas in these tests are separate OS processes."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Workers are forked from a server that imported torch but never ran a parallel
-# op, so children neither re-import torch (slow) nor inherit OpenMP state.
-# A model and trainer small enough for multi-process CLI tests on 2 cores.
-SMALL_RUN_TOML = """
-[model]
-hidden_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 128
-[trainer]
-name = "causal-lm"
-batch_size = 4
-seq_len = 32
-"""
+# Fixtures shared by several modules (their helpers are in tests/support/, see its docstring).
+from support.hf_jobs import hf_env, hf_server, job_constraints, job_python, wheel  # noqa: E402,F401
+from support.resume import baselines  # noqa: E402,F401
 
 # The longest modules, longest first (tests/ --durations=0 on the 2-core box: ~340, 240, 240, 225, 160, 95 s).
 # Run with ``--dist loadscope --no-loadscope-reorder``, pytest-xdist hands whole modules to workers in this
@@ -38,34 +23,6 @@ LONG_MODULES = ("test_failover", "test_resume_s3", "test_cli", "test_resume", "t
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_MODULES)))  # stable: order within a module kept
-
-
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "composer_cloud.sync.lockstep.manager"])
-
-
-def run_processes(target: Callable[..., Any], args_per_proc: Sequence[tuple], *, timeout: float = 120) -> list[Any]:
-    """Run ``target(queue, *args)`` in one process per args tuple; return what each put, in order.
-
-    Each worker must ``queue.put((index, value))`` exactly once, where
-    ``index`` is its position in ``args_per_proc``. Values must be plain
-    Python/numpy objects (no torch tensors: they would be shared via fds).
-    """
-    q = _CTX.Queue()
-    procs = [_CTX.Process(target=target, args=(q, i, *a), daemon=True) for i, a in enumerate(args_per_proc)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            i, value = q.get(timeout=timeout)
-            results[i] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[i] for i in range(len(procs))]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.lockstep.allreduce import ObjectStoreAllReduce, RoundTimeout
 from composer_cloud.storage.store import Store
-from conftest import run_processes
+from support.processes import run_processes
 from workers import allreduce_config, allreduce_worker, diloco_worker, payload, reference_diloco
 
 

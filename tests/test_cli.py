@@ -20,13 +20,9 @@ from composer_cloud import env
 from composer_cloud.cli import app
 from composer_cloud.storage.store import Store
 from composer_cloud.runs.metrics import read_metrics
-
-from conftest import SMALL_RUN_TOML as SMALL_MODEL
-
-
-def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+from support.cli import cli
+from support.local_jobs import kill_replica
+from support.specs import SMALL_RUN_TOML as SMALL_MODEL
 
 
 def small_config(tmp_path: Path, extra: str = "") -> Path:
@@ -81,8 +77,7 @@ def test_killed_replica_run_survives(tmp_path, max_restarts):
     assert res.returncode == 0, res.stderr
     run_uri = f"file://{store}/kill"
     _wait(lambda: (store / "kill/rounds/00000000/0/outcome.json").exists(), 120, "round 0 to commit")
-    sup = json.loads((store / "kill/jobs/2/supervisor.json").read_text())
-    os.kill(sup["replica_pid"], signal.SIGKILL)
+    kill_replica(run_uri, 2)
     st = _wait(lambda: (s := status_json(run_uri, tmp_path))["state"] != "running" and s, 240, "run end")
     assert st["state"] == "completed" and st["rounds_committed"] == 6, st
     lost = st["replicas"][2]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL_RUN_TOML
-from test_hf_jobs import NAMESPACE, TOKEN, hf_env, job_constraints, job_python, server, wheel  # noqa: F401 - fixtures
+from support.cli import cli
+from support.hf_jobs import NAMESPACE
+from support.specs import SMALL_RUN_TOML
 
 SPEC = SMALL_RUN_TOML + f"""
 [hf_jobs]
@@ -21,48 +22,47 @@ flavor = "cpu-basic"
 """
 
 
-def _cli(args: list[str], cwd: Path, wheel_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COMPOSER_CLOUD_PREBUILT_WHEEL": str(wheel_path)}
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+def _cloud_cli(*args: str, cwd: Path, wheel_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The CLI with the prebuilt wheel (jobs install it instead of one built per launch)."""
+    return cli(*args, cwd=cwd, env={**os.environ, "COMPOSER_CLOUD_PREBUILT_WHEEL": str(wheel_path)}, timeout=timeout)
 
 
 def _status(run_uri: str, cwd: Path, wheel_path: Path) -> dict:
-    res = _cli(["status", run_uri, "--json"], cwd, wheel_path)
+    res = _cloud_cli("status", run_uri, "--json", cwd=cwd, wheel_path=wheel_path)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("executor", ["hf-jobs", "local:1,hf-jobs:1"])
-def test_launch_status_logs_through_hf_jobs(hf_env, wheel, tmp_path, executor):  # noqa: F811
+def test_launch_status_logs_through_hf_jobs(hf_env, wheel, tmp_path, executor):
     (tmp_path / "spec.toml").write_text(SPEC)
     store = f"file://{tmp_path}/store"
-    res = _cli(["launch", "--config", "spec.toml", "--executor", executor, "--replicas", "2", "--rounds", "2",
-                "--inner-steps", "3", "--store", store, "--run-id", "cloud"], tmp_path, wheel)
+    res = _cloud_cli("launch", "--config", "spec.toml", "--executor", executor, "--replicas", "2", "--rounds", "2",
+                     "--inner-steps", "3", "--store", store, "--run-id", "cloud", cwd=tmp_path, wheel_path=wheel)
     assert res.returncode == 0, res.stdout + res.stderr
     run_uri = f"{store}/cloud"
     st = _status(run_uri, tmp_path, wheel)
     assert st["state"] == "completed" and st["rounds_committed"] == 2
     assert [r["executor"] for r in st["replicas"]] == (["hf-jobs"] * 2 if executor == "hf-jobs"
                                                        else ["local", "hf-jobs"])
-    logs = _cli(["logs", run_uri, "--replica", "1"], tmp_path, wheel)
+    logs = _cloud_cli("logs", run_uri, "--replica", "1", cwd=tmp_path, wheel_path=wheel)
     assert logs.returncode == 0 and "replica 1 completed" in logs.stdout, logs.stdout[-2000:]
 
 
 @pytest.mark.slow
-def test_cancel_through_hf_jobs(hf_env, wheel, tmp_path):  # noqa: F811
+def test_cancel_through_hf_jobs(hf_env, wheel, tmp_path):
     (tmp_path / "spec.toml").write_text(SPEC)
     store = f"file://{tmp_path}/store"
-    res = _cli(["launch", "--config", "spec.toml", "--executor", "hf-jobs", "--replicas", "2", "--rounds", "500",
-                "--store", store, "--run-id", "long", "--detach"], tmp_path, wheel)
+    res = _cloud_cli("launch", "--config", "spec.toml", "--executor", "hf-jobs", "--replicas", "2", "--rounds", "500",
+                     "--store", store, "--run-id", "long", "--detach", cwd=tmp_path, wheel_path=wheel)
     assert res.returncode == 0, res.stderr
     run_uri = f"{store}/long"
     deadline = time.monotonic() + 300
     while not any(r["state"] == "running" for r in _status(run_uri, tmp_path, wheel)["replicas"]):
         assert time.monotonic() < deadline
         time.sleep(1)
-    assert _cli(["cancel", run_uri], tmp_path, wheel).returncode == 0
+    assert _cloud_cli("cancel", run_uri, cwd=tmp_path, wheel_path=wheel).returncode == 0
     deadline = time.monotonic() + 120
     while True:
         st = _status(run_uri, tmp_path, wheel)

@@ -27,7 +27,7 @@ from composer_cloud.trainer.dataset_task import (
     missing_columns,
 )
 from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
-from conftest import SMALL_RUN_TOML
+from support.specs import SMALL_RUN_TOML
 
 ROWS = [{"question": f"What is {a} plus {b}?", "solution": str(a + b), "note": f"n{a}"}
         for a in range(6) for b in range(4)]

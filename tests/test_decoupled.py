@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -28,7 +27,10 @@ from composer_cloud.storage.store import Store
 from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
 from composer_cloud.sync.outer import OuterOptimizerConfig
-from conftest import SMALL_RUN_TOML
+from support.cli import cli
+from support.faults import slow_env, with_faults
+from support.local_jobs import kill_replica, kill_run, launch_stalled, replica_log
+from support.specs import SMALL_RUN_TOML
 
 SHAPES = {"w": (3,), "b": (2,)}
 # The merge math below is checked with DiLoCo's lr 0.7 / momentum 0.9, set in the spec like any other setting.
@@ -342,11 +344,6 @@ grace_max_s = 10
 """ + SMALL_RUN_TOML
 
 
-def _cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
 def _heartbeats(run: Store, n: int) -> list[dict]:
     return [run.get_json(f"replicas/{r}.json") for r in range(n)]
 
@@ -359,9 +356,9 @@ def _rounds(run: Store, rank: int) -> list[dict]:
 def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     cfg = tmp_path / "spec.toml"
     cfg.write_text(SPEC)
-    environ = {**os.environ, env.SLOW: "2:8"}
-    res = _cli(["launch", "--config", str(cfg), "--store", f"file://{tmp_path}/store", "--run-id", "slow"],
-               tmp_path, env=environ, timeout=180)
+    env = with_faults(slow_env({2: 8}))
+    res = cli("launch", "--config", str(cfg), "--store", f"file://{tmp_path}/store", "--run-id", "slow", cwd=tmp_path,
+              env=env, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = Store(f"file://{tmp_path}/store/slow")
     beats = _heartbeats(run, 3)
@@ -374,10 +371,10 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     assert final is not None and beats[2].get("final_version") == final
     last = dc.read_merge(run, _cfg("slow"), dc.merge_versions(run)[-1])
     assert last.final and last.version == final and sum(last.cursor.values()) >= 12, last.cursor
-    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
     out = tmp_path / "model"
-    res = _cli(["export", run.uri, "--out", str(out)], tmp_path)
+    res = cli("export", run.uri, "--out", str(out), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (out / "model.safetensors").exists()
 
@@ -395,23 +392,12 @@ def _with_rounds(rounds: int) -> str:
 
 
 def _start_stalled(tmp_path: Path, run_id: str, rank: int, seq: int, extra: str = "",
-                   slow: str = "", spec: str = SPEC) -> tuple[subprocess.Popen, Path]:
+                   slow: dict[int, float] | None = None, spec: str = SPEC) -> subprocess.Popen:
     """Launch attached; return once ``rank`` stalls in the inner steps after ``seq`` contributions."""
     cfg = tmp_path / f"{run_id}.toml"
     cfg.write_text(extra + spec)
-    marker = tmp_path / f"stalled-{run_id}"
-    environ = {**os.environ, env.STALL_AT: f"inner_step:{seq}:{rank}", env.STALL_MARKER: str(marker)}
-    if slow:
-        environ[env.SLOW] = slow
-    launcher = subprocess.Popen([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(cfg),
-                                 "--store", f"file://{tmp_path}/store", "--run-id", run_id], cwd=tmp_path, env=environ,
-                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert launcher.poll() is None, "launcher exited before the stall point: " + launcher.stdout.read()
-        assert time.monotonic() < deadline, "never reached the stall point"
-        time.sleep(0.2)
-    return launcher, marker
+    return launch_stalled(tmp_path, cfg, f"file://{tmp_path}/store", run_id, phase="inner_step", round=seq,
+                          rank=rank, extra_env=slow_env(slow) if slow else None, timeout=120)
 
 
 @pytest.mark.slow
@@ -419,8 +405,8 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
     # The others run 5x slower towards a 36-contribution budget, so replica 1 reaches its stall point first even
     # when it started seconds after them on a loaded machine (at full speed and 12 they once finished without it).
     rounds = 12
-    launcher, _ = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n", slow="0:5,2:5",
-                                 spec=_with_rounds(rounds))
+    launcher = _start_stalled(tmp_path, "kill", rank=1, seq=2, extra="max_restarts = 1\n", slow={0: 5, 2: 5},
+                              spec=_with_rounds(rounds))
     run = Store(f"file://{tmp_path}/store/kill")
     try:
         # While replica 1 hangs (like a SIGSTOPped job), the others make the fleet's budget and finish the run.
@@ -430,20 +416,19 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
             time.sleep(0.3)
         final = dc.read_final(run)
         assert final is not None  # completed without the straggler
-        jobs = Path(run.get_json("executor/1.json")["data"]["dir"])
-        os.kill(json.loads((jobs / "supervisor.json").read_text())["replica_pid"], signal.SIGKILL)
+        kill_replica(run.uri, 1)
         out, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 0, out[-3000:]
-    log = (jobs / "replica.log").read_text()
+    log = replica_log(run.uri, 1)
     # The restarted replica resumed its own state, found the run finished and stopped.
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
     assert dc.read_final(run) == final
     last = dc.read_merge(run, _cfg("kill"), final)
     assert last.final and last.cursor[1] == 2 and sum(last.cursor.values()) >= 3 * rounds
-    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
 
 
@@ -452,28 +437,22 @@ def test_resume_after_everything_is_killed(tmp_path):
     # The others run 10x slower towards a 36-contribution budget, so they are far from it when everything is
     # killed, even when rank 0 started seconds after them on a loaded machine (at 4x and 12 they once made it).
     rounds = 12
-    launcher, _ = _start_stalled(tmp_path, "resumed", rank=0, seq=2, slow="1:10,2:10", spec=_with_rounds(rounds))
+    launcher = _start_stalled(tmp_path, "resumed", rank=0, seq=2, slow={1: 10, 2: 10}, spec=_with_rounds(rounds))
     time.sleep(0.5)  # let the others publish and merge more
-    os.killpg(launcher.pid, signal.SIGKILL)
     run = Store(f"file://{tmp_path}/store/resumed")
-    for key in run.list("executor"):
-        try:
-            os.killpg(run.get_json(key)["data"]["pgid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    launcher.wait()
+    kill_run(run.uri, launcher)
     assert dc.read_final(run) is None
     before = dc.newest_version(run)
     assert before is not None
-    res = _cli(["resume", run.uri], tmp_path, timeout=180)
+    res = cli("resume", run.uri, cwd=tmp_path, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    st = json.loads(_cli(["status", run.uri, "--json"], tmp_path).stdout)
+    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed" and st["rounds_committed"] >= before, st
-    log = (Path(run.get_json("executor/0.json")["data"]["dir"]) / "replica.log").read_text()
+    log = replica_log(run.uri, 0)
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
     last = dc.read_merge(run, _cfg("resumed"), dc.merge_versions(run)[-1])
     assert last.final and sum(last.cursor.values()) >= 3 * rounds and dc.read_final(run) == last.version
-    res = _cli(["resume", run.uri], tmp_path)  # a finished decoupled run: nothing to resume
+    res = cli("resume", run.uri, cwd=tmp_path)  # a finished decoupled run: nothing to resume
     assert res.returncode == 0 and "nothing to resume" in res.stdout + res.stderr
-    res = _cli(["export", run.uri, "--out", str(tmp_path / "model")], tmp_path)
+    res = cli("export", run.uri, "--out", str(tmp_path / "model"), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr

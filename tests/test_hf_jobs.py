@@ -30,13 +30,12 @@ from composer_cloud.jobs.hf_jobs import (
     flavor_gpus,
     known_flavors,
 )
-from composer_cloud.jobs.wheel import WHEEL_PREFIX, build_wheel, stage_wheel
+from composer_cloud.jobs.wheel import WHEEL_PREFIX, stage_wheel
 from composer_cloud.storage.store import Store
 from composer_cloud.spec import spec_from_dict
-from hf_jobs_server import HARDWARE, HFJobsServer, make_job_python
-
-TOKEN = "hf_test_" + secrets.token_hex(8)
-NAMESPACE = "tester"
+from hf_jobs_server import HARDWARE
+from support.executors import code_argv, executor_spec, wait_finished, wait_state
+from support.hf_jobs import NAMESPACE, TOKEN
 
 # A job that proves it runs the *installed* wheel and can use the store.
 PROBE = """
@@ -48,89 +47,19 @@ print(f"probe rank {rank} ok", flush=True)
 """
 
 
-# ---------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def job_python(tmp_path_factory) -> Path:
-    return make_job_python(tmp_path_factory.mktemp("job-python"))
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    return build_wheel(tmp_path_factory.mktemp("wheel"))
-
-
-@pytest.fixture(scope="module")
-def server(job_python, tmp_path_factory):
-    with HFJobsServer(namespace=NAMESPACE, token=TOKEN, python_bin_dir=job_python,
-                      workdir=tmp_path_factory.mktemp("jobs"), base_env={"PIP_NO_INDEX": "1"}) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def job_constraints(tmp_path_factory) -> Path:
-    """The shipped pins, at the versions this test environment has (jobs install offline from it)."""
-    from importlib.metadata import version
-
-    lines = []
-    for line in REQUIREMENTS_PATH.read_text().splitlines():
-        name = line.split("#", 1)[0].split("==", 1)[0].strip()
-        if name:
-            lines.append(f"{name}=={version(name).split('+', 1)[0]}")
-    path = tmp_path_factory.mktemp("constraints") / "constraints.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.fixture
-def hf_env(server, monkeypatch, job_constraints):
-    """The standard variables: the executor must pick up HF_ENDPOINT and HF_TOKEN by itself.
-
-    Jobs install offline from this environment's packages, so their constraints are this
-    environment's versions of the shipped pins (``COMPOSER_CLOUD_CONSTRAINTS``).
-    """
-    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    monkeypatch.setenv("COMPOSER_CLOUD_CONSTRAINTS", str(job_constraints))
-    server.reject_create = None
-    return server
-
-
 def make_spec(tmp_path, run_id: str, **hf):
-    return spec_from_dict({"run_id": run_id, "store": f"file://{tmp_path}/store", "replicas": 2,
-                           "hf_jobs": {"flavor": "cpu-basic", **hf}})
+    return executor_spec("hf_jobs", store=f"file://{tmp_path}/store", run_id=run_id, **{"flavor": "cpu-basic", **hf})
 
 
 def run_uri_of(spec) -> str:
     return f"{Store(spec.store).uri}/{spec.run_id}"
 
 
-def argv(code: str):
-    return lambda run_uri, rank: ["python", "-c", code, run_uri, str(rank)]
-
-
-def wait_finished(ex, handle, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        status = ex.poll(handle)
-        if status.state.finished:
-            return status
-        assert time.monotonic() < deadline, f"job {handle.job_id} still {status} after {timeout}s"
-        time.sleep(0.2)
-
-
-def wait_state(ex, handle, state, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while (status := ex.poll(handle)).state is not state:
-        assert not status.state.finished, status
-        assert time.monotonic() < deadline, status
-        time.sleep(0.1)
-
-
 # ---------------------------------------------------------------------- launch / poll / logs
 def test_two_jobs_run_the_staged_wheel_and_complete(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-two")  # no namespace: resolved with whoami
     run_uri = run_uri_of(spec)
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(PROBE))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(PROBE))
     assert isinstance(ex, ServerlessExecutor)
     handles = ex.launch(run_uri, [0, 1])
     assert [h.rank for h in handles] == [0, 1]
@@ -172,7 +101,7 @@ def test_s3_store_wheel_and_credentials_travel_as_secrets(hf_env, s3_endpoint, w
     spec = spec_from_dict({"run_id": "run-s3-" + secrets.token_hex(3), "store": "s3://cc-test/hf-runs",
                            "hf_jobs": {"flavor": "cpu-basic", "namespace": NAMESPACE, "secrets": aws}})
     run_uri = f"{spec.store}/{spec.run_id}"
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(PROBE))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(PROBE))
     assert not [n for n in ex.plan(run_uri, [0]).notes if "launch would fail" in n or "no AWS" in n]
     (handle,) = ex.launch(run_uri, [0])
     status = wait_finished(ex, handle)
@@ -186,7 +115,7 @@ def test_s3_store_wheel_and_credentials_travel_as_secrets(hf_env, s3_endpoint, w
 def test_handles_reattach_from_another_process(hf_env, tmp_path, wheel, monkeypatch):
     spec = make_spec(tmp_path, "run-reattach", namespace=NAMESPACE)
     run_uri = run_uri_of(spec)
-    launcher = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("print('reattached', flush=True)"))
+    launcher = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("print('reattached', flush=True)"))
     handles = launcher.launch(run_uri, [0])
     records = [json.dumps(h.to_json()) for h in handles]  # what the CLI stores at <run>/executor/<rank>.json
 
@@ -204,7 +133,7 @@ def test_handles_reattach_from_another_process(hf_env, tmp_path, wheel, monkeypa
 def test_follow_logs_stream_until_the_job_ends(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-follow", namespace=NAMESPACE)
     code = "import time\nfor i in range(5):\n    print(f'tick {i}', flush=True); time.sleep(0.3)\n"
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code))
     (handle,) = ex.launch(run_uri_of(spec), [0])
     lines = list(ex.logs(handle, follow=True))
     assert [ln for ln in lines if ln.startswith("tick")] == [f"tick {i}" for i in range(5)]
@@ -214,7 +143,7 @@ def test_follow_logs_stream_until_the_job_ends(hf_env, tmp_path, wheel):
 def test_failed_job_surfaces_exit_code_and_last_lines(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-fail", namespace=NAMESPACE)
     code = "import sys\nfor i in range(40):\n    print(f'step {i}')\nsys.exit(7)\n"
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code))
     (handle,) = ex.launch(run_uri_of(spec), [0])
     status = wait_finished(ex, handle)
     assert status.state is ReplicaState.FAILED
@@ -227,7 +156,7 @@ def test_failed_job_surfaces_exit_code_and_last_lines(hf_env, tmp_path, wheel):
 def test_cancel_stops_a_long_job_and_is_idempotent(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-cancel", namespace=NAMESPACE)
     code = "import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n"
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code))
     (handle,) = ex.launch(run_uri_of(spec), [0])
     wait_state(ex, handle, ReplicaState.RUNNING)
     deadline = time.monotonic() + 60
@@ -251,7 +180,7 @@ def test_max_restarts_becomes_attempts(hf_env, tmp_path, wheel):
     code = ("import os, sys\nflag = os.path.join(os.environ['HOME'], 'tried')\n"
             "if not os.path.exists(flag):\n    open(flag, 'w').close(); print('first try fails'); sys.exit(3)\n"
             "print('second try ok')\n")
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code))
     (handle,) = ex.launch(run_uri_of(spec), [0])
     assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
     job = hf_env.jobs[handle.job_id]
@@ -271,7 +200,7 @@ def test_corrupt_wheel_is_never_installed(hf_env, tmp_path, wheel):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("print('must not run')"))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("print('must not run')"))
     ex._staged[run_uri] = staged  # as if staged earlier in this run; the store object is now damaged
     (handle,) = ex.launch(run_uri, [0])
     status = wait_finished(ex, handle)
@@ -283,7 +212,7 @@ def test_corrupt_wheel_is_never_installed(hf_env, tmp_path, wheel):
 # ---------------------------------------------------------------------- stages, errors, rollback
 def test_deleted_and_unknown_stages_and_missing_jobs(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-stages", namespace=NAMESPACE)
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("import time; time.sleep(600)"))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("import time; time.sleep(600)"))
     (handle,) = ex.launch(run_uri_of(spec), [0])
     wait_state(ex, handle, ReplicaState.RUNNING)
     job = hf_env.jobs[handle.job_id]
@@ -308,7 +237,7 @@ def test_deleted_and_unknown_stages_and_missing_jobs(hf_env, tmp_path, wheel):
 def test_failed_create_rolls_back_and_is_not_retried(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-rollback", namespace=NAMESPACE)
     hf_env.reject_create = lambda body: "no capacity" if body["labels"][LABEL_RANK] == "1" else None
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("import time; time.sleep(600)"))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("import time; time.sleep(600)"))
     before = set(hf_env.jobs)
     with pytest.raises(ExecutorError, match="rank 1") as err:
         ex.launch(run_uri_of(spec), [0, 1, 2])
@@ -345,7 +274,7 @@ def test_file_store_with_a_remote_endpoint_is_refused_before_any_work(tmp_path, 
 
 def test_unknown_flavor_warns_but_launches(hf_env, tmp_path, wheel):
     spec = make_spec(tmp_path, "run-flavor", namespace=NAMESPACE, flavor="h100x8")
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv("print('x')"))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("print('x')"))
     with pytest.warns(UserWarning, match="h100x8"):
         (handle,) = ex.launch(run_uri_of(spec), [0])
     assert hf_env.jobs[handle.job_id].body["flavor"] == "h100x8"
@@ -361,7 +290,7 @@ def test_secret_canary_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel,
     code = ("import hashlib, os\n"
             "print('sha', hashlib.sha256(os.environ['CANARY_SECRET'].encode()).hexdigest(), flush=True)\n")
     caplog.set_level("DEBUG")
-    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=argv(code))
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code))
     plan = ex.plan(run_uri, [0])
     handles = ex.launch(run_uri, [0])
     status = wait_finished(ex, handles[0])

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,8 @@ from composer_cloud import env
 from composer_cloud.storage.store import Store
 from composer_cloud.replica.telemetry import MetricsLog, Progress
 from composer_cloud.runs.metrics import list_objects, read_metrics, to_csv
-from conftest import SMALL_RUN_TOML
+from support.cli import cli
+from support.specs import SMALL_RUN_TOML
 
 
 def _log(store: Store, rank: int, launch: int, rounds: range, *, loss: float = 1.0) -> MetricsLog:
@@ -108,10 +107,6 @@ def test_progress_is_time_gated():
 
 
 # ---------------------------------------------------------------- end to end (local executor)
-def _cli(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
 
 def _spec(tmp_path: Path, extra: str = "") -> Path:
     p = tmp_path / "spec.toml"
@@ -123,7 +118,7 @@ def _spec(tmp_path: Path, extra: str = "") -> Path:
 def test_metrics_survive_resume_of_a_completed_run_and_cancel_resume(tmp_path):
     store = tmp_path / "store"
     cfg = _spec(tmp_path)
-    res = _cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "2", "--inner-steps", "2", "--run-id", "m",
+    res = cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "2", "--inner-steps", "2", "--run-id", "m",
                "--store", f"file://{store}", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     uri = f"file://{store}/m"
@@ -131,7 +126,7 @@ def test_metrics_survive_resume_of_a_completed_run_and_cancel_resume(tmp_path):
     assert len([r for r in rows if r["kind"] == "round"]) == 4 and len([r for r in rows if r["kind"] == "step"]) == 8
     assert [r["step"] for r in rows if r["kind"] == "step" and r["rank"] == 0] == [1, 2, 3, 4]
     # Resuming a completed run on another replica count re-runs nothing it must not; history stays.
-    res = _cli("resume", uri, "--replicas", "2", cwd=tmp_path)
+    res = cli("resume", uri, "--replicas", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     after = read_metrics(Store(uri), superseded=True)
     assert len([r for r in after if r["kind"] == "round"]) >= 4
@@ -193,7 +188,7 @@ def test_logs_merge_tail_since_follow(tmp_path, monkeypatch):
 def test_metrics_survive_cancel_and_resume(tmp_path):
     store = tmp_path / "store"
     cfg = _spec(tmp_path)
-    res = _cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "3", "--inner-steps", "60", "--run-id", "cr",
+    res = cli("launch", "-c", str(cfg), "--replicas", "2", "--rounds", "3", "--inner-steps", "60", "--run-id", "cr",
                "--store", f"file://{store}", "--detach", cwd=tmp_path,
                # 8x slower replicas: rounds 1-2 outlast the cancel even on a loaded CI box (the resume runs at speed).
                env={**os.environ, env.SLOW: "0:8,1:8"})
@@ -202,11 +197,11 @@ def test_metrics_survive_cancel_and_resume(tmp_path):
     deadline = time.monotonic() + 120
     while not list_objects(Store(uri), rank=1) and time.monotonic() < deadline:
         time.sleep(0.3)
-    res = _cli("cancel", uri, "--json", cwd=tmp_path)
+    res = cli("cancel", uri, "--json", cwd=tmp_path)
     assert res.returncode == 0 and json.loads(res.stdout)["cancelled"] == [0, 1], res.stdout + res.stderr
     before = {o.key for o in list_objects(Store(uri))}
     assert before
-    res = _cli("resume", uri, cwd=tmp_path)  # attached: waits for the end
+    res = cli("resume", uri, cwd=tmp_path)  # attached: waits for the end
     assert res.returncode == 0, res.stdout + res.stderr
     after = list_objects(Store(uri))
     assert before <= {o.key for o in after}  # nothing from the first launch was deleted

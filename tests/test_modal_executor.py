@@ -35,7 +35,7 @@ from composer_cloud.jobs.modal_jobs import (
     SpawnResult,
     run_replica_body,
 )
-from composer_cloud.spec import spec_from_dict
+from support.executors import code_argv, executor_spec, wait_finished
 
 
 # ---------------------------------------------------------------------- a fake seam
@@ -98,22 +98,14 @@ class FakeSeam:
 
 def make_spec(store="s3://bucket/runs", **modal):
     modal.setdefault("secrets", ["aws-creds"])  # an S3 store needs one (containers get credentials only from secrets)
-    return spec_from_dict({"run_id": "run-m", "store": store, "replicas": 2, "modal": modal})
+    return executor_spec("modal", store=store, run_id="run-m", **modal)
 
 
 RUN_URI = "s3://bucket/runs/run-m"
 
 
 def argv(code: str):
-    return lambda run_uri, rank: [sys.executable, "-c", code, run_uri, str(rank)]
-
-
-def wait_finished(ex, handle, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not (status := ex.poll(handle)).state.finished:
-        assert time.monotonic() < deadline, status
-        time.sleep(0.05)
-    return status
+    return code_argv(code, python=sys.executable)
 
 
 # ---------------------------------------------------------------------- options

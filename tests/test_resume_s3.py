@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from composer_cloud.hooks import PHASES
-from test_resume import baselines, check_resume_after_sigkill  # noqa: F401 - baselines is a fixture
+from support.faults import STALL_PHASES
+from support.resume import check_resume_after_sigkill
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("phase", STALL_PHASES)
 def test_resume_after_sigkill_on_s3_is_bitwise_exact(phase, tmp_path, baselines, s3_endpoint):
     check_resume_after_sigkill("s3", phase, tmp_path, baselines)

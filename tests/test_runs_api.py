@@ -7,25 +7,20 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import composer_cloud as cc
 from composer_cloud import runs
 from composer_cloud.runs import RunNotFound, open_run
-from conftest import SMALL_RUN_TOML
+from support.cli import cli
+from support.specs import SMALL_RUN_TOML
 
 SMALL = """
 replicas = 2
 rounds = 2
 inner_steps = 2
 """ + SMALL_RUN_TOML
-
-
-def _cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=env)
 
 
 @pytest.mark.slow
@@ -44,14 +39,14 @@ def test_python_api_launches_waits_and_reads_status(tmp_path):
     listed = cc.runs.list_runs(str(tmp_path / "store"))
     assert [(r.run_id, r.state, r.rounds_committed) for r in listed] == [("api", "completed", 2)]
     assert 0 <= time.time() - listed[0].launched_at < 600  # the age `ls` shows
-    res = _cli(["ls", str(tmp_path / "store"), "--json"], tmp_path, dict(os.environ))
+    res = cli("ls", str(tmp_path / "store"), "--json", cwd=tmp_path)
     assert res.returncode == 0 and json.loads(res.stdout)[0]["run_id"] == "api", res.stderr
-    res = _cli(["ls", str(tmp_path / "store")], tmp_path, dict(os.environ))
+    res = cli("ls", str(tmp_path / "store"), cwd=tmp_path)
     assert res.returncode == 0 and "age" in res.stdout and "completed" in res.stdout, res.stderr
 
 
 def test_version_flag(tmp_path):
-    res = _cli(["--version"], tmp_path, dict(os.environ))
+    res = cli("--version", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.strip() == f"composer-cloud {cc.__version__}"
 
 
@@ -77,26 +72,26 @@ def test_store_options_from_the_spec_reach_every_command(tmp_path, s3_endpoint):
     cfg = tmp_path / "spec.toml"
     cfg.write_text(f'store_options = {{ endpoint_url = "{s3_endpoint}" }}\n' + SMALL)
     run_uri = "s3://cc-test/opts/run"
-    res = _cli(["launch", "--config", str(cfg), "--store", "s3://cc-test/opts", "--run-id", "run"], tmp_path, env)
+    res = cli("launch", "--config", str(cfg), "--store", "s3://cc-test/opts", "--run-id", "run", cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr  # the replicas reached the store too
     # Without the option the store cannot be found: a clear error, no traceback.
-    res = _cli(["status", run_uri], tmp_path, env)
+    res = cli("status", run_uri, cwd=tmp_path, env=env)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     flag = ["--store-option", f"endpoint_url={s3_endpoint}"]
-    st = _cli(["status", run_uri, "--json", *flag], tmp_path, env)
+    st = cli("status", run_uri, "--json", *flag, cwd=tmp_path, env=env)
     assert st.returncode == 0 and json.loads(st.stdout)["state"] == "completed", st.stderr
     via_env = {**env, "COMPOSER_CLOUD_STORE_OPTIONS": json.dumps({"endpoint_url": s3_endpoint})}
-    assert json.loads(_cli(["status", run_uri, "--json"], tmp_path, via_env).stdout)["state"] == "completed"
-    logs = _cli(["logs", run_uri, "--replica", "0", *flag], tmp_path, env)
+    assert json.loads(cli("status", run_uri, "--json", cwd=tmp_path, env=via_env).stdout)["state"] == "completed"
+    logs = cli("logs", run_uri, "--replica", "0", *flag, cwd=tmp_path, env=env)
     assert logs.returncode == 0 and "completed" in logs.stdout, logs.stderr
-    res = _cli(["export", run_uri, "--out", str(tmp_path / "model"), *flag], tmp_path, env)
+    res = cli("export", run_uri, "--out", str(tmp_path / "model"), *flag, cwd=tmp_path, env=env)
     assert res.returncode == 0 and (tmp_path / "model/config.json").exists(), res.stderr
     # A finished run: cancel and resume are no-ops that say so (and do not turn it into "cancelled").
-    res = _cli(["cancel", run_uri, *flag], tmp_path, env)
+    res = cli("cancel", run_uri, *flag, cwd=tmp_path, env=env)
     assert res.returncode == 0 and "already completed" in res.stdout, res.stdout + res.stderr
-    res = _cli(["resume", run_uri, *flag], tmp_path, env)
+    res = cli("resume", run_uri, *flag, cwd=tmp_path, env=env)
     assert res.returncode == 0 and "nothing to resume" in res.stdout, res.stdout + res.stderr
-    st = _cli(["status", run_uri, "--json", *flag], tmp_path, env)
+    st = cli("status", run_uri, "--json", *flag, cwd=tmp_path, env=env)
     assert json.loads(st.stdout)["state"] == "completed"
 
 

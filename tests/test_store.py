@@ -20,7 +20,7 @@ from composer_cloud.retry import Outage, RetryPolicy, is_transient
 from composer_cloud.storage.backends import LocalBackend, is_precondition_failed
 from composer_cloud.storage.framing import derive_signing_key, frame, run_key_bytes, unframe
 from composer_cloud.storage.store import Store
-from conftest import _CTX, run_processes
+from support.processes import run_processes
 
 
 def test_put_get_roundtrip_and_counters(store_uri):

@@ -18,13 +18,9 @@ from composer_cloud.spec import spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.run import open_run, run_signing_key
 from composer_cloud.storage.store import Store
-from conftest import SMALL_RUN_TOML
+from support.cli import cli
+from support.specs import SMALL_RUN_TOML
 from storeproxy import StoreProxy
-
-
-def _cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env=env)
 
 
 @pytest.mark.parametrize("kind", ["moto", "seaweedfs"])
@@ -33,7 +29,8 @@ def test_launch_refuses_a_store_that_ignores_if_none_match(kind, tmp_path, reque
     with StoreProxy(server.endpoint) as proxy:
         proxy.set_mode("strip-if-none-match")
         env = {**os.environ, **server.env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        res = _cli(["launch", "--store", f"s3://{server.bucket}/split", "--run-id", "r"], tmp_path, env)
+        res = cli("launch", "--store", f"s3://{server.bucket}/split", "--run-id", "r", cwd=tmp_path, env=env,
+                  timeout=600)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "conditional_create" in res.stderr and f"s3://{server.bucket}/split" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
@@ -49,12 +46,12 @@ def test_three_replicas_complete_on_seaweedfs(tmp_path, s3_server_seaweedfs, mon
         monkeypatch.setenv(name, value)
     cfg = tmp_path / "spec.toml"
     cfg.write_text(SMALL_RUN_TOML)
-    res = _cli(["doctor", f"s3://{server.bucket}/e2e"], tmp_path)
+    res = cli("doctor", f"s3://{server.bucket}/e2e", cwd=tmp_path)
     assert res.returncode == 0 and "conforms" in res.stdout, res.stdout + res.stderr
-    res = _cli(["launch", "--config", str(cfg), "--replicas", "3", "--rounds", "3", "--inner-steps", "4",
-                "--run-id", "sw", "--store", f"s3://{server.bucket}/e2e"], tmp_path)
+    res = cli("launch", "--config", str(cfg), "--replicas", "3", "--rounds", "3", "--inner-steps", "4", "--run-id",
+              "sw", "--store", f"s3://{server.bucket}/e2e", cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    st = json.loads(_cli(["status", f"s3://{server.bucket}/e2e/sw", "--json"], tmp_path).stdout)
+    st = json.loads(cli("status", f"s3://{server.bucket}/e2e/sw", "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed" and st["rounds_committed"] == 3, st
     run = Store(f"s3://{server.bucket}/e2e/sw")
     digests = {run.get_json(f"replicas/{r}.json")["params_sha256"] for r in range(3)}
@@ -70,18 +67,18 @@ def test_a_run_signed_with_a_run_key_rejects_unsigned_objects(tmp_path):
     key = "k" * 48
     env = {**os.environ, "COMPOSER_CLOUD_RUN_KEY": key}
     store = f"file://{tmp_path}/store"
-    res = _cli(["launch", "--config", str(cfg), "--store", store, "--run-id", "signed"], tmp_path, env)
+    res = cli("launch", "--config", str(cfg), "--store", store, "--run-id", "signed", cwd=tmp_path, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    st = _cli(["status", f"{store}/signed", "--json"], tmp_path, env)
+    st = cli("status", f"{store}/signed", "--json", cwd=tmp_path, env=env)
     assert st.returncode == 0 and json.loads(st.stdout)["state"] == "completed", st.stderr
     assert Store(f"{store}/signed").get_json("spec.json")["signed"] is True
     # Without the key a process cannot tell forged objects from real ones: it refuses the run, naming the secret.
     unsigned = {k: v for k, v in os.environ.items() if k != "COMPOSER_CLOUD_RUN_KEY"}
-    res = _cli(["status", f"{store}/signed"], tmp_path, unsigned)
+    res = cli("status", f"{store}/signed", cwd=tmp_path, env=unsigned)
     assert res.returncode == 2 and "COMPOSER_CLOUD_RUN_KEY" in res.stderr, res.stderr
     # A bucket writer without the key replaces the spec: with the key, the run is refused by name.
     Store(f"{store}/signed").put_json("spec.json", {"replicas": 1})
-    res = _cli(["status", f"{store}/signed"], tmp_path, env)
+    res = cli("status", f"{store}/signed", cwd=tmp_path, env=env)
     assert res.returncode == 2 and "spec.json" in res.stderr and key not in res.stderr + res.stdout, res.stderr
 
 

@@ -26,7 +26,7 @@ from composer_cloud.errors import BadObject
 from composer_cloud.storage.records import Outcome, Quorum
 from composer_cloud.storage.framing import HEADER_BYTES, frame
 from composer_cloud.storage.store import Store
-from conftest import run_processes
+from support.processes import run_processes
 from workers import allreduce_config, diloco_worker, payload, reference_diloco
 
 NUMEL = 999

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from composer_cloud.runs import open_run
 from composer_cloud.runs.metrics import read_metrics
-from conftest import SMALL_RUN_TOML
+from support.cli import cli
+from support.hf_jobs import NAMESPACE
+from support.local_jobs import replica_log
+from support.specs import SMALL_RUN_TOML
 
 TASK = '''
 """A user task: answer "yes"; prompts come from a file next to this module."""
@@ -60,22 +63,19 @@ def test_user_task_from_an_unrelated_directory_runs_on_the_local_executor(tmp_pa
                                     + spec)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" or "project" not in v}
-    res = subprocess.run([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", str(user / "spec.toml"),
-                          "--store", f"file://{tmp_path}/store", "--run-id", "mine"], cwd=elsewhere,
-                         capture_output=True, text=True, timeout=600, env=env)
+    run_uri = f"file://{tmp_path}/store/mine"
+    res = _user_cli("launch", "--config", str(user / "spec.toml"), "--store", f"file://{tmp_path}/store",
+                    "--run-id", "mine", cwd=elsewhere)
     assert res.returncode == 0, res.stdout + res.stderr
-    spec_json = json.loads((tmp_path / "store/mine/spec.json").read_bytes()[16:])
-    assert spec_json["code"]["ref"]["modules"] == ["my_tasks"]
-    assert spec_json["model"]["name"] == str(user / "tiny-model") and spec_json["code"]["files"] == {}
-    log = (tmp_path / "store/mine/jobs/0/replica.log").read_text()
+    launched = open_run(run_uri).spec
+    assert launched.code.ref["modules"] == ["my_tasks"]
+    assert launched.model.name == str(user / "tiny-model") and launched.code.files == {}
+    log = replica_log(run_uri, 0)
     assert "user code ['my_tasks'] installed" in log, log[-2000:]
     assert f"loading model {user / 'tiny-model'} with transformers" in log
 
 
 # ---------------------------------------------------------------------- HF Jobs + s3:// (issue 12, "done when")
-from test_hf_jobs import NAMESPACE, hf_env, job_constraints, job_python, server, wheel  # noqa: E402,F401 - fixtures
-
 AWS = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"]
 
 
@@ -98,10 +98,10 @@ def _user_project(root: Path, *, model_dir: bool) -> Path:
     return user
 
 
-def _cli(args, cwd, **env_extra):
+def _user_cli(*args: str, cwd: Path, **env_extra: str) -> subprocess.CompletedProcess:
+    """The CLI without the user's folder on ``PYTHONPATH``: the replicas can only get user code from the store."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" or "project" not in v}
-    return subprocess.run([sys.executable, "-m", "composer_cloud.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env={**env, **env_extra})
+    return cli(*args, cwd=cwd, env={**env, **env_extra}, timeout=600)
 
 
 @pytest.mark.slow
@@ -138,13 +138,13 @@ secrets = {json.dumps(AWS)}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     store = f"s3://cc-test/e2e-{_secrets.token_hex(3)}"
-    res = _cli(["launch", "--config", str(user / "spec.toml"), "--executor", "hf-jobs", "--store", store,
-                "--run-id", "mine", "--detach"], elsewhere, COMPOSER_CLOUD_PREBUILT_WHEEL=str(wheel))
+    res = _user_cli("launch", "--config", str(user / "spec.toml"), "--executor", "hf-jobs", "--store", store,
+                    "--run-id", "mine", "--detach", cwd=elsewhere, COMPOSER_CLOUD_PREBUILT_WHEEL=str(wheel))
     assert res.returncode == 0, res.stdout + res.stderr
     (user / "tiny-model").rename(user / "moved-away")
     run_uri = f"{store}/mine"
     final = wait(run_uri, timeout_s=300)
-    logs = _cli(["logs", run_uri, "--replica", "0"], elsewhere).stdout
+    logs = _user_cli("logs", run_uri, "--replica", "0", cwd=elsewhere).stdout
     assert final.state == "completed", (final, logs[-3000:])
     spec = open_run(run_uri).spec
     assert spec.model.name == "./tiny-model" and spec.code.files["model.name"].startswith("dirs/")
@@ -157,7 +157,7 @@ secrets = {json.dumps(AWS)}
 def test_hf_jobs_with_an_s3_store_and_no_secrets_exits_2_and_writes_nothing(tmp_path, s3_endpoint, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     store = "s3://cc-test/no-secrets"
-    res = _cli(["launch", "--executor", "hf-jobs", "--store", store, "--run-id", "x"], tmp_path)
+    res = _user_cli("launch", "--executor", "hf-jobs", "--store", store, "--run-id", "x", cwd=tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     # (the CLI prints errors as rich markup, which swallows "[hf_jobs]": match around it)
     assert "AWS_ACCESS_KEY_ID" in res.stderr and "secrets has no AWS credentials" in res.stderr

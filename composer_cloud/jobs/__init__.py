@@ -1,10 +1,18 @@
-"""Executors: where replica jobs run. Looked up by name, imported lazily."""
+"""Executors: where replica jobs run. Looked up by name, imported lazily.
+
+Modules: ``base`` (the :class:`ServerlessExecutor` protocol and its records),
+``remote`` (the plumbing every remote executor shares), ``restarts`` (the one
+mapping of ``max_restarts``), ``environment`` (what a job's environment holds),
+one module per backend (``local``, ``modal_jobs``, ``hf_jobs``), ``wheel``
+(the package wheel HF Jobs install).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from composer_cloud.jobs.base import (
+    CostEstimate,
     ExecutorError,
     JobHandle,
     LaunchPlan,
@@ -65,6 +73,7 @@ def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:
 
 __all__ = [
     "EXECUTORS",
+    "CostEstimate",
     "ExecutorError",
     "JobHandle",
     "LaunchPlan",

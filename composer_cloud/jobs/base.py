@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from composer_cloud.errors import ExecutorError  # noqa: F401 - what executors raise
 from composer_cloud.storage.records import JobHandle  # noqa: F401 - the record a launch returns
@@ -76,9 +76,46 @@ class LaunchPlan:
     cost_basis: str = ""
 
 
+@dataclass(frozen=True)
+class CostEstimate:
+    """Dollars for ``jobs`` jobs of one executor (the cost fields of a :class:`LaunchPlan`).
+
+    Attributes:
+        hourly_usd: all jobs running for one hour.
+        estimated_usd: all jobs running until their timeout, once.
+        max_usd: all jobs running until their timeout on every attempt.
+        basis: where the price came from (and when), or why there is none.
+    """
+
+    hourly_usd: float | None
+    estimated_usd: float | None
+    max_usd: float | None
+    basis: str
+
+    @classmethod
+    def of(cls, *, jobs: int, price_per_job_hour_usd: float | None, timeout_s: float, attempts: int,
+           basis: str) -> "CostEstimate":
+        if price_per_job_hour_usd is None:
+            return cls(None, None, None, basis)
+        hourly = jobs * price_per_job_hour_usd
+        once = hourly * timeout_s / 3600
+        return cls(hourly, once, once * max(1, attempts), basis)
+
+    def plan_fields(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`LaunchPlan`."""
+        return {"hourly_cost_usd": self.hourly_usd, "estimated_cost_usd": self.estimated_usd,
+                "max_cost_usd": self.max_usd, "cost_basis": self.basis}
+
+
 def replica_command(run_uri: str, rank: int, *, python: str = "python") -> list[str]:
     """The command every executor runs for one replica."""
     return [python, "-m", "composer_cloud.replica", "--run", run_uri, "--rank", str(rank)]
+
+
+def run_id_of(run_uri: str) -> str:
+    """``s3://bucket/prefix/run-1`` -> ``run-1`` (the run directory's name; names jobs, apps, job dirs)."""
+    tail = run_uri.rstrip("/").rsplit("/", 1)[-1]
+    return tail.split("://", 1)[-1]
 
 
 @runtime_checkable
@@ -89,7 +126,18 @@ class ServerlessExecutor(Protocol):
     name: ClassVar[str]
 
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
-        """Describe the launch without doing it."""
+        """Describe the launch without doing it. Problems :meth:`preflight` would raise are notes here."""
+        ...
+
+    def preflight(self, run_uri: str, ranks: Sequence[int]) -> None:
+        """Refuse a launch that cannot work, before anything is built, staged or written.
+
+        Checks only what this process can see without starting anything
+        (settings, credentials named in the spec, whether the jobs can reach
+        the store). Raises :class:`ExecutorError` naming each problem and its
+        fix. The launcher calls it for every executor of a run before the
+        first record is written; :meth:`launch` calls it again.
+        """
         ...
 
     def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
@@ -105,5 +153,5 @@ class ServerlessExecutor(Protocol):
         ...
 
     def cancel(self, handle: JobHandle) -> None:
-        """Stop the job (and its children). Idempotent."""
+        """Stop the job (and its children). Idempotent: a finished or vanished job is left alone."""
         ...

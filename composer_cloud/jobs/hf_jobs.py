@@ -22,9 +22,10 @@ Invariants:
   already created for the other ranks are cancelled before the error is raised,
   so no GPU job is left running without a record to find it by.
 * **No blind retries of create.** ``run_job`` is a POST; retrying it after a
-  timeout could start a duplicate job. Reads (inspect, logs) and cancel are
-  idempotent and are retried on transient errors with the package's one
-  retry policy (:data:`RETRY`).
+  timeout could start a duplicate job. Reads (inspect, list, whoami) and
+  cancel are idempotent and are retried on transient errors (:func:`is_transient`:
+  transport errors, 429, 5xx) with the package's one retry policy
+  (:data:`~composer_cloud.jobs.remote.IDEMPOTENT_RETRY`).
 * **Refused before anything is written.** :meth:`HFJobsExecutor.preflight`
   checks what a launch needs that the launcher can see (store reachable from
   the jobs, credentials for an S3 store among the secrets, secret values
@@ -33,7 +34,8 @@ Invariants:
   with, so ``status``/``logs``/``cancel`` from another machine talk to the same
   server; the token is never stored (``HF_TOKEN`` or the saved login is used).
 
-The launcher honours ``HF_ENDPOINT`` and ``HF_TOKEN`` (standard
+Status caching, idempotent cancel, roll-back and the preflight's frame are
+:class:`~composer_cloud.jobs.remote.RemoteExecutor`'s. The launcher honours ``HF_ENDPOINT`` and ``HF_TOKEN`` (standard
 ``huggingface_hub`` behaviour). A ``file://`` store only works when the jobs
 share the launcher's filesystem, i.e. with a Jobs server on this machine (the
 tests' local server); for the real service use an ``s3://`` store and forward
@@ -49,35 +51,29 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from composer_cloud import env as cc_env
-from composer_cloud.jobs._common import (
-    FAILURE_TAIL_LINES,
-    CostEstimate,
-    failure_message,
-    job_env,
-    parse_exit_code,
-    run_id_of,
-    scheme_of,
-)
+from composer_cloud.images.container import FAILURE_TAIL_LINES, failure_message
 from composer_cloud.jobs.base import (
+    CostEstimate,
     ExecutorError,
     JobHandle,
     LaunchPlan,
     ReplicaState,
     ReplicaStatus,
     replica_command,
+    run_id_of,
 )
+from composer_cloud.jobs.remote import RemoteExecutor, parse_exit_code
+from composer_cloud.jobs.restarts import attempts as attempts_of
+from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.jobs.wheel import WHEEL_PREFIX, StagedWheel, build_and_stage_wheel
 from composer_cloud.storage.store import Store
-from composer_cloud.retry import RetryPolicy
 from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 LABEL_RUN = "composer-cloud-run"
@@ -86,8 +82,6 @@ BOOTSTRAP_PATH = Path(__file__).resolve().parent.parent / "images" / "hf_bootstr
 REQUIREMENTS_PATH = BOOTSTRAP_PATH.with_name("requirements.txt")
 #: The bootstrap line the launcher fills with the pinned constraints.
 _CONSTRAINTS_LINE = "CONSTRAINTS = None"
-#: Retries of idempotent Hub calls (inspect, logs, cancel, list, whoami): 4 calls, about 2 s at most.
-RETRY = RetryPolicy(attempts=4, base_s=0.25, cap_s=4.0)
 #: Secrets (names) a job needs to read an s3:// store: HF job secrets are environment variables, and a job
 #: has no credentials file, instance role or profile, so only the key pair works (plus AWS_SESSION_TOKEN
 #: for temporary keys).
@@ -151,7 +145,22 @@ def bootstrap_source(*, constraints: str | None = None) -> str:
     return source.replace(_CONSTRAINTS_LINE, f"CONSTRAINTS = {text!r}", 1)
 
 
-class HFJobsExecutor:
+def is_transient(exc: BaseException) -> bool:
+    """The Hub's transient errors: 429 and 5xx answers, transport errors (connection, timeout)."""
+    status = _status_code(exc)
+    if status is not None:
+        return status == 429 or status >= 500
+    try:
+        import httpx2
+
+        if isinstance(exc, httpx2.TransportError):
+            return True
+    except ImportError:  # pragma: no cover - huggingface_hub depends on it
+        pass
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+class HFJobsExecutor(RemoteExecutor):
     """Runs each replica as a Hugging Face Job.
 
     Args:
@@ -165,6 +174,7 @@ class HFJobsExecutor:
     """
 
     name: ClassVar[str] = "hf-jobs"
+    transient = staticmethod(is_transient)
 
     def __init__(
         self,
@@ -175,7 +185,7 @@ class HFJobsExecutor:
         wheel: str | os.PathLike[str] | None = None,
         replica_argv: Callable[[str, int], list[str]] = replica_command,
     ) -> None:
-        self.spec = spec
+        super().__init__(spec)
         # Read HF_ENDPOINT now, not huggingface_hub.constants.ENDPOINT (frozen when that module was imported).
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self._token = token
@@ -184,7 +194,6 @@ class HFJobsExecutor:
         self._apis: dict[str, Any] = {}
         self._namespace: str | None = spec.hf_jobs.namespace
         self._staged: dict[str, StagedWheel] = {}
-        self._final: dict[str, ReplicaStatus] = {}  # terminal statuses never change: cache them
         self._hardware: dict[str, Any] | None = None  # flavor -> JobHardwareInfo, read once
         self._lock = threading.Lock()
 
@@ -201,19 +210,9 @@ class HFJobsExecutor:
     def namespace(self) -> str:
         """``spec.hf_jobs.namespace``, else the token's user name (one ``whoami`` call, cached)."""
         if self._namespace is None:
-            who = self._retry("whoami", lambda: self._api().whoami())
+            who = self._call("whoami", lambda: self._api().whoami())
             self._namespace = str(who["name"])
         return self._namespace
-
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Call ``fn`` under :data:`RETRY` (transient: transport errors, 429, 5xx); errors become ExecutorError.
-
-        Only for idempotent calls: never wrap ``run_job`` in this.
-        """
-        try:
-            return RETRY.call(f"hf-jobs: {what}", fn, transient=_is_transient)
-        except Exception as exc:  # noqa: BLE001 - the last error, with what to do
-            raise self._error(what, exc) from exc
 
     def _error(self, what: str, exc: BaseException) -> ExecutorError:
         status = _status_code(exc)
@@ -236,29 +235,29 @@ class HFJobsExecutor:
                     "the server decides whether it exists"]
         return []
 
-    def _store_problem(self) -> str | None:
-        """Why the jobs could not read the store, or None."""
-        if scheme_of(self.spec.store) == "file" and urlparse(self.endpoint).hostname not in _LOOPBACK:
-            return (f"store {self.spec.store} is a local directory, which jobs on {self.endpoint} cannot read; "
-                    "use an s3:// store (a file:// store only works with a Jobs server on this machine)")
-        return None
+    def _shares_filesystem(self) -> bool:
+        return urlparse(self.endpoint).hostname in _LOOPBACK  # a Jobs server on this machine
+
+    def _remote_readers(self) -> str:
+        return f"jobs on {self.endpoint}"
+
+    def _local_store_fix(self) -> str:
+        return "use an s3:// store (a file:// store only works with a Jobs server on this machine)"
 
     def _job_env(self, staged: StagedWheel | None) -> dict[str, str]:
-        env = job_env(self.spec)
+        env = self.job_env()
         env[cc_env.WHEEL_URI] = staged.uri if staged else "<staged at launch>"
         env[cc_env.WHEEL_SHA256] = staged.sha256 if staged else "<staged at launch>"
-        if os.environ.get("HF_ENDPOINT"):
-            env["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]  # so a replica downloads models from the same Hub
         return env
 
-    def _s3_credentials_problem(self) -> str | None:
+    def _credentials_problem(self) -> str | None:
         """Why jobs would have no credentials for an s3:// store, or None.
 
         Jobs start with a clean environment: the only credentials they get are
         the job secrets, so both names of :data:`AWS_KEY_PAIR` must be among
         them; ``store_options.anon = true`` (a public bucket) needs none.
         """
-        if scheme_of(self.spec.store) not in ("s3", "s3a") or self.spec.store_options.get("anon"):
+        if not self._needs_s3_credentials():
             return None
         missing = [n for n in AWS_KEY_PAIR if n not in self.spec.hf_jobs.secrets]
         if not missing:
@@ -269,7 +268,7 @@ class HFJobsExecutor:
                 "their values are sent as HF job secrets, never stored")
 
     def _preflight_problems(self) -> list[str]:
-        problems = [p for p in (self._store_problem(), self._s3_credentials_problem()) if p]
+        problems = super()._preflight_problems()
         missing = [n for n in self.spec.hf_jobs.secrets if n not in os.environ]
         if missing:
             problems.append(
@@ -284,13 +283,9 @@ class HFJobsExecutor:
         Checks what the launcher can see without talking to anyone: the jobs
         can reach the store, an S3 store's credentials are among the secrets,
         every secret named in the spec has a value here. Raises
-        :class:`ExecutorError` naming each missing setting. :meth:`launch`
-        calls it too; call it first when other work (records, other
-        executors) would happen before :meth:`launch`.
+        :class:`ExecutorError` naming each missing setting.
         """
-        problems = self._preflight_problems()
-        if problems:
-            raise ExecutorError("hf-jobs: cannot launch: " + "; ".join(problems))
+        super().preflight(run_uri, ranks)
 
     def _secret_values(self) -> dict[str, str]:
         """Values of the secrets named in the spec, read from this process's environment (after :meth:`preflight`)."""
@@ -318,7 +313,7 @@ class HFJobsExecutor:
         Never raises: without a price the estimate is empty and its basis says why.
         """
         hf = self.spec.hf_jobs
-        attempts = self.spec.max_restarts + 1
+        attempts = attempts_of(self.spec, self.name)
         source = f"{self.endpoint}/api/jobs/hardware"
         try:
             info = self.hardware_prices().get(hf.flavor)
@@ -357,9 +352,9 @@ class HFJobsExecutor:
             f"{hf.timeout_s / 3600:g} h; jobs are billed until they exit",
             *self._flavor_notes(),
         ]
-        if self.spec.max_restarts:
-            notes.append(f"attempts={self.spec.max_restarts + 1} per job (max_restarts)")
-        notes.extend(f"launch would fail: {problem}" for problem in self._preflight_problems())
+        if relaunches(self.spec, self.name):
+            notes.append(f"attempts={attempts_of(self.spec, self.name)} per job (max_restarts)")
+        notes.extend(self._problem_notes())
         cost = self.cost_estimate(len(ranks))
         return LaunchPlan(
             executor=self.name,
@@ -399,7 +394,7 @@ class HFJobsExecutor:
         env = self._job_env(staged)
         bootstrap = bootstrap_source()
         run_id = run_id_of(run_uri)
-        attempts = self.spec.max_restarts + 1 if self.spec.max_restarts else None
+        attempts = attempts_of(self.spec, self.name) if relaunches(self.spec, self.name) else None
         api = self._api()
         handles: list[JobHandle] = []
         for rank in ranks:
@@ -439,13 +434,8 @@ class HFJobsExecutor:
             handles.append(handle)
         return handles
 
-    def _roll_back(self, handles: list[JobHandle]) -> None:
-        for h in handles:
-            try:
-                self.cancel(h)
-            except Exception as exc:  # noqa: BLE001 - best effort; the original error matters more
-                logger.error("hf-jobs: could not cancel job %s of rank %d after a failed launch (%s); "
-                             "cancel it by hand: hf jobs cancel %s", h.job_id, h.rank, exc, h.job_id)
+    def _manual_cancel_hint(self, handle: JobHandle) -> str:
+        return f"cancel it by hand: hf jobs cancel {handle.job_id}"
 
     # ------------------------------------------------------------------ re-attach
     def _where(self, handle: JobHandle) -> tuple[Any, str]:
@@ -453,30 +443,23 @@ class HFJobsExecutor:
         namespace = data.get("namespace") or self.namespace()
         return self._api(data.get("endpoint")), namespace
 
-    def poll(self, handle: JobHandle) -> ReplicaStatus:
+    def _fetch_status(self, handle: JobHandle) -> ReplicaStatus:
         """Map the job's stage to a :class:`ReplicaStatus`.
 
         A failed job's message carries the server's message and the job's last
         log lines; its exit code is parsed from the message when the server
         gives one.
         """
-        cached = self._final.get(handle.job_id)
-        if cached is not None:
-            return cached
-        from huggingface_hub.errors import JobNotFoundError
-
         api, namespace = self._where(handle)
         try:
-            info = self._retry(f"inspecting job {handle.job_id}",
-                               lambda: api.inspect_job(job_id=handle.job_id, namespace=namespace))
+            info = self._call(f"inspecting job {handle.job_id}",
+                              lambda: api.inspect_job(job_id=handle.job_id, namespace=namespace))
         except ExecutorError as err:
-            if isinstance(err.__cause__, JobNotFoundError):
-                status = ReplicaStatus(ReplicaState.FAILED, None,
-                                       f"job {handle.job_id} not found in namespace {namespace!r} at "
-                                       f"{handle.data.get('endpoint', self.endpoint)}; it was deleted, or the token "
-                                       "cannot see that namespace")
-                self._final[handle.job_id] = status
-                return status
+            if self._is_gone(err):
+                return ReplicaStatus(ReplicaState.FAILED, None,
+                                     f"job {handle.job_id} not found in namespace {namespace!r} at "
+                                     f"{handle.data.get('endpoint', self.endpoint)}; it was deleted, or the token "
+                                     "cannot see that namespace")
             raise
         stage = str(getattr(info.status.stage, "value", info.status.stage))
         message = info.status.message or ""
@@ -485,17 +468,14 @@ class HFJobsExecutor:
             logger.warning("hf-jobs: job %s has unknown stage %r; treating it as pending", handle.job_id, stage)
             return ReplicaStatus(ReplicaState.PENDING, None, f"unknown stage {stage}: {message}".strip())
         if state is ReplicaState.SUCCEEDED:
-            status = ReplicaStatus(state, 0, message)
-        elif state is ReplicaState.FAILED:
-            status = ReplicaStatus(state, parse_exit_code(message),
-                                   failure_message(f"HF job {handle.job_id} failed: {message or 'no message'}",
-                                                   self._tail(handle)))
-        elif state is ReplicaState.CANCELLED:
-            status = ReplicaStatus(state, None, message or f"job {stage.lower()}")
-        else:
-            return ReplicaStatus(state, None, message)
-        self._final[handle.job_id] = status
-        return status
+            return ReplicaStatus(state, 0, message)
+        if state is ReplicaState.FAILED:
+            return ReplicaStatus(state, parse_exit_code(message),
+                                 failure_message(f"HF job {handle.job_id} failed: {message or 'no message'}",
+                                                 self._tail(handle)))
+        if state is ReplicaState.CANCELLED:
+            return ReplicaStatus(state, None, message or f"job {stage.lower()}")
+        return ReplicaStatus(state, None, message)
 
     def _tail(self, handle: JobHandle, n: int = FAILURE_TAIL_LINES) -> list[str]:
         api, namespace = self._where(handle)
@@ -516,33 +496,21 @@ class HFJobsExecutor:
         except Exception as exc:  # noqa: BLE001
             raise self._error(f"fetching logs of job {handle.job_id}", exc) from exc
 
-    def cancel(self, handle: JobHandle) -> None:
-        """Cancel the job. Idempotent: a finished or vanished job is left alone."""
+    def _cancel_job(self, handle: JobHandle) -> None:
+        api, namespace = self._where(handle)
+        self._call(f"cancelling job {handle.job_id}", lambda: api.cancel_job(job_id=handle.job_id, namespace=namespace))
+
+    def _is_gone(self, err: ExecutorError) -> bool:
         from huggingface_hub.errors import JobNotFoundError
 
-        self._final.pop(handle.job_id, None)
-        if self.poll(handle).state.finished:
-            return
-        api, namespace = self._where(handle)
-        try:
-            self._retry(f"cancelling job {handle.job_id}",
-                        lambda: api.cancel_job(job_id=handle.job_id, namespace=namespace))
-        except ExecutorError as err:
-            if isinstance(err.__cause__, JobNotFoundError):
-                return
-            # Lost a race with the job ending? Then there is nothing to cancel.
-            self._final.pop(handle.job_id, None)
-            if self.poll(handle).state.finished:
-                return
-            raise
-        logger.info("hf-jobs: cancelled job %s (rank %d)", handle.job_id, handle.rank)
+        return isinstance(err.__cause__, JobNotFoundError)
 
     def find(self, run_uri: str) -> list[JobHandle]:
         """Handles of this run's jobs, found by label (for when records were lost), by rank."""
         api = self._api()
         namespace = self.namespace()
         run_id = run_id_of(run_uri)
-        infos = self._retry("listing jobs", lambda: list(api.list_jobs(labels={LABEL_RUN: run_id},
+        infos = self._call("listing jobs", lambda: list(api.list_jobs(labels={LABEL_RUN: run_id},
                                                                           namespace=namespace)))
         handles = []
         for info in infos:
@@ -559,20 +527,6 @@ class HFJobsExecutor:
 def _status_code(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)
     return getattr(response, "status_code", None)
-
-
-def _is_transient(exc: BaseException) -> bool:
-    status = _status_code(exc)
-    if status is not None:
-        return status == 429 or status >= 500
-    try:
-        import httpx2
-
-        if isinstance(exc, httpx2.TransportError):
-            return True
-    except ImportError:  # pragma: no cover - huggingface_hub depends on it
-        pass
-    return isinstance(exc, (ConnectionError, TimeoutError))
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,6 +21,9 @@ wrote (0600) with the handle's token, and the process group to signal must be
 the supervisor named in that directory, running ``composer_cloud.jobs.local
 supervise --dir <that directory>``. Anything else is refused with an
 :class:`~composer_cloud.jobs.base.ExecutorError`.
+
+Every wait here (following a log, a cancelled job's exit, the supervised
+replica) goes through :func:`composer_cloud.retry.poll_until`.
 """
 
 from __future__ import annotations
@@ -47,19 +50,42 @@ from composer_cloud.jobs.base import (
     ReplicaState,
     ReplicaStatus,
     replica_command,
+    run_id_of,
 )
+from composer_cloud.jobs.environment import job_env
+from composer_cloud.jobs.restarts import relaunches
+from composer_cloud.retry import PollPolicy, poll_until
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a cancelled supervisor gets to stop its replica (SIGTERM) before its group is killed.
+CANCEL_GRACE_S = 10.0
+#: Spacing of the waits on a log file, a process, a cancel file.
+_WAIT = PollPolicy(initial_s=0.05, max_s=0.5, factor=1.5)
+
 
 def job_dir(run_uri: str, rank: int) -> Path:
+    """Where the files of replica ``rank``'s job live: in the run's directory for a ``file://`` store."""
     if run_uri.startswith("file://"):
         return Path(run_uri[len("file://"):]) / "jobs" / str(rank)
-    run_id = run_uri.rstrip("/").rsplit("/", 1)[-1]
-    return Path("runs") / ".local-jobs" / run_id / str(rank)
+    return Path("runs") / ".local-jobs" / run_id_of(run_uri) / str(rank)
+
+
+def _creatable_dir_problem(d: Path) -> str | None:
+    """Why directory ``d`` could not be created by this process, or None. Creates nothing."""
+    existing = d
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 _SUPERVISOR_MODULE = "composer_cloud.jobs.local"
@@ -121,19 +147,45 @@ class LocalProcessExecutor:
     name: ClassVar[str] = "local"
 
     def __init__(self, spec: "RunSpec | None" = None) -> None:
-        self.max_restarts = spec.max_restarts if spec is not None else 0
-        self.store_options = dict(spec.store_options) if spec is not None else {}
-        self.code_ref = spec.code.ref if spec is not None else None
+        self.spec = spec
+        self.max_restarts = relaunches(spec, self.name) if spec is not None else 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
+
+    def _job_env(self) -> dict[str, str]:
+        """This process's environment plus the replica's variables (no secret is added; the replica inherits)."""
+        environ = os.environ.copy()
+        environ.setdefault(env.THREADS, str(self.threads))
+        if self.spec is not None:
+            environ.update(job_env(self.spec))
+        else:
+            environ.setdefault("PYTHONUNBUFFERED", "1")
+        return environ
+
+    def _preflight_problems(self, run_uri: str) -> list[str]:
+        jobs = job_dir(run_uri, 0).resolve().parent
+        problem = _creatable_dir_problem(jobs)
+        if problem is None:
+            return []
+        return [f"the job directory {jobs} cannot be created ({problem}); launch from a directory you can write "
+                "to, or use a file:// store there (jobs then live in the run's directory)"]
+
+    def preflight(self, run_uri: str, ranks: Sequence[int]) -> None:
+        """Refuse a launch whose job directories (logs, exit codes) cannot be created here. Creates nothing."""
+        problems = self._preflight_problems(run_uri)
+        if problems:
+            raise ExecutorError(f"{self.name}: cannot launch: " + "; ".join(problems))
 
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
         return LaunchPlan(executor=self.name, ranks=list(ranks), image="(this machine's Python environment)",
                           command=replica_command(run_uri, ranks[0] if ranks else 0, python=sys.executable),
                           env_names=[env.THREADS], secret_names=[], gpu="none",
                           estimated_gpu_hours=0.0,
-                          notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}"])
+                          notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}",
+                                 *(f"launch would fail: {p}" for p in self._preflight_problems(run_uri))])
 
     def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
+        self.preflight(run_uri, ranks)
+        environ = self._job_env()
         handles = []
         for rank in ranks:
             d = job_dir(run_uri, rank).resolve()
@@ -146,13 +198,6 @@ class LocalProcessExecutor:
                 f.write(token)
             cmd = [sys.executable, "-m", _SUPERVISOR_MODULE, "supervise", "--dir", str(d),
                    "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
-            environ = os.environ.copy()
-            environ.setdefault(env.THREADS, str(self.threads))
-            environ.setdefault("PYTHONUNBUFFERED", "1")
-            if self.store_options:  # non-secret (the spec refuses credentials); replicas open the run with them
-                environ[env.STORE_OPTIONS] = json.dumps(self.store_options, sort_keys=True)
-            if self.code_ref:
-                environ[env.CODE_REF] = json.dumps(self.code_ref, sort_keys=True)
             with open(os.devnull, "rb") as devnull:
                 proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, env=environ)
@@ -180,28 +225,36 @@ class LocalProcessExecutor:
         return ReplicaStatus(ReplicaState.FAILED, None, "supervisor vanished without recording an exit code")
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
+        """The replica's output lines (every restart's); with ``follow``, until the job ends."""
         path = _verified_dir(handle) / "replica.log"
         pos = 0
         while True:
+            # The state is read before the file, so the lines written before the end are all read.
+            finished = not follow or self.poll(handle).state.finished
             if path.exists():
                 with open(path, "r", errors="replace") as f:
                     f.seek(pos)
                     for line in f:
                         yield line.rstrip("\n")
                     pos = f.tell()
-            if not follow or self.poll(handle).state.finished:
+            if finished:
                 return
-            time.sleep(0.5)
+            seen = pos
+            poll_until(lambda: True if _size(path) > seen or self.poll(handle).state.finished else None,
+                       deadline=None, on_timeout=_never, policy=_WAIT)
 
     def cancel(self, handle: JobHandle) -> None:
+        """SIGTERM the supervisor's group, SIGKILL it after :data:`CANCEL_GRACE_S`; record the cancel. Idempotent."""
         d = _verified_dir(handle)
         (d / "cancel").touch()  # the supervisor also polls for this file
         pgid = _supervisor_pgid(handle, d)
         if pgid is not None:
             os.killpg(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while _alive(pgid) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            try:
+                poll_until(lambda: None if _alive(pgid) else True, deadline=time.monotonic() + CANCEL_GRACE_S,
+                           on_timeout=_StillAlive, policy=_WAIT)
+            except _StillAlive:
+                pass  # killed below
             if _supervisor_pgid(handle, d) == pgid:
                 try:
                     os.killpg(pgid, signal.SIGKILL)
@@ -209,6 +262,24 @@ class LocalProcessExecutor:
                     pass
         if _read_json(d / "exit.json") is None:
             _write_json(d / "exit.json", {"exit_code": None, "cancelled": True, "message": "cancelled"})
+
+
+class _StillAlive(Exception):
+    """A cancelled process group outlived its grace period."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"still alive after {waited_s:.1f}s")
+
+
+def _never(waited_s: float) -> BaseException:  # pragma: no cover - a wait without a deadline never times out
+    return RuntimeError(f"a wait without a deadline timed out after {waited_s:.1f}s")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _alive(pid: int) -> bool:
@@ -250,14 +321,15 @@ def supervise(directory: Path, max_restarts: int, command: list[str]) -> int:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             _write_json(directory / "supervisor.json",
                         {"supervisor_pid": os.getpid(), "replica_pid": proc.pid, "restarts": restarts})
-            while True:
-                try:
-                    code = proc.wait(timeout=0.5)
-                    break
-                except subprocess.TimeoutExpired:
-                    if cancelled or (directory / "cancel").exists():
-                        cancelled = True
-                        proc.terminate()
+
+            def stop_if_cancelled(_failed: int, proc: subprocess.Popen = proc) -> None:
+                nonlocal cancelled
+                if cancelled or (directory / "cancel").exists():
+                    cancelled = True
+                    proc.terminate()  # again on every probe until it exits
+
+            code: int = poll_until(proc.poll, deadline=None, on_timeout=_never, policy=_WAIT,
+                                   between=stop_if_cancelled)
             if cancelled:
                 _write_json(directory / "exit.json", {"exit_code": code, "cancelled": True, "restarts": restarts})
                 return code

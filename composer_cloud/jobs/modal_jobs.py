@@ -22,17 +22,22 @@ Invariants:
   ``modal.FunctionCall.from_id``.
 * **All or nothing launch.** If spawning rank k fails, the calls already
   spawned are cancelled before the error is raised.
+* **Reads and cancels are retried**, on the errors :func:`is_transient`
+  names (a lost connection to Modal), with the package's one policy; a
+  spawn never is (a retry after a lost answer could start a second call).
 * **Failures carry their cause.** A replica that exits non-zero raises
   :class:`ReplicaFailed` in the container (so Modal's retry policy applies);
   its message has the exit code and the last output lines, which
   :meth:`ModalExecutor.poll` surfaces.
+
+Status caching, idempotent cancel, roll-back and the preflight's frame are
+:class:`~composer_cloud.jobs.remote.RemoteExecutor`'s.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import logging
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,21 +45,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 from composer_cloud.images.container import ReplicaFailed, run_replica_body  # noqa: F401 - re-exported
-from composer_cloud.jobs._common import (
-    CostEstimate,
-    job_env,
-    parse_exit_code,
-    run_id_of,
-    scheme_of,
-)
 from composer_cloud.jobs.base import (
+    CostEstimate,
     ExecutorError,
     JobHandle,
     LaunchPlan,
     ReplicaState,
     ReplicaStatus,
     replica_command,
+    run_id_of,
 )
+from composer_cloud.jobs.remote import RemoteExecutor, parse_exit_code
+from composer_cloud.jobs.restarts import attempts as attempts_of
+from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -63,7 +66,8 @@ logger = logging.getLogger(__name__)
 KNOWN_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S", "H100", "H100!", "H200", "B200")
 _NO_GPU = ("", "cpu", "none")
 _APP_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]")
-_MODAL_MAX_RETRIES = 10
+#: Errors of the Modal client (``modal.exception``) that a later identical call can succeed on.
+_TRANSIENT_MODAL_ERRORS = frozenset({"ConnectionError", "InternalFailure"})
 
 #: Modal's published per-second price of one GPU (USD), by GPU type, and whether we could confirm it.
 #: Taken 2026-11-23. modal.com/pricing itself was not readable from here; the confirmed numbers are
@@ -267,8 +271,18 @@ def _lines(message: str) -> list[str]:
     return message.splitlines()
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Modal's transient errors: ``modal.exception.ConnectionError`` (the client could not reach Modal after
+    its own retries), ``InternalFailure`` (Modal's "retriable internal error"), and the builtin connection
+    and timeout errors. Matched by name, so this module needs no ``modal`` import."""
+    cls = type(exc)
+    if cls.__module__ == "modal.exception" and cls.__name__ in _TRANSIENT_MODAL_ERRORS:
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
 # ---------------------------------------------------------------------- executor
-class ModalExecutor:
+class ModalExecutor(RemoteExecutor):
     """Runs each replica as a Modal FunctionCall.
 
     Args:
@@ -279,19 +293,20 @@ class ModalExecutor:
     """
 
     name: ClassVar[str] = "modal"
+    transient = staticmethod(is_transient)
 
     def __init__(self, spec: RunSpec, *, seam: ModalSeam | None = None,
                  replica_argv: Callable[[str, int], list[str]] = replica_command) -> None:
-        self.spec = spec
+        super().__init__(spec)
         self.seam: ModalSeam = seam or ModalSDKSeam()
         self._replica_argv = replica_argv
-        self._final: dict[str, ReplicaStatus] = {}
 
     # ------------------------------------------------------------------ options
     def function_options(self) -> FunctionOptions:
         """GPU ``TYPE[:COUNT]``, timeout, retries and secret names from the spec.
 
-        Retries are ``max(modal.retries, max_restarts)`` (Modal allows at most 10).
+        Retries are :func:`~composer_cloud.jobs.restarts.relaunches` (``max(modal.retries, max_restarts)``,
+        at most 10).
         """
         m = self.spec.modal
         gpu_type = m.gpu.strip()
@@ -309,7 +324,7 @@ class ModalExecutor:
             raise ExecutorError("modal.secrets has an empty name; list Modal secret names "
                                 "(see `modal secret list`)")
         return FunctionOptions(gpu=gpu, timeout_s=m.timeout_s,
-                               retries=min(_MODAL_MAX_RETRIES, max(m.retries, self.spec.max_restarts)),
+                               retries=relaunches(self.spec, self.name),
                                secret_names=tuple(m.secrets))
 
     def gpus_per_replica(self) -> int:
@@ -324,16 +339,15 @@ class ModalExecutor:
             return [f"GPU type {gpu!r} is not one Modal documents ({', '.join(KNOWN_GPUS)}); Modal decides"]
         return []
 
-    def _store_problem(self) -> str | None:
-        if scheme_of(self.spec.store) == "file":
-            return (f"store {self.spec.store} is a local directory, which Modal containers cannot read; "
-                    "use an s3:// store and attach its credentials as a Modal secret")
-        return None
+    def _remote_readers(self) -> str:
+        return "Modal containers"
+
+    def _local_store_fix(self) -> str:
+        return "use an s3:// store and attach its credentials as a Modal secret"
 
     def _credentials_problem(self) -> str | None:
         """An S3 store with no Modal secret attached (containers get credentials only from secrets)."""
-        if (scheme_of(self.spec.store) in ("s3", "s3a") and not self.spec.modal.secrets
-                and not self.spec.store_options.get("anon")):
+        if self._needs_s3_credentials() and not self.spec.modal.secrets:
             return (f"store {self.spec.store} is S3 but modal.secrets is empty, so containers would have no "
                     "credentials: `modal secret create NAME AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...` "
                     "and set [modal] secrets = [\"NAME\"]")
@@ -350,14 +364,12 @@ class ModalExecutor:
         :class:`ExecutorError`.
         """
         self.function_options()  # raises on a bad GPU count or an empty secret name
-        problem = self._store_problem() or self._credentials_problem()
-        if problem:
-            raise ExecutorError(f"modal: cannot launch: {problem}")
+        super().preflight(run_uri, ranks)
 
     def cost_estimate(self, jobs: int) -> CostEstimate:
         """Dollars for ``jobs`` calls from :data:`MODAL_GPU_PRICE_PER_S` (GPU time only). Never raises."""
         opts = self.function_options()
-        attempts = opts.retries + 1
+        attempts = attempts_of(self.spec, self.name)
         if opts.gpu is None:
             return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=opts.timeout_s,
                                    attempts=attempts, basis="no GPU price: CPU-only calls (CPU and memory are "
@@ -381,12 +393,6 @@ class ModalExecutor:
     def app_name(self, run_uri: str) -> str:
         return _APP_NAME_UNSAFE.sub("-", f"{self.spec.modal.app_name}-{run_id_of(run_uri)}")[:64]
 
-    def _env(self) -> dict[str, str]:
-        env = job_env(self.spec)
-        if os.environ.get("HF_ENDPOINT"):
-            env["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]
-        return env
-
     # ------------------------------------------------------------------ protocol
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
         """What :meth:`launch` would do. Talks to nothing."""
@@ -402,13 +408,8 @@ class ModalExecutor:
             f"estimated_gpu_hours is an upper bound: {len(ranks)} call(s) x {gpus} GPU(s) x timeout "
             f"{opts.timeout_s / 3600:g} h; Modal bills per second while a container runs",
             *self._gpu_notes(),
+            *self._problem_notes(),
         ]
-        problem = self._store_problem()
-        if problem:
-            notes.append(f"launch would fail: {problem}")
-        credentials = self._credentials_problem()
-        if credentials:
-            notes.append(f"launch would fail: {credentials}")
         cost = self.cost_estimate(len(ranks))
         return LaunchPlan(
             executor=self.name,
@@ -417,7 +418,7 @@ class ModalExecutor:
                    f"{len(modal_image.pinned_requirements())} pinned packages (uv) "
                    "(composer_cloud/images/requirements.txt) + local composer_cloud source"),
             command=list(self._replica_argv(run_uri, ranks[0] if ranks else 0)),
-            env_names=sorted(self._env()),
+            env_names=sorted(self.job_env()),
             secret_names=list(opts.secret_names),
             gpu=opts.gpu or "none (CPU)",
             estimated_gpu_hours=len(ranks) * gpus * opts.timeout_s / 3600,
@@ -432,7 +433,7 @@ class ModalExecutor:
         for note in self._gpu_notes():
             warnings.warn(note, stacklevel=2)
             logger.warning("modal: %s", note)
-        env = self._env()
+        env = self.job_env()
         ranks = list(ranks)
         requests = [SpawnRequest(rank=r, argv=list(self._replica_argv(run_uri, r)), env=dict(env)) for r in ranks]
         app_name = self.app_name(run_uri)
@@ -440,7 +441,7 @@ class ModalExecutor:
         try:
             result = self.seam.spawn(app_name=app_name, options=opts, requests=requests)
         except PartialSpawnError as exc:
-            self._roll_back(exc.call_ids)
+            self._roll_back(self._handles(ranks, exc.call_ids))
             raise ExecutorError(
                 f"modal: spawning replicas failed after {len(exc.call_ids)} of {len(ranks)} "
                 f"({type(exc.cause).__name__}: {exc.cause}); the spawned calls were cancelled. "
@@ -449,7 +450,7 @@ class ModalExecutor:
             raise ExecutorError(f"modal: launching app {app_name!r} failed ({type(exc).__name__}: {exc}). "
                                 f"{_hint(exc)}") from exc
         if len(result.call_ids) != len(ranks):
-            self._roll_back(result.call_ids)
+            self._roll_back(self._handles(ranks, result.call_ids))
             raise ExecutorError(f"modal: expected {len(ranks)} FunctionCall ids, got {len(result.call_ids)}; "
                                 "the spawned calls were cancelled")
         handles = []
@@ -467,28 +468,21 @@ class ModalExecutor:
             logger.info("modal: rank %d -> FunctionCall %s (app %s)", rank, call_id, result.app_id)
         return handles
 
-    def _roll_back(self, call_ids: Sequence[str]) -> None:
-        for call_id in call_ids:
-            try:
-                self.seam.cancel(call_id)
-            except Exception as exc:  # noqa: BLE001 - best effort; the launch error matters more
-                logger.error("modal: could not cancel FunctionCall %s after a failed launch (%s); stop the app "
-                             "in the Modal dashboard or with `modal app stop`", call_id, exc)
+    def _handles(self, ranks: Sequence[int], call_ids: Sequence[str]) -> list[JobHandle]:
+        """Bare handles of calls spawned for ``ranks`` (in order), for a roll-back."""
+        return [JobHandle(executor=self.name, rank=rank, job_id=call_id) for rank, call_id in zip(ranks, call_ids)]
 
-    def poll(self, handle: JobHandle) -> ReplicaStatus:
-        """Map the FunctionCall's state to a :class:`ReplicaStatus` (terminal ones are cached)."""
-        cached = self._final.get(handle.job_id)
-        if cached is not None:
-            return cached
-        try:
-            st = self.seam.state(handle.job_id)
-        except Exception as exc:  # noqa: BLE001
-            raise ExecutorError(f"modal: cannot get the state of FunctionCall {handle.job_id} "
-                                f"({type(exc).__name__}: {exc}). {_hint(exc)}") from exc
-        status = self._map(handle, st)
-        if status.state.finished:
-            self._final[handle.job_id] = status
-        return status
+    def _manual_cancel_hint(self, handle: JobHandle) -> str:
+        return "stop the app in the Modal dashboard or with `modal app stop`"
+
+    def _error(self, what: str, exc: BaseException) -> ExecutorError:
+        return ExecutorError(f"modal: {what} ({type(exc).__name__}: {exc}). {_hint(exc)}")
+
+    def _fetch_status(self, handle: JobHandle) -> ReplicaStatus:
+        """Map the FunctionCall's state to a :class:`ReplicaStatus`."""
+        st = self._call(f"cannot get the state of FunctionCall {handle.job_id}",
+                        lambda: self.seam.state(handle.job_id))
+        return self._map(handle, st)
 
     def _map(self, handle: JobHandle, st: CallState) -> ReplicaStatus:
         call = handle.job_id
@@ -531,17 +525,9 @@ class ModalExecutor:
             raise ExecutorError(f"modal: cannot fetch logs of FunctionCall {handle.job_id} "
                                 f"({type(exc).__name__}: {exc}). {_hint(exc)}") from exc
 
-    def cancel(self, handle: JobHandle) -> None:
-        """Cancel the call and terminate its container. Idempotent."""
-        self._final.pop(handle.job_id, None)
-        if self.poll(handle).state.finished:
-            return
-        try:
-            self.seam.cancel(handle.job_id)
-        except Exception as exc:  # noqa: BLE001
-            raise ExecutorError(f"modal: cannot cancel FunctionCall {handle.job_id} "
-                                f"({type(exc).__name__}: {exc}). {_hint(exc)}") from exc
-        logger.info("modal: cancelled FunctionCall %s (rank %d)", handle.job_id, handle.rank)
+    def _cancel_job(self, handle: JobHandle) -> None:
+        """Cancel the call and terminate its container."""
+        self._call(f"cannot cancel FunctionCall {handle.job_id}", lambda: self.seam.cancel(handle.job_id))
 
 
 def _hint(exc: BaseException) -> str:

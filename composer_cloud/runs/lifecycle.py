@@ -295,13 +295,10 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         _check_dataset(settings, local)
     run_uri = join_uri(spec.store, spec.run_id)
     for name, ranks in assign_ranks(spec.executor, spec.replicas):
-        ex = get_executor(name, spec)
-        preflight = getattr(ex, "preflight", None)
-        if preflight is not None:
-            try:
-                preflight(run_uri, ranks)
-            except ExecutorError as exc:
-                raise SpecError(name.replace("-", "_"), str(exc)) from None
+        try:
+            get_executor(name, spec).preflight(run_uri, ranks)
+        except ExecutorError as exc:
+            raise SpecError(name.replace("-", "_"), str(exc)) from None
     return None if bundle.empty else bundle
 
 

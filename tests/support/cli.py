@@ -1,0 +1,34 @@
+"""The ``composer-cloud`` CLI in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "composer_cloud.cli"]
+
+
+def cli(*args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``composer-cloud ARGS`` in ``cwd`` to completion; output captured as text.
+
+    ``env`` replaces the environment (default: this process's); ``timeout`` (s)
+    only guards against a hang, it asserts nothing.
+    """
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(env) if env is not None else None)
+
+
+def start_cli(*args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
+              capture: bool = True) -> subprocess.Popen:
+    """Start ``composer-cloud ARGS`` in its own session (so a test can kill its whole group).
+
+    With ``capture``, stdout and stderr go to one text pipe (read it with
+    ``communicate``); otherwise both are discarded.
+    """
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen([*CLI, *args], cwd=cwd, env=dict(env) if env is not None else None,
+                            start_new_session=True, stdout=out,
+                            stderr=subprocess.STDOUT if capture else subprocess.DEVNULL, text=True)

@@ -1,0 +1,46 @@
+"""Fault-injection environments for replica processes (see ``composer_cloud/replica/faults.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from composer_cloud import env
+from composer_cloud.hooks import PHASES
+
+#: The phases a replica can be stalled at (``inner_step``, ``upload``, ``reduce``, ``checkpoint``, ``global_upload``).
+STALL_PHASES = PHASES
+
+
+def stall_env(phase: str, round: int, rank: int, marker: Path) -> dict[str, str]:
+    """Variables that stall replica ``rank`` at ``phase`` of ``round`` once, creating ``marker`` when it does."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown stall phase {phase!r}; choose one of {PHASES}")
+    return {env.STALL_AT: f"{phase}:{round}:{rank}", env.STALL_MARKER: str(marker)}
+
+
+def slow_env(factors: Mapping[int, float]) -> dict[str, str]:
+    """Variables that make each rank in ``factors`` run ``factor`` times slower (simulated slow hardware)."""
+    return {env.SLOW: ",".join(f"{rank}:{factor:g}" for rank, factor in factors.items())}
+
+
+def with_faults(*parts: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment plus fault variables."""
+    out = dict(os.environ)
+    for part in parts:
+        out.update(part)
+    return out
+
+
+def wait_for_marker(marker: Path, launcher: subprocess.Popen, *, timeout: float = 180, what: str = "") -> None:
+    """Return once ``marker`` exists; fail if the launcher exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if launcher.poll() is not None:
+            out = launcher.stdout.read() if launcher.stdout is not None else ""
+            raise AssertionError(f"launcher exited before the stall point {what}: {out[-3000:]}")
+        assert time.monotonic() < deadline, f"never reached the stall point {what}"
+        time.sleep(0.2)

@@ -1,0 +1,136 @@
+"""Bitwise-resume helpers: export a run's weights, compare them, and the shared uninterrupted baselines.
+
+A baseline is the exported model of an uninterrupted run of :data:`~support.specs.RESUME_SPEC`
+on one store kind. Every module that compares against one (resume, failover, store faults)
+shares it: the ``baselines`` fixture builds each kind once per test session, in a cache
+directory that pytest-xdist's workers share (the first worker to need a kind builds it under a
+file lock; the others wait and read it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+from safetensors.torch import load_file
+
+from composer_cloud.storage.store import Store
+from support.cli import cli
+from support.local_jobs import kill_run, launch_stalled
+from support.specs import RESUME_SPEC
+from support.stores import store_uri_for
+
+Weights = dict[str, torch.Tensor]
+
+
+def launch_run(cwd: Path, store: str, run_id: str, spec: str = RESUME_SPEC, *, env: dict | None = None,
+               timeout: float = 300):
+    """``composer-cloud launch`` of ``spec`` (written to ``cwd/spec.toml``), attached, to completion."""
+    cfg = cwd / "spec.toml"
+    cfg.write_text(spec)
+    return cli("launch", "--config", str(cfg), "--store", store, "--run-id", run_id, cwd=cwd, env=env,
+               timeout=timeout)
+
+
+def export_weights(cwd: Path, run_uri: str, name: str) -> Weights:
+    """``composer-cloud export`` of the run into ``cwd/name``; its weights."""
+    out = cwd / name
+    res = cli("export", run_uri, "--out", str(out), cwd=cwd)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    return load_file(out / "model.safetensors")
+
+
+def same_weights(a: Weights, b: Weights) -> bool:
+    """Bitwise equality of two exported models (names, dtypes, every element)."""
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
+
+
+def kill_run_at(cwd: Path, store: str, run_id: str, phase: str, *, spec: str = RESUME_SPEC) -> None:
+    """Launch, wait until rank 0 stalls at ``phase`` of round 2, SIGKILL launcher and every replica."""
+    cfg = cwd / "spec.toml"
+    cfg.write_text(spec)
+    launcher = launch_stalled(cwd, cfg, store, run_id, phase=phase, round=2, rank=0, capture=False)
+    time.sleep(0.5)  # let the other replica get deep into its own waits
+    kill_run(f"{store}/{run_id}", launcher)
+
+
+def check_resume_after_sigkill(kind: str, phase: str, tmp_path: Path, baselines: Baselines) -> None:
+    """Kill launcher and every replica at ``phase`` of round 2, resume: the model equals the uninterrupted one.
+
+    The matrix of ``test_resume.py`` (file://) and ``test_resume_s3.py`` (S3, its own module so the two run
+    on separate workers).
+    """
+    expected = baselines.get(kind, tmp_path)
+    store = store_uri_for(kind, tmp_path)
+    run_id = f"killed-{phase}"
+    kill_run_at(tmp_path, store, run_id, phase)
+    run_uri = f"{store}/{run_id}"
+    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    if phase == "checkpoint":
+        # Checkpoint writes run in the background: training may have gone on,
+        # but the stalled round-2 checkpoint is torn (no manifest).
+        assert not Store(run_uri).exists("checkpoints/00000002/manifest.json")
+    else:
+        assert st["rounds_committed"] < 4
+    res = cli("resume", run_uri, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = export_weights(tmp_path, run_uri, f"resumed-{phase}")
+    assert same_weights(got, expected), f"resume after a kill at {phase} diverged"
+
+
+class Baselines:
+    """The exported weights of an uninterrupted :data:`RESUME_SPEC` run per store kind, built once per session.
+
+    Args:
+        cache: a directory every xdist worker of the session sees.
+    """
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+        self._loaded: dict[str, Weights] = {}
+
+    def path(self, kind: str) -> Path:
+        key = hashlib.sha256(f"{kind}\n{RESUME_SPEC}".encode()).hexdigest()[:12]
+        return self.cache / f"{kind}-{key}.safetensors"
+
+    def get(self, kind: str, tmp_path: Path) -> Weights:
+        """The baseline of ``kind`` (``file``, ``s3`` = moto, ``seaweedfs``), built in ``tmp_path`` if nobody has.
+
+        The test must already point the environment at the server of an S3 kind.
+        """
+        if kind not in self._loaded:
+            path = self.path(kind)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(path) + ".lock"):
+                if not path.exists():
+                    self._build(kind, tmp_path, path)
+            self._loaded[kind] = load_file(path)
+        return self._loaded[kind]
+
+    @staticmethod
+    def _build(kind: str, tmp_path: Path, path: Path) -> None:
+        work = tmp_path / f"baseline-{kind}"
+        work.mkdir()
+        store = store_uri_for(kind, work)
+        res = launch_run(work, store, "baseline")
+        assert res.returncode == 0, res.stdout + res.stderr
+        export_weights(work, f"{store}/baseline", "model")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        shutil.copyfile(work / "model" / "model.safetensors", tmp)
+        os.replace(tmp, path)  # whole or absent: a worker killed mid-copy leaves no baseline behind
+
+
+@pytest.fixture(scope="session")
+def baselines(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Baselines:
+    """Uninterrupted runs' weights by store kind, shared by every module and xdist worker of the session."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root if worker_id == "master" else root.parent  # xdist: pytest-N/popen-gwK -> pytest-N
+    return Baselines(shared / "resume-baselines")

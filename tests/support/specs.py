@@ -1,0 +1,49 @@
+"""Run specs (TOML) the end-to-end tests and the benchmarks share."""
+
+from __future__ import annotations
+
+#: A model and trainer small enough for multi-process CLI tests on 2 cores.
+SMALL_RUN_TOML = """
+[model]
+hidden_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 128
+[trainer]
+name = "causal-lm"
+batch_size = 4
+seq_len = 32
+"""
+
+#: The kill/resume matrix's run: 2 replicas, 4 lock-step rounds, every checkpoint kept.
+RESUME_SPEC = """
+replicas = 2
+min_replicas = 2
+rounds = 4
+inner_steps = 4
+keep_checkpoints = 10
+[sync]
+quorum_timeout_s = 60
+round_timeout_s = 120
+""" + SMALL_RUN_TOML
+
+
+def with_sync(spec: str, **settings: object) -> str:
+    """``spec`` with ``[sync]`` settings replaced or added (values written as TOML literals)."""
+    head, sep, sync = spec.partition("[sync]\n")
+    if not sep:
+        raise ValueError("spec has no [sync] table")
+    lines = sync.split("\n")
+    body_end = next((i for i, line in enumerate(lines) if line.startswith("[")), len(lines))
+    body = [line for line in lines[:body_end] if line.split("=", 1)[0].strip() not in settings]
+    body = [line for line in body if line] + [f"{k} = {_toml(v)}" for k, v in settings.items()]
+    return head + sep + "\n".join(body) + "\n" + "\n".join(lines[body_end:])
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)

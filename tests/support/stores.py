@@ -1,0 +1,27 @@
+"""Store URIs per store kind, and pointing a test at one of the session's S3 servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def store_uri_for(kind: str, tmp_path: Path) -> str:
+    """A fresh store for one test: ``file://<tmp>/store``, or a prefix of the ``cc-test`` bucket for S3 kinds.
+
+    ``kind`` is ``file``, or ``s3``/``moto``/``seaweedfs`` (which server answers is set by the ``AWS_*``
+    environment, see :func:`use_s3_server`).
+    """
+    if kind == "file":
+        return f"file://{tmp_path}/store"
+    if kind in ("s3", "moto", "seaweedfs"):
+        return f"s3://cc-test/{tmp_path.name}"
+    raise ValueError(f"unknown store kind {kind!r}")
+
+
+def use_s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Point this test (and the processes it starts) at the session's ``kind`` server (``moto``/``seaweedfs``)."""
+    server = request.getfixturevalue(f"s3_server_{kind}")
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
