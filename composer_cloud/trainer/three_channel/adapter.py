@@ -22,10 +22,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 import trl
-from accelerate.utils import is_peft_model
 from trl import GRPOConfig
 from trl.trainer.utils import pad
 
+from composer_cloud.lora import is_lora_model
 from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
 from composer_cloud.trainer.dataset_task import DatasetTask
@@ -374,7 +374,7 @@ def build_three_channel_trainer(ctx: TrainerContext) -> ThreeChannelTrainer:
         from composer_cloud.trainer.three_channel.rollout import check_vllm_rollout
 
         check_vllm_rollout(torch.device(ctx.device).type)
-    lora = ctx.model.peft_config["default"] if is_peft_model(ctx.model) else None
+    lora = ctx.model.peft_config["default"] if is_lora_model(ctx.model) else None
     if lora is not None and lora.lora_dropout:
         raise ValueError("model.lora.dropout: the three-channel trainer runs without dropout (GRPO's importance "
                          f"ratios compare two forwards of the same tokens); set it to 0 (got {lora.lora_dropout})")

@@ -23,10 +23,10 @@ import logging
 from typing import Any, Mapping
 
 import torch
-from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head, pad, selective_log_softmax
 
+from composer_cloud.lora import is_lora_model
 from composer_cloud.trainer.loss import (
     DPOInputs,
     LossOutput,
@@ -115,7 +115,7 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             # A LoRA model needs no copy: with its adapters disabled it is the
             # model the run started from (fresh adapters add zero), which is
             # how TRL scores the reference when ref_model is None.
-            if not is_peft_model(model):
+            if not is_lora_model(model):
                 ref_model = copy.deepcopy(model).eval().requires_grad_(False)
             grpo_args.beta = 0.0
         try:
