@@ -4,10 +4,17 @@
 config and a byte-level BPE tokenizer trained in memory on the built-in
 corpus, so a run needs no download and no network. Any other model reference
 is a Hugging Face model id or a local directory, loaded with transformers.
+
+:func:`load_spec_model` applies the ``[model]`` table's compute settings:
+the attention kernel (:func:`resolve_attention`), gradient checkpointing,
+LoRA (:mod:`composer_cloud.lora`) and the compute precision, which it records
+on the model for the trainer (:func:`compute_precision`). Parameters are
+float32 in every case (a LoRA model's frozen base may be bfloat16).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,6 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 TINY = "tiny"
+#: Attribute of a loaded model that records its ``[model] precision`` (read with :func:`compute_precision`).
+PRECISION_ATTR = "composer_cloud_precision"
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,9 @@ def build_tokenizer(vocab_size: int = 1024) -> Any:
     return fast
 
 
-def build_tiny_model(tokenizer: Any, *, seed: int, config: TinyModelConfig | None = None) -> torch.nn.Module:
+def build_tiny_model(
+    tokenizer: Any, *, seed: int, config: TinyModelConfig | None = None, attention: str = "sdpa"
+) -> torch.nn.Module:
     """A freshly initialised Qwen2 causal LM; identical on every replica for a given seed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -81,6 +92,7 @@ def build_tiny_model(tokenizer: Any, *, seed: int, config: TinyModelConfig | Non
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        attn_implementation=attention,
     )
     # Initialisation draws from torch's global RNG: fork it so that building a
     # model does not perturb the caller's RNG stream.
@@ -97,15 +109,18 @@ def load_model(
     seed: int,
     device: torch.device | str = "cpu",
     tiny: TinyModelConfig | None = None,
+    attention: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.nn.Module, Any]:
     """Return ``(model, tokenizer)`` for ``ref``: ``"tiny"``, a hub id or a local path.
 
-    Models are loaded in float32: DiLoCo keeps an fp32 copy of the global
-    parameters and the outer step is applied in the parameters' dtype.
+    Models are loaded in float32 unless ``dtype`` says otherwise: DiLoCo keeps
+    an fp32 copy of the global parameters and the outer step is applied in the
+    parameters' dtype (only a LoRA model's frozen base is ever loaded in bf16).
     """
     if ref == TINY:
         tokenizer = build_tokenizer((tiny or TinyModelConfig()).vocab_size)
-        model = build_tiny_model(tokenizer, seed=seed, config=tiny)
+        model = build_tiny_model(tokenizer, seed=seed, config=tiny, attention=attention).to(dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,15 +128,74 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(ref)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, attn_implementation=attention)
     return model.to(device), tokenizer
 
 
+def flash_attention_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(choice: str, *, device: torch.device | str, precision: str) -> str:
+    """The transformers ``attn_implementation`` for ``[model] attention`` on ``device``.
+
+    ``auto``: ``flash_attention_2`` on a CUDA device with bf16 when ``flash_attn``
+    is installed, else ``sdpa`` (PyTorch's fused attention). Raises ``ValueError``
+    naming ``model.attention`` for flash-attention where it cannot run.
+    """
+    on_cuda = torch.device(device).type == "cuda"
+    if choice == "auto":
+        return "flash_attention_2" if on_cuda and precision == "bf16" and flash_attention_installed() else "sdpa"
+    if choice == "flash_attention_2":
+        if not on_cuda:
+            raise ValueError(f"model.attention: flash_attention_2 needs a CUDA GPU; this replica runs on {device}")
+        if precision != "bf16":
+            raise ValueError('model.attention: flash_attention_2 computes in half precision; set model.precision = "bf16"')
+        if not flash_attention_installed():
+            raise ValueError("model.attention: flash_attention_2 needs the flash-attn package "
+                             "(pip install flash-attn --no-build-isolation), or use \"sdpa\"")
+    return choice
+
+
+def check_precision(precision: str, device: torch.device | str) -> None:
+    """Raise ``ValueError`` naming ``model.precision`` when ``device`` cannot compute in it."""
+    device = torch.device(device)
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f'model.precision: {torch.cuda.get_device_name(device)} has no bfloat16 support '
+                         '(GPUs before Ampere); use "fp32"')
+
+
+def compute_precision(model: torch.nn.Module) -> str:
+    """The ``[model] precision`` a model was loaded for (``"fp32"`` when not loaded by :func:`load_spec_model`)."""
+    return str(getattr(model, PRECISION_ATTR, "fp32"))
+
+
 def load_spec_model(model_spec: Any, *, seed: int, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)`` for a spec's ``[model]`` table (its shape fields apply to ``"tiny"`` only)."""
+    """``(model, tokenizer)`` for a spec's ``[model]`` table (its shape fields apply to ``"tiny"`` only).
+
+    Applies the attention kernel, gradient checkpointing (non-reentrant), LoRA
+    (``[model.lora]``: a PEFT model whose adapters alone are trainable) and
+    records the compute precision on the model (:func:`compute_precision`).
+    """
+    precision = getattr(model_spec, "precision", "fp32")
+    lora = getattr(model_spec, "lora", None)
+    check_precision(precision, device)
+    attention = resolve_attention(getattr(model_spec, "attention", "auto"), device=device, precision=precision)
     tiny = TinyModelConfig(**{k: getattr(model_spec, k) for k in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
-    return load_model(model_spec.name, seed=seed, device=device, tiny=tiny)
+    # A LoRA base never changes: under bf16 it is stored in bf16 (half the memory); PEFT keeps the adapters fp32.
+    dtype = torch.bfloat16 if lora is not None and precision == "bf16" else torch.float32
+    model, tokenizer = load_model(model_spec.name, seed=seed, device=device, tiny=tiny, attention=attention,
+                                  dtype=dtype)
+    if getattr(model_spec, "gradient_checkpointing", False):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        from composer_cloud.lora import apply_lora
+
+        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                           target_modules=lora.target_modules, seed=seed)
+    setattr(model, PRECISION_ATTR, precision)
+    return model, tokenizer
 
 
 def count_parameters(model: torch.nn.Module) -> int:

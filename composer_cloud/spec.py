@@ -34,8 +34,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
+class LoraSpec(_Strict):
+    """``[model.lora]``: train low-rank adapters (PEFT LoRA) instead of the whole model.
+
+    Only the adapter parameters are trained, synced and checkpointed; the base
+    model stays as loaded. ``alpha / r`` scales the adapter's update.
+    ``target_modules`` is PEFT's: ``"all-linear"`` (every linear layer but the
+    output head) or a list of module-name suffixes (``["q_proj", "v_proj"]``).
+    """
+
+    r: int = Field(default=16, gt=0, le=4096)
+    alpha: float = Field(default=32.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: str | list[str] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules_named(cls, v: str | list[str]) -> str | list[str]:
+        if (isinstance(v, str) and not v) or (isinstance(v, list) and (not v or not all(v))):
+            raise ValueError('name at least one module ("all-linear", or e.g. ["q_proj", "v_proj"])')
+        return v
+
+
 class ModelSpec(_Strict):
-    """``name`` is ``"tiny"`` (built in) or a Hugging Face model id / local directory."""
+    """``name`` is ``"tiny"`` (built in) or a Hugging Face model id / local directory.
+
+    ``precision = "bf16"`` computes forwards and backwards in bfloat16 under
+    autocast (GPU and CPU) while parameters, gradients and optimizer state stay
+    float32, so DiLoCo's pseudo-gradients are float32 and a CPU resume stays
+    bitwise. Under LoRA the frozen base is stored in bfloat16 (it never
+    changes) and the adapters in float32.
+    """
 
     name: str = "tiny"
     # Shape overrides for the built-in tiny model only.
@@ -44,6 +73,20 @@ class ModelSpec(_Strict):
     num_attention_heads: int = Field(default=4, gt=0)
     num_key_value_heads: int = Field(default=2, gt=0)
     intermediate_size: int = Field(default=688, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    #: Recompute activations in the backward pass (less memory, ~30% more compute).
+    gradient_checkpointing: bool = False
+    #: ``auto``: flash-attention 2 on a CUDA GPU with bf16 where ``flash_attn`` is installed, else SDPA.
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    lora: LoraSpec | None = None
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _no_fp16(cls, v: Any) -> Any:
+        if v == "fp16":
+            raise ValueError('"fp16" is not supported: it needs loss scaling, which would skip optimizer steps '
+                             'that DiLoCo counts; use "bf16" (GPUs since Ampere, and CPUs) or "fp32"')
+        return v
 
 
 class InnerOptimizerSpec(_Strict):
@@ -241,6 +284,7 @@ class RunSpec(_Strict):
         if sync.mode == "decoupled" and frags > 1:
             raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
                             "(it merges whole models); set sync.fragments = 1")
+        _check_compute(self)
         outer = self.outer_optimizer
         if outer.lr is None or outer.momentum is None:  # assigning re-validates once, with both set
             lr, momentum = OUTER_DEFAULTS[sync.mode]
@@ -263,6 +307,20 @@ class RunSpec(_Strict):
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def _check_compute(spec: "RunSpec") -> None:
+    """Refuse ``[model]`` / ``trainer.rollout`` combinations that cannot run, whatever machine checks them."""
+    model = spec.model
+    if model.attention == "flash_attention_2":
+        if spec.device == "cpu":
+            raise SpecError("model.attention", 'flash_attention_2 runs on CUDA GPUs only; use "sdpa" on device = "cpu"')
+        if model.precision != "bf16":
+            raise SpecError("model.attention", 'flash_attention_2 computes in half precision; set model.precision = '
+                            '"bf16" or use "sdpa"')
+    rollout = (spec.trainer.model_extra or {}).get("rollout")
+    if rollout == "vllm" and spec.device == "cpu":
+        raise SpecError("trainer.rollout", '"vllm" generates on a CUDA GPU; use rollout = "hf" with device = "cpu"')
 
 
 def _walk_keys(d: Any, prefix: str = "") -> list[str]:

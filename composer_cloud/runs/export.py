@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 def export_model(run: Run, out: Path, *, round: int | None = None) -> int:
     """Write ``save_pretrained`` safetensors + config + tokenizer of the global params; returns the round.
 
+    A LoRA run's model is written merged (a plain transformers model, no PEFT needed to load it).
+
     ``round`` defaults to the latest valid checkpoint. Raises ``LookupError``
     naming the run if there is none, or if ``round`` has no global state.
     """
@@ -46,8 +48,8 @@ def export_model(run: Run, out: Path, *, round: int | None = None) -> int:
             except CorruptCheckpoint as exc:
                 logger.warning("checkpoint %d cannot be exported (%s); trying the previous one", found.round, exc)
                 before = found.round
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    from composer_cloud.lora import export_merged
+
+    export_merged(model, tokenizer, out)  # under [model.lora]: the adapters folded into the base
     logger.info("exported round %d to %s", round, out)
     return round

@@ -70,6 +70,7 @@ def pg_loss(
     max_completion_length: int | None = None,
     num_items: torch.Tensor | float | None = None,
     kl_bias_correction: bool = True,
+    sampling_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clipped-ratio policy-gradient loss of GRPO and its variants.
 
@@ -107,6 +108,11 @@ def pg_loss(
         max_completion_length: required for ``dr_grpo`` (its constant normaliser).
         num_items: ``dapo`` normaliser (tokens); defaults to ``mask.sum()``.
         kl_bias_correction: multiply the KL term by the ratio (TRL's default).
+        sampling_ratio: ``(B, T)`` or ``(B, 1)`` importance weights of the
+            training policy against the engine that sampled (vLLM); the
+            clipped term is multiplied by it, the KL term is not (TRL's
+            ``importance_sampling_ratio``, computed by ``GRPOTrainer`` from
+            ``vllm_importance_sampling_mode`` and its clip bounds).
 
     Returns:
         Scalar loss (nats per token for bnpo/dapo, per token averaged per
@@ -123,6 +129,8 @@ def pg_loss(
     coef_1 = torch.exp(logp - old_logp)
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if sampling_ratio is not None:
+        per_token_loss = per_token_loss * sampling_ratio
     if kl_coef != 0.0:
         if ref_logp is None:
             raise ValueError("kl_coef != 0 needs ref_logp")
@@ -288,6 +296,7 @@ class PGInputs:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     num_items: torch.Tensor | float | None = None
+    sampling_ratio: torch.Tensor | None = None
 
 
 @dataclass
@@ -360,6 +369,7 @@ def three_channel_loss(
             kl_coef=config.kl_coef,
             max_completion_length=config.completion_length,
             num_items=pg.num_items,
+            sampling_ratio=pg.sampling_ratio,
             kl_bias_correction=config.kl_bias_correction,
         )
         terms.append(config.pg_weight * value)

@@ -25,6 +25,8 @@ import trl
 from trl import GRPOConfig
 from trl.trainer.utils import pad
 
+from composer_cloud.lora import is_lora_model
+from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
 from composer_cloud.trainer.dataset_task import DatasetTask
 from composer_cloud.trainer.replay import ReplayBuffer, default_pairs_uri, load_pairs
@@ -84,7 +86,10 @@ class ThreeChannelTrainer:
         seed: int = 0,
         device: torch.device | str = "cpu",
         grad_clip: float = 1.0,
+        precision: str = "fp32",
     ) -> None:
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f'model.precision: {precision!r}; use "fp32" or "bf16"')
         self.model = model
         self.optimizer = optimizer
         self.tokenizer = tokenizer
@@ -98,8 +103,14 @@ class ThreeChannelTrainer:
         self.rng = RNGState(rank_seed, self.device)
         self.steps = 0
         self._last_reward: dict[str, float] = {}
+        #: Pushes of the policy's weights into the vLLM engine made by on_params_replaced() (0 with rollout = "hf").
+        self.engine_refreshes = 0
 
         s = settings
+        if s.rollout == "vllm":
+            from composer_cloud.trainer.three_channel.rollout import ensure_engine_model_dir
+
+            ensure_engine_model_dir(model, tokenizer)
         replay = None
         if s.dpo_weight != 0.0 and pairs:
             replay = ReplayBuffer(
@@ -112,9 +123,12 @@ class ThreeChannelTrainer:
             max_grad_norm=self.grad_clip,
             seed=rank_seed,
             use_cpu=self.device.type == "cpu",
-            bf16=False,
+            # bf16: autocast compute (accelerate's, GPU and CPU); parameters and AdamW state stay as loaded (fp32).
+            bf16=precision == "bf16",
             fp16=False,
-            activation_checkpointing=False,
+            # As the model was loaded (load_spec_model); TRL then turns it off around its no-grad forwards.
+            activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)),
+            activation_checkpointing_kwargs={"use_reentrant": False},
             disable_dropout=True,
             shuffle_dataset=False,
             report_to="none",
@@ -220,7 +234,7 @@ class ThreeChannelTrainer:
         self.model.eval()
         completions: list[str] = []
         try:
-            with forked_global_rngs(self.device):
+            with forked_global_rngs(self.device), self.grpo.accelerator.autocast():
                 for start in range(0, len(rows), 16):
                     chunk = rows[start : start + 16]
                     ids, _, _ = self.grpo._tokenize_prompts([r["prompt"] for r in chunk])
@@ -269,7 +283,7 @@ class ThreeChannelTrainer:
         self.model.eval()
         total, count = 0.0, 0
         try:
-            with forked_global_rngs(self.device):
+            with forked_global_rngs(self.device), self.grpo.accelerator.autocast():
                 for prompt, ref in pairs:
                     p = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
                     a = list(self.tokenizer(ref, add_special_tokens=False)["input_ids"]) + [eos]
@@ -282,6 +296,22 @@ class ThreeChannelTrainer:
             self.model.train(was_training)
         return total / max(count, 1)
 
+
+    # ------------------------------------------------------------------ weight refresh
+    def on_params_replaced(self) -> None:
+        """The model's parameters were replaced outside the optimizer (outer step, heal, adopt, restore).
+
+        With ``rollout = "vllm"`` the new weights are pushed into the engine now
+        (TRL's own push follows only a change of ``global_step``, which a
+        rollback to an earlier step does not make); with ``"hf"`` generation
+        reads the live parameters and there is nothing to do.
+        """
+        g = self.grpo
+        if not g.use_vllm:
+            return
+        g.vllm_generation.sync_weights()
+        g._last_loaded_step = g.state.global_step
+        self.engine_refreshes += 1
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -320,6 +350,8 @@ class ThreeChannelTrainer:
         self.steps = int(meta["steps"])
 
         g = self.grpo
+        if g.use_vllm:  # restored parameters: the engine is pushed again before it next generates
+            g._last_loaded_step = -1
         g._step = int(meta["grpo"]["step"])
         self._last_reward = dict(meta["grpo"].get("last_reward") or {})
         g._buffered_inputs = unpack_generation_buffer(tensors, meta["grpo"]["buffer"], g.accelerator.device)
@@ -338,6 +370,14 @@ class ThreeChannelTrainer:
 def build_three_channel_trainer(ctx: TrainerContext) -> ThreeChannelTrainer:
     """The runtime's factory: settings from ``ctx.settings``, AdamW from ``ctx.inner_optimizer``."""
     s = ThreeChannelSettings.from_settings(ctx.settings)
+    if s.rollout == "vllm":
+        from composer_cloud.trainer.three_channel.rollout import check_vllm_rollout
+
+        check_vllm_rollout(torch.device(ctx.device).type)
+    lora = ctx.model.peft_config["default"] if is_lora_model(ctx.model) else None
+    if lora is not None and lora.lora_dropout:
+        raise ValueError("model.lora.dropout: the three-channel trainer runs without dropout (GRPO's importance "
+                         f"ratios compare two forwards of the same tokens); set it to 0 (got {lora.lora_dropout})")
     task_options = dict(s.task_options)
     if s.task == "python-functions":
         task_options.setdefault(
@@ -383,6 +423,7 @@ def build_three_channel_trainer(ctx: TrainerContext) -> ThreeChannelTrainer:
         seed=ctx.seed,
         device=ctx.device,
         grad_clip=grad_clip,
+        precision=compute_precision(ctx.model),
     )
 
 

@@ -41,6 +41,7 @@ EXPECTED_HOOKS: dict[str, tuple[str, ...]] = {
         "compute_entropy",
     ),
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),
 }
 # Instance attributes of GRPOTrainer read or written by the subclass and the adapter (checked after __init__).
 EXPECTED_ATTRS: tuple[str, ...] = (

@@ -26,6 +26,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head, pad, selective_log_softmax
 
+from composer_cloud.lora import is_lora_model
 from composer_cloud.trainer.loss import (
     DPOInputs,
     LossOutput,
@@ -45,7 +46,7 @@ UNSUPPORTED_GRPO_ARGS: dict[str, Any] = {
     "importance_sampling_level": "token",
     "top_entropy_quantile": 1.0,
     "off_policy_mask_threshold": None,
-    "use_vllm": False,
+    "vllm_mode": "colocate",  # vLLM inside the replica's process; server mode needs a GPU of its own
     "entropy_coef": 0.0,
     "use_adaptive_entropy": False,
     "delta": None,
@@ -111,14 +112,18 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             # Copy before TRL patches model.forward (a deepcopy of the patched
             # model would keep calling the original's forward), and hide the
             # coefficient from TRL's __init__, which would load the reference by name.
-            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            # A LoRA model needs no copy: with its adapters disabled it is the
+            # model the run started from (fresh adapters add zero), which is
+            # how TRL scores the reference when ref_model is None.
+            if not is_lora_model(model):
+                ref_model = copy.deepcopy(model).eval().requires_grad_(False)
             grpo_args.beta = 0.0
         try:
             super().__init__(*args, **kwargs)
         finally:
             grpo_args.beta = kl_coef
+        self.beta = kl_coef
         if ref_model is not None:
-            self.beta = kl_coef
             self.ref_model = ref_model.to(self.accelerator.device)
             add_fused_lm_head(self.ref_model, temperature=self.temperature)
         check_trainer_attributes(self)
@@ -187,6 +192,14 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             has_hint &= ~(self._local_rewards(len(inputs)).to(device) >= self.settings.success_reward)
         output["has_hint"] = has_hint
         return output
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        # model.generate under the configured autocast (bf16 precision samples in bf16, as
+        # the loss computes); TRL runs it outside autocast. vLLM samples on its own.
+        if self.use_vllm:
+            return super()._generate_single_turn(*args, **kwargs)
+        with self.accelerator.autocast():
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         inputs = super()._prepare_inputs(generation_batch)
@@ -270,6 +283,8 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
                 old_logp=inputs.get("old_per_token_logps"),
                 ref_logp=inputs.get("ref_per_token_logps") if cfg.kl_coef != 0.0 else None,
                 num_items=num_items,
+                # vLLM rollouts: TRL's truncated/masked importance weights (None with rollout = "hf").
+                sampling_ratio=inputs.get("importance_sampling_ratio"),
             )
 
         if sdpo_rows is not None:

@@ -50,6 +50,8 @@ LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 DPOVariant = Literal["sigmoid", "simpo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
+Rollout = Literal["hf", "vllm"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
@@ -138,6 +140,11 @@ _GRPO_FIELDS: dict[str, str] = {
     "num_iterations": "num_iterations",
     "steps_per_generation": "steps_per_generation",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "vllm_importance_sampling_correction": "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode": "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min": "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max": "vllm_importance_sampling_clip_max",
+    "vllm_gpu_memory_utilization": "vllm_gpu_memory_utilization",
 }
 
 
@@ -180,6 +187,11 @@ class ThreeChannelSettings(ThreeChannelConfig):
         dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
             train on a dataset instead of a task (``docs/datasets.md``,
             :mod:`composer_cloud.trainer.dataset_task`).
+        rollout: ``"hf"`` (``model.generate``) or ``"vllm"`` (TRL's colocated vLLM engine, ``[vllm]`` extra).
+        vllm_importance_sampling_correction, vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max: ``GRPOConfig``'s correction of channel 1 for the gap
+            between vLLM's sampling log-probs and the trainer's (``rollout = "vllm"`` only).
+        vllm_gpu_memory_utilization: share of the GPU's memory vLLM may take (the trainer shares the GPU).
     """
 
     TRAINER: ClassVar[str] = "three-channel"
@@ -224,9 +236,23 @@ class ThreeChannelSettings(ThreeChannelConfig):
     eval_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
     columns: dict[str, str] = dataclasses.field(default_factory=dict)
     reward: str | None = None
+    # rollouts (docs/gpu.md)
+    rollout: Rollout = "hf"
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: ISMode = "sequence_mask"
+    vllm_importance_sampling_clip_min: NonNegativeFloat | None = None
+    vllm_importance_sampling_clip_max: PositiveFloat | None = 3.0
+    vllm_gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"trainer.vllm_importance_sampling_clip_min ({lo}) must be < "
+                             f"trainer.vllm_importance_sampling_clip_max ({hi})")
+        if self.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise ValueError("trainer.vllm_importance_sampling_clip_max: a *_truncate mode needs a bound "
+                             "(clip_max or clip_min)")
         if self.batch_size % self.num_generations:
             raise ValueError(
                 f"trainer.batch_size ({self.batch_size}) must be a multiple of "
@@ -319,7 +345,11 @@ class ThreeChannelSettings(ThreeChannelConfig):
         """
         out = {grpo: getattr(self, ours) for ours, grpo in _GRPO_FIELDS.items()}
         out["max_completion_length"] = self.completion_length
+        # One GPU per replica: vLLM runs inside the training process (TRL's colocate mode).
+        out["use_vllm"] = self.rollout == "vllm"
+        out["vllm_mode"] = "colocate"
         return out
 
 
-__all__ = ["DPO_VARIANTS", "LOSS_TYPES", "DPOVariant", "LossType", "ThreeChannelConfig", "ThreeChannelSettings"]
+__all__ = ["DPO_VARIANTS", "LOSS_TYPES", "DPOVariant", "ISMode", "LossType", "Rollout", "ThreeChannelConfig",
+           "ThreeChannelSettings"]
