@@ -19,7 +19,7 @@ import pytest
 from composer_cloud.runs import open_run
 from composer_cloud.runs.metrics import read_metrics
 from composer_cloud.spec import SpecError, load_spec
-from composer_cloud.trainer.dataset_task import (
+from composer_cloud.trainer.three_channel.dataset_task import (
     DatasetTask,
     contains,
     exact_match,

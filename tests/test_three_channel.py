@@ -17,7 +17,7 @@ import torch
 
 from composer_cloud.model import TinyModelConfig, load_model
 from composer_cloud.trainer import InnerTrainer, TrainerContext, build_trainer
-from composer_cloud.trainer.replay import (
+from composer_cloud.trainer.three_channel.replay import (
     Pair,
     ReplayBuffer,
     TraceStep,
@@ -26,7 +26,7 @@ from composer_cloud.trainer.replay import (
     make_pairs,
     write_pairs,
 )
-from composer_cloud.trainer.tasks import ColumnHints, build_demo_pairs
+from composer_cloud.trainer.three_channel.tasks import ColumnHints, build_demo_pairs
 from composer_cloud.trainer.three_channel import (
     TRL_SUPPORTED,
     ThreeChannelGRPOTrainer,
@@ -209,7 +209,7 @@ def test_channel_one_is_unchanged_when_channel_two_shares_the_forward():
 
 
 def test_channel_two_is_the_jsd_between_hinted_teacher_and_student_on_the_same_tokens():
-    from composer_cloud.trainer.loss import gjsd_loss
+    from composer_cloud.trainer.three_channel.loss import gjsd_loss
 
     _, ours, tok = _build_pair("dapo", sdpo_weight=1.0)
     model = ours.model
@@ -281,7 +281,7 @@ def test_settings_that_disagree_with_the_grpo_config_are_refused():
 
 def test_the_package_keeps_its_public_names():
     import composer_cloud.trainer.three_channel as tc
-    from composer_cloud.trainer.loss import ThreeChannelConfig
+    from composer_cloud.trainer.three_channel.loss import ThreeChannelConfig
 
     assert set(tc.__all__) <= set(dir(tc))
     for name in tc.__all__:

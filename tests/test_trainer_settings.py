@@ -14,7 +14,7 @@ import pytest
 from composer_cloud.registry import BadReference
 from composer_cloud.trainer import TRAINERS, TrainerContext, build_trainer, check_settings
 from composer_cloud.trainer.settings import TRAINER_SETTINGS, CausalLMSettings
-from composer_cloud.trainer.tasks import build_task, resolve_hint_source
+from composer_cloud.trainer.three_channel.tasks import build_task, resolve_hint_source
 from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
 
 ROOT = Path(__file__).parents[1]
@@ -135,6 +135,6 @@ def test_factory_settings_are_loaded_through_the_registry():
     task = build_task("python-functions")
     with pytest.raises(BadReference, match=r"trainer\.hint_source: cannot import module 'no_such_module_xyz'"):
         resolve_hint_source("no_such_module_xyz:make_hints", task)
-    with pytest.raises(BadReference, match=r"trainer\.task: module 'composer_cloud.trainer.tasks' has no attribute"):
-        build_task("composer_cloud.trainer.tasks:no_such_factory")
-    assert build_task("composer_cloud.trainer.tasks:PythonFunctionsTask").name == task.name
+    with pytest.raises(BadReference, match=r"trainer\.task: module 'composer_cloud.trainer.three_channel.tasks' has no attribute"):
+        build_task("composer_cloud.trainer.three_channel.tasks:no_such_factory")
+    assert build_task("composer_cloud.trainer.three_channel.tasks:PythonFunctionsTask").name == task.name

@@ -198,7 +198,7 @@ _BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
 def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> None:
     """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
     warning when they cannot be reached from here)."""
-    from composer_cloud.trainer.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
+    from composer_cloud.trainer.three_channel.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
 
     name = str(local.get("trainer.dataset", settings["dataset"]))
     files = settings.get("data_files")

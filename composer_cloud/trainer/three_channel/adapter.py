@@ -26,10 +26,10 @@ from trl import GRPOConfig
 from trl.trainer.utils import pad
 
 from composer_cloud.trainer.base import TrainerContext
-from composer_cloud.trainer.dataset_task import DatasetTask
-from composer_cloud.trainer.replay import ReplayBuffer, default_pairs_uri, load_pairs
-from composer_cloud.trainer.sandbox import SandboxLimits
-from composer_cloud.trainer.tasks import (
+from composer_cloud.trainer.three_channel.dataset_task import DatasetTask
+from composer_cloud.trainer.three_channel.replay import ReplayBuffer, default_pairs_uri, load_pairs
+from composer_cloud.trainer.three_channel.sandbox import SandboxLimits
+from composer_cloud.trainer.three_channel.tasks import (
     HintSource,
     NoHints,
     VerifiableTask,

@@ -1,8 +1,8 @@
-"""``ThreeChannelGRPOTrainer``: TRL's ``GRPOTrainer`` with the loss of :mod:`composer_cloud.trainer.loss`.
+"""``ThreeChannelGRPOTrainer``: TRL's ``GRPOTrainer`` with the loss of :mod:`composer_cloud.trainer.three_channel.loss`.
 
 It keeps everything TRL does for a GRPO step (prompt tokenisation, sampling,
 reward calls, group-normalised advantages, the reference model for the KL
-term) and replaces the loss by :func:`~composer_cloud.trainer.loss.three_channel_loss`:
+term) and replaces the loss by :func:`~composer_cloud.trainer.three_channel.loss.three_channel_loss`:
 
 1. **pg**: the policy-gradient loss on the sampled completions;
 2. **sdpo**: a no-grad forward of the *same* model on the hint-augmented
@@ -26,15 +26,15 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head, pad, selective_log_softmax
 
-from composer_cloud.trainer.loss import (
+from composer_cloud.trainer.three_channel.loss import (
     DPOInputs,
     LossOutput,
     PGInputs,
     SDPOInputs,
     three_channel_loss,
 )
-from composer_cloud.trainer.replay import ReplayBatch, ReplayBuffer
-from composer_cloud.trainer.tasks import HintSource, NoHints, apply_hint
+from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
+from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
 from composer_cloud.trainer.three_channel.settings import ThreeChannelConfig, ThreeChannelSettings
 

@@ -1,7 +1,7 @@
 """The three-channel trainer's settings: one class, checked without torch or TRL.
 
 :class:`ThreeChannelConfig` holds the hyper-parameters of the loss
-(:func:`composer_cloud.trainer.loss.three_channel_loss`);
+(:func:`composer_cloud.trainer.three_channel.loss.three_channel_loss`);
 :class:`ThreeChannelSettings` extends it with everything else of the
 ``[trainer]`` table (sampling, the task, channels 2 and 3, the sandbox). Each
 key is defined once, here; ``ThreeChannelGRPOTrainer`` and the loss read the
@@ -41,8 +41,8 @@ from composer_cloud.trainer.settings import (
     PositiveInt,
     parse_settings,
 )
-from composer_cloud.trainer.dataset_task import CANONICAL, REWARD_NEEDS
-from composer_cloud.trainer.tasks import DEFAULT_HINT_TEMPLATE, TASKS
+from composer_cloud.trainer.three_channel.dataset_task import CANONICAL, REWARD_NEEDS
+from composer_cloud.trainer.three_channel.tasks import DEFAULT_HINT_TEMPLATE, TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
 
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
 class ThreeChannelConfig:
-    """Hyper-parameters of :func:`~composer_cloud.trainer.loss.three_channel_loss`.
+    """Hyper-parameters of :func:`~composer_cloud.trainer.three_channel.loss.three_channel_loss`.
 
     ``total = pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo``; a
     channel whose weight is 0 is not computed (nor its forward pass).
@@ -179,7 +179,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
         eval_examples: held-out rows scored by ``evaluate()``.
         dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
             train on a dataset instead of a task (``docs/datasets.md``,
-            :mod:`composer_cloud.trainer.dataset_task`).
+            :mod:`composer_cloud.trainer.three_channel.dataset_task`).
     """
 
     TRAINER: ClassVar[str] = "three-channel"
@@ -215,7 +215,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
     sandbox_memory_mb: PositiveInt = 256
     sandbox_workers: PositiveInt = 2
     eval_examples: NonNegativeInt = 16
-    # a dataset instead of a task (composer_cloud.trainer.dataset_task)
+    # a dataset instead of a task (composer_cloud.trainer.three_channel.dataset_task)
     dataset: Annotated[str, Field(min_length=1)] | None = None
     dataset_config: str | None = None
     dataset_split: Annotated[str, Field(min_length=1)] = "train"

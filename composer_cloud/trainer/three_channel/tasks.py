@@ -9,7 +9,7 @@ The built-in demo task, ``"python-functions"``, is agentic-coding flavoured:
 the prompt is the head of a short Python function (signature, docstring,
 sometimes a first line), the completion is the rest of the body, and the
 reward is the fraction of the function's unit tests that pass when run in the
-:mod:`~composer_cloud.trainer.sandbox`. Several tests per problem, some of
+:mod:`~composer_cloud.trainer.three_channel.sandbox`. Several tests per problem, some of
 which a partially right body passes (e.g. one branch of an ``if``), give a
 group of completions reward variance. Its problems use the same templates as
 the built-in corpus (:mod:`composer_cloud.corpus`), so a model that has seen
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 from composer_cloud.registry import is_reference, load_object
-from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits
+from composer_cloud.trainer.three_channel.sandbox import Sandbox, SandboxLimits
 
 if TYPE_CHECKING:
-    from composer_cloud.trainer.replay import Pair
+    from composer_cloud.trainer.three_channel.replay import Pair
 
 logger = logging.getLogger(__name__)
 
@@ -295,9 +295,9 @@ def build_demo_pairs(n: int = 96, *, seed: int = 0) -> list["Pair"]:
     A recorded student trace on training problems of :class:`PythonFunctionsTask`
     (wrong completions), and three scripted teachers: two that know the
     reference solution and one that is right only on some problems. Pairs are
-    kept where at least 2 of 3 agree (:func:`~composer_cloud.trainer.replay.make_pairs`).
+    kept where at least 2 of 3 agree (:func:`~composer_cloud.trainer.three_channel.replay.make_pairs`).
     """
-    from composer_cloud.trainer.replay import TraceStep, make_pairs
+    from composer_cloud.trainer.three_channel.replay import TraceStep, make_pairs
 
     task = PythonFunctionsTask(n_train=max(2 * n, 64), n_eval=1, seed=seed)
     rows = task.examples("train")

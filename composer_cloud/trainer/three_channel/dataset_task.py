@@ -1,7 +1,7 @@
 """Datasets without code: ``[trainer] dataset = "org/name"`` or a local path, a column mapping, a built-in reward.
 
 A run that names a dataset trains on its rows with :class:`DatasetTask`, a
-:class:`~composer_cloud.trainer.tasks.VerifiableTask` whose reward is chosen by
+:class:`~composer_cloud.trainer.three_channel.tasks.VerifiableTask` whose reward is chosen by
 name (:data:`REWARDS`), so no user code is needed::
 
     [trainer]
@@ -208,7 +208,7 @@ def _as_tests(value: Any) -> list[str]:
 # --------------------------------------------------------------------------- the task
 @dataclass
 class DatasetTask:
-    """A :class:`~composer_cloud.trainer.tasks.VerifiableTask` over a dataset's rows.
+    """A :class:`~composer_cloud.trainer.three_channel.tasks.VerifiableTask` over a dataset's rows.
 
     Rows carry the canonical keys of the column mapping (``prompt``, and
     ``answer`` / ``tests`` / ``hint`` when mapped or present) plus every other
@@ -293,8 +293,8 @@ class DatasetTask:
         return self._python_tests(completions, rows)
 
     def _python_tests(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
-        from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits
-        from composer_cloud.trainer.tasks import extract_program
+        from composer_cloud.trainer.three_channel.sandbox import Sandbox, SandboxLimits
+        from composer_cloud.trainer.three_channel.tasks import extract_program
 
         if self._sandbox is None:
             self._sandbox = Sandbox(self.sandbox_limits or SandboxLimits(), max_workers=self.max_workers)
@@ -303,7 +303,7 @@ class DatasetTask:
         return [r.score for r in results]
 
     def default_hints(self) -> Any:
-        from composer_cloud.trainer.tasks import ColumnHints
+        from composer_cloud.trainer.three_channel.tasks import ColumnHints
 
         rows = self.examples("train")
         if "hint" in self.columns or (rows and "hint" in rows[0]):
