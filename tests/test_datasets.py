@@ -76,7 +76,7 @@ def test_pairs_auto_uses_the_demo_pairs_only_with_the_demo_task():
     ({"columns": {"prompt": "q"}}, "trainer.columns applies to a dataset run"),
     ({"reward": "exact_match"}, "trainer.reward applies to a dataset run"),
     ({"dataset": "d.jsonl", "columns": {"question": "q"}}, "trainer.columns.question: the mapping's keys"),
-    ({"dataset": "d.jsonl", "reward": "bleu"}, "trainer.reward 'bleu'"),
+    ({"dataset": "d.jsonl", "reward": "bleu"}, "trainer.reward: unknown reward 'bleu'"),
     ({"dataset": "d.jsonl", "task": "my_tasks:make"}, "a dataset run uses the built-in dataset task"),
 ])
 def test_dataset_settings_are_checked_by_name(settings, match):

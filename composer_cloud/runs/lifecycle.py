@@ -257,7 +257,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     except ValueError as exc:
         raise SpecError("", str(exc)) from None
     references = {f"trainer.{k}": v for k, v in settings.items()
-                  if k in ("task", "hint_source", "reward") and isinstance(v, str)}
+                  if k in ("task", "hint_source", "reward") and isinstance(v, str)} | {"trainer.name": spec.trainer.name}
     try:
         bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
     except UserCodeError as exc:

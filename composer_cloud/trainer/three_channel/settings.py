@@ -31,7 +31,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from composer_cloud.registry import is_reference
+from composer_cloud.registry import reference_for
 from composer_cloud.trainer.settings import (
     SETTINGS_CONFIG,
     FiniteFloat,
@@ -41,8 +41,8 @@ from composer_cloud.trainer.settings import (
     PositiveInt,
     parse_settings,
 )
-from composer_cloud.trainer.three_channel.dataset_task import CANONICAL, REWARD_NEEDS
-from composer_cloud.trainer.three_channel.tasks import DEFAULT_HINT_TEMPLATE, TASKS
+from composer_cloud.trainer.three_channel.dataset_task import CANONICAL, REWARDS
+from composer_cloud.trainer.three_channel.tasks import DEFAULT_HINT_TEMPLATE, TASKS, hint_source_reference
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
     """
 
     TRAINER: ClassVar[str] = "three-channel"
+    FACTORY: ClassVar[str] = "composer_cloud.trainer.three_channel.adapter:build_three_channel_trainer"
     #: old ``[trainer]`` key -> new key; an old key is an error that names the new one.
     RENAMED: ClassVar[dict[str, str]] = {"alpha": "sdpo_weight", "beta": "dpo_weight", "kl_beta": "kl_coef"}
 
@@ -258,26 +259,14 @@ class ThreeChannelSettings(ThreeChannelConfig):
                     f"trainer.columns.{unknown[0]}: the mapping's keys are {', '.join(CANONICAL)} "
                     "(canonical name = the dataset's column); other columns are kept as they are"
                 )
-            if not (self.effective_reward in REWARD_NEEDS or is_reference(self.effective_reward)):
-                raise ValueError(
-                    f"trainer.reward {self.reward!r}: use one of {sorted(REWARD_NEEDS)} or 'package.module:function'"
-                )
+            reference_for(self.effective_reward, REWARDS, setting="trainer.reward")
         if self.pairs == "builtin" and self.effective_task != "python-functions":
             logger.warning(
                 "trainer.pairs = 'builtin' replays the demo task's pairs although the run trains on %s",
                 self.effective_task,
             )
-        if self.task not in TASKS and not is_reference(self.task):
-            raise ValueError(f"trainer.task {self.task!r}: use one of {sorted(TASKS)} or 'package.module:factory'")
-        if not (
-            self.hint_source in ("default", "none")
-            or (self.hint_source.startswith("column:") and self.hint_source != "column:")
-            or is_reference(self.hint_source)
-        ):
-            raise ValueError(
-                f"trainer.hint_source {self.hint_source!r}: use 'default', 'none', 'column:NAME' "
-                "or 'package.module:factory'"
-            )
+        reference_for(self.task, TASKS, setting="trainer.task")
+        hint_source_reference(self.hint_source)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "ThreeChannelSettings":
