@@ -486,6 +486,36 @@ def test_save_load_step_is_bitwise_identical_to_an_uninterrupted_run(num_iterati
     assert any(not torch.equal(pa, pc) for pa, pc in zip(a.model.parameters(), c.model.parameters()))
 
 
+def test_taid_schedule_is_restored_bitwise_after_a_resume():
+    # The schedule's state is part of the trainer state the replica checkpoints.
+    settings = dict(sdpo_variant="taid", taid_alpha=0.05, taid_beta=0.5, dpo_weight=0.0)
+    a = _trainer(**settings)
+    for _ in range(3):
+        a.step()
+    params = {name: t.detach().clone() for name, t in a.model.state_dict().items()}
+    tensors, meta = _roundtrip(*a.state_dict())
+    assert meta["taid"]["step"] == 3 and meta["taid"]["t"] > 0.4  # the adaptive schedule moved t
+    ts_a = [(a.step()["taid_t"], a.grpo.taid.t) for _ in range(3)]
+
+    model_b, _ = _model(seed=99)
+    model_b.load_state_dict(params)
+    b = _trainer(model=model_b, **settings)
+    b.load_state_dict(tensors, meta)
+    ts_b = [(b.step()["taid_t"], b.grpo.taid.t) for _ in range(3)]
+    assert ts_a == ts_b  # the t each step trained with, and the t after it: bit-for-bit
+    assert all(x < y for (_, x), (_, y) in zip(ts_a, ts_a[1:]))
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), name
+    # Control: a restart without the schedule's state trains with a different t.
+    model_c, _ = _model(seed=99)
+    model_c.load_state_dict(params)
+    del meta["taid"]
+    c = _trainer(model=model_c, **settings)
+    with pytest.raises(ValueError, match="no TAID schedule"):
+        c.load_state_dict(tensors, meta)
+    assert c.step()["taid_t"] != ts_a[0][0]
+
+
 def test_kl_reference_is_the_starting_model_and_survives_a_restart():
     a = _trainer(kl_coef=0.04)
     start = {k: v.clone() for k, v in a.model.state_dict().items()}

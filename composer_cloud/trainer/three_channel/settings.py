@@ -48,8 +48,11 @@ logger = logging.getLogger(__name__)
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 DPOVariant = Literal["sigmoid", "simpo"]
+SDPOVariant = Literal["jsd", "taid", "entropy_opd"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
+SDPO_VARIANTS: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
+UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
@@ -71,9 +74,19 @@ class ThreeChannelConfig:
         kl_bias_correction: multiply the KL term by the ratio
             (``GRPOConfig.use_bias_correction_kl``).
         max_completion_length: new tokens at most; ``dr_grpo``'s normaliser.
+        sdpo_variant: channel 2's divergence: ``"jsd"`` (generalized JSD),
+            ``"taid"`` (TAID) or ``"entropy_opd"`` (entropy-aware on-policy
+            distillation); see :mod:`~composer_cloud.trainer.three_channel.distill`.
         jsd_beta: generalized-JSD interpolation in ``[0, 1]`` (0 forward KL,
             1 reverse KL; ``GKDConfig.beta``).
         jsd_temperature: softmax temperature of the JSD.
+        taid_schedule: ``"adaptive"`` (TAID's) or ``"linear"``.
+        taid_t_start, taid_t_end: TAID's interpolation goes from ``t_start`` to ``t_end``.
+        taid_alpha, taid_beta: the adaptive schedule's step size and momentum.
+        taid_steps: optimizer steps over which the linear schedule (the
+            adaptive one's floor) reaches ``t_end``.
+        opd_h_max: entropy (nats) at which entropy-aware OPD is all forward
+            KL; default ``log V`` (the uniform distribution's).
         dpo_beta: DPO inverse temperature (SimPO: its ``beta``; ``DPOConfig.beta``).
         dpo_variant: ``"sigmoid"`` (DPO, needs reference log-probs) or ``"simpo"``.
         simpo_gamma: SimPO target margin (nats per token).
@@ -90,14 +103,26 @@ class ThreeChannelConfig:
     kl_bias_correction: bool = True
     max_completion_length: PositiveInt | None = None
     # channel 2
-    jsd_beta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    sdpo_variant: SDPOVariant = "jsd"
+    jsd_beta: UnitFloat = 0.5
     jsd_temperature: PositiveFloat = 1.0
+    taid_schedule: Literal["adaptive", "linear"] = "adaptive"
+    taid_t_start: UnitFloat = 0.4
+    taid_t_end: UnitFloat = 1.0
+    taid_alpha: UnitFloat = 5e-4
+    taid_beta: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.99
+    taid_steps: PositiveInt = 1000
+    opd_h_max: PositiveFloat | None = None
     # channel 3
     dpo_beta: PositiveFloat = 0.1
     dpo_variant: DPOVariant = "sigmoid"
     simpo_gamma: FiniteFloat = 0.5
 
     def __post_init__(self) -> None:
+        if self.taid_t_start > self.taid_t_end:
+            raise ValueError(
+                f"trainer.taid_t_start ({self.taid_t_start}) must not exceed trainer.taid_t_end ({self.taid_t_end})"
+            )
         if self.loss_type == "dr_grpo" and self.completion_length is None:
             raise ValueError(
                 "trainer.max_completion_length: loss_type 'dr_grpo' needs it "
@@ -228,10 +253,11 @@ class ThreeChannelSettings(ThreeChannelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch_size % self.num_generations:
+        # TRL's rule: whole groups per generation batch (a micro-batch may split a group).
+        if (self.batch_size * self.steps_per_generation) % self.num_generations:
             raise ValueError(
-                f"trainer.batch_size ({self.batch_size}) must be a multiple of "
-                f"trainer.num_generations ({self.num_generations})"
+                f"trainer.batch_size × trainer.steps_per_generation ({self.batch_size} × {self.steps_per_generation}, "
+                f"the generation batch) must be a multiple of trainer.num_generations ({self.num_generations})"
             )
         if "{hint}" not in self.hint_template or not self.hint_template.endswith("{prompt}"):
             raise ValueError("trainer.hint_template must contain '{hint}' and end with '{prompt}'")
