@@ -222,6 +222,8 @@ def test_the_documented_teachers_file_and_command_are_valid(tmp_path):
     teachers = load_teachers(str(tmp_path / "teachers.toml"))
     assert [t.name for t in teachers] == ["big", "local"] and teachers[1].api == "completions"
     command = next(b for lang, b in blocks if b.startswith("composer-cloud pairs"))
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    command += next(line for line in readme.splitlines() if line.startswith("composer-cloud pairs"))
     help_text = CliRunner().invoke(app, ["pairs", "--help"], env={"COLUMNS": "200"}).output
     for option in re.findall(r"(--[a-z-]+)", command):
         assert option in help_text, option

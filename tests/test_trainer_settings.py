@@ -87,7 +87,7 @@ def test_defaults_and_the_shipped_example_are_valid():
         ("three-channel", {"dpo_weight": -0.5}, r"trainer\.dpo_weight: .*greater than or equal to 0"),
         ("three-channel", {"kl_coef": float("nan")}, r"trainer\.kl_coef: .*finite number"),
         ("three-channel", {"num_generations": 1, "batch_size": 2}, r"trainer\.num_generations: .*greater than or equal to 2"),
-        ("three-channel", {"batch_size": 6}, r"trainer\.batch_size \(6\) must be a multiple of trainer\.num_generations \(4\)"),
+        ("three-channel", {"batch_size": 6}, r"trainer\.batch_size × trainer\.steps_per_generation \(6 × 1, the generation batch\) must be a multiple of trainer\.num_generations \(4\)"),
         ("three-channel", {"dpo_variant": "ipo"}, r"trainer\.dpo_variant"),
         ("three-channel", {"hint_template": "{prompt}\n{hint}"}, r"trainer\.hint_template must contain '\{hint\}' and end with"),
         ("three-channel", {"hint_template": "{hint} {x} {prompt}"}, r"trainer\.hint_template: KeyError"),

@@ -67,7 +67,8 @@ def _check_args(args: GRPOConfig, settings: ThreeChannelSettings | None) -> None
     for name, supported in UNSUPPORTED_GRPO_ARGS.items():
         if getattr(args, name, supported) != supported:
             raise ValueError(
-                f"three-channel trainer: GRPOConfig.{name} must be {supported!r} (the loss does not implement it)"
+                f"three-channel trainer: GRPOConfig.{name} must be {supported!r}: the three-channel loss does not "
+                "implement it (docs/trainer.md lists what is refused and why)"
             )
     if settings is None:
         return

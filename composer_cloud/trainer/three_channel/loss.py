@@ -339,39 +339,10 @@ def three_channel_loss(
     active: list[str] = []
 
     if config.pg_active and pg is not None:
-        value = pg_loss(
-            pg.logp,
-            pg.old_logp,
-            pg.advantages,
-            pg.mask,
-            epsilon=config.epsilon,
-            epsilon_high=config.epsilon_high,
-            loss_type=config.loss_type,
-            ref_logp=pg.ref_logp,
-            kl_coef=config.kl_coef,
-            max_completion_length=config.completion_length,
-            num_items=pg.num_items,
-            kl_bias_correction=config.kl_bias_correction,
-        )
+        value, extra = _pg_term(config, pg)
         terms.append(config.pg_weight * value)
         metrics["pg"] = value.detach()
-        metrics.update(
-            pg_clip_stats(
-                pg.logp.detach(),
-                pg.old_logp,
-                pg.advantages,
-                pg.mask,
-                epsilon=config.epsilon,
-                epsilon_high=config.epsilon_high,
-            )
-        )
-        if config.kl_coef != 0.0 and pg.ref_logp is not None:
-            with torch.no_grad():  # TRL's "kl": the k3 term as it enters the loss (times the ratio when corrected)
-                kl = k3_kl(pg.logp, pg.ref_logp)
-                if config.kl_bias_correction:
-                    kl = kl * torch.exp(pg.logp - (pg.logp if pg.old_logp is None else pg.old_logp))
-                m = pg.mask.to(pg.logp.dtype)
-                metrics["kl"] = (kl * m).sum() / m.sum().clamp(min=1.0)
+        metrics.update(extra)
         active.append("pg")
 
     if config.sdpo_active and sdpo is not None:
@@ -382,17 +353,9 @@ def three_channel_loss(
         active.append("sdpo")
 
     if config.dpo_active and dpo is not None:
-        value = dpo_loss(
-            dpo.policy_chosen_logp,
-            dpo.policy_rejected_logp,
-            dpo.ref_chosen_logp,
-            dpo.ref_rejected_logp,
-            beta=config.dpo_beta,
-            variant=config.dpo_variant,
-            gamma=config.simpo_gamma,
-            chosen_length=dpo.chosen_length,
-            rejected_length=dpo.rejected_length,
-        )
+        value = dpo_loss(dpo.policy_chosen_logp, dpo.policy_rejected_logp, dpo.ref_chosen_logp, dpo.ref_rejected_logp,
+                         beta=config.dpo_beta, variant=config.dpo_variant, gamma=config.simpo_gamma,
+                         chosen_length=dpo.chosen_length, rejected_length=dpo.rejected_length)
         terms.append(config.dpo_weight * value)
         metrics["dpo"] = value.detach()
         metrics.update(_dpo_stats(dpo, config))
@@ -405,6 +368,24 @@ def three_channel_loss(
         total = total + t
     metrics["total"] = total.detach()
     return LossOutput(total=total, metrics=metrics, active=tuple(active))
+
+
+def _pg_term(config: ThreeChannelConfig, pg: PGInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Channel 1 under ``config``, and TRL's diagnostics of it (``clip_ratio/*``, ``kl``)."""
+    value = pg_loss(pg.logp, pg.old_logp, pg.advantages, pg.mask, epsilon=config.epsilon,
+                    epsilon_high=config.epsilon_high, loss_type=config.loss_type, ref_logp=pg.ref_logp,
+                    kl_coef=config.kl_coef, max_completion_length=config.completion_length, num_items=pg.num_items,
+                    kl_bias_correction=config.kl_bias_correction)
+    metrics = pg_clip_stats(pg.logp.detach(), pg.old_logp, pg.advantages, pg.mask, epsilon=config.epsilon,
+                            epsilon_high=config.epsilon_high)
+    if config.kl_coef != 0.0 and pg.ref_logp is not None:
+        with torch.no_grad():  # TRL's "kl": the k3 term as it enters the loss (times the ratio when corrected)
+            kl = k3_kl(pg.logp, pg.ref_logp)
+            if config.kl_bias_correction:
+                kl = kl * torch.exp(pg.logp - (pg.logp if pg.old_logp is None else pg.old_logp))
+            m = pg.mask.to(pg.logp.dtype)
+            metrics["kl"] = (kl * m).sum() / m.sum().clamp(min=1.0)
+    return value, metrics
 
 
 def sdpo_loss(config: ThreeChannelConfig, sdpo: SDPOInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

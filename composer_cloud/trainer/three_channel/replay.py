@@ -37,7 +37,7 @@ import random
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import fsspec
 import torch
@@ -104,18 +104,22 @@ class Pair:
         )
 
 
-def load_pairs(uri: str, **storage_options: Any) -> list[Pair]:
-    """Read a pairs JSONL file from any fsspec URI. Errors name the line."""
-    pairs: list[Pair] = []
+def read_jsonl(uri: str, **storage_options: Any) -> Iterator[tuple[str, Any]]:
+    """``(where, object)`` for each non-blank line of a JSON Lines file at any fsspec URI; ``where`` is
+    ``uri:line``, for errors. Invalid JSON is a ``ValueError`` naming the line."""
     with fsspec.open(uri, "rt", encoding="utf-8", **storage_options) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield f"{uri}:{lineno}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{uri}:{lineno}: invalid JSON ({e.msg})") from None
-            pairs.append(Pair.from_json(obj, f"{uri}:{lineno}"))
+
+
+def load_pairs(uri: str, **storage_options: Any) -> list[Pair]:
+    """Read a pairs JSONL file from any fsspec URI. Errors name the line."""
+    pairs = [Pair.from_json(obj, where) for where, obj in read_jsonl(uri, **storage_options)]
     logger.info("loaded %d pairs from %s", len(pairs), uri)
     return pairs
 
@@ -483,6 +487,7 @@ __all__ = [
     "load_pairs",
     "make_pairs",
     "normalize_pairs",
+    "read_jsonl",
     "vote",
     "Vote",
     "write_pairs",

@@ -51,6 +51,7 @@ from composer_cloud.trainer.three_channel.replay import (
     PairFilters,
     TraceStep,
     normalize_pairs,
+    read_jsonl,
     vote,
     write_pairs,
 )
@@ -124,25 +125,20 @@ def load_trace(uri: str) -> list[TraceStep]:
     """A trace: JSON Lines of ``{"prompt": str, "student_action": str, "meta": {...}}``; errors name the line."""
     steps: list[TraceStep] = []
     try:
-        f = fsspec.open(uri, "rt", encoding="utf-8").open()
-    except FileNotFoundError:
-        raise TeachersError(f"trace {uri}: no such file") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TeachersError(f"{uri}:{lineno}: invalid JSON ({exc.msg})") from None
+        for where, obj in read_jsonl(uri):
             if not isinstance(obj, dict) or set(obj) - {"prompt", "student_action", "meta"}:
-                raise TeachersError(f"{uri}:{lineno}: expected an object with 'prompt', 'student_action' and an "
-                                    "optional 'meta'")
+                raise TeachersError(f"{where}: expected an object with 'prompt', 'student_action' and an optional "
+                                    "'meta'")
             prompt, action, meta = obj.get("prompt"), obj.get("student_action"), obj.get("meta", {})
             if not isinstance(prompt, str) or not isinstance(action, str) or not isinstance(meta, dict):
-                raise TeachersError(f"{uri}:{lineno}: 'prompt' and 'student_action' must be strings, 'meta' an "
-                                    "object")
+                raise TeachersError(f"{where}: 'prompt' and 'student_action' must be strings, 'meta' an object")
             steps.append(TraceStep(prompt, action, meta))
+    except FileNotFoundError:
+        raise TeachersError(f"trace {uri}: no such file") from None
+    except TeachersError:
+        raise
+    except ValueError as exc:  # invalid JSON, named by line
+        raise TeachersError(str(exc)) from None
     if not steps:
         raise TeachersError(f"trace {uri}: no states")
     return steps
