@@ -558,6 +558,38 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
     console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
 
 
+@app.command()
+def pairs(
+    trace: Annotated[str, typer.Argument(help="trace of states: JSON Lines {prompt, student_action, meta} (path or URI)")],
+    teachers: Annotated[str, typer.Option("--teachers", help="TOML file of [[teacher]] tables (endpoint, model, "
+                                          "api_key_env, input_price/output_price in USD per 1M tokens)")],
+    out: Annotated[str, typer.Option("--out", help="pairs JSONL to write (path or URI): what trainer.pairs reads")],
+    max_cost: Annotated[float, typer.Option("--max-cost", help="USD the command may spend at most (hard ceiling)")],
+    threshold: Annotated[float, typer.Option(help="fraction of teachers that must agree")] = 2 / 3,
+    concurrency: Annotated[int, typer.Option(help="requests in flight at once")] = 8,
+    filters: Annotated[Optional[list[str]], typer.Option("--filter", help="pair filter KEY=VALUE: min_chars, "
+                       "max_chars, min_words, max_words, max_special_ratio (none: off); repeatable")] = None,
+    report_path: Annotated[Optional[str], typer.Option("--report", help="also write the report as JSON here")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay a trace against teacher models and write the preference pairs channel 3 trains on."""
+    from composer_cloud.trainer.three_channel import teachers as tm
+
+    try:
+        report = tm.make_teacher_pairs(tm.load_trace(trace), tm.load_teachers(teachers), out=out, max_cost_usd=max_cost,
+                                       threshold=threshold, concurrency=concurrency, filters=tm.parse_filters(filters))
+        if report_path:
+            tm.write_report(report_path, report)
+    except tm.TeachersError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        _print_json(report.to_json())
+    else:
+        console.print(tm.report_table(report))
+    if not any(s.answered for s in report.teachers.values()):
+        raise _fail("no teacher answered any state; see the report's last_error per teacher", code=1)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()

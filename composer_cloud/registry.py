@@ -11,7 +11,7 @@ a reference, for settings that accept both.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Mapping
 
 from composer_cloud.errors import BadReference
 
@@ -46,11 +46,24 @@ def load_object(reference: str, *, setting: str) -> Any:
     return obj
 
 
-def resolve(name: str, registry: dict[str, str], *, setting: str) -> Any:
-    """A registered name (``registry[name]`` is a reference) or a reference given directly."""
+def reference_for(name: str, registry: Mapping[str, str], *, setting: str, kind: str | None = None) -> str:
+    """The ``"module:attr"`` reference ``name`` stands for, without importing anything.
+
+    A registered name maps to ``registry[name]``; a reference given directly
+    is returned as it is. Anything else is a :class:`BadReference` listing the
+    registered names. Settings checks (which must not import user code) call
+    this; :func:`resolve` calls it and imports. ``kind`` names what is looked
+    up in the error (default: the last part of ``setting``).
+    """
     if name in registry:
-        return load_object(registry[name], setting=setting)
+        return registry[name]
     if is_reference(name):
-        return load_object(name, setting=setting)
-    raise BadReference(f"{setting}: unknown {setting.rsplit('.', 1)[-1]} {name!r}; choose one of {sorted(registry)} "
-                       "or give 'package.module:factory'")
+        return name
+    kind = kind or setting.rsplit(".", 1)[-1]
+    raise BadReference(f"{setting}: unknown {kind} {name!r}; choose one of {sorted(registry)} "
+                       "or give 'package.module:attribute'")
+
+
+def resolve(name: str, registry: Mapping[str, str], *, setting: str, kind: str | None = None) -> Any:
+    """A registered name (``registry[name]`` is a reference) or a reference given directly, imported."""
+    return load_object(reference_for(name, registry, setting=setting, kind=kind), setting=setting)

@@ -177,7 +177,7 @@ class TrainerSpec(_Strict):
 
 
 class CodeSpec(_Strict):
-    """User code that travels with the run (see :mod:`composer_cloud.usercode`).
+    """User code that travels with the run (packed by :mod:`composer_cloud.runs.packaging`, installed by :mod:`composer_cloud.replica.usercode`).
 
     Modules named by ``"module:factory"`` settings (``trainer.task``,
     ``trainer.hint_source``) are packaged automatically; ``include`` adds files

@@ -19,7 +19,7 @@ import pytest
 from composer_cloud.runs import open_run
 from composer_cloud.runs.metrics import read_metrics
 from composer_cloud.spec import SpecError, load_spec
-from composer_cloud.trainer.dataset_task import (
+from composer_cloud.trainer.three_channel.dataset_task import (
     DatasetTask,
     contains,
     exact_match,
@@ -76,7 +76,7 @@ def test_pairs_auto_uses_the_demo_pairs_only_with_the_demo_task():
     ({"columns": {"prompt": "q"}}, "trainer.columns applies to a dataset run"),
     ({"reward": "exact_match"}, "trainer.reward applies to a dataset run"),
     ({"dataset": "d.jsonl", "columns": {"question": "q"}}, "trainer.columns.question: the mapping's keys"),
-    ({"dataset": "d.jsonl", "reward": "bleu"}, "trainer.reward 'bleu'"),
+    ({"dataset": "d.jsonl", "reward": "bleu"}, "trainer.reward: unknown reward 'bleu'"),
     ({"dataset": "d.jsonl", "task": "my_tasks:make"}, "a dataset run uses the built-in dataset task"),
 ])
 def test_dataset_settings_are_checked_by_name(settings, match):

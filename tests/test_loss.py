@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from composer_cloud.trainer.loss import (
+from composer_cloud.trainer.three_channel.loss import (
     DPOInputs,
     PGInputs,
     SDPOInputs,

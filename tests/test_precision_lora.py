@@ -18,7 +18,7 @@ from composer_cloud.model import compute_precision, load_spec_model, resolve_att
 from composer_cloud.spec import SpecError, spec_from_dict
 from composer_cloud.trainer import TrainerContext, build_trainer
 from composer_cloud.trainer.three_channel import ThreeChannelSettings, ThreeChannelTrainer
-from test_three_channel import HashTask, _pairs, _roundtrip
+from support.trainer import HashTask, roundtrip, shipped_pairs
 
 torch.set_num_threads(2)
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
@@ -34,7 +34,7 @@ def _trainer(model, tok, **overrides) -> ThreeChannelTrainer:
         "replay_batch_size": 2, "eval_examples": 4, "mask_truncated_completions": False, **overrides})
     task = HashTask()
     return ThreeChannelTrainer(
-        model=model, tokenizer=tok, task=task, settings=settings, hint_source=task.default_hints(), pairs=_pairs(),
+        model=model, tokenizer=tok, task=task, settings=settings, hint_source=task.default_hints(), pairs=shipped_pairs(),
         optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1),
         precision=compute_precision(model),
     )
@@ -61,7 +61,7 @@ def _assert_bitwise_resume(make, k: int = 2, n: int = 2) -> None:
     for _ in range(k):
         a.step()
     synced = {name: p.detach().clone() for name, p in synced_parameters(model_a).items()}
-    tensors, meta = _roundtrip(*a.state_dict())
+    tensors, meta = roundtrip(*a.state_dict())
     after_a = [a.step() for _ in range(n)]
 
     model_b, _, b = make()

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits, network_isolation, run_tests
-from composer_cloud.trainer.tasks import PythonFunctionsTask, extract_program
+from composer_cloud.trainer.three_channel.sandbox import Sandbox, SandboxLimits, network_isolation, run_tests
+from composer_cloud.trainer.three_channel.tasks import PythonFunctionsTask, extract_program
 
 FAST = SandboxLimits(timeout_s=3.0, per_test_timeout_s=0.5)
 ADD = "def f(x):\n    return x + 1\n"
@@ -85,7 +85,7 @@ class _Listener:
 @pytest.mark.parametrize("layers", ["all", "audit-hook-only"])
 def test_network_calls_fail(how, layers, monkeypatch):
     if layers == "audit-hook-only":  # as on a host without network namespaces
-        import composer_cloud.trainer.sandbox as sb
+        import composer_cloud.trainer.three_channel.sandbox as sb
 
         monkeypatch.setattr(sb, "network_isolation", lambda: None)
     server = _Listener()
@@ -165,7 +165,7 @@ def test_environment_is_not_inherited(monkeypatch):
 
 
 def test_internal_errors_score_zero_instead_of_raising(monkeypatch):
-    import composer_cloud.trainer.sandbox as sb
+    import composer_cloud.trainer.three_channel.sandbox as sb
 
     def boom(*a, **k):
         raise OSError("no such executable")

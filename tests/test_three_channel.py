@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
-import json
-import logging
 import math
 import random
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from support.trainer import HashTask, hash_reward, roundtrip, shipped_pairs
 
 from composer_cloud.model import TinyModelConfig, load_model
 from composer_cloud.trainer import InnerTrainer, TrainerContext, build_trainer
-from composer_cloud.trainer.replay import (
-    Pair,
-    ReplayBuffer,
-    TraceStep,
-    default_pairs_uri,
-    load_pairs,
-    make_pairs,
-    write_pairs,
-)
-from composer_cloud.trainer.tasks import ColumnHints, build_demo_pairs
 from composer_cloud.trainer.three_channel import (
     TRL_SUPPORTED,
     ThreeChannelGRPOTrainer,
@@ -35,6 +22,16 @@ from composer_cloud.trainer.three_channel import (
     TRLCompatibilityError,
     check_trl_compatibility,
 )
+from composer_cloud.trainer.three_channel.replay import (
+    Pair,
+    ReplayBuffer,
+    TraceStep,
+    default_pairs_uri,
+    load_pairs,
+    make_pairs,
+    write_pairs,
+)
+from composer_cloud.trainer.three_channel.tasks import build_demo_pairs
 
 torch.set_num_threads(2)
 
@@ -101,10 +98,6 @@ def _grpo_args(loss_type: str, **kw):
     )
 
 
-def _reward(prompts, completions, **kw):
-    return [float(hashlib.sha256(c.encode()).digest()[0]) / 255 for c in completions]
-
-
 def _build_pair(loss_type: str, *, sdpo_weight=0.0, dpo_weight=0.0):
     """A stock GRPOTrainer and a three-channel one on two identical models."""
     from datasets import Dataset
@@ -112,10 +105,10 @@ def _build_pair(loss_type: str, *, sdpo_weight=0.0, dpo_weight=0.0):
 
     ds = Dataset.from_list([{"prompt": "def f(x):"}])
     (m1, tok), (m2, _) = _model(), _model()
-    stock = GRPOTrainer(model=m1, reward_funcs=_reward, args=_grpo_args(loss_type), train_dataset=ds, processing_class=tok)
+    stock = GRPOTrainer(model=m1, reward_funcs=hash_reward, args=_grpo_args(loss_type), train_dataset=ds, processing_class=tok)
     ours = ThreeChannelGRPOTrainer(
         model=m2,
-        reward_funcs=_reward,
+        reward_funcs=hash_reward,
         args=_grpo_args(loss_type),
         train_dataset=ds,
         processing_class=tok,
@@ -209,7 +202,7 @@ def test_channel_one_is_unchanged_when_channel_two_shares_the_forward():
 
 
 def test_channel_two_is_the_jsd_between_hinted_teacher_and_student_on_the_same_tokens():
-    from composer_cloud.trainer.loss import gjsd_loss
+    from composer_cloud.trainer.three_channel.loss import gjsd_loss
 
     _, ours, tok = _build_pair("dapo", sdpo_weight=1.0)
     model = ours.model
@@ -256,7 +249,7 @@ def test_unsupported_grpo_options_are_refused():
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         ThreeChannelGRPOTrainer(
             model=m,
-            reward_funcs=_reward,
+            reward_funcs=hash_reward,
             args=_grpo_args("dapo", top_entropy_quantile=0.5),
             train_dataset=Dataset.from_list([{"prompt": "x"}]),
             processing_class=tok,
@@ -271,7 +264,7 @@ def test_settings_that_disagree_with_the_grpo_config_are_refused():
     with pytest.raises(ValueError, match=r"GRPOConfig.loss_type = 'dapo', settings give 'grpo'.*settings.grpo_kwargs"):
         ThreeChannelGRPOTrainer(
             model=m,
-            reward_funcs=_reward,
+            reward_funcs=hash_reward,
             args=_grpo_args("dapo"),
             train_dataset=Dataset.from_list([{"prompt": "x"}]),
             processing_class=tok,
@@ -281,7 +274,7 @@ def test_settings_that_disagree_with_the_grpo_config_are_refused():
 
 def test_the_package_keeps_its_public_names():
     import composer_cloud.trainer.three_channel as tc
-    from composer_cloud.trainer.loss import ThreeChannelConfig
+    from composer_cloud.trainer.three_channel.loss import ThreeChannelConfig
 
     assert set(tc.__all__) <= set(dir(tc))
     for name in tc.__all__:
@@ -292,31 +285,6 @@ def test_the_package_keeps_its_public_names():
 
 
 # --------------------------------------------------------------------------- the InnerTrainer
-class HashTask:
-    """A test task whose reward varies between completions (so GRPO's advantages are non-zero)."""
-
-    name = "hash-task"
-
-    def __init__(self, n: int = 24) -> None:
-        self.rows = [
-            {"prompt": f"def f{i}(x):\n    return", "hint": (f"# f{i} adds {i}" if i % 3 else None), "k": i}
-            for i in range(n)
-        ]
-
-    def examples(self, split):
-        return [dict(r) for r in (self.rows if split == "train" else self.rows[:4])]
-
-    def reward(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]]):
-        return [hashlib.sha256(f"{c}|{r['k']}".encode()).digest()[0] / 255 for c, r in zip(completions, rows)]
-
-    def default_hints(self):
-        return ColumnHints("hint")
-
-
-def _pairs(n: int = 8) -> list[Pair]:
-    return load_pairs(default_pairs_uri())[:n]
-
-
 def _trainer(seed: int = 0, *, model=None, **overrides) -> ThreeChannelTrainer:
     if model is None:
         model, tok = _model()
@@ -345,7 +313,7 @@ def _trainer(seed: int = 0, *, model=None, **overrides) -> ThreeChannelTrainer:
         task=task,
         settings=settings,
         hint_source=task.default_hints(),
-        pairs=_pairs(),
+        pairs=shipped_pairs(),
         seed=seed,
         grad_clip=1.0,
     )
@@ -445,13 +413,6 @@ def test_successful_completions_are_left_out_of_channel_two():
     assert torch.equal(out["has_hint"], hinted)
 
 
-def _roundtrip(tensors: dict[str, torch.Tensor], meta: dict[str, Any]):
-    """Through the checkpoint formats the runtime uses: safetensors + JSON."""
-    from safetensors.torch import load, save
-
-    return load(save(tensors)), json.loads(json.dumps(meta))
-
-
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_save_load_step_is_bitwise_identical_to_an_uninterrupted_run(num_iterations):
     k, n = 3, 3
@@ -459,7 +420,7 @@ def test_save_load_step_is_bitwise_identical_to_an_uninterrupted_run(num_iterati
     for _ in range(k):
         a.step()
     params_at_k = {name: t.detach().clone() for name, t in a.model.state_dict().items()}
-    tensors, meta = _roundtrip(*a.state_dict())
+    tensors, meta = roundtrip(*a.state_dict())
     if num_iterations == 2:
         assert meta["grpo"]["buffer"] is not None  # the checkpoint lands mid-way through a reused generation
     metrics_a = [a.step() for _ in range(n)]
@@ -486,6 +447,36 @@ def test_save_load_step_is_bitwise_identical_to_an_uninterrupted_run(num_iterati
     assert any(not torch.equal(pa, pc) for pa, pc in zip(a.model.parameters(), c.model.parameters()))
 
 
+def test_taid_schedule_is_restored_bitwise_after_a_resume():
+    # The schedule's state is part of the trainer state the replica checkpoints.
+    settings = dict(sdpo_variant="taid", taid_alpha=0.05, taid_beta=0.5, dpo_weight=0.0)
+    a = _trainer(**settings)
+    for _ in range(3):
+        a.step()
+    params = {name: t.detach().clone() for name, t in a.model.state_dict().items()}
+    tensors, meta = roundtrip(*a.state_dict())
+    assert meta["taid"]["step"] == 3 and meta["taid"]["t"] > 0.4  # the adaptive schedule moved t
+    ts_a = [(a.step()["taid_t"], a.grpo.taid.t) for _ in range(3)]
+
+    model_b, _ = _model(seed=99)
+    model_b.load_state_dict(params)
+    b = _trainer(model=model_b, **settings)
+    b.load_state_dict(tensors, meta)
+    ts_b = [(b.step()["taid_t"], b.grpo.taid.t) for _ in range(3)]
+    assert ts_a == ts_b  # the t each step trained with, and the t after it: bit-for-bit
+    assert all(x < y for (_, x), (_, y) in zip(ts_a, ts_a[1:]))
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), name
+    # Control: a restart without the schedule's state trains with a different t.
+    model_c, _ = _model(seed=99)
+    model_c.load_state_dict(params)
+    del meta["taid"]
+    c = _trainer(model=model_c, **settings)
+    with pytest.raises(ValueError, match="no TAID schedule"):
+        c.load_state_dict(tensors, meta)
+    assert c.step()["taid_t"] != ts_a[0][0]
+
+
 def test_kl_reference_is_the_starting_model_and_survives_a_restart():
     a = _trainer(kl_coef=0.04)
     start = {k: v.clone() for k, v in a.model.state_dict().items()}
@@ -493,7 +484,7 @@ def test_kl_reference_is_the_starting_model_and_survives_a_restart():
     assert m["kl"] >= 0.0 and a.grpo.settings.kl_coef == 0.04
     for k, v in a.grpo.ref_model.state_dict().items():
         assert torch.equal(v, start[k]), k  # frozen copy of the model as the run started
-    tensors, meta = _roundtrip(*a.state_dict())
+    tensors, meta = roundtrip(*a.state_dict())
     # a restart builds the trainer on the checkpointed (trained) parameters...
     model_b, _ = _model()
     model_b.load_state_dict(a.model.state_dict())
@@ -624,7 +615,7 @@ def test_make_pairs_agreement_threshold():
 
 def test_replay_buffer_layout_sampling_and_state():
     _, tok = _model()
-    pairs = _pairs(5)
+    pairs = shipped_pairs(5)
     buf = ReplayBuffer(pairs, tok, seed=3)
     b = buf.batch([0, 2])
     assert b.input_ids.shape[0] == 4 and b.response_mask.shape[0] == 4

@@ -13,15 +13,21 @@ import pytest
 
 from composer_cloud.registry import BadReference
 from composer_cloud.trainer import TRAINERS, TrainerContext, build_trainer, check_settings
-from composer_cloud.trainer.settings import TRAINER_SETTINGS, CausalLMSettings
-from composer_cloud.trainer.tasks import build_task, resolve_hint_source
+from composer_cloud.trainer.settings import CausalLMSettings
+from composer_cloud.trainer.three_channel.tasks import build_task, resolve_hint_source
 from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
 
 ROOT = Path(__file__).parents[1]
 
 
-def test_every_registered_trainer_has_settings():
-    assert set(TRAINER_SETTINGS) == set(TRAINERS)
+def test_every_registered_trainer_is_a_settings_class_naming_its_factory():
+    from composer_cloud.registry import load_object
+    from composer_cloud.trainer.settings import settings_class
+
+    for name in TRAINERS:
+        cls = settings_class(name)
+        assert cls.TRAINER == name and callable(cls.from_settings)
+        assert callable(load_object(cls.FACTORY, setting="trainer.name"))
 
 
 def test_check_settings_imports_neither_torch_nor_trl():
@@ -81,11 +87,13 @@ def test_defaults_and_the_shipped_example_are_valid():
         ("three-channel", {"dpo_weight": -0.5}, r"trainer\.dpo_weight: .*greater than or equal to 0"),
         ("three-channel", {"kl_coef": float("nan")}, r"trainer\.kl_coef: .*finite number"),
         ("three-channel", {"num_generations": 1, "batch_size": 2}, r"trainer\.num_generations: .*greater than or equal to 2"),
-        ("three-channel", {"batch_size": 6}, r"trainer\.batch_size \(6\) must be a multiple of trainer\.num_generations \(4\)"),
+        ("three-channel", {"batch_size": 6}, r"trainer\.batch_size × trainer\.steps_per_generation \(6 × 1, the generation batch\) must be a multiple of trainer\.num_generations \(4\)"),
         ("three-channel", {"dpo_variant": "ipo"}, r"trainer\.dpo_variant"),
         ("three-channel", {"hint_template": "{prompt}\n{hint}"}, r"trainer\.hint_template must contain '\{hint\}' and end with"),
         ("three-channel", {"hint_template": "{hint} {x} {prompt}"}, r"trainer\.hint_template: KeyError"),
-        ("three-channel", {"task": "my_tasks"}, r"trainer\.task 'my_tasks': use one of \['python-functions'\]"),
+        ("three-channel", {"task": "my_tasks"}, r"trainer\.task: unknown task 'my_tasks'; choose one of \['python-functions'\]"),
+        ("three-channel", {"hint_source": "nope"}, r"trainer\.hint_source: unknown hint source 'nope'; choose one of \['none'\]"),
+        ("three-channel", {"dataset": "d.jsonl", "reward": "f1"}, r"trainer\.reward: unknown reward 'f1'; choose one of \['contains', 'exact_match', 'python_tests'\]"),
         ("three-channel", {"hint_source": "column:"}, r"trainer\.hint_source 'column:'"),
         ("causal-lm", {"seq_len": 0}, r"trainer\.seq_len: .*greater than 0"),
         # the trainer name itself
@@ -135,6 +143,17 @@ def test_factory_settings_are_loaded_through_the_registry():
     task = build_task("python-functions")
     with pytest.raises(BadReference, match=r"trainer\.hint_source: cannot import module 'no_such_module_xyz'"):
         resolve_hint_source("no_such_module_xyz:make_hints", task)
-    with pytest.raises(BadReference, match=r"trainer\.task: module 'composer_cloud.trainer.tasks' has no attribute"):
-        build_task("composer_cloud.trainer.tasks:no_such_factory")
-    assert build_task("composer_cloud.trainer.tasks:PythonFunctionsTask").name == task.name
+    with pytest.raises(BadReference, match=r"trainer\.task: module 'composer_cloud.trainer.three_channel.tasks' has no attribute"):
+        build_task("composer_cloud.trainer.three_channel.tasks:no_such_factory")
+    assert build_task("composer_cloud.trainer.three_channel.tasks:PythonFunctionsTask").name == task.name
+
+
+def test_a_trainer_may_be_named_by_its_settings_class():
+    # trainer.name resolves through the same registry as tasks and hint sources: a registered
+    # name, or "module:SettingsClass" whose FACTORY builds the trainer.
+    ref = "composer_cloud.trainer.settings:CausalLMSettings"
+    check_settings(ref, {"batch_size": 4, "seq_len": 32})
+    with pytest.raises(ValueError, match=r"trainer\.seqlen is not a causal-lm setting"):
+        check_settings(ref, {"seqlen": 32})
+    with pytest.raises(BadReference, match=r"trainer\.name: module 'composer_cloud.trainer.settings' has no attribute 'Nope'"):
+        check_settings("composer_cloud.trainer.settings:Nope", {})

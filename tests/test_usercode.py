@@ -111,7 +111,7 @@ INSTALL_AND_LOAD = """
 
 def test_user_package_travels_to_a_fresh_process_in_another_directory(project, elsewhere, tmp_path, store_uri):
     bundle = collect_code({"trainer.task": "my_tasks:make_task", "trainer.reward": "json:loads",
-                           "trainer.base": "composer_cloud.trainer.tasks:PythonFunctionsTask",
+                           "trainer.base": "composer_cloud.trainer.three_channel.tasks:PythonFunctionsTask",
                            "trainer.hint_source": "python-functions"},
                           include=["data/pairs.jsonl"], base_dir=project)
     assert bundle.modules == ("my_helpers", "my_tasks")  # my_helpers found by following my_tasks' imports
@@ -285,7 +285,7 @@ def test_missing_module_names_the_setting_and_what_to_do(project, elsewhere):
 
 
 def test_installed_modules_are_not_packaged(elsewhere):
-    bundle = collect_code(["json:loads", "composer_cloud.trainer.tasks:PythonFunctionsTask", "fsspec:filesystem",
+    bundle = collect_code(["json:loads", "composer_cloud.trainer.three_channel.tasks:PythonFunctionsTask", "fsspec:filesystem",
                            "os.path:join", "sys:exit", "python-functions"])
     assert bundle.empty and bundle.files == () and bundle.modules == ()
     assert bundle.installed == ("composer_cloud", "fsspec", "json", "os", "sys")
@@ -293,7 +293,7 @@ def test_installed_modules_are_not_packaged(elsewhere):
 
 def test_composer_cloud_is_not_packaged_even_from_a_checkout(monkeypatch):
     monkeypatch.chdir(REPO)  # composer_cloud/ is a plain folder in the base directory here
-    bundle = collect_code(["composer_cloud.trainer.tasks:PythonFunctionsTask"], base_dir=REPO)
+    bundle = collect_code(["composer_cloud.trainer.three_channel.tasks:PythonFunctionsTask"], base_dir=REPO)
     assert bundle.empty and bundle.installed == ("composer_cloud",)
 
 

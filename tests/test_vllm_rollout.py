@@ -7,7 +7,6 @@ transformers model loaded from ``model.name_or_path``, as vLLM would load it). T
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from composer_cloud.model import TinyModelConfig, load_model
 from composer_cloud.spec import SpecError, spec_from_dict
 from composer_cloud.trainer.three_channel import ThreeChannelGRPOTrainer, ThreeChannelSettings, ThreeChannelTrainer
 from composer_cloud.trainer.three_channel import rollout
-from test_three_channel import HashTask, _reward
+from support.trainer import HashTask, hash_reward
 
 torch.set_num_threads(2)
 SMALL = TinyModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -51,7 +50,7 @@ def test_importance_sampling_correction_equals_stock_grpo(monkeypatch, tmp_path,
         rollout.ensure_engine_model_dir(model, tok, directory=str(tmp_path / f"engine{len(trainers)}"))
         args = GRPOConfig(output_dir=str(tmp_path), **settings.grpo_kwargs(), use_cpu=True, report_to="none", seed=0)
         cls, extra = (GRPOTrainer, {}) if not trainers else (ThreeChannelGRPOTrainer, {"settings": settings})
-        trainers.append(cls(model=model, reward_funcs=_reward, args=args, train_dataset=ds, processing_class=tok,
+        trainers.append(cls(model=model, reward_funcs=hash_reward, args=args, train_dataset=ds, processing_class=tok,
                             **extra))
     stock, ours = trainers
     stock.current_gradient_accumulation_steps = 1
@@ -151,7 +150,7 @@ def test_hf_rollout_has_no_engine_and_imports_nothing_of_vllm():
         "import sys, torch\n"
         "from composer_cloud.model import TinyModelConfig, load_model\n"
         "from composer_cloud.trainer.three_channel import ThreeChannelSettings, ThreeChannelTrainer\n"
-        "from test_three_channel import HashTask\n"
+        "from support.trainer import HashTask\n"
         "m, tok = load_model('tiny', seed=0, tiny=TinyModelConfig(hidden_size=32, num_hidden_layers=1, "
         "num_attention_heads=2, num_key_value_heads=1, intermediate_size=64))\n"
         "s = ThreeChannelSettings(batch_size=4, num_generations=2, max_completion_length=4, sdpo_weight=0.0, "

@@ -212,7 +212,7 @@ _BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
 def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> None:
     """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
     warning when they cannot be reached from here)."""
-    from composer_cloud.trainer.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
+    from composer_cloud.trainer.three_channel.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
 
     name = str(local.get("trainer.dataset", settings["dataset"]))
     files = settings.get("data_files")
@@ -271,7 +271,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     except ValueError as exc:
         raise SpecError("", str(exc)) from None
     references = {f"trainer.{k}": v for k, v in settings.items()
-                  if k in ("task", "hint_source", "reward") and isinstance(v, str)}
+                  if k in ("task", "hint_source", "reward") and isinstance(v, str)} | {"trainer.name": spec.trainer.name}
     try:
         bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
     except UserCodeError as exc:

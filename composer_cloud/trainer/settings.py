@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping, TypeVar
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
-from composer_cloud.registry import load_object
+from composer_cloud.registry import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,14 @@ PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
-#: trainer name -> ``"module:Class"`` of its settings (the same names as ``composer_cloud.trainer.TRAINERS``).
-TRAINER_SETTINGS: dict[str, str] = {
+#: trainer name -> ``"module:Class"`` of its settings class. The class is the trainer's declaration: it
+#: imports neither torch nor TRL, parses the ``[trainer]`` table (``from_settings``) and names the trainer's
+#: factory (``FACTORY``, ``"module:function"`` taking a ``TrainerContext``), which only the replica imports.
+TRAINERS: dict[str, str] = {
     "causal-lm": "composer_cloud.trainer.settings:CausalLMSettings",
     "three-channel": "composer_cloud.trainer.three_channel.settings:ThreeChannelSettings",
 }
+DEFAULT_TRAINER = "three-channel"
 
 S = TypeVar("S")
 
@@ -108,10 +111,12 @@ def check_settings(name: str, settings: Mapping[str, Any]) -> None:
         # ValueError: [trainer] for 'three-channel': trainer.batchsize is not a
         # three-channel setting; did you mean trainer.batch_size?
     """
-    if name not in TRAINER_SETTINGS:
-        raise ValueError(f"trainer.name: unknown trainer {name!r}; choose one of {sorted(TRAINER_SETTINGS)}")
-    cls = load_object(TRAINER_SETTINGS[name], setting="trainer.name")
-    cls.from_settings(settings)
+    settings_class(name).from_settings(settings)
+
+
+def settings_class(name: str) -> Any:
+    """The settings class of trainer ``name`` (a registered name or ``"module:Class"``); imports no torch."""
+    return resolve(name, TRAINERS, setting="trainer.name", kind="trainer")
 
 
 # --------------------------------------------------------------------------- causal-lm
@@ -132,6 +137,7 @@ class CausalLMSettings:
     """
 
     TRAINER: ClassVar[str] = "causal-lm"
+    FACTORY: ClassVar[str] = "composer_cloud.trainer.causal_lm:build_causal_lm_trainer"
 
     batch_size: PositiveInt = 8
     seq_len: PositiveInt = 64
@@ -147,9 +153,11 @@ class CausalLMSettings:
 
 
 __all__ = [
+    "DEFAULT_TRAINER",
     "SETTINGS_CONFIG",
-    "TRAINER_SETTINGS",
+    "TRAINERS",
     "CausalLMSettings",
     "check_settings",
     "parse_settings",
+    "settings_class",
 ]

@@ -1,4 +1,4 @@
-"""The three-channel trainer: TRL's ``GRPOTrainer`` with the loss of :mod:`composer_cloud.trainer.loss`.
+"""The three-channel trainer: TRL's ``GRPOTrainer`` with the loss of :mod:`composer_cloud.trainer.three_channel.loss`.
 
 One module per concern:
 

@@ -28,10 +28,10 @@ from trl.trainer.utils import pad
 from composer_cloud.lora import is_lora_model
 from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
-from composer_cloud.trainer.dataset_task import DatasetTask
-from composer_cloud.trainer.replay import ReplayBuffer, default_pairs_uri, load_pairs
-from composer_cloud.trainer.sandbox import SandboxLimits
-from composer_cloud.trainer.tasks import (
+from composer_cloud.trainer.three_channel.dataset_task import DatasetTask
+from composer_cloud.trainer.three_channel.replay import ReplayBuffer, default_pairs_uri, load_pairs
+from composer_cloud.trainer.three_channel.sandbox import SandboxLimits
+from composer_cloud.trainer.three_channel.tasks import (
     HintSource,
     NoHints,
     VerifiableTask,
@@ -40,6 +40,7 @@ from composer_cloud.trainer.tasks import (
     resolve_hint_source,
 )
 from composer_cloud.trainer.three_channel.grpo import ThreeChannelGRPOTrainer
+from composer_cloud.trainer.three_channel.loss import CLIP_METRICS
 from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
 from composer_cloud.trainer.three_channel.state import (
     PromptStream,
@@ -216,7 +217,7 @@ class ThreeChannelTrainer:
         out: dict[str, float] = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
         for channel in ("pg", "sdpo", "dpo"):
             out[channel] = last(channel) if last(channel) is not None else 0.0  # 0.0 = skipped this step
-        for key in ("clip_low", "clip_high", "kl", "entropy", "dpo_margin", "dpo_accuracy"):
+        for key in (*CLIP_METRICS, "kl", "entropy", "aux_loss", "taid_t", "dpo_margin", "dpo_accuracy"):
             if last(key) is not None:
                 out[key] = last(key)  # type: ignore[assignment]
         out.update({k: v for k, v in self._last_reward.items() if v is not None})
@@ -333,6 +334,8 @@ class ThreeChannelTrainer:
         if g.replay is not None:
             r_t, meta["replay"] = g.replay.state_dict()
             tensors.update(with_prefix("replay.", r_t))
+        if g.taid is not None:
+            meta["taid"] = g.taid.state_dict()  # Python floats: JSON restores them bit-for-bit
         if g.beta != 0.0 and g.ref_model is not None:  # TRL's beta: the KL coefficient (settings.kl_coef)
             # The KL reference is the model the run started from, not the one a restart starts from.
             ref = {k: v.detach().cpu().clone().contiguous() for k, v in g.ref_model.state_dict().items()}
@@ -355,6 +358,10 @@ class ThreeChannelTrainer:
         g._step = int(meta["grpo"]["step"])
         self._last_reward = dict(meta["grpo"].get("last_reward") or {})
         g._buffered_inputs = unpack_generation_buffer(tensors, meta["grpo"]["buffer"], g.accelerator.device)
+        if "taid" in meta:
+            g.taid_schedule().load_state_dict(meta["taid"])
+        elif g.settings.sdpo_active and g.settings.sdpo_variant == "taid":
+            raise ValueError("checkpoint has no TAID schedule but this trainer has trainer.sdpo_variant = 'taid'")
         if g.beta != 0.0 and g.ref_model is not None:
             ref = under_prefix("kl_ref.", tensors)
             if not ref:

@@ -10,6 +10,7 @@ failing, or worse training wrongly, in the middle of a run.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 
@@ -39,6 +40,7 @@ EXPECTED_HOOKS: dict[str, tuple[str, ...]] = {
         "logits_to_keep",
         "batch_size",
         "compute_entropy",
+        "compute_aux_loss",
     ),
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
     "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),
@@ -51,7 +53,11 @@ EXPECTED_ATTRS: tuple[str, ...] = (
     "eos_token_ids",
     "temperature",
     "num_iterations",
+    "aux_loss_enabled",
+    "router_aux_loss_coef",
 )
+# Module-level names of trl.trainer.grpo_trainer the subclass replaces while TRL's __init__ runs.
+EXPECTED_MODULE_NAMES: tuple[str, ...] = ("create_model_from_path",)
 
 
 class TRLCompatibilityError(ImportError):
@@ -80,6 +86,10 @@ def check_trl_compatibility(cls: type = GRPOTrainer, version: str | None = None)
         if names != expected or extra_required:
             got = "(" + ", ".join(p.name for p in params) + ")"
             problems.append(f"GRPOTrainer.{name}{got}, expected ({', '.join(expected)}, ...)")
+    module = importlib.import_module(cls.__module__) if cls is GRPOTrainer else None
+    for name in EXPECTED_MODULE_NAMES if module is not None else ():
+        if not callable(getattr(module, name, None)):
+            problems.append(f"{cls.__module__}.{name} is missing")
     if problems:
         raise TRLCompatibilityError(
             f"composer_cloud's three-channel trainer supports trl{TRL_SUPPORTED}, but the installed trl "

@@ -1,8 +1,8 @@
-"""``ThreeChannelGRPOTrainer``: TRL's ``GRPOTrainer`` with the loss of :mod:`composer_cloud.trainer.loss`.
+"""``ThreeChannelGRPOTrainer``: TRL's ``GRPOTrainer`` with the loss of :mod:`composer_cloud.trainer.three_channel.loss`.
 
 It keeps everything TRL does for a GRPO step (prompt tokenisation, sampling,
 reward calls, group-normalised advantages, the reference model for the KL
-term) and replaces the loss by :func:`~composer_cloud.trainer.loss.three_channel_loss`:
+term) and replaces the loss by :func:`~composer_cloud.trainer.three_channel.loss.three_channel_loss`:
 
 1. **pg**: the policy-gradient loss on the sampled completions;
 2. **sdpo**: a no-grad forward of the *same* model on the hint-augmented
@@ -18,26 +18,30 @@ installed TRL's private hooks (the import-time TRL guard).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
+import trl.trainer.grpo_trainer as trl_grpo
+from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head, pad, selective_log_softmax
+from trl.trainer.utils import get_config_model_id, pad, selective_log_softmax
 
-from composer_cloud.lora import is_lora_model
-from composer_cloud.trainer.loss import (
+from composer_cloud.trainer.three_channel.distill import TAIDSchedule
+from composer_cloud.trainer.three_channel.loss import (
     DPOInputs,
     LossOutput,
     PGInputs,
     SDPOInputs,
     three_channel_loss,
 )
-from composer_cloud.trainer.replay import ReplayBatch, ReplayBuffer
-from composer_cloud.trainer.tasks import HintSource, NoHints, apply_hint
+from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
+from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
-from composer_cloud.trainer.three_channel.settings import ThreeChannelConfig, ThreeChannelSettings
+from composer_cloud.trainer.three_channel.settings import LOSS_TYPES, ThreeChannelConfig, ThreeChannelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +59,16 @@ UNSUPPORTED_GRPO_ARGS: dict[str, Any] = {
 
 def _check_args(args: GRPOConfig, settings: ThreeChannelSettings | None) -> None:
     """Refuse GRPOConfig options the loss does not implement, and settings that disagree with ``args``."""
+    if args.loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"three-channel trainer: GRPOConfig.loss_type {args.loss_type!r} is not implemented by the three-channel "
+            f"loss; use one of {', '.join(LOSS_TYPES)} (docs/trainer.md lists what is refused and why)"
+        )
     for name, supported in UNSUPPORTED_GRPO_ARGS.items():
         if getattr(args, name, supported) != supported:
             raise ValueError(
-                f"three-channel trainer: GRPOConfig.{name} must be {supported!r} (the loss does not implement it)"
+                f"three-channel trainer: GRPOConfig.{name} must be {supported!r}: the three-channel loss does not "
+                "implement it (docs/trainer.md lists what is refused and why)"
             )
     if settings is None:
         return
@@ -77,69 +87,69 @@ def _check_args(args: GRPOConfig, settings: ThreeChannelSettings | None) -> None
 class ThreeChannelGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose loss is ``pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo``.
 
-    ``settings`` (:class:`~.settings.ThreeChannelSettings`) give the channel
-    weights and the channel-2/3 options. Channel 1 runs on ``args`` as in stock
+    Constructed as ``GRPOTrainer`` is (same positional and keyword
+    arguments, ``args`` optional), plus three keyword-only ones:
+    ``settings`` (:class:`~.settings.ThreeChannelSettings`: the channel
+    weights and the channel-2/3 options), ``hint_source`` (channel 2's hints)
+    and ``replay`` (channel 3's pairs). Channel 1 runs on ``args`` as in stock
     ``GRPOTrainer`` (``loss_type``, ``epsilon``, ``epsilon_high``, ``beta`` as
     the KL coefficient, ``use_bias_correction_kl``, ``max_completion_length``),
-    so that with ``sdpo_weight = dpo_weight = 0`` the loss equals stock
-    ``GRPOTrainer``'s. Given ``settings`` must agree with ``args`` on every
-    field of :meth:`~.settings.ThreeChannelSettings.grpo_kwargs` (a
-    ``ValueError`` otherwise); without ``settings`` the defaults are used with
-    channel 1's values taken from ``args``. ``loss_type`` must be one of
+    so that with ``sdpo_weight = dpo_weight = 0`` loss, gradients and logged
+    metrics equal stock ``GRPOTrainer``'s. Given ``settings`` must agree with
+    ``args`` on every field of :meth:`~.settings.ThreeChannelSettings.grpo_kwargs`
+    (a ``ValueError`` otherwise); without ``settings`` the defaults are used
+    with channel 1's values taken from ``args``. ``loss_type`` must be one of
     ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``; options of ``GRPOConfig``
     listed in :data:`UNSUPPORTED_GRPO_ARGS` must keep their defaults.
 
-    With ``args.beta != 0`` the KL reference is a frozen copy of ``model`` as
-    passed in (TRL would otherwise try to download it by name).
+    The KL reference (``args.beta != 0``): for a model given by name, TRL's
+    (it loads the name again); for a model instance, a frozen copy of the
+    instance as passed, which TRL then prepares as its own reference (dropout,
+    fused head, ``sync_ref_model``). TRL would reload an instance by its
+    config's name, which is the same weights for a freshly loaded model and
+    fails for one built from a config. A PEFT model is its own reference (TRL
+    disables the adapter).
     """
 
     def __init__(
         self,
-        *args: Any,
+        model: Any,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        *more: Any,
         settings: ThreeChannelSettings | None = None,
         hint_source: HintSource | None = None,
         replay: ReplayBuffer | None = None,
         **kwargs: Any,
     ) -> None:
-        grpo_args: GRPOConfig = kwargs.get("args") if "args" in kwargs else args[2]
-        model = kwargs.get("model") if "model" in kwargs else args[0]
-        _check_args(grpo_args, settings)
+        if args is None:  # TRL's default config, built the way GRPOTrainer.__init__ builds it
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        _check_args(args, settings)
         self.hint_source: HintSource = hint_source or NoHints()
         self.replay = replay
-        kl_coef = float(grpo_args.beta)
-        ref_model = None
-        if kl_coef != 0.0:
-            # Copy before TRL patches model.forward (a deepcopy of the patched
-            # model would keep calling the original's forward), and hide the
-            # coefficient from TRL's __init__, which would load the reference by name.
-            # A LoRA model needs no copy: with its adapters disabled it is the
-            # model the run started from (fresh adapters add zero), which is
-            # how TRL scores the reference when ref_model is None.
-            if not is_lora_model(model):
-                ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-            grpo_args.beta = 0.0
-        try:
-            super().__init__(*args, **kwargs)
-        finally:
-            grpo_args.beta = kl_coef
-        self.beta = kl_coef
-        if ref_model is not None:
-            self.ref_model = ref_model.to(self.accelerator.device)
-            add_fused_lm_head(self.ref_model, temperature=self.temperature)
+        reference = None
+        if args.beta != 0.0 and not isinstance(model, str) and not is_peft_model(model):
+            # Copied before TRL patches model.forward: a deepcopy of the patched model would keep
+            # calling the original's forward (the closure is not copied).
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        with _reference_model(reference):
+            super().__init__(model, reward_funcs, args, *more, **kwargs)
         check_trainer_attributes(self)
         if self._is_vlm:
             raise ValueError("three-channel trainer: vision-language models are not supported")
-        if self.aux_loss_enabled:
-            raise ValueError("three-channel trainer: MoE router aux loss is not supported; set router_aux_loss_coef=0")
         if settings is None:
             # Channel 1 as TRL resolved it from args (e.g. epsilon_high=None means epsilon).
             settings = ThreeChannelSettings(
                 loss_type=self.loss_type,
                 epsilon=self.epsilon_low,
                 epsilon_high=self.epsilon_high,
-                kl_coef=kl_coef,
+                kl_coef=float(self.beta),
                 kl_bias_correction=bool(self.args.use_bias_correction_kl),
                 max_completion_length=self.max_completion_length,
+                batch_size=self.args.per_device_train_batch_size,
+                num_generations=self.num_generations,
+                steps_per_generation=self.args.steps_per_generation,
             )
         #: The one settings object: the channel weights and channel-2/3 options read here, and the loss's config.
         self.settings: ThreeChannelSettings = settings
@@ -147,9 +157,14 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         if settings.dpo_active and needs_reference:
             logger.info("replay pairs have no stored reference log-probs; computing them with the initial model")
             self.fill_replay_reference()
-        # Set by Trainer.train(), which we never call; one training_step per micro-batch.
+        # Set by Trainer.train(); the adapter drives training_step itself.
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self.last_loss_output: LossOutput | None = None
+        #: TAID's interpolation schedule (``sdpo_variant = "taid"``); advanced once per optimizer step.
+        self.taid: TAIDSchedule | None = None
+        self._taid_objectives: list[float] = []
+        if settings.sdpo_active and settings.sdpo_variant == "taid":
+            self.taid_schedule()  # part of the trainer's state from the first step on
 
     # ------------------------------------------------------------------ data for channels 2 and 3
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
@@ -214,11 +229,28 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
     ) -> torch.Tensor:
         """``(B, logits_to_keep, V)`` logits predicting the last ``logits_to_keep`` tokens, over TRL's temperature."""
+        return self._completion_forward(model, input_ids, attention_mask, logits_to_keep)[0]
+
+    def _completion_forward(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        *,
+        aux_loss: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Completion logits and, with ``aux_loss`` (an MoE model), its router load-balancing loss."""
+        extra = {"output_router_logits": True} if aux_loss else {}
         with self.accelerator.autocast():
             out = model(
-                input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=logits_to_keep + 1,
+                use_cache=False,
+                **extra,
             )
-        return out.logits[:, :-1, :].float() / self.temperature
+        return out.logits[:, :-1, :].float() / self.temperature, (out.aux_loss if aux_loss else None)
 
     def sequence_logps(self, model: torch.nn.Module, batch: ReplayBatch) -> torch.Tensor:
         """``(2n,)`` summed response log-probs of a replay batch (TRL's fused, logits-free path)."""
@@ -238,86 +270,142 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
     def compute_three_channel_loss(
         self, model: torch.nn.Module, inputs: Mapping[str, Any], config: ThreeChannelConfig | None = None
     ) -> LossOutput:
-        """The unscaled three-channel loss of one micro-batch (``config`` overrides weights, e.g. in tests)."""
-        cfg = config or self.settings
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        C = completion_ids.size(1)
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        """The three-channel loss of one micro-batch, before gradient accumulation (``config`` overrides weights).
 
+        For an MoE model (TRL's ``aux_loss_enabled``) the router load-balancing
+        loss of the student forward is added as TRL adds it:
+        ``+ router_aux_loss_coef * aux_loss``, outside the channel weights.
+        """
+        cfg = config or self.settings
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
         has_hint = inputs.get("has_hint")
         sdpo_rows = None
         if cfg.sdpo_active and has_hint is not None and bool(has_hint.any()):
             sdpo_rows = has_hint.nonzero(as_tuple=True)[0]
 
-        pg = sdpo = dpo = None
-        entropy = None
-        student_logits = None
-        if cfg.pg_active and sdpo_rows is not None:
-            # One student forward feeds both channels: full logits are needed for the JSD anyway.
-            student_logits = self.completion_logits(model, input_ids, attention_mask, C)
-            logp = selective_log_softmax(student_logits, completion_ids)
-            with torch.no_grad():
-                entropy = _masked_entropy(student_logits, mask)
-        elif cfg.pg_active:
-            # Channel 1 alone: TRL's fused LM head, no (B, C, V) logits.
-            logp, ent, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, C, compute_entropy=True
-            )
-            entropy = (ent * mask).sum() / mask.sum().clamp(min=1)
-        elif sdpo_rows is not None:
-            student_logits = self.completion_logits(model, input_ids[sdpo_rows], attention_mask[sdpo_rows], C)
-
-        if cfg.pg_active:
-            advantages = inputs["advantages"]
-            num_items = inputs.get("num_items_in_batch")
-            if num_items is not None:
-                # TRL's dapo normaliser without the accumulation factor (applied by the caller).
-                num_items = num_items / self.accelerator.num_processes / self.args.steps_per_generation
-            pg = PGInputs(
-                logp=logp,
-                advantages=advantages,
-                mask=mask,
-                old_logp=inputs.get("old_per_token_logps"),
-                ref_logp=inputs.get("ref_per_token_logps") if cfg.kl_coef != 0.0 else None,
-                num_items=num_items,
-                # vLLM rollouts: TRL's truncated/masked importance weights (None with rollout = "hf").
-                sampling_ratio=inputs.get("importance_sampling_ratio"),
-            )
-
-        if sdpo_rows is not None:
-            assert student_logits is not None
-            s_logits = student_logits[sdpo_rows] if student_logits.size(0) != sdpo_rows.numel() else student_logits
-            t_ids = torch.cat([inputs["teacher_prompt_ids"][sdpo_rows], completion_ids[sdpo_rows]], dim=1)
-            t_mask = torch.cat([inputs["teacher_prompt_mask"][sdpo_rows], completion_mask[sdpo_rows]], dim=1)
-            with torch.no_grad():
-                t_logits = self.completion_logits(model, t_ids, t_mask, C)
-            sdpo_mask = mask[sdpo_rows]
-            if self.settings.sdpo_exclude_eos:
-                eos = torch.tensor(self.eos_token_ids, device=completion_ids.device)
-                sdpo_mask = sdpo_mask * ~torch.isin(completion_ids[sdpo_rows], eos)
-            sdpo = SDPOInputs(student_logits=s_logits, teacher_logits=t_logits, mask=sdpo_mask)
-
+        student = self._student_forward(model, inputs, mask, pg=cfg.pg_active, sdpo_rows=sdpo_rows)
+        pg = self._pg_inputs(inputs, student.logp, mask, cfg) if cfg.pg_active else None
+        sdpo = self._sdpo_inputs(model, inputs, student.logits, mask, sdpo_rows) if sdpo_rows is not None else None
         replay: ReplayBatch | None = inputs.get("replay")
-        if cfg.dpo_active and replay is not None:
-            n = replay.n_pairs
-            seq = self.sequence_logps(model, replay)
-            ref = replay.ref_logp
-            dpo = DPOInputs(
-                policy_chosen_logp=seq[:n],
-                policy_rejected_logp=seq[n:],
-                ref_chosen_logp=None if ref is None else ref[:n],
-                ref_rejected_logp=None if ref is None else ref[n:],
-                chosen_length=replay.lengths[:n],
-                rejected_length=replay.lengths[n:],
-            )
+        dpo = self._dpo_inputs(model, replay) if cfg.dpo_active and replay is not None else None
 
         out = three_channel_loss(cfg, pg=pg, sdpo=sdpo, dpo=dpo)
-        if entropy is not None:
-            out.metrics["entropy"] = entropy.detach()
+        if student.entropy is not None:
+            out.metrics["entropy"] = student.entropy
+        if student.aux_loss is not None:
+            out.total = out.total + self.router_aux_loss_coef * student.aux_loss
+            out.metrics["aux_loss"] = student.aux_loss.detach()
+            out.metrics["total"] = out.total.detach()
         return out
+
+    def _student_forward(
+        self, model: torch.nn.Module, inputs: Mapping[str, Any], mask: torch.Tensor, *, pg: bool,
+        sdpo_rows: torch.Tensor | None,
+    ) -> "_StudentForward":
+        """One forward of the policy on prompt + completion, shared by channels 1 and 2."""
+        completion_ids = inputs["completion_ids"]
+        C = completion_ids.size(1)
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        aux = self.aux_loss_enabled
+        if pg and sdpo_rows is None:
+            # Channel 1 alone: TRL's fused LM head, no (B, C, V) logits.
+            logp, ent, aux_loss = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, C, compute_entropy=True, compute_aux_loss=aux
+            )
+            return _StudentForward(logp, None, _masked_mean(ent.detach(), mask), aux_loss)
+        if pg:
+            # Full logits are needed for the divergence anyway: one forward feeds both channels.
+            logits, aux_loss = self._completion_forward(model, input_ids, attention_mask, C, aux_loss=aux)
+            logp = selective_log_softmax(logits, completion_ids)
+            return _StudentForward(logp, logits, _masked_entropy(logits, mask), aux_loss)
+        if sdpo_rows is not None:
+            logits, aux_loss = self._completion_forward(
+                model, input_ids[sdpo_rows], attention_mask[sdpo_rows], C, aux_loss=aux
+            )
+            return _StudentForward(None, logits, None, aux_loss)
+        return _StudentForward(None, None, None, None)
+
+    def _dapo_normalizer(self, inputs: Mapping[str, Any]) -> torch.Tensor | None:
+        """TRL's dapo token normaliser for one micro-batch, before the gradient-accumulation factor.
+
+        ``num_items_in_batch`` counts the completion tokens of the whole
+        generation batch; TRL clamps it to >= 1 *before* dividing by the
+        processes and (in training only: evaluation neither splits nor
+        accumulates) by ``steps_per_generation``.
+        """
+        num_items = inputs.get("num_items_in_batch")
+        if num_items is None:
+            return None
+        normalizer = num_items.clamp(min=1.0) / self.accelerator.num_processes
+        if self.model.training:
+            normalizer = normalizer / self.args.steps_per_generation
+        return normalizer
+
+    def _pg_inputs(
+        self, inputs: Mapping[str, Any], logp: torch.Tensor, mask: torch.Tensor, cfg: ThreeChannelConfig
+    ) -> PGInputs:
+        return PGInputs(
+            logp=logp,
+            advantages=inputs["advantages"],
+            mask=mask,
+            old_logp=inputs.get("old_per_token_logps"),
+            ref_logp=inputs.get("ref_per_token_logps") if cfg.kl_coef != 0.0 else None,
+            num_items=self._dapo_normalizer(inputs),
+            # vLLM rollouts: TRL's truncated/masked importance weights (None with rollout = "hf").
+            sampling_ratio=inputs.get("importance_sampling_ratio"),
+        )
+
+    def _sdpo_inputs(
+        self, model: torch.nn.Module, inputs: Mapping[str, Any], student_logits: torch.Tensor | None,
+        mask: torch.Tensor, rows: torch.Tensor,
+    ) -> SDPOInputs:
+        """The hinted teacher's logits on the student's completion tokens (no grad), for the hinted ``rows``."""
+        assert student_logits is not None
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        s_logits = student_logits[rows] if student_logits.size(0) != rows.numel() else student_logits
+        t_ids = torch.cat([inputs["teacher_prompt_ids"][rows], completion_ids[rows]], dim=1)
+        t_mask = torch.cat([inputs["teacher_prompt_mask"][rows], completion_mask[rows]], dim=1)
+        with torch.no_grad():
+            t_logits = self.completion_logits(model, t_ids, t_mask, completion_ids.size(1))
+        sdpo_mask = mask[rows]
+        if self.settings.sdpo_exclude_eos:
+            eos = torch.tensor(self.eos_token_ids, device=completion_ids.device)
+            sdpo_mask = sdpo_mask * ~torch.isin(completion_ids[rows], eos)
+        taid_t = self.taid_schedule().t if self.settings.sdpo_variant == "taid" else None
+        return SDPOInputs(student_logits=s_logits, teacher_logits=t_logits, mask=sdpo_mask, taid_t=taid_t)
+
+    def taid_schedule(self) -> TAIDSchedule:
+        """TAID's schedule, built from the settings on first use."""
+        if self.taid is None:
+            s = self.settings
+            self.taid = TAIDSchedule(t_start=s.taid_t_start, t_end=s.taid_t_end, alpha=s.taid_alpha,
+                                     beta=s.taid_beta, steps=s.taid_steps, adaptive=s.taid_schedule == "adaptive")
+        return self.taid
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.taid is not None and self._step % self.current_gradient_accumulation_steps == 0:
+            # One optimizer step done: TAID's t moves on, from the step's mean objective.
+            values = self._taid_objectives
+            self.taid.update(sum(values) / len(values) if values else None)
+            self._taid_objectives = []
+        return loss
+
+    def _dpo_inputs(self, model: torch.nn.Module, replay: ReplayBatch) -> DPOInputs:
+        n = replay.n_pairs
+        seq = self.sequence_logps(model, replay)
+        ref = replay.ref_logp
+        return DPOInputs(
+            policy_chosen_logp=seq[:n],
+            policy_rejected_logp=seq[n:],
+            ref_chosen_logp=None if ref is None else ref[:n],
+            ref_rejected_logp=None if ref is None else ref[n:],
+            chosen_length=replay.lengths[:n],
+            rejected_length=replay.lengths[n:],
+        )
 
     def _compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
         out = self.compute_three_channel_loss(model, inputs)
@@ -325,19 +413,66 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         for k, v in out.metrics.items():
             self._metrics[mode][k].append(float(v))
-        # Gradient accumulation: TRL divides grpo/bnpo/dr_grpo by the number of
-        # micro-steps and folds it into dapo's token normaliser; dividing the
-        # total once is the same for channel 1 and averages channels 2 and 3.
+        if mode == "train" and "taid_objective" in out.metrics:
+            self._taid_objectives.append(float(out.metrics["taid_objective"]))
+        # Gradient accumulation: TRL divides grpo/bnpo/dr_grpo and the aux loss by the number of
+        # micro-steps and folds it into dapo's token normaliser; dividing the total once is the same
+        # for channel 1 and averages channels 2 and 3. Evaluation does not accumulate.
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         return out.total / accumulation
+
+
+@dataclasses.dataclass
+class _StudentForward:
+    """What the policy's forward on the generation micro-batch gave: per-token log-probs (channel 1),
+    completion logits (channel 2; ``None`` on the fused path), the masked mean entropy (no grad) and
+    the MoE router loss."""
+
+    logp: torch.Tensor | None
+    logits: torch.Tensor | None
+    entropy: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+
+
+@contextlib.contextmanager
+def _reference_model(reference: torch.nn.Module | None) -> Iterator[None]:
+    """While TRL's ``__init__`` runs, its reference-model loader returns ``reference`` instead of loading by name.
+
+    TRL builds the KL reference with ``create_model_from_path(<the policy's name>)`` and then
+    treats it as its own (dropout off, fp32 head, fused head, device placement,
+    ``sync_ref_model``); only the loading is replaced. It is the one call of that loader
+    while a model instance is being wrapped (the policy itself is not loaded). The replacement is
+    module-wide: build trainers one at a time, not from several threads at once.
+    """
+    if reference is None:
+        yield
+        return
+    load = trl_grpo.create_model_from_path
+    calls = 0
+
+    def give_reference(*_: Any, **__: Any) -> torch.nn.Module:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise RuntimeError("TRL loaded more than one model while building the KL reference")
+        return reference
+
+    trl_grpo.create_model_from_path = give_reference
+    try:
+        yield
+    finally:
+        trl_grpo.create_model_from_path = load
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1)
 
 
 @torch.no_grad()
 def _masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits, dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    m = mask.to(ent.dtype)
-    return (ent * m).sum() / m.sum().clamp(min=1)
+    return _masked_mean(-(logp.exp() * logp).sum(-1), mask)
 
 
 __all__ = ["UNSUPPORTED_GRPO_ARGS", "ThreeChannelGRPOTrainer"]

@@ -1,7 +1,7 @@
 """The three-channel trainer's settings: one class, checked without torch or TRL.
 
 :class:`ThreeChannelConfig` holds the hyper-parameters of the loss
-(:func:`composer_cloud.trainer.loss.three_channel_loss`);
+(:func:`composer_cloud.trainer.three_channel.loss.three_channel_loss`);
 :class:`ThreeChannelSettings` extends it with everything else of the
 ``[trainer]`` table (sampling, the task, channels 2 and 3, the sandbox). Each
 key is defined once, here; ``ThreeChannelGRPOTrainer`` and the loss read the
@@ -31,7 +31,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from composer_cloud.registry import is_reference
+from composer_cloud.registry import reference_for
 from composer_cloud.trainer.settings import (
     SETTINGS_CONFIG,
     FiniteFloat,
@@ -41,22 +41,25 @@ from composer_cloud.trainer.settings import (
     PositiveInt,
     parse_settings,
 )
-from composer_cloud.trainer.dataset_task import CANONICAL, REWARD_NEEDS
-from composer_cloud.trainer.tasks import DEFAULT_HINT_TEMPLATE, TASKS
+from composer_cloud.trainer.three_channel.dataset_task import CANONICAL, REWARDS
+from composer_cloud.trainer.three_channel.tasks import DEFAULT_HINT_TEMPLATE, TASKS, hint_source_reference
 
 logger = logging.getLogger(__name__)
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 DPOVariant = Literal["sigmoid", "simpo"]
+SDPOVariant = Literal["jsd", "taid", "entropy_opd"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
 Rollout = Literal["hf", "vllm"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+SDPO_VARIANTS: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
+UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
 class ThreeChannelConfig:
-    """Hyper-parameters of :func:`~composer_cloud.trainer.loss.three_channel_loss`.
+    """Hyper-parameters of :func:`~composer_cloud.trainer.three_channel.loss.three_channel_loss`.
 
     ``total = pg_weight * pg + sdpo_weight * sdpo + dpo_weight * dpo``; a
     channel whose weight is 0 is not computed (nor its forward pass).
@@ -73,9 +76,19 @@ class ThreeChannelConfig:
         kl_bias_correction: multiply the KL term by the ratio
             (``GRPOConfig.use_bias_correction_kl``).
         max_completion_length: new tokens at most; ``dr_grpo``'s normaliser.
+        sdpo_variant: channel 2's divergence: ``"jsd"`` (generalized JSD),
+            ``"taid"`` (TAID) or ``"entropy_opd"`` (entropy-aware on-policy
+            distillation); see :mod:`~composer_cloud.trainer.three_channel.distill`.
         jsd_beta: generalized-JSD interpolation in ``[0, 1]`` (0 forward KL,
             1 reverse KL; ``GKDConfig.beta``).
         jsd_temperature: softmax temperature of the JSD.
+        taid_schedule: ``"adaptive"`` (TAID's) or ``"linear"``.
+        taid_t_start, taid_t_end: TAID's interpolation goes from ``t_start`` to ``t_end``.
+        taid_alpha, taid_beta: the adaptive schedule's step size and momentum.
+        taid_steps: optimizer steps over which the linear schedule (the
+            adaptive one's floor) reaches ``t_end``.
+        opd_h_max: entropy (nats) at which entropy-aware OPD is all forward
+            KL; default ``log V`` (the uniform distribution's).
         dpo_beta: DPO inverse temperature (SimPO: its ``beta``; ``DPOConfig.beta``).
         dpo_variant: ``"sigmoid"`` (DPO, needs reference log-probs) or ``"simpo"``.
         simpo_gamma: SimPO target margin (nats per token).
@@ -92,14 +105,26 @@ class ThreeChannelConfig:
     kl_bias_correction: bool = True
     max_completion_length: PositiveInt | None = None
     # channel 2
-    jsd_beta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    sdpo_variant: SDPOVariant = "jsd"
+    jsd_beta: UnitFloat = 0.5
     jsd_temperature: PositiveFloat = 1.0
+    taid_schedule: Literal["adaptive", "linear"] = "adaptive"
+    taid_t_start: UnitFloat = 0.4
+    taid_t_end: UnitFloat = 1.0
+    taid_alpha: UnitFloat = 5e-4
+    taid_beta: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.99
+    taid_steps: PositiveInt = 1000
+    opd_h_max: PositiveFloat | None = None
     # channel 3
     dpo_beta: PositiveFloat = 0.1
     dpo_variant: DPOVariant = "sigmoid"
     simpo_gamma: FiniteFloat = 0.5
 
     def __post_init__(self) -> None:
+        if self.taid_t_start > self.taid_t_end:
+            raise ValueError(
+                f"trainer.taid_t_start ({self.taid_t_start}) must not exceed trainer.taid_t_end ({self.taid_t_end})"
+            )
         if self.loss_type == "dr_grpo" and self.completion_length is None:
             raise ValueError(
                 "trainer.max_completion_length: loss_type 'dr_grpo' needs it "
@@ -186,7 +211,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
         eval_examples: held-out rows scored by ``evaluate()``.
         dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
             train on a dataset instead of a task (``docs/datasets.md``,
-            :mod:`composer_cloud.trainer.dataset_task`).
+            :mod:`composer_cloud.trainer.three_channel.dataset_task`).
         rollout: ``"hf"`` (``model.generate``) or ``"vllm"`` (TRL's colocated vLLM engine, ``[vllm]`` extra).
         vllm_importance_sampling_correction, vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
             vllm_importance_sampling_clip_max: ``GRPOConfig``'s correction of channel 1 for the gap
@@ -195,6 +220,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
     """
 
     TRAINER: ClassVar[str] = "three-channel"
+    FACTORY: ClassVar[str] = "composer_cloud.trainer.three_channel.adapter:build_three_channel_trainer"
     #: old ``[trainer]`` key -> new key; an old key is an error that names the new one.
     RENAMED: ClassVar[dict[str, str]] = {"alpha": "sdpo_weight", "beta": "dpo_weight", "kl_beta": "kl_coef"}
 
@@ -227,7 +253,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
     sandbox_memory_mb: PositiveInt = 256
     sandbox_workers: PositiveInt = 2
     eval_examples: NonNegativeInt = 16
-    # a dataset instead of a task (composer_cloud.trainer.dataset_task)
+    # a dataset instead of a task (composer_cloud.trainer.three_channel.dataset_task)
     dataset: Annotated[str, Field(min_length=1)] | None = None
     dataset_config: str | None = None
     dataset_split: Annotated[str, Field(min_length=1)] = "train"
@@ -253,10 +279,11 @@ class ThreeChannelSettings(ThreeChannelConfig):
         if self.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
             raise ValueError("trainer.vllm_importance_sampling_clip_max: a *_truncate mode needs a bound "
                              "(clip_max or clip_min)")
-        if self.batch_size % self.num_generations:
+        # TRL's rule: whole groups per generation batch (a micro-batch may split a group).
+        if (self.batch_size * self.steps_per_generation) % self.num_generations:
             raise ValueError(
-                f"trainer.batch_size ({self.batch_size}) must be a multiple of "
-                f"trainer.num_generations ({self.num_generations})"
+                f"trainer.batch_size × trainer.steps_per_generation ({self.batch_size} × {self.steps_per_generation}, "
+                f"the generation batch) must be a multiple of trainer.num_generations ({self.num_generations})"
             )
         if "{hint}" not in self.hint_template or not self.hint_template.endswith("{prompt}"):
             raise ValueError("trainer.hint_template must contain '{hint}' and end with '{prompt}'")
@@ -284,26 +311,14 @@ class ThreeChannelSettings(ThreeChannelConfig):
                     f"trainer.columns.{unknown[0]}: the mapping's keys are {', '.join(CANONICAL)} "
                     "(canonical name = the dataset's column); other columns are kept as they are"
                 )
-            if not (self.effective_reward in REWARD_NEEDS or is_reference(self.effective_reward)):
-                raise ValueError(
-                    f"trainer.reward {self.reward!r}: use one of {sorted(REWARD_NEEDS)} or 'package.module:function'"
-                )
+            reference_for(self.effective_reward, REWARDS, setting="trainer.reward")
         if self.pairs == "builtin" and self.effective_task != "python-functions":
             logger.warning(
                 "trainer.pairs = 'builtin' replays the demo task's pairs although the run trains on %s",
                 self.effective_task,
             )
-        if self.task not in TASKS and not is_reference(self.task):
-            raise ValueError(f"trainer.task {self.task!r}: use one of {sorted(TASKS)} or 'package.module:factory'")
-        if not (
-            self.hint_source in ("default", "none")
-            or (self.hint_source.startswith("column:") and self.hint_source != "column:")
-            or is_reference(self.hint_source)
-        ):
-            raise ValueError(
-                f"trainer.hint_source {self.hint_source!r}: use 'default', 'none', 'column:NAME' "
-                "or 'package.module:factory'"
-            )
+        reference_for(self.task, TASKS, setting="trainer.task")
+        hint_source_reference(self.hint_source)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "ThreeChannelSettings":

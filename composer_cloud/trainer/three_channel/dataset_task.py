@@ -1,7 +1,7 @@
 """Datasets without code: ``[trainer] dataset = "org/name"`` or a local path, a column mapping, a built-in reward.
 
 A run that names a dataset trains on its rows with :class:`DatasetTask`, a
-:class:`~composer_cloud.trainer.tasks.VerifiableTask` whose reward is chosen by
+:class:`~composer_cloud.trainer.three_channel.tasks.VerifiableTask` whose reward is chosen by
 name (:data:`REWARDS`), so no user code is needed::
 
     [trainer]
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_cloud.registry import is_reference, load_object
+from composer_cloud.registry import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,24 @@ def contains(completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> l
             for c, row in zip(completions, rows, strict=True)]
 
 
+def python_tests(completions: Sequence[str], rows: Sequence[Mapping[str, Any]], *, sandbox: Any = None
+                 ) -> list[float | None]:
+    """The fraction of the row's ``tests`` (assert statements) that prompt + completion pass, in ``sandbox``.
+
+    ``sandbox`` is a :class:`~composer_cloud.trainer.three_channel.sandbox.Sandbox` (default limits when
+    ``None``); :class:`DatasetTask` passes its own, built from the ``sandbox_*`` settings.
+    """
+    from composer_cloud.trainer.three_channel.sandbox import Sandbox, SandboxLimits
+    from composer_cloud.trainer.three_channel.tasks import extract_program
+
+    sandbox = sandbox or Sandbox(SandboxLimits())
+    programs = [extract_program(str(row["prompt"]), c) for c, row in zip(completions, rows, strict=True)]
+    return [r.score for r in sandbox.run_many(programs, [_as_tests(row.get("tests")) for row in rows])]
+
+
 RewardFn = Callable[[Sequence[str], Sequence[Mapping[str, Any]]], list[float | None]]
+#: Built-in rewards: name -> ``"module:function"`` (user rewards are ``"module:function"`` references).
+REWARDS: dict[str, str] = {name: f"{__name__}:{name}" for name in ("exact_match", "contains", "python_tests")}
 
 
 def _as_tests(value: Any) -> list[str]:
@@ -208,7 +225,7 @@ def _as_tests(value: Any) -> list[str]:
 # --------------------------------------------------------------------------- the task
 @dataclass
 class DatasetTask:
-    """A :class:`~composer_cloud.trainer.tasks.VerifiableTask` over a dataset's rows.
+    """A :class:`~composer_cloud.trainer.three_channel.tasks.VerifiableTask` over a dataset's rows.
 
     Rows carry the canonical keys of the column mapping (``prompt``, and
     ``answer`` / ``tests`` / ``hint`` when mapped or present) plus every other
@@ -233,13 +250,7 @@ class DatasetTask:
     def __post_init__(self) -> None:
         self._splits: dict[str, list[dict[str, Any]]] = {}
         self._sandbox: Any = None
-        if self.reward_name in REWARD_NEEDS:
-            self._reward: RewardFn | None = None
-        elif is_reference(self.reward_name):
-            self._reward = load_object(self.reward_name, setting="trainer.reward")
-        else:
-            raise DatasetError(f"trainer.reward {self.reward_name!r}: use one of {sorted(REWARD_NEEDS)} or "
-                               "'module:function'")
+        self._reward: RewardFn = resolve(self.reward_name, REWARDS, setting="trainer.reward")
 
     def _rename(self, row: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(row)
@@ -284,26 +295,16 @@ class DatasetTask:
         return [dict(r) for r in self._splits[split]]
 
     def reward(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
-        if self._reward is not None:
-            return list(self._reward(completions, rows))
-        if self.reward_name == "exact_match":
-            return exact_match(completions, rows)
-        if self.reward_name == "contains":
-            return contains(completions, rows)
-        return self._python_tests(completions, rows)
+        if self._reward is python_tests:
+            if self._sandbox is None:
+                from composer_cloud.trainer.three_channel.sandbox import Sandbox, SandboxLimits
 
-    def _python_tests(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
-        from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits
-        from composer_cloud.trainer.tasks import extract_program
-
-        if self._sandbox is None:
-            self._sandbox = Sandbox(self.sandbox_limits or SandboxLimits(), max_workers=self.max_workers)
-        programs = [extract_program(str(row["prompt"]), c) for c, row in zip(completions, rows, strict=True)]
-        results = self._sandbox.run_many(programs, [_as_tests(row.get("tests")) for row in rows])
-        return [r.score for r in results]
+                self._sandbox = Sandbox(self.sandbox_limits or SandboxLimits(), max_workers=self.max_workers)
+            return python_tests(completions, rows, sandbox=self._sandbox)
+        return list(self._reward(completions, rows))
 
     def default_hints(self) -> Any:
-        from composer_cloud.trainer.tasks import ColumnHints
+        from composer_cloud.trainer.three_channel.tasks import ColumnHints
 
         rows = self.examples("train")
         if "hint" in self.columns or (rows and "hint" in rows[0]):
@@ -311,5 +312,6 @@ class DatasetTask:
         return None
 
 
-__all__ = ["BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARD_NEEDS", "contains", "dataset_columns",
-           "exact_match", "extract_answer", "is_local_dataset", "load_rows", "missing_columns", "normalize_answer"]
+__all__ = ["BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARDS", "REWARD_NEEDS", "contains", "dataset_columns",
+           "exact_match", "extract_answer", "is_local_dataset", "load_rows", "missing_columns", "normalize_answer",
+           "python_tests"]

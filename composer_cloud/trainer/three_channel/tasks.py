@@ -9,7 +9,7 @@ The built-in demo task, ``"python-functions"``, is agentic-coding flavoured:
 the prompt is the head of a short Python function (signature, docstring,
 sometimes a first line), the completion is the rest of the body, and the
 reward is the fraction of the function's unit tests that pass when run in the
-:mod:`~composer_cloud.trainer.sandbox`. Several tests per problem, some of
+:mod:`~composer_cloud.trainer.three_channel.sandbox`. Several tests per problem, some of
 which a partially right body passes (e.g. one branch of an ``if``), give a
 group of completions reward variance. Its problems use the same templates as
 the built-in corpus (:mod:`composer_cloud.corpus`), so a model that has seen
@@ -20,16 +20,17 @@ that corpus can solve some of them; a freshly initialised tiny model scores
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
-from composer_cloud.registry import is_reference, load_object
-from composer_cloud.trainer.sandbox import Sandbox, SandboxLimits
+from composer_cloud.registry import load_object, reference_for, resolve
+from composer_cloud.trainer.three_channel.sandbox import Sandbox, SandboxLimits
 
 if TYPE_CHECKING:
-    from composer_cloud.trainer.replay import Pair
+    from composer_cloud.trainer.three_channel.replay import Pair
 
 logger = logging.getLogger(__name__)
 
@@ -109,32 +110,51 @@ def apply_hint(prompt: str | list[dict[str, Any]], hint: str, template: str = DE
     return [{"role": "system", "content": hint}, *prompt]
 
 
-def resolve_hint_source(spec: str | HintSource | None, task: VerifiableTask) -> HintSource:
-    """``None``/``"default"``: the task's own; ``"none"``; ``"column:NAME"``; or ``"module:factory"``.
+#: Registered hint sources (besides ``"default"``, the task's own, and ``"column:NAME"``): name -> factory.
+HINT_SOURCES: dict[str, str] = {"none": f"{__name__}:NoHints"}
 
-    ``module:factory`` imports ``factory`` and calls it with no argument (or
-    with the task when it accepts one); it must return a :class:`HintSource`.
+
+def hint_source_reference(spec: str) -> str | None:
+    """Check a ``trainer.hint_source`` value without importing anything.
+
+    Returns the ``"module:factory"`` it resolves to, or ``None`` for
+    ``"default"`` and ``"column:NAME"`` (which are not looked up).
+    """
+    if spec == "default" or (spec.startswith("column:") and spec != "column:"):
+        return None
+    if spec == "column:":
+        raise ValueError("trainer.hint_source 'column:': name the column, e.g. 'column:hint'")
+    return reference_for(spec, HINT_SOURCES, setting="trainer.hint_source", kind="hint source")
+
+
+def resolve_hint_source(spec: str | HintSource | None, task: VerifiableTask) -> HintSource:
+    """``None``/``"default"``: the task's own; ``"column:NAME"``; a registered name (``"none"``); or ``"module:factory"``.
+
+    A factory is called with the task when it takes a positional parameter,
+    else with nothing; it must return a :class:`HintSource`.
     """
     if spec is None or spec == "default":
         return task.default_hints() or NoHints()
     if not isinstance(spec, str):
         return spec
-    if spec == "none":
-        return NoHints()
-    if spec.startswith("column:"):
+    reference = hint_source_reference(spec)
+    if reference is None:
         return ColumnHints(spec.partition(":")[2])
-    if not is_reference(spec):
-        raise ValueError(f"trainer.hint_source {spec!r}: use 'default', 'none', 'column:NAME' or 'module:factory'")
-    factory = load_object(spec, setting="trainer.hint_source")
-    try:
-        source = factory(task)
-    except TypeError:
-        source = factory()
+    factory = load_object(reference, setting="trainer.hint_source")
+    source = factory(task) if _takes_an_argument(factory) else factory()
     if not isinstance(source, HintSource):
         raise TypeError(
             f"trainer.hint_source {spec!r} returned {type(source).__name__}, which has no hints(rows) method"
         )
     return source
+
+
+def _takes_an_argument(factory: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it bare
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
 # --------------------------------------------------------------------------- demo task
@@ -295,9 +315,9 @@ def build_demo_pairs(n: int = 96, *, seed: int = 0) -> list["Pair"]:
     A recorded student trace on training problems of :class:`PythonFunctionsTask`
     (wrong completions), and three scripted teachers: two that know the
     reference solution and one that is right only on some problems. Pairs are
-    kept where at least 2 of 3 agree (:func:`~composer_cloud.trainer.replay.make_pairs`).
+    kept where at least 2 of 3 agree (:func:`~composer_cloud.trainer.three_channel.replay.make_pairs`).
     """
-    from composer_cloud.trainer.replay import TraceStep, make_pairs
+    from composer_cloud.trainer.three_channel.replay import TraceStep, make_pairs
 
     task = PythonFunctionsTask(n_train=max(2 * n, 64), n_eval=1, seed=seed)
     rows = task.examples("train")
@@ -319,18 +339,15 @@ def build_demo_pairs(n: int = 96, *, seed: int = 0) -> list["Pair"]:
     return pairs[:n]
 
 
-TASKS: dict[str, Callable[..., VerifiableTask]] = {"python-functions": PythonFunctionsTask}
+#: Registered tasks: name -> ``"module:factory"`` (called with ``task_options`` as keyword arguments).
+TASKS: dict[str, str] = {"python-functions": f"{__name__}:PythonFunctionsTask"}
 
 
 def build_task(spec: str | VerifiableTask, **kwargs: Any) -> VerifiableTask:
     """A task by registered name, by ``"module:factory"``, or an instance passed through."""
     if not isinstance(spec, str):
         return spec
-    if spec in TASKS:
-        return TASKS[spec](**kwargs)
-    if not is_reference(spec):
-        raise ValueError(f"trainer.task {spec!r}: use one of {sorted(TASKS)} or 'module:factory'")
-    return load_object(spec, setting="trainer.task")(**kwargs)
+    return resolve(spec, TASKS, setting="trainer.task")(**kwargs)
 
 
 def make_reward_func(task: VerifiableTask) -> Callable[..., list[float | None]]:
@@ -353,6 +370,7 @@ def make_reward_func(task: VerifiableTask) -> Callable[..., list[float | None]]:
 
 __all__ = [
     "ColumnHints",
+    "HINT_SOURCES",
     "HintSource",
     "NoHints",
     "PythonFunctionsTask",
@@ -363,6 +381,7 @@ __all__ = [
     "build_demo_pairs",
     "build_task",
     "extract_program",
+    "hint_source_reference",
     "make_reward_func",
     "resolve_hint_source",
 ]

@@ -37,7 +37,7 @@ import random
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import fsspec
 import torch
@@ -104,18 +104,22 @@ class Pair:
         )
 
 
-def load_pairs(uri: str, **storage_options: Any) -> list[Pair]:
-    """Read a pairs JSONL file from any fsspec URI. Errors name the line."""
-    pairs: list[Pair] = []
+def read_jsonl(uri: str, **storage_options: Any) -> Iterator[tuple[str, Any]]:
+    """``(where, object)`` for each non-blank line of a JSON Lines file at any fsspec URI; ``where`` is
+    ``uri:line``, for errors. Invalid JSON is a ``ValueError`` naming the line."""
     with fsspec.open(uri, "rt", encoding="utf-8", **storage_options) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield f"{uri}:{lineno}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{uri}:{lineno}: invalid JSON ({e.msg})") from None
-            pairs.append(Pair.from_json(obj, f"{uri}:{lineno}"))
+
+
+def load_pairs(uri: str, **storage_options: Any) -> list[Pair]:
+    """Read a pairs JSONL file from any fsspec URI. Errors name the line."""
+    pairs = [Pair.from_json(obj, where) for where, obj in read_jsonl(uri, **storage_options)]
     logger.info("loaded %d pairs from %s", len(pairs), uri)
     return pairs
 
@@ -145,6 +149,56 @@ class TraceStep:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Vote:
+    """The teachers' verdict on one trace step: the pair it yields (or ``None``) and why.
+
+    ``agreement`` is ``count(a*) / n_teachers`` for the most frequent answer
+    ``a*`` (0 when nobody answered); ``outcome`` is ``"pair"``,
+    ``"no_answer"``, ``"tie"``, ``"below_threshold"`` or ``"student_agrees"``.
+    """
+
+    pair: Pair | None
+    agreement: float
+    outcome: str
+
+
+def vote(
+    step: TraceStep,
+    answers: Mapping[str, str | None],
+    *,
+    threshold: float,
+    normalize: Callable[[str], str] = str.strip,
+) -> Vote:
+    """Decide one step from its teachers' ``answers`` (``None``: the teacher abstained or failed).
+
+    Every teacher counts in the denominator, so a failure can only lower
+    agreement. Answers are compared after ``normalize``. A pair
+    ``(chosen=a*, rejected=student_action)`` comes out iff ``a*`` is unique
+    (no tie for first), ``agreement >= threshold`` and the student did
+    something else. ``chosen`` is the first answer (in teacher order) that
+    normalizes to ``a*``, so the pair keeps real text; its ``meta`` records
+    ``agreement``, ``n_teachers``, the agreeing teachers and the step's ``meta``.
+    """
+    votes = Counter(normalize(a) for a in answers.values() if a is not None)
+    if not votes:
+        return Vote(None, 0.0, "no_answer")
+    ranked = votes.most_common()
+    best, count = ranked[0]
+    agreement = count / len(answers)
+    if len(ranked) > 1 and ranked[1][1] == count:
+        return Vote(None, agreement, "tie")
+    if agreement < threshold:
+        return Vote(None, agreement, "below_threshold")
+    if best == normalize(step.student_action):
+        return Vote(None, agreement, "student_agrees")
+    agreeing = [n for n, a in answers.items() if a is not None and normalize(a) == best]
+    chosen = answers[agreeing[0]]
+    assert chosen is not None
+    meta = {"agreement": agreement, "n_teachers": len(answers), "teachers": agreeing, **dict(step.meta)}
+    return Vote(Pair(step.prompt, chosen, step.student_action, meta=meta), agreement, "pair")
+
+
 def make_pairs(
     steps: Iterable[TraceStep],
     teachers: Sequence[Teacher] | Mapping[str, Teacher],
@@ -153,22 +207,14 @@ def make_pairs(
     normalize: Callable[[str], str] = str.strip,
     max_workers: int = 1,
 ) -> list[Pair]:
-    """Build pairs where the teachers agree and the student disagrees.
+    """Build pairs where the teachers agree and the student disagrees (see :func:`vote`).
 
     For each step, every teacher is called once with ``step.prompt``. A
-    teacher that raises abstains (and still counts in the denominator, so a
-    failure can only lower agreement). Actions are compared after
-    ``normalize``. Let ``a*`` be the most frequent action and
-    ``agreement = count(a*) / len(teachers)``. A pair ``(chosen=a*,
-    rejected=student_action)`` is emitted iff ``agreement >= threshold``,
-    ``a*`` is unique (no tie for first) and ``normalize(a*) !=
-    normalize(student_action)``. ``chosen`` is the first teacher answer (in
-    teacher order) that normalizes to ``a*``, so the pair keeps real text.
-
-    ``max_workers > 1`` calls teachers concurrently (useful for API-backed
-    teachers); results do not depend on it. ``meta`` of each pair records
-    ``agreement``, ``n_teachers``, the agreeing teacher names and the step's
-    own ``meta``.
+    teacher that raises abstains. ``max_workers > 1`` calls teachers
+    concurrently (useful for API-backed teachers); results do not depend on
+    it. For teachers behind OpenAI-compatible endpoints, with a cost ceiling
+    and a report, use ``composer-cloud pairs``
+    (:mod:`composer_cloud.trainer.three_channel.teachers`).
     """
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
@@ -196,22 +242,67 @@ def make_pairs(
 
     pairs: list[Pair] = []
     for i, step in enumerate(steps):
-        row = answers[i * len(names) : (i + 1) * len(names)]
-        votes = Counter(normalize(a) for a in row if a is not None)
-        if not votes:
-            continue
-        ranked = votes.most_common()
-        best, count = ranked[0]
-        if len(ranked) > 1 and ranked[1][1] == count:
-            continue  # tie: no consensus
-        agreement = count / len(names)
-        if agreement < threshold or best == normalize(step.student_action):
-            continue
-        chosen = next(a for a in row if a is not None and normalize(a) == best)
-        agreeing = [n for n, a in zip(names, row) if a is not None and normalize(a) == best]
-        meta = {"agreement": agreement, "n_teachers": len(names), "teachers": agreeing, **dict(step.meta)}
-        pairs.append(Pair(step.prompt, chosen, step.student_action, meta=meta))
+        row = dict(zip(names, answers[i * len(names) : (i + 1) * len(names)]))
+        decided = vote(step, row, threshold=threshold, normalize=normalize)
+        if decided.pair is not None:
+            pairs.append(decided.pair)
     return pairs
+
+
+# --------------------------------------------------------------------------- normalisation
+@dataclass(frozen=True)
+class PairFilters:
+    """Which pairs are clean enough to train on; each side (chosen and rejected) must pass every bound.
+
+    Lengths are characters of the stripped text, words are whitespace-separated
+    tokens, and the special-character ratio is the fraction of non-space
+    characters that are neither letters nor digits (code is mostly letters; a
+    garbled answer is mostly symbols). ``None`` turns a bound off.
+    """
+
+    min_chars: int | None = 1
+    max_chars: int | None = 4000
+    min_words: int | None = 1
+    max_words: int | None = 1000
+    max_special_ratio: float | None = 0.5
+
+    def reject_reason(self, text: str) -> str | None:
+        """``None`` if ``text`` passes, else the name of the first bound it breaks."""
+        stripped = text.strip()
+        words = len(stripped.split())
+        if self.min_chars is not None and len(stripped) < self.min_chars:
+            return "too_short"
+        if self.max_chars is not None and len(stripped) > self.max_chars:
+            return "too_long"
+        if self.min_words is not None and words < self.min_words:
+            return "too_few_words"
+        if self.max_words is not None and words > self.max_words:
+            return "too_many_words"
+        visible = [c for c in stripped if not c.isspace()]
+        if self.max_special_ratio is not None and visible:
+            special = sum(not c.isalnum() for c in visible) / len(visible)
+            if special > self.max_special_ratio:
+                return "special_chars"
+        return None
+
+
+def normalize_pairs(pairs: Iterable[Pair], filters: PairFilters = PairFilters()) -> tuple[list[Pair], Counter[str]]:
+    """Drop pairs that break ``filters`` and exact duplicates (same prompt, and chosen and rejected after
+    whitespace normalisation); keep the first of each. Returns the kept pairs and a count of drops by reason."""
+    kept: list[Pair] = []
+    dropped: Counter[str] = Counter()
+    seen: set[tuple[str, str, str]] = set()
+    for p in pairs:
+        reason = filters.reject_reason(p.chosen) or filters.reject_reason(p.rejected)
+        key = (p.prompt, " ".join(p.chosen.split()), " ".join(p.rejected.split()))
+        if reason is None and key in seen:
+            reason = "duplicate"
+        if reason is not None:
+            dropped[reason] += 1
+            continue
+        seen.add(key)
+        kept.append(p)
+    return kept, dropped
 
 
 # --------------------------------------------------------------------------- replay buffer
@@ -387,6 +478,7 @@ class ReplayBuffer:
 
 __all__ = [
     "Pair",
+    "PairFilters",
     "ReplayBatch",
     "ReplayBuffer",
     "Teacher",
@@ -394,5 +486,9 @@ __all__ = [
     "default_pairs_uri",
     "load_pairs",
     "make_pairs",
+    "normalize_pairs",
+    "read_jsonl",
+    "vote",
+    "Vote",
     "write_pairs",
 ]

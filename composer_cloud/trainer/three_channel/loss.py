@@ -4,9 +4,11 @@
 
 * **pg** (channel 1) is the clipped-ratio policy gradient of GRPO / DAPO on
   sampled completions scored by a verifiable reward;
-* **sdpo** (channel 2) is the generalized Jensen-Shannon divergence between the
-  student (the model without a hint) and the teacher (the same model with a
-  hint in its context) on the same completion tokens;
+* **sdpo** (channel 2) is a divergence between the student (the model
+  without a hint) and the teacher (the same model with a hint in its
+  context) on the same completion tokens: the generalized Jensen-Shannon
+  divergence, TAID or entropy-aware on-policy distillation
+  (:mod:`~composer_cloud.trainer.three_channel.distill`);
 * **dpo** (channel 3) is a preference loss on replayed (chosen, rejected) pairs
   with stored reference log-probabilities (DPO, sigmoid) or without a reference
   (SimPO).
@@ -39,14 +41,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from composer_cloud.trainer.three_channel.distill import entropy_opd_loss, gjsd_loss, taid_loss
 
 # The loss's hyper-parameters are part of the trainer's one settings class (defined, and validated, there).
 from composer_cloud.trainer.three_channel.settings import (
     DPO_VARIANTS,
     LOSS_TYPES,
+    SDPO_VARIANTS,
     DPOVariant,
     LossType,
     ThreeChannelConfig,
@@ -89,10 +95,11 @@ def pg_loss(
     * ``grpo``:    mean over sequences of (sum_t l_it / |o_i|);
     * ``bnpo``:    sum_it l_it / sum_i |o_i|  (token mean over the micro-batch);
     * ``dr_grpo``: sum_it l_it / (B * max_completion_length);
-    * ``dapo``:    sum_it l_it / num_items, where ``num_items`` is the number of
-      completion tokens of the whole generation batch (TRL's
-      ``num_items_in_batch``); it defaults to ``mask.sum()``, which is the same
-      thing when a generation batch is one optimizer step.
+    * ``dapo``:    sum_it l_it / num_items, where ``num_items`` is TRL's
+      normaliser: the completion tokens of the whole generation batch
+      (``num_items_in_batch``), clamped to >= 1, over the micro-batches it is
+      split into; it defaults to ``max(mask.sum(), 1)``, which is the same
+      thing when a generation batch is one micro-batch.
 
     Args:
         logp: ``(B, T)`` per-token log-probs of the current policy (with grad).
@@ -106,7 +113,7 @@ def pg_loss(
         ref_logp: ``(B, T)`` reference log-probs; required when ``kl_coef != 0``.
         kl_coef: weight of the per-token k3 KL penalty (TRL's ``beta``).
         max_completion_length: required for ``dr_grpo`` (its constant normaliser).
-        num_items: ``dapo`` normaliser (tokens); defaults to ``mask.sum()``.
+        num_items: ``dapo`` normaliser (tokens, > 0, used as given); defaults to ``max(mask.sum(), 1)``.
         kl_bias_correction: multiply the KL term by the ratio (TRL's default).
         sampling_ratio: ``(B, T)`` or ``(B, 1)`` importance weights of the
             training policy against the engine that sampled (vLLM); the
@@ -147,18 +154,28 @@ def pg_loss(
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser is B * L_max)")
         return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    # dapo
+    # dapo: a given normaliser is used as it is (TRL clamps the token count to >= 1 before scaling it)
     if num_items is None:
-        num_items = mask.sum()
+        num_items = mask.sum().clamp(min=1.0)
     if not isinstance(num_items, torch.Tensor):
         num_items = torch.tensor(float(num_items), dtype=logp.dtype, device=logp.device)
-    return (per_token_loss * mask).sum() / num_items.to(logp.device).clamp(min=1.0)
+    return (per_token_loss * mask).sum() / num_items.to(logp.device)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, nats)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
+
+
+#: Channel 1's clipping metrics, TRL's names (see :func:`pg_clip_stats`).
+CLIP_METRICS: tuple[str, ...] = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
 
 
 @torch.no_grad()
@@ -171,71 +188,41 @@ def pg_clip_stats(
     epsilon: float = 0.2,
     epsilon_high: float = 0.28,
 ) -> dict[str, torch.Tensor]:
-    """Fractions of masked tokens whose ratio is clipped (TRL's ``clip_ratio/*`` metrics)."""
+    """TRL's ``clip_ratio/*`` metrics: which masked tokens the clipped objective cuts off.
+
+    A token is low-clipped when ``r < 1 - epsilon`` and ``A < 0``, high-clipped
+    when ``r > 1 + epsilon_high`` and ``A > 0``. ``*_mean`` are fractions of
+    the masked tokens; ``low_min`` / ``high_max`` the smallest / largest
+    per-sequence fraction (sequences without tokens are ignored).
+    """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     if old_logp is None:
         old_logp = logp
     ratio = torch.exp(logp - old_logp)
     m = mask.to(logp.dtype)
-    n = m.sum().clamp(min=1.0)
     low = ((ratio < 1 - epsilon) & (advantages < 0)).to(logp.dtype)
     high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(logp.dtype)
-    return {"clip_low": (low * m).sum() / n, "clip_high": (high * m).sum() / n}
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+
+    def per_sequence(x: torch.Tensor) -> torch.Tensor:
+        return (x * m).sum(-1) / m.sum(-1)  # NaN for a sequence without tokens, as in TRL
+
+    return {
+        "clip_ratio/low_mean": token_mean(low),
+        "clip_ratio/high_mean": token_mean(high),
+        "clip_ratio/region_mean": token_mean(torch.maximum(low, high)),
+        "clip_ratio/low_min": _nan_reduce(per_sequence(low), torch.min),
+        "clip_ratio/high_max": _nan_reduce(per_sequence(high), torch.max),
+    }
 
 
-# --------------------------------------------------------------------------- channel 2
-def gjsd_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Generalized Jensen-Shannon divergence per token, averaged over masked tokens (nats).
-
-    With ``S = softmax(student / T)``, ``P = softmax(teacher / T)`` and the
-    mixture ``M = (1 - beta) * S + beta * P``::
-
-        JSD_beta = beta * KL(P || M) + (1 - beta) * KL(S || M)
-        beta = 0  ->  KL(P || S)   (forward KL: teacher || student)
-        beta = 1  ->  KL(S || P)   (reverse KL: student || teacher)
-
-    The result is ``sum_{masked (b, t)} sum_v JSD / max(#masked, 1)``, which is
-    exactly TRL's ``GKDTrainer.generalized_jsd_loss(student, teacher, labels,
-    beta, temperature, reduction="batchmean")`` with ``labels = -100`` where
-    ``mask`` is 0. The teacher is detached: no gradient ever reaches it.
-
-    Args:
-        student_logits: ``(B, T, V)`` logits predicting the completion tokens.
-        teacher_logits: ``(B, T, V)`` logits of the teacher at the same positions.
-        mask: ``(B, T)`` 1 where the token counts.
-        beta: interpolation in ``[0, 1]``.
-        temperature: softmax temperature applied to both.
-    """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} differ")
-    # Same operations, in the same order, as TRL's GKD implementation, so the
-    # two agree to float rounding.
-    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
-    teacher_log_probs = F.log_softmax(teacher_logits.detach() / temperature, dim=-1)
-    if beta == 0:
-        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
-    elif beta == 1:
-        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
-    else:
-        b = torch.tensor(beta, dtype=student_log_probs.dtype, device=student_log_probs.device)
-        mixture_log_probs = torch.logsumexp(
-            torch.stack([student_log_probs + torch.log1p(-b), teacher_log_probs + torch.log(b)]), dim=0
-        )
-        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
-        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
-        jsd = b * kl_teacher + (1 - b) * kl_student
-    keep = mask.bool()
-    return jsd[keep].sum() / keep.sum().clamp_min(1)
+def _nan_reduce(x: torch.Tensor, reduce: Any) -> torch.Tensor:
+    """``reduce`` over the non-NaN entries of ``x``; NaN when there are none (TRL's ``nanmin`` / ``nanmax``)."""
+    kept = x[~torch.isnan(x)]
+    return reduce(kept) if kept.numel() else torch.tensor(float("nan"), dtype=x.dtype, device=x.device)
 
 
 # --------------------------------------------------------------------------- channel 3
@@ -301,11 +288,12 @@ class PGInputs:
 
 @dataclass
 class SDPOInputs:
-    """Channel 2 inputs; see :func:`gjsd_loss` for shapes."""
+    """Channel 2 inputs; see :func:`gjsd_loss` for shapes. ``taid_t``: TAID's current ``t`` (``"taid"`` only)."""
 
     student_logits: torch.Tensor
     teacher_logits: torch.Tensor
     mask: torch.Tensor
+    taid_t: float | None = None
 
 
 @dataclass
@@ -325,8 +313,11 @@ class LossOutput:
     """``total`` carries the gradient; ``metrics`` are detached 0-dim tensors.
 
     ``metrics`` has ``total`` plus one entry per *computed* channel (``pg``,
-    ``sdpo``, ``dpo``, unweighted) and a few diagnostics (``clip_low``,
-    ``clip_high``, ``kl``, ``dpo_margin``, ``dpo_accuracy``). A skipped channel
+    ``sdpo``, ``dpo``, unweighted) and diagnostics: channel 1's under TRL's
+    names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+    ``clip_ratio/region_mean``, ``clip_ratio/low_min``,
+    ``clip_ratio/high_max``, ``kl``), channel 3's ``dpo_margin`` and
+    ``dpo_accuracy``. A skipped channel
     has no entry; ``active`` lists the computed channels in order.
     """
 
@@ -357,63 +348,23 @@ def three_channel_loss(
     active: list[str] = []
 
     if config.pg_active and pg is not None:
-        value = pg_loss(
-            pg.logp,
-            pg.old_logp,
-            pg.advantages,
-            pg.mask,
-            epsilon=config.epsilon,
-            epsilon_high=config.epsilon_high,
-            loss_type=config.loss_type,
-            ref_logp=pg.ref_logp,
-            kl_coef=config.kl_coef,
-            max_completion_length=config.completion_length,
-            num_items=pg.num_items,
-            sampling_ratio=pg.sampling_ratio,
-            kl_bias_correction=config.kl_bias_correction,
-        )
+        value, extra = _pg_term(config, pg)
         terms.append(config.pg_weight * value)
         metrics["pg"] = value.detach()
-        metrics.update(
-            pg_clip_stats(
-                pg.logp.detach(),
-                pg.old_logp,
-                pg.advantages,
-                pg.mask,
-                epsilon=config.epsilon,
-                epsilon_high=config.epsilon_high,
-            )
-        )
-        if config.kl_coef != 0.0 and pg.ref_logp is not None:
-            with torch.no_grad():
-                m = pg.mask.to(pg.logp.dtype)
-                metrics["kl"] = (k3_kl(pg.logp, pg.ref_logp) * m).sum() / m.sum().clamp(min=1.0)
+        metrics.update(extra)
         active.append("pg")
 
     if config.sdpo_active and sdpo is not None:
-        value = gjsd_loss(
-            sdpo.student_logits,
-            sdpo.teacher_logits,
-            sdpo.mask,
-            beta=config.jsd_beta,
-            temperature=config.jsd_temperature,
-        )
+        value, extra = sdpo_loss(config, sdpo)
         terms.append(config.sdpo_weight * value)
         metrics["sdpo"] = value.detach()
+        metrics.update(extra)
         active.append("sdpo")
 
     if config.dpo_active and dpo is not None:
-        value = dpo_loss(
-            dpo.policy_chosen_logp,
-            dpo.policy_rejected_logp,
-            dpo.ref_chosen_logp,
-            dpo.ref_rejected_logp,
-            beta=config.dpo_beta,
-            variant=config.dpo_variant,
-            gamma=config.simpo_gamma,
-            chosen_length=dpo.chosen_length,
-            rejected_length=dpo.rejected_length,
-        )
+        value = dpo_loss(dpo.policy_chosen_logp, dpo.policy_rejected_logp, dpo.ref_chosen_logp, dpo.ref_rejected_logp,
+                         beta=config.dpo_beta, variant=config.dpo_variant, gamma=config.simpo_gamma,
+                         chosen_length=dpo.chosen_length, rejected_length=dpo.rejected_length)
         terms.append(config.dpo_weight * value)
         metrics["dpo"] = value.detach()
         metrics.update(_dpo_stats(dpo, config))
@@ -426,6 +377,41 @@ def three_channel_loss(
         total = total + t
     metrics["total"] = total.detach()
     return LossOutput(total=total, metrics=metrics, active=tuple(active))
+
+
+def _pg_term(config: ThreeChannelConfig, pg: PGInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Channel 1 under ``config``, and TRL's diagnostics of it (``clip_ratio/*``, ``kl``)."""
+    value = pg_loss(pg.logp, pg.old_logp, pg.advantages, pg.mask, epsilon=config.epsilon,
+                    epsilon_high=config.epsilon_high, loss_type=config.loss_type, ref_logp=pg.ref_logp,
+                    kl_coef=config.kl_coef, max_completion_length=config.completion_length, num_items=pg.num_items,
+                    kl_bias_correction=config.kl_bias_correction, sampling_ratio=pg.sampling_ratio)
+    metrics = pg_clip_stats(pg.logp.detach(), pg.old_logp, pg.advantages, pg.mask, epsilon=config.epsilon,
+                            epsilon_high=config.epsilon_high)
+    if config.kl_coef != 0.0 and pg.ref_logp is not None:
+        with torch.no_grad():  # TRL's "kl": the k3 term as it enters the loss (times the ratio when corrected)
+            kl = k3_kl(pg.logp, pg.ref_logp)
+            if config.kl_bias_correction:
+                kl = kl * torch.exp(pg.logp - (pg.logp if pg.old_logp is None else pg.old_logp))
+            m = pg.mask.to(pg.logp.dtype)
+            metrics["kl"] = (kl * m).sum() / m.sum().clamp(min=1.0)
+    return value, metrics
+
+
+def sdpo_loss(config: ThreeChannelConfig, sdpo: SDPOInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Channel 2 under ``config.sdpo_variant``, and its diagnostics (``taid_t``, ``taid_objective``)."""
+    if config.sdpo_variant == "jsd":
+        value = gjsd_loss(sdpo.student_logits, sdpo.teacher_logits, sdpo.mask, beta=config.jsd_beta,
+                          temperature=config.jsd_temperature)
+        return value, {}
+    if config.sdpo_variant == "taid":
+        if sdpo.taid_t is None:
+            raise ValueError("sdpo_variant='taid' needs SDPOInputs.taid_t (the schedule's current t)")
+        taid = taid_loss(sdpo.student_logits, sdpo.teacher_logits, sdpo.mask, t=sdpo.taid_t)
+        t = torch.tensor(sdpo.taid_t, dtype=taid.kl.dtype)
+        return taid.kl, {"taid_t": t, "taid_objective": taid.cross_entropy}
+    if config.sdpo_variant == "entropy_opd":
+        return entropy_opd_loss(sdpo.student_logits, sdpo.teacher_logits, sdpo.mask, h_max=config.opd_h_max), {}
+    raise ValueError(f"sdpo_variant must be one of {SDPO_VARIANTS}, got {config.sdpo_variant!r}")
 
 
 @torch.no_grad()
@@ -444,6 +430,7 @@ def _dpo_stats(dpo: DPOInputs, config: ThreeChannelConfig) -> dict[str, torch.Te
 
 
 __all__ = [
+    "CLIP_METRICS",
     "DPOInputs",
     "LossOutput",
     "PGInputs",
@@ -454,6 +441,7 @@ __all__ = [
     "k3_kl",
     "pg_clip_stats",
     "pg_loss",
+    "sdpo_loss",
     "simpo_loss",
     "three_channel_loss",
 ]
