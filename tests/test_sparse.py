@@ -59,9 +59,19 @@ def test_round_trip_feedback_and_size(numel: int) -> None:
         mine = got.indices[(got.indices >= start) & (got.indices < start + S.chunk)] - start
         assert mine.numel() == k
         assert chunk[mine].min() >= torch.topk(chunk, k).values.min()
-    # The size depends on the shape and settings only; the header is the only part not estimated.
-    assert len(sp.encode(torch.zeros(numel), None, S).payload) == len(enc.payload)
-    assert 0 < len(enc.payload) - sp.estimate_bytes(numel, S) < 512
+    # The size is bounded by the shape and settings alone, whatever the data (+ a header under 512 bytes).
+    for payload in (enc.payload, sp.encode(torch.zeros(numel), None, S).payload,
+                    sp.encode(torch.arange(numel, dtype=torch.float32), None, S).payload):
+        header = 8 + struct.unpack_from("<Q", payload)[0]
+        assert header < 512 and len(payload) - header <= sp.estimate_bytes(numel, S)
+
+
+def test_gap_code_costs_about_rice_bits_plus_two_per_position() -> None:
+    d = sp.SparseSettings()  # 64 of 4096: r = 6, against 12 bits for a plain position
+    payload = sp.encode(_x(8 * 4096), None, d).payload
+    tensors, _ = _parts(payload)
+    gap_bits = 8 * (tensors["index_high"].numel() + tensors["index_low"].numel()) / (8 * 64)
+    assert d.rice_bits == 6 and gap_bits <= d.rice_bits + 2 < d.index_bits
 
 
 def test_values_keep_sign_and_lie_in_their_chunks_range() -> None:
@@ -163,8 +173,11 @@ def _forge(payload: bytes, *, tensors: dict | None = None, meta: dict | None = N
 GOOD = sp.encode(_x(130), None, S).payload  # chunks of 64, 64 and 2 elements
 
 
-def _indices(codes: list[int]) -> torch.Tensor:
-    return sp.pack_bits(torch.tensor(codes), S.index_bits)
+def _index(positions: list[int]) -> dict[str, torch.Tensor]:
+    """The two index tensors of GOOD's layout (4, 4 and 2 positions) holding ``positions``."""
+    chunk_of = torch.tensor([0] * 4 + [1] * 4 + [2] * 2)
+    high, low = sp._gap_code(torch.tensor(positions), chunk_of, S.rice_bits)
+    return {"index_high": high, "index_low": low}
 
 
 FORGED = {
@@ -176,7 +189,16 @@ FORGED = {
     "numel as string": (_forge(GOOD, meta={"numel": "130"}), "numel"),
     "numel mismatch": (_forge(GOOD, meta={"numel": 131}), "numel"),
     "denser than the run": (_forge(GOOD, meta={"topk": 8}), "settings"),
-    "short indices": (_forge(GOOD, tensors={"indices": _parts(GOOD)[0]["indices"][:-1]}), "indices"),
+    "short index_low": (_forge(GOOD, tensors={"index_low": _parts(GOOD)[0]["index_low"][:-1]}), "index_low"),
+    "missing terminators": (_forge(GOOD, tensors={"index_high": torch.tensor([0, 0xFF], dtype=torch.uint8)}),
+                            "index_high: 8 gap terminators"),
+    "extra terminators": (_forge(GOOD, tensors={"index_high": torch.zeros(2, dtype=torch.uint8)}),
+                          "index_high: 16 gap terminators"),
+    "padding byte": (_forge(GOOD, tensors={"index_high": torch.cat([_parts(GOOD)[0]["index_high"],
+                                                                    torch.tensor([0xFF], dtype=torch.uint8)])}),
+                     "index_high"),
+    "huge unary stream": (_forge(GOOD, tensors={"index_high": torch.full((999,), 0xFF, dtype=torch.uint8)}),
+                          "index_high: 999 bytes"),
     "long values": (_forge(GOOD, tensors={"values": torch.zeros(99, dtype=torch.uint8)}), "values"),
     "nan level": (_forge(GOOD, tensors={"levels": torch.full((3, 2), float("nan"), dtype=torch.bfloat16)}),
                   "levels"),
@@ -184,9 +206,10 @@ FORGED = {
     "levels shape": (_forge(GOOD, tensors={"levels": torch.ones(2, 2, dtype=torch.bfloat16)}), "levels"),
     "float32 levels": (_forge(GOOD, tensors={"levels": torch.ones(3, 2)}), "tensors"),
     "extra tensor": (_forge(GOOD, tensors={"more": torch.zeros(1)}), "tensors"),
-    "index past last chunk": (_forge(GOOD, tensors={"indices": _indices([0, 1, 2, 3, 0, 1, 2, 3, 0, 2])}),
-                              "indices: position 2 outside chunk 2"),
-    "repeated index": (_forge(GOOD, tensors={"indices": _indices([0, 1, 1, 3, 0, 1, 2, 3, 0, 1])}), "ascending"),
+    "index past last chunk": (_forge(GOOD, tensors=_index([0, 1, 2, 3, 0, 1, 2, 3, 0, 2])),
+                              "index: position 2 outside chunk 2"),
+    "index past a full chunk": (_forge(GOOD, tensors=_index([0, 1, 2, 64, 0, 1, 2, 3, 0, 1])),
+                                "index: position 64 outside chunk 0"),
     "dirty padding": (_forge(GOOD, tensors={"values": torch.cat([_parts(GOOD)[0]["values"][:-1],
                                                                  torch.tensor([0xFF], dtype=torch.uint8)])}),
                       "padding"),

@@ -11,8 +11,11 @@ error-feedback accumulator with a few bits per value; what is not sent stays in 
 Wire format of one contribution (:func:`encode`): safetensors (no pickle) with one metadata entry of sorted
 JSON ``{"codec": "sparse", "version", "numel", "chunk", "topk", "value_bits"}`` and three tensors:
 
-* ``indices`` (uint8): for every chunk, its ``k`` positions inside the chunk, ascending, each in
-  ``index_bits = ceil(log2(chunk))`` bits, bit-packed MSB first over the whole payload (zero padding bits).
+* ``index_high``, ``index_low`` (uint8): for every chunk, its ``k`` positions, ascending, as Rice-coded gaps
+  with parameter ``r = floor(log2(chunk / k))``: each gap's ``gap >> r`` in unary (one-bits and a
+  terminating zero, padded with one-bits) and its low ``r`` bits packed MSB first (zero padding bits). About
+  ``r + 2`` bits per position, against ``ceil(log2(chunk))`` written plainly (12 for 4096), and never more
+  than ``k + (chunk - k) >> r`` unary bits per chunk.
 * ``values`` (uint8): one code per position, ``value_bits`` bits: a sign bit and ``value_bits - 1`` bits of
   level, bit-packed the same way.
 * ``levels`` (bfloat16, shape ``(chunks, 2 ** (value_bits - 1))``): every chunk's magnitude codebook,
@@ -21,8 +24,8 @@ JSON ``{"codec": "sparse", "version", "numel", "chunk", "topk", "value_bits"}`` 
 
 Chunks are contiguous runs of ``chunk`` elements of the flat tensor; every chunk sends ``k = topk`` positions
 except the last, shorter one, which sends ``min(k, its length)``. So the payload's size depends only on
-``numel`` and the settings (:func:`estimate_bytes`), never on the data. Bytes per element sent:
-``(index_bits + value_bits) / 8`` plus ``2 * 2**(value_bits-1)`` bytes of levels per chunk.
+``numel`` and the settings, up to the unary gap bits (bounded: :func:`estimate_bytes`). Bits per value sent:
+about ``rice_bits + 2 + value_bits``, plus ``2 * 2**(value_bits-1)`` bytes of levels per chunk.
 
 Invariants:
 
@@ -32,7 +35,7 @@ Invariants:
   very decoder a reader uses, so nothing sent is counted twice and nothing unsent is lost.
 * **Strict decoding.** The bucket is untrusted: :func:`decode` checks the header, every tensor's dtype and
   length, the settings (against the run's when given), finite non-negative levels, positions inside their
-  chunk and strictly ascending, zero padding bits; any failure raises :class:`SparsePayloadError` naming the
+  chunk, padding bits as written; any failure raises :class:`SparsePayloadError` naming the
   object's key and the field.
 * **State is a tensor tree.** :class:`ErrorFeedback` holds one float32 accumulator per name;
   ``state_dict()`` is a ``dict[str, Tensor]`` that safetensors stores and restores bitwise.
@@ -89,7 +92,13 @@ class SparseSettings(BaseModel):
 
     @property
     def index_bits(self) -> int:
+        """Bits of a position inside a chunk written plainly (the bound the gap code never exceeds much)."""
         return max(1, (self.chunk - 1).bit_length())
+
+    @property
+    def rice_bits(self) -> int:
+        """Low bits of each gap between sent positions: ``floor(log2(chunk / topk))`` (Rice parameter)."""
+        return max(0, (self.chunk // self.topk).bit_length() - 1)
 
     @property
     def levels(self) -> int:
@@ -149,16 +158,25 @@ def nnz_of(numel: int, settings: SparseSettings) -> int:
     return full * settings.topk + k_last
 
 
-def estimate_bytes(numel: int, settings: SparseSettings) -> int:
-    """Encoded size of one contribution without its safetensors header (exact for the tensors' bytes).
+def max_high_bits(numel: int, settings: SparseSettings) -> int:
+    """Upper bound of the unary stream's length in bits: per chunk ``k + (length - k) >> rice_bits``."""
+    full, rem, k_last = chunk_layout(numel, settings)
+    k, r = settings.topk, settings.rice_bits
+    bound = full * (k + ((settings.chunk - k) >> r))
+    return bound + (k_last + ((rem - k_last) >> r) if rem else 0)
 
-    The header adds about 400 bytes per payload (:func:`encode` gives the exact size).
+
+def estimate_bytes(numel: int, settings: SparseSettings) -> int:
+    """Upper bound of one contribution's tensor bytes (the payload adds a header of about 400 bytes).
+
+    Exact for values, levels and the gaps' low bits; the unary high bits depend on the data and are
+    bounded by :func:`max_high_bits` (a uniform spread of positions uses about half of that bound's slack).
     """
     full, rem, _ = chunk_layout(numel, settings)
     nnz = nnz_of(numel, settings)
     chunks = full + (1 if rem else 0)
-    return (-(-nnz * settings.index_bits // 8) + -(-nnz * settings.value_bits // 8)
-            + 2 * chunks * settings.levels)
+    return (-(-max_high_bits(numel, settings) // 8) + -(-nnz * settings.rice_bits // 8)
+            + -(-nnz * settings.value_bits // 8) + 2 * chunks * settings.levels)
 
 
 # --------------------------------------------------------------------------- bit packing
@@ -284,7 +302,8 @@ def encode(delta: torch.Tensor, accumulator: torch.Tensor | None, settings: Spar
     level = _nearest(mags, levels.to(torch.float32)[chunk_of])
     sign = (vals < 0).to(torch.int64)
     codes = (sign << (settings.value_bits - 1)) | level
-    tensors = {"indices": pack_bits(pos, settings.index_bits), "values": pack_bits(codes, settings.value_bits),
+    high, low = _gap_code(pos, chunk_of, settings.rice_bits)
+    tensors = {"index_high": high, "index_low": low, "values": pack_bits(codes, settings.value_bits),
                "levels": levels}
     meta = {"codec": CODEC, "version": FORMAT_VERSION, "numel": numel, "chunk": settings.chunk,
             "topk": settings.topk, "value_bits": settings.value_bits}
@@ -292,6 +311,54 @@ def encode(delta: torch.Tensor, accumulator: torch.Tensor | None, settings: Spar
     sent = SparseUpdate(numel, flat_idx, _dequantize(codes, chunk_of, levels, settings.value_bits))
     acc[flat_idx] -= sent.values
     return SparseEncoding(payload=payload, accumulator=acc, sent=sent)
+
+
+def _gap_code(pos: torch.Tensor, chunk_of: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rice code of the gaps between ascending positions of each chunk: ``(unary high parts, r-bit low parts)``.
+
+    Gap ``g`` (positions skipped since the previous sent one, or since the chunk's start) is written as
+    ``g >> r`` one-bits and a zero in ``index_high`` (padded with one-bits to a byte), and ``g & (2**r - 1)``
+    in ``index_low`` (:func:`pack_bits`).
+    """
+    first = torch.ones_like(pos, dtype=torch.bool)
+    first[1:] = chunk_of[1:] != chunk_of[:-1]
+    prev = torch.cat([pos.new_zeros(1), pos[:-1] + 1])
+    gaps = torch.where(first, pos, pos - prev)
+    high = gaps >> r
+    ends = torch.cumsum(high + 1, 0) - 1  # the terminating zero of each gap
+    total = int(ends[-1]) + 1
+    bits = torch.ones(total + (-total % 8), dtype=torch.uint8)
+    bits[ends] = 0
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    packed = (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.int64).to(torch.uint8)
+    low = pack_bits(gaps & ((1 << r) - 1), r) if r else torch.zeros(0, dtype=torch.uint8)
+    return packed, low
+
+
+def _gap_decode(high: torch.Tensor, low: torch.Tensor, chunk_of: torch.Tensor, r: int,
+                key: str) -> torch.Tensor:
+    """Inverse of :func:`_gap_code`: positions inside their chunks (validated by the caller)."""
+    nnz = chunk_of.numel()
+    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
+    bits = ((high.to(torch.int64).reshape(-1, 1) >> shifts) & 1).reshape(-1)
+    ends = torch.nonzero(bits == 0).reshape(-1)
+    if ends.numel() != nnz:
+        raise SparsePayloadError(key, f"index_high: {ends.numel()} gap terminators, expected {nnz}")
+    if bits.numel() - 1 - int(ends[-1]) >= 8:
+        raise SparsePayloadError(key, "index_high: more than a byte of padding")
+    quotient = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
+    if r:
+        remainder, clean = unpack_bits(low, r, nnz)
+        if not clean:
+            raise SparsePayloadError(key, "index_low: non-zero padding bits")
+    else:
+        remainder = torch.zeros(nnz, dtype=torch.int64)
+    steps = (quotient << r) + remainder + 1  # distance to the previous position + 1 (first: from -1)
+    run = torch.cumsum(steps, 0)
+    first = torch.ones(nnz, dtype=torch.bool)
+    first[1:] = chunk_of[1:] != chunk_of[:-1]
+    starts = torch.cummax(torch.where(first, run - steps, torch.zeros_like(run)), 0).values
+    return run - starts - 1
 
 
 def _dequantize(codes: torch.Tensor, chunk_of: torch.Tensor, levels: torch.Tensor, value_bits: int) -> torch.Tensor:
@@ -310,8 +377,8 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<payload>", nume
     payload encoded with another chunk size, density or value width is rejected (it could be denser, i.e.
     heavier, than the run allows).
     """
-    tensors, meta = _load(data, key, CODEC, {"indices": torch.uint8, "values": torch.uint8,
-                                             "levels": torch.bfloat16})
+    tensors, meta = _load(data, key, CODEC, {"index_high": torch.uint8, "index_low": torch.uint8,
+                                             "values": torch.uint8, "levels": torch.bfloat16})
     n = _meta_int(meta, "numel", key, 1, 1 << 40)
     chunk = _meta_int(meta, "chunk", key, 2, 1 << 20)
     topk = _meta_int(meta, "topk", key, 1, chunk)
@@ -328,7 +395,11 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<payload>", nume
     full, rem, k_last = chunk_layout(n, got)
     chunks = full + (1 if rem else 0)
     nnz = nnz_of(n, got)
-    _check_len(tensors["indices"], -(-nnz * got.index_bits // 8), "indices", key)
+    high = tensors["index_high"]
+    if high.dim() != 1 or not 1 <= high.numel() <= -(-max_high_bits(n, got) // 8):
+        raise SparsePayloadError(key, f"index_high: {high.numel()} bytes, at most "
+                                      f"{-(-max_high_bits(n, got) // 8)} for {nnz} positions")
+    _check_len(tensors["index_low"], -(-nnz * got.rice_bits // 8), "index_low", key)
     _check_len(tensors["values"], -(-nnz * value_bits // 8), "values", key)
     levels = tensors["levels"]
     if tuple(levels.shape) != (chunks, got.levels):
@@ -336,23 +407,21 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<payload>", nume
     lv = levels.to(torch.float32)
     if not bool(torch.isfinite(lv).all()) or bool((lv < 0).any()):
         raise SparsePayloadError(key, "levels: every level must be finite and >= 0")
-    pos, clean_i = unpack_bits(tensors["indices"], got.index_bits, nnz)
     codes, clean_v = unpack_bits(tensors["values"], value_bits, nnz)
-    if not (clean_i and clean_v):
-        raise SparsePayloadError(key, f"{'indices' if not clean_i else 'values'}: non-zero padding bits")
+    if not clean_v:
+        raise SparsePayloadError(key, "values: non-zero padding bits")
     chunk_of = torch.arange(full, dtype=torch.int64).repeat_interleave(topk)
     if rem:
         chunk_of = torch.cat([chunk_of, torch.full((k_last,), full, dtype=torch.int64)])
+    # Gaps are >= 0, so positions ascend strictly by construction; only the chunk's end can be overrun.
+    pos = _gap_decode(high, tensors["index_low"], chunk_of, got.rice_bits, key)
     length = torch.full((chunks,), chunk, dtype=torch.int64)
     if rem:
         length[-1] = rem
     if bool((pos >= length[chunk_of]).any()):
         bad = int(torch.nonzero(pos >= length[chunk_of])[0])
-        raise SparsePayloadError(key, f"indices: position {int(pos[bad])} outside chunk {int(chunk_of[bad])} "
+        raise SparsePayloadError(key, f"index: position {int(pos[bad])} outside chunk {int(chunk_of[bad])} "
                                       f"of {int(length[chunk_of[bad]])} elements")
-    same_chunk = chunk_of[1:] == chunk_of[:-1]
-    if bool((same_chunk & (pos[1:] <= pos[:-1])).any()):
-        raise SparsePayloadError(key, "indices: positions within a chunk must be strictly ascending")
     flat_idx = chunk_of * chunk + pos
     return SparseUpdate(n, flat_idx, _dequantize(codes, chunk_of, levels, value_bits))
 
