@@ -234,6 +234,20 @@ def _b(n: float) -> str:
     return str(n)
 
 
+def markdown(rows: list[dict[str, Any]], models: list[str], worlds: list[int]) -> str:
+    """The docs/scale.md table: one line per (model, W, exchange, codec)."""
+    out = ["| model | W | exchange | codec | PUT-class | GET-class | up | down | S3 $ | S3 $ in-region | R2 $ | "
+           "GCS $ | t @ 1 / 5 / 25 Gbit/s | prefix floor |", "|" + "---|" * 14]
+    for r in rows:
+        if r["model"] in models and r["world"] in worlds:
+            out.append(f"| {r['model']} | {r['world']} | {r['exchange']} | {r['codec']} | {r['put']:.0f} | "
+                       f"{r['get']:.0f} | {_b(r['up'])} | {_b(r['down'])} | {r['usd_s3']:.3g} | "
+                       f"{r['usd_s3_no_egress']:.3g} | {r['usd_r2']:.3g} | {r['usd_gcs']:.3g} | "
+                       f"{r['t_1gbit_s']:.3g} / {r['t_5gbit_s']:.3g} / {r['t_25gbit_s']:.3g} s | "
+                       f"{r['prefix_floor_s']:.3g} s |")
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- validation
 def classify(method: str, path: str) -> str:
     """Billing class of one S3 request: put, list, get, head or delete."""
@@ -337,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--value-bits", type=int, default=2)
     p.add_argument("--print-models", nargs="+", default=["1.5B"], choices=sorted(MODELS))
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown (docs/scale.md)")
     p.add_argument("--validate", action="store_true", help="measure today's protocol on a moto server")
     p.add_argument("--validate-worlds", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--validate-numel", type=int, default=115_968, help="parameters (the tiny benchmark model's)")
@@ -353,7 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     doc["prefixes_for_10s"] = {f"{m}/W={w}/{ex}": prefixes_for(round_cost(ex, "sparse", w, n, sparse=shape), 10.0)
                                for m, n in MODELS.items() for w in a.worlds
                                for ex in ("gather", "two_level", "two_level_resparse")}
-    print_model(rows, a.print_models, a.worlds)
+    if a.markdown:
+        print(markdown(rows, a.print_models, a.worlds))
+    else:
+        print_model(rows, a.print_models, a.worlds)
     print(json.dumps(doc["crossovers"], indent=1))
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:
