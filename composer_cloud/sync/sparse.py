@@ -180,25 +180,30 @@ def estimate_bytes(numel: int, settings: SparseSettings) -> int:
 
 
 # --------------------------------------------------------------------------- bit packing
+def _to_bytes(bits: torch.Tensor, pad_bit: int = 0) -> torch.Tensor:
+    """A stream of 0/1 values as uint8 bytes, MSB first, padded with ``pad_bit`` to a whole byte."""
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat([bits, torch.full((pad,), pad_bit, dtype=torch.uint8)])
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.int64).to(torch.uint8)
+
+
+def _to_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_bytes` (int64 0/1 values, padding included)."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
+    return ((packed.to(torch.int64).reshape(-1, 1) >> shifts) & 1).reshape(-1)
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack non-negative integers ``< 2**bits`` into a uint8 tensor, MSB first, zero-padded to a byte."""
-    n = codes.numel()
     shifts = torch.arange(bits - 1, -1, -1, dtype=torch.int64)
-    flat = ((codes.reshape(-1, 1).to(torch.int64) >> shifts) & 1).reshape(-1).to(torch.uint8)
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, torch.zeros(pad, dtype=torch.uint8)])
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    packed = (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.int64).to(torch.uint8)
-    assert packed.numel() == -(-n * bits // 8)
-    return packed
+    return _to_bytes(((codes.reshape(-1, 1).to(torch.int64) >> shifts) & 1).reshape(-1).to(torch.uint8))
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> tuple[torch.Tensor, bool]:
     """Inverse of :func:`pack_bits`: ``count`` codes (int64), and whether every padding bit was zero."""
-    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
-    flat = (packed.to(torch.int64).reshape(-1, 1) >> shifts) & 1
-    flat = flat.reshape(-1)
+    flat = _to_bits(packed)
     used = count * bits
     clean = not bool(flat[used:].any())
     weights = 1 << torch.arange(bits - 1, -1, -1, dtype=torch.int64)
@@ -326,11 +331,9 @@ def _gap_code(pos: torch.Tensor, chunk_of: torch.Tensor, r: int) -> tuple[torch.
     gaps = torch.where(first, pos, pos - prev)
     high = gaps >> r
     ends = torch.cumsum(high + 1, 0) - 1  # the terminating zero of each gap
-    total = int(ends[-1]) + 1
-    bits = torch.ones(total + (-total % 8), dtype=torch.uint8)
+    bits = torch.ones(int(ends[-1]) + 1, dtype=torch.uint8)
     bits[ends] = 0
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    packed = (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.int64).to(torch.uint8)
+    packed = _to_bytes(bits, pad_bit=1)
     low = pack_bits(gaps & ((1 << r) - 1), r) if r else torch.zeros(0, dtype=torch.uint8)
     return packed, low
 
@@ -339,8 +342,7 @@ def _gap_decode(high: torch.Tensor, low: torch.Tensor, chunk_of: torch.Tensor, r
                 key: str) -> torch.Tensor:
     """Inverse of :func:`_gap_code`: positions inside their chunks (validated by the caller)."""
     nnz = chunk_of.numel()
-    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
-    bits = ((high.to(torch.int64).reshape(-1, 1) >> shifts) & 1).reshape(-1)
+    bits = _to_bits(high)
     ends = torch.nonzero(bits == 0).reshape(-1)
     if ends.numel() != nnz:
         raise SparsePayloadError(key, f"index_high: {ends.numel()} gap terminators, expected {nnz}")
