@@ -72,3 +72,20 @@ def test_cli_writes_the_model_json(scale, tmp_path: Path, capsys) -> None:
     assert doc["prices_read"] and {"s3", "r2", "gcs"} <= set(doc["prices"])
     assert {r["exchange"] for r in doc["rows"]} == {"scatter", "gather", "two_level", "two_level_resparse"}
     assert doc["crossovers"]["1.5B"]["gather_sparse_worse_than_scatter_bf16"] > 64
+
+
+def test_sparse_sim_exchange_is_the_codec_mean_and_counts_the_flat_gather() -> None:
+    """benchmarks/sparse_sim.py: warm-up rounds dense, then W payloads decoded and averaged; W x P bytes each."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sparse_sim import SparseExchange
+
+    settings = sp.SparseSettings(density=4 / 64, chunk=64)
+    ex = SparseExchange(settings, world=3, warmup_syncs=1)
+    flats = [torch.randn(500, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    dense = ex.mean(flats, lambda f: sum(f) / 3, dense_round_bytes=1000.0)
+    assert torch.allclose(dense, sum(flats) / 3) and ex.bytes_per_replica == 1000.0
+    got = ex.mean(flats, lambda f: None, dense_round_bytes=1000.0)
+    expected = sp.mean([sp.encode(f, None, settings).sent for f in flats])
+    assert torch.equal(got, expected)
+    assert ex.bytes_per_replica == 1000.0 + sum(ex.payload_bytes)  # 3 replicas x (1 up + 2 down) / 3
+    assert ex.summary(500)["density"] == sp.nnz_of(500, settings) / 500

@@ -250,3 +250,11 @@ def test_decode_sum_rejects_forged_partial_sums(case: str, field: str) -> None:
     with pytest.raises(sp.SparsePayloadError) as err:
         sp.decode_sum(sp._save({"indices": idx, "values": vals}, meta), key="g/0", numel=10, max_contributors=4)
     assert field in err.value.problem and "g/0" in str(err.value)
+
+
+def test_the_api_example_in_docs_runs() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sparse.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "docs/sparse.md", "exec"), {})
