@@ -34,6 +34,8 @@ import convergence as conv  # noqa: E402
 #: name -> overrides of convergence.Config (codec "sparse" unless given).
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"diloco_codec": "fp32"},
+    # Control: fp32 pseudo-gradients with SparseLoCo's outer step (plain averaging, SGD lr 1, no momentum).
+    "fp32_sgd": {"diloco_codec": "fp32", "outer_lr": 1.0, "outer_momentum": 0.0},
     # SparseLoCo's recipe (error feedback 0.95, plain SGD outer step lr 1, 2-bit, chunk 4096) at densities d/64.
     "sl_d1": {"sparse_density": 1 / 64},
     "sl_d2": {"sparse_density": 2 / 64},
@@ -89,8 +91,10 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
     out = [f"**{title}**", "", "| variant | density | chunk | bits | decay | warm-up | outer lr / mom | payload | "
            "payload × | traffic × | held-out loss | vs fp32 | wall s |", "|" + "---|" * 13]
     for r in rows:
-        if r["variant"] == "fp32":
-            knobs = "— | — | 32 | — | — | 0.7 / 0.9 (Nesterov)"
+        if r["variant"].startswith("fp32"):
+            outer = "0.7 / 0.9 (Nesterov)" if r["variant"] == "fp32" else \
+                f"{r.get('outer_lr')} / {r.get('outer_momentum')}"
+            knobs = f"— | — | 32 | — | — | {outer}"
         else:
             knobs = (f"{100 * r.get('sparse_density', 1 / 64):.2f}% | {r.get('sparse_chunk', 4096)} | "
                      f"{r.get('sparse_bits', 2)} | {r.get('sparse_decay', 0.95)} | {r.get('sparse_warmup_syncs', 0)} | "
@@ -109,7 +113,7 @@ def plot(docs: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for (label, rows), color in zip(docs, ["tab:blue", "tab:orange", "tab:green"]):
-        pts = [r for r in rows if r["variant"] != "fp32" and "traffic_x" in r]
+        pts = [r for r in rows if not r["variant"].startswith("fp32") and "traffic_x" in r]
         ax.scatter([r["traffic_x"] for r in pts], [r["loss_vs_fp32_pct"] for r in pts], color=color, label=label)
         for r in pts:
             ax.annotate(r["variant"], (r["traffic_x"], r["loss_vs_fp32_pct"]), textcoords="offset points",
