@@ -81,6 +81,8 @@ def rows_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if base:
             row["loss_vs_fp32_pct"] = 100 * (r["final_loss"] / base["final_loss"] - 1)
             row["traffic_x"] = base["bytes_per_replica"] / r["bytes_per_replica"]
+        if "fp32_sgd" in runs:  # the codec's own penalty: fp32 with the same outer step
+            row["loss_vs_fp32_sgd_pct"] = 100 * (r["final_loss"] / runs["fp32_sgd"]["final_loss"] - 1)
         row["payload_x"] = r["payload_compression"] or 1.0
         row["payload_bytes"] = r["sparse_payload_bytes"]
         rows.append(row)
@@ -89,7 +91,7 @@ def rows_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]], title: str) -> str:
     out = [f"**{title}**", "", "| variant | density | chunk | bits | decay | warm-up | outer lr / mom | payload | "
-           "payload × | traffic × | held-out loss | vs fp32 | wall s |", "|" + "---|" * 13]
+           "payload × | traffic × | held-out loss | vs fp32 | vs fp32, same outer step | wall s |", "|" + "---|" * 14]
     for r in rows:
         if r["variant"].startswith("fp32"):
             outer = "0.7 / 0.9 (Nesterov)" if r["variant"] == "fp32" else \
@@ -101,7 +103,8 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
                      f"{r.get('sparse_outer_lr', 1.0)} / {r.get('sparse_outer_momentum', 0.0)}")
         out.append(f"| {r['variant']} | {knobs} | {r['payload_bytes'] or 0:,.0f} B | {r['payload_x']:.1f} | "
                    f"{r.get('traffic_x', float('nan')):.1f} | {r['final_loss']:.4f} | "
-                   f"{r.get('loss_vs_fp32_pct', float('nan')):+.2f}% | {r['wall_s']:.0f} |")
+                   f"{r.get('loss_vs_fp32_pct', float('nan')):+.2f}% | "
+                   f"{r.get('loss_vs_fp32_sgd_pct', float('nan')):+.2f}% | {r['wall_s']:.0f} |")
     return "\n".join(out)
 
 
@@ -114,7 +117,12 @@ def plot(docs: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for (label, rows), color in zip(docs, ["tab:blue", "tab:orange", "tab:green"]):
         pts = [r for r in rows if not r["variant"].startswith("fp32") and "traffic_x" in r]
-        ax.scatter([r["traffic_x"] for r in pts], [r["loss_vs_fp32_pct"] for r in pts], color=color, label=label)
+        ax.scatter([r["traffic_x"] for r in pts], [r["loss_vs_fp32_pct"] for r in pts], color=color,
+                   label=f"{label}: vs fp32 DiLoCo (Nesterov outer)")
+        same = [r for r in pts if "loss_vs_fp32_sgd_pct" in r]
+        if same:
+            ax.scatter([r["traffic_x"] for r in same], [r["loss_vs_fp32_sgd_pct"] for r in same], facecolors="none",
+                       edgecolors=color, marker="s", label=f"{label}: vs fp32, same outer step (SGD lr 1)")
         for r in pts:
             ax.annotate(r["variant"], (r["traffic_x"], r["loss_vs_fp32_pct"]), textcoords="offset points",
                         xytext=(4, 3), fontsize=7)
