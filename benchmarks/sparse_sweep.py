@@ -103,9 +103,12 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
                      f"{r.get('sparse_outer_lr', 1.0)} / {r.get('sparse_outer_momentum', 0.0)}")
         out.append(f"| {r['variant']} | {knobs} | {r['payload_bytes'] or 0:,.0f} B | {r['payload_x']:.1f} | "
                    f"{r.get('traffic_x', float('nan')):.1f} | {r['final_loss']:.4f} | "
-                   f"{r.get('loss_vs_fp32_pct', float('nan')):+.2f}% | "
-                   f"{r.get('loss_vs_fp32_sgd_pct', float('nan')):+.2f}% | {r['wall_s']:.0f} |")
+                   f"{_pct(r.get('loss_vs_fp32_pct'))} | {_pct(r.get('loss_vs_fp32_sgd_pct'))} | {r['wall_s']:.0f} |")
     return "\n".join(out)
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.2f}%"
 
 
 def plot(docs: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
