@@ -64,7 +64,8 @@ PRICES: dict[str, dict[str, float]] = {
     "r2": {"put": 4.50e-6, "get": 0.36e-6, "egress_gb": 0.0},
     "gcs": {"put": 0.005e-3, "get": 0.0004e-3, "egress_gb": 0.12},
 }
-#: S3's documented per-prefix request rates (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html).
+#: S3's documented per-prefix request rates:
+#: https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html
 S3_PUT_PER_PREFIX_S, S3_GET_PER_PREFIX_S = 3500.0, 5500.0
 MODELS = {"0.5B": 0.5e9, "1.5B": 1.5e9, "8B": 8.0e9}
 BANDWIDTHS_GBIT = (1.0, 5.0, 25.0)
@@ -195,12 +196,18 @@ def crossovers(n: float, sparse: SparseShape) -> dict[str, Any]:
         c = round_cost(ex, codec, w, n, sparse=sparse)
         return c.up + c.down
 
+    def flips(a: tuple[str, str], cmp: str, b: tuple[str, str]) -> int | None:
+        if cmp == ">":
+            return first(lambda w: total(*a, w) > total(*b, w))
+        return first(lambda w: total(*a, w) < total(*b, w))
+
+    gather, two, resparse = ("gather", "sparse"), ("two_level", "sparse"), ("two_level_resparse", "sparse")
     return {
-        "gather_sparse_worse_than_scatter_bf16": first(lambda w: total("gather", "sparse", w) > total("scatter", "bf16", w)),
-        "gather_sparse_worse_than_scatter_fp32": first(lambda w: total("gather", "sparse", w) > total("scatter", "fp32", w)),
-        "two_level_beats_gather": first(lambda w: total("two_level", "sparse", w) < total("gather", "sparse", w)),
-        "two_level_worse_than_scatter_bf16": first(lambda w: total("two_level", "sparse", w) > total("scatter", "bf16", w)),
-        "resparse_beats_gather": first(lambda w: total("two_level_resparse", "sparse", w) < total("gather", "sparse", w)),
+        "gather_sparse_worse_than_scatter_bf16": flips(gather, ">", ("scatter", "bf16")),
+        "gather_sparse_worse_than_scatter_fp32": flips(gather, ">", ("scatter", "fp32")),
+        "two_level_beats_gather": flips(two, "<", gather),
+        "two_level_worse_than_scatter_bf16": flips(two, ">", ("scatter", "bf16")),
+        "resparse_beats_gather": flips(resparse, "<", gather),
     }
 
 
