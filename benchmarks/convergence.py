@@ -131,6 +131,14 @@ class Config:
     outer_momentum: float = 0.9
     codec: str = "fp32"
     diloco_codec: str = ""  # wire codec of DiLoCo's pseudo-gradients; "" = same as codec
+    # --diloco-codec sparse (sim engine): composer_cloud.sync.sparse settings and its outer step
+    sparse_density: float = 1 / 64
+    sparse_chunk: int = 4096
+    sparse_bits: int = 2
+    sparse_decay: float = 0.95
+    sparse_warmup_syncs: int = 0  # dense fp32 syncs before the first sparse one
+    sparse_outer_lr: float = 1.0
+    sparse_outer_momentum: float = 0.0
     # evaluation and runtime
     eval_every: int = 100
     threads: int = 0  # torch threads per process; 0 = 1
@@ -326,9 +334,21 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
     reps = [build_replica(cfg, r) for r in range(w)]
     models = [m for m, _, _ in reps]
     glob = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
-    outer = torch.optim.SGD(glob, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+    codec = cfg.codec_of(method)
+    lr, momentum = (cfg.sparse_outer_lr, cfg.sparse_outer_momentum) if codec == "sparse" else \
+        (cfg.outer_lr, cfg.outer_momentum)
+    outer = torch.optim.SGD(glob, lr=lr, momentum=momentum, nesterov=momentum > 0)
     numel = sum(p.numel() for p in glob)
-    per_sync = traffic_factor(w) * payload_bytes(cfg.codec_of(method), numel, w)
+    per_sync = traffic_factor(w) * payload_bytes("fp32" if codec == "sparse" else codec, numel, w)
+    exchange = None
+    if codec == "sparse":
+        from sparse_sim import SparseExchange
+
+        from composer_cloud.sync.sparse import SparseSettings
+
+        exchange = SparseExchange(SparseSettings(density=cfg.sparse_density, chunk=cfg.sparse_chunk,
+                                                 value_bits=cfg.sparse_bits, decay=cfg.sparse_decay),
+                                  world=w, warmup_syncs=cfg.sparse_warmup_syncs)
     rec = Recorder(cfg, method, reps[0][1])
     rec.maybe(0)
     train, syncs = [], 0
@@ -341,7 +361,10 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
         if s % h == 0:
             with torch.no_grad():
                 flats = [torch.cat([(g - p).reshape(-1) for g, p in zip(glob, m.parameters())]) for m in models]
-                mean = simulated_allreduce(cfg.codec_of(method), flats)
+                if exchange is None:
+                    mean = simulated_allreduce(codec, flats)
+                else:
+                    mean = exchange.mean(flats, lambda f: simulated_allreduce("fp32", f), per_sync)
                 off = 0
                 for g in glob:
                     g.grad = mean[off:off + g.numel()].view_as(g).clone()
@@ -354,9 +377,13 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
                         p.copy_(g)
             syncs += 1
             rec.maybe(s)
-    return {"curve": rec.curve, "syncs": syncs, "bytes_per_replica": per_sync * syncs,
-            "payload_bytes": per_sync / traffic_factor(w), "train_loss_last50": _tail(train),
-            "wall_s": time.monotonic() - t0}
+    out = {"curve": rec.curve, "syncs": syncs, "bytes_per_replica": per_sync * syncs,
+           "payload_bytes": per_sync / traffic_factor(w), "train_loss_last50": _tail(train),
+           "wall_s": time.monotonic() - t0}
+    if exchange is not None:
+        out.update(exchange.summary(numel), bytes_per_replica=exchange.bytes_per_replica,
+                   fp32_round_bytes=per_sync)
+    return out
 
 
 def _tail(xs: list[float], n: int = 50) -> float:
@@ -639,8 +666,18 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     g.add_argument("--outer-lr", type=float, default=d.outer_lr)
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
     g.add_argument("--codec", choices=["fp32", "bf16", "int8"], default=d.codec, help="wire codec (all methods)")
-    g.add_argument("--diloco-codec", choices=["fp32", "bf16", "int8"], default=None,
-                   help="wire codec of DiLoCo's pseudo-gradients only (default: --codec)")
+    g.add_argument("--diloco-codec", choices=["fp32", "bf16", "int8", "sparse"], default=None,
+                   help="wire codec of DiLoCo's pseudo-gradients only (default: --codec; sparse: sim engine)")
+    g = p.add_argument_group("sparse codec (--diloco-codec sparse, sim engine; docs/sparse.md)")
+    g.add_argument("--sparse-density", type=float, default=d.sparse_density, help="top-k per chunk / chunk")
+    g.add_argument("--sparse-chunk", type=int, default=d.sparse_chunk)
+    g.add_argument("--sparse-bits", type=int, default=d.sparse_bits, help="bits per sent value")
+    g.add_argument("--sparse-decay", type=float, default=d.sparse_decay, help="error-feedback decay")
+    g.add_argument("--sparse-warmup-syncs", type=int, default=d.sparse_warmup_syncs,
+                   help="dense fp32 syncs before the first sparse one")
+    g.add_argument("--sparse-outer-lr", type=float, default=d.sparse_outer_lr)
+    g.add_argument("--sparse-outer-momentum", type=float, default=d.sparse_outer_momentum,
+                   help="outer Nesterov momentum on top of error feedback (0: plain SGD, SparseLoCo's)")
     g = p.add_argument_group("run and outputs")
     g.add_argument("--eval-every", type=int, default=d.eval_every)
     g.add_argument("--threads", type=int, default=d.threads, help="torch threads per process (0 = auto)")
@@ -660,7 +697,12 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
                  warmup=a.warmup, schedule=a.schedule, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip,
                  outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, codec=a.codec, diloco_codec=a.diloco_codec or "",
                  eval_every=a.eval_every, threads=a.threads, timeout_s=a.timeout_s, corpus=a.corpus,
-                 corpus_bytes=a.corpus_bytes, vocab=a.vocab or d.vocab, eval_rows=a.eval_rows)
+                 corpus_bytes=a.corpus_bytes, vocab=a.vocab or d.vocab, eval_rows=a.eval_rows,
+                 sparse_density=a.sparse_density, sparse_chunk=a.sparse_chunk, sparse_bits=a.sparse_bits,
+                 sparse_decay=a.sparse_decay, sparse_warmup_syncs=a.sparse_warmup_syncs,
+                 sparse_outer_lr=a.sparse_outer_lr, sparse_outer_momentum=a.sparse_outer_momentum)
+    if "sparse" in (cfg.codec, cfg.diloco_codec) and cfg.engine != "sim":
+        p.error("--diloco-codec sparse runs on --engine sim only (the store engine comes with the exchange)")
     for h in cfg.h:
         if h < 1 or cfg.steps % h:
             p.error(f"--steps {cfg.steps} must be a positive multiple of every H (got H={h})")

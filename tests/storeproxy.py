@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._upstream = None
             self._answer(502, {"Content-Type": "text/plain"}, f"storeproxy: upstream failed: {exc}".encode())
             return
+        proxy._log(self.command, self.path, resp.status, len(body), len(data))
         out_headers = {k: v for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP}
         if mode == "corrupt" and self.command == "GET" and data and 200 <= resp.status < 300:
             flipped = bytearray(data)
@@ -156,6 +158,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
 
+@dataclass(frozen=True)
+class ProxiedRequest:
+    """One request the proxy forwarded: method, path with query, upstream status, body bytes each way."""
+
+    method: str
+    path: str
+    status: int
+    bytes_up: int
+    bytes_down: int
+
+
 class StoreProxy:
     """A fault-injecting HTTP proxy on a loopback port in front of ``upstream`` (``http://host:port``).
 
@@ -175,6 +188,8 @@ class StoreProxy:
         self.mode = "pass"
         self.delay_s = 0.0
         self.counts: Counter[str] = Counter()
+        #: Every request forwarded upstream, in order: what a store bills (benchmarks/scale.py counts them).
+        self.requests: list[ProxiedRequest] = []
         self._port = port
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -283,6 +298,10 @@ class StoreProxy:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def _log(self, method: str, path: str, status: int, bytes_up: int, bytes_down: int) -> None:
+        with self._lock:
+            self.requests.append(ProxiedRequest(method, path, status, bytes_up, bytes_down))
 
     def _track(self, conn: socket.socket, *, add: bool) -> None:
         with self._lock:
