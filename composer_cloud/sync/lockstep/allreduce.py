@@ -153,6 +153,9 @@ class RoundResult:
     timings: dict[str, float] = field(default_factory=dict)
     attempts: int = 1
     excluded: list[int] = field(default_factory=list)
+    #: The round committed, but this participant could not verify the committed result: it must heal
+    #: from the round's committed global state (never retry the round, never apply unverified bytes).
+    heal: bool = False
 
 
 @dataclass(frozen=True)
@@ -407,30 +410,31 @@ class ObjectStoreAllReduce:
 
             # 3. gather every reduced slot (recomputing a slot whose reducer vanished) and check it.
             t = time.monotonic()
-            gathered = [None if j == me else
-                        self._pool.submit(self._fetch_reduced, round, attempt, participants, j, e - s, deadline)
-                        for j, (s, e) in enumerate(slots)]
-            out = torch.empty_like(flat)
-            for j, (s, e) in enumerate(slots):
-                if j == me:
-                    out[s:e] = wire.decode(cfg.codec, reduced_mine, numel=e - s)
-                    continue
-                key = layout.reduced_key(round, attempt, j)
-                record, data = gathered[j].result()
-                try:
-                    decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
-                except wire.PayloadError as exc:
-                    raise RejectedPayload(f"reduced slot {j}: {exc}", check="reduced", slot=j) from None
-                verify_reduced(record, data, decoded, key=key, round=round, attempt=attempt, slot=j,
-                               participants=participants, me=me, my_norm=my_norms[j],
-                               rtol=wire.norm_rtol(cfg.codec))
-                out[s:e] = decoded
+            out = self._gather(round, attempt, participants, slots, my_norms, deadline,
+                               mine=(me, reduced_mine))
             timings["gather_s"] = time.monotonic() - t
         except RoundTimeout as exc:
             return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
         except RejectedPayload as exc:
-            return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
-                                        excluded=exc.excluded, slot=exc.slot, retry=True)
+            final = self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
+                                         excluded=exc.excluded, slot=exc.slot, retry=True)
+            if not result.heal:
+                return final
+            # The round committed before this check failed: the record decides, so this replica
+            # applies the committed result like every other participant. A fresh read of every
+            # reduced slot (the failure may have been a damaged read, not a damaged object) either
+            # verifies, or this replica heals from the committed global state at once.
+            try:
+                out = self._gather(round, attempt, participants, slots, my_norms,
+                                   time.monotonic() + cfg.round_timeout_s)
+            except (RoundTimeout, RejectedPayload) as again:
+                logger.warning("round %d.%d committed, but replica %d cannot verify its result (%s); healing "
+                               "from the committed state", round, attempt, self.rank, again)
+                return final
+            flat.copy_(out)
+            result.committed, result.heal, result.reason = True, False, ""
+            return read_outcome(self.store, round, attempt, replicas=cfg.replicas, participants=participants) \
+                or final
 
         # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
@@ -446,12 +450,41 @@ class ObjectStoreAllReduce:
         result.reason = f"aborted by replica {final.by}: {final.reason}"
         return final
 
+    def _gather(self, round: int, attempt: int, participants: list[int], slots: list[tuple[int, int]],
+                my_norms: list[float], deadline: float, *, mine: tuple[int, bytes] | None = None) -> torch.Tensor:
+        """Every reduced slot, fetched (or taken from ``mine``: ``(slot, bytes)``), checked and decoded.
+
+        Raises :class:`RejectedPayload` (a slot fails its digest or norms) or :class:`RoundTimeout`.
+        """
+        cfg = self.config
+        me = participants.index(self.rank)
+        gathered = [None if mine is not None and j == mine[0] else
+                    self._pool.submit(self._fetch_reduced, round, attempt, participants, j, e - s, deadline)
+                    for j, (s, e) in enumerate(slots)]
+        out = torch.empty(slots[-1][1] if slots else 0, dtype=torch.float32)
+        for j, (s, e) in enumerate(slots):
+            if gathered[j] is None:
+                out[s:e] = wire.decode(cfg.codec, mine[1], numel=e - s)
+                continue
+            key = layout.reduced_key(round, attempt, j)
+            record, data = gathered[j].result()
+            try:
+                decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
+            except wire.PayloadError as exc:
+                raise RejectedPayload(f"reduced slot {j}: {exc}", check="reduced", slot=j) from None
+            verify_reduced(record, data, decoded, key=key, round=round, attempt=attempt, slot=j,
+                           participants=participants, me=me, my_norm=my_norms[j], rtol=wire.norm_rtol(cfg.codec))
+            out[s:e] = decoded
+        return out
+
     def _finish_aborted(self, round: int, attempt: int, participants: list[int], result: RoundResult,
                         reason: str, **record: Any) -> Outcome:
         out = self._abort(round, attempt, reason, participants=participants, **record)
         if out.committed:
-            # A peer committed before this replica's check failed (an object changed between reads):
-            # do not apply what failed here; heal from the committed state at the next sync.
+            # A peer committed before this replica's check failed. The record decides: the round is
+            # over and nobody retries it; never apply what failed here (``heal``: the caller reads
+            # the result again or heals from the committed state, like a replica left out of it).
+            result.heal = True
             result.reason = f"check failed after the round committed ({reason}); not applied"
             return Outcome(round=round, attempt=attempt, committed=False, reason=result.reason)
         result.reason = out.reason if out.by is None or out.by == self.rank else \

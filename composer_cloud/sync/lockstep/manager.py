@@ -242,6 +242,12 @@ class ObjectStoreManager:
             self._last_commit = (round, result.attempt)
             self._record(SyncRecord(round, result, committed=True))
             return True
+        if result.heal:
+            # The round committed, but this participant could not verify its result: heal from the
+            # committed state now, exactly where the other participants are after their outer step.
+            healed = self._heal(round)
+            self._record(SyncRecord(round, result, committed=False, healed_to=healed))
+            return False
         if not result.committed:
             logger.warning("round %d was not committed (%s); it will be retried", round, result.reason)
             self._record(SyncRecord(round, result, committed=False))
