@@ -92,7 +92,9 @@ class LockstepBoundary:
         if (attempt is not None and self.replica_states.marker(committed, self.rank) is not None
                 and not self.global_states.durable(committed, attempt)):
             logger.info("replica %d: waiting for round %d's global state to become durable", self.rank, committed)
-            if not wait_until(lambda: self.global_states.durable(committed, attempt),
+            # Ends when the state is durable (whoever wrote it) or the commit was voided.
+            if not wait_until(lambda: (self.global_states.durable(committed, attempt)
+                                       or rounds.committed_attempt(self.store, committed) != attempt),
                               deadline=time.monotonic() + self.spec.sync.round_timeout_s,
                               policy=PollPolicy(initial_s=0.2, max_s=2.0)):
                 logger.warning("replica %d: round %d's global state did not become durable within "
@@ -195,7 +197,8 @@ class LockstepBoundary:
         def finish() -> None:
             if manifests.write_manifest(self.global_states, self.replica_states, round, attempt, participants,
                                         deadline_s=spec.sync.round_timeout_s,
-                                        extra={"replicas_launched": spec.replicas}):
+                                        extra={"replicas_launched": spec.replicas},
+                                        abandoned=lambda: rounds.committed_attempt(self.store, round) != attempt):
                 manifests.prune(self.global_states, keep=spec.keep_checkpoints, newest=round)
                 rounds.cleanup_rounds(self.store, before=round)
         self._pending_io.append(self._manifest_io.submit(finish))

@@ -131,6 +131,18 @@ def _open_store_for(spec: RunSpec, *, signing_key: bytes | None) -> Store:
     return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options, signing_key=signing_key)
 
 
+def _require_conforming_store(run: Run) -> None:
+    """The conformance probe ``launch`` runs, for the store holding ``run`` (once per store and process).
+
+    Every command that writes to a run calls it before its first write: a run copied onto a store
+    without write-once create (or one that serves partial objects) is refused with
+    :class:`StoreConfigError` naming the missing properties, and nothing is written.
+    """
+    from composer_cloud.storage.conformance import require_conformance
+
+    require_conformance(run.uri.rsplit("/", 1)[0], storage_options=run.store.storage_options)
+
+
 def _signing(spec: RunSpec) -> tuple[RunSpec, bytes | None]:
     """``spec`` with ``signed`` set from whether this process has the run key (required if the spec asks for
     it), and the run's signing key."""
@@ -384,6 +396,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     that will be recomputed) and relaunches.
     """
     run = _as_run(run, storage_options)
+    _require_conforming_store(run)
     spec = run.spec
     latest: Checkpoint | None = None
     finished = run_status(run).state == "completed"
@@ -443,6 +456,7 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
     current = run_status(run)
     if current.state != "running":
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
+    _require_conforming_store(run)
     request_cancel(run.store)
     cancelled, warnings = _cancel_jobs(run)
     return CancelResult(run=run, cancelled=cancelled, warnings=warnings)

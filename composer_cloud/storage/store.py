@@ -97,6 +97,7 @@ class Store:
         self.poll = poll
         self.outage_s = float(outage_s)
         self._signing_key = signing_key
+        self._storage_options = dict(storage_options or {})
         self.backend: Backend = open_backend(uri.rstrip("/"), storage_options or {})
         self.uri = self.backend.uri
         self.outage = Outage(f"store {self.uri}", budget_s=self.outage_s)
@@ -110,6 +111,11 @@ class Store:
     def signed(self) -> bool:
         """Whether this store writes signed objects and accepts only authentic ones."""
         return self._signing_key is not None
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """A copy of the fsspec options this store was opened with (they may hold secrets: never log them)."""
+        return dict(self._storage_options)
 
     @property
     def endpoint(self) -> str | None:
