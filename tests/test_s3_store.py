@@ -207,3 +207,21 @@ def test_a_create_whose_response_was_lost_is_settled_by_the_stored_bytes(s3_stor
         proxy.drops_left = 1
         assert store.create_json("spec.json", {"run_id": "r"})
         assert proxy.counts["dropped-create-response"] == 3
+
+
+def test_a_replica_that_starts_during_an_outage_rides_it_out_from_its_first_store_access(s3_store):
+    """Replica.__init__ reads the run before it knows the spec's budget: that read rides out an outage too."""
+    from composer_cloud.env import JobEnv
+    from composer_cloud.hooks import NO_HOOKS
+    from composer_cloud.replica.runtime import Replica
+    from composer_cloud.spec import spec_from_dict
+
+    uri = f"s3://{s3_store.bucket}/starting"
+    Store(f"{uri}/r").put_json("spec.json", spec_from_dict({"run_id": "r", "store": uri, "replicas": 2,
+                                                            "sync": {"store_outage_s": 120}}).to_json_dict())
+    with StoreProxy(s3_store.endpoint) as proxy:
+        proxy.set_mode("refuse", for_s=4)  # the store is down when the replica starts
+        replica = Replica(f"{uri}/r", 1, job_env=JobEnv(store_options={"endpoint_url": proxy.endpoint}),
+                          hooks=NO_HOOKS)
+        assert proxy.mode == "pass"  # it waited the outage out instead of failing in a second
+    assert replica.rank == 1 and replica.opened.store.outage_s == 120
