@@ -40,7 +40,7 @@ from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executo
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import sync_state
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
-from composer_cloud.spec import RunSpec, load_spec, spec_from_dict, with_paths
+from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict, with_paths
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import CodeRef, ResumeRecord
 from composer_cloud.storage.run import (
@@ -263,6 +263,17 @@ def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> No
             raise SpecError(field, f"split {sp!r} of {settings['dataset']!r}: " + "; ".join(problems))
 
 
+def _check_device(spec: RunSpec) -> None:
+    """``device = "cuda"`` only where the replicas will have a GPU (names the field otherwise)."""
+    executors = [name for name, _ in assign_ranks(spec.executor, spec.replicas)]
+    local_cuda = False
+    if spec.device == "cuda" and "local" in executors:
+        import torch
+
+        local_cuda = torch.cuda.is_available()
+    check_device(spec, executors=executors, local_cuda=local_cuda)
+
+
 def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """Everything checkable before anything is written; returns the user-code bundle (or None).
 
@@ -277,6 +288,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     from composer_cloud.runs.packaging import UserCodeError, collect_code
     from composer_cloud.trainer import check_settings
 
+    _check_device(spec)
     settings = spec.trainer.settings()
     try:
         check_settings(spec.trainer.name, settings)
