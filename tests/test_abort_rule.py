@@ -1,96 +1,25 @@
 """One abort rule: a lock-step run whose attempt aborts on an integrity check ends bitwise where it ends
 without the fault, whichever phase the other participants are in when the abort is decided.
 
-Replicas are threads running torchft's DiLoCo over one ``file://`` store. Each replica gets a store
-subclass that damages one chosen read (as a torn or corrupt GET does) and holds a chosen write or read
-until the attempt's outcome exists, so every phase is reached deterministically, not by timing.
+Replicas are threads running torchft's DiLoCo over one ``file://`` store (``support.threads``). Each
+replica gets a store that damages one chosen read (as a torn or corrupt GET does) and holds a chosen write
+or read until the attempt's outcome exists, so every phase is reached deterministically, not by timing.
+``benchmarks/abort_matrix.py`` runs the same harness over every fault point.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from composer_cloud.errors import ChecksumMismatch
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
-from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
 from composer_cloud.sync.lockstep.rounds import committed_attempt, read_outcome
-from workers import INNER_LR, OUTER, inner_step, make_model, run_spec
+from support.threads import FAULT_ROUND, FaultyStore, run_threads
 
 WORLD, ROUNDS, SYNC_EVERY = 2, 3, 2
-FAULT_ROUND = 1
-
-
-class FaultyStore(Store):
-    """A replica's store that damages reads of ``tear`` and holds ``hold_*`` keys until round 1 attempt 0 is decided.
-
-    ``persistent``: every read of ``tear`` after the outcome exists is damaged (a bad object, not a bad read).
-    """
-
-    def __init__(self, uri: str, *, tear: str | None = None, persistent: bool = False, hold_get: str | None = None,
-                 hold_put: str | None = None, hold_create: str | None = None) -> None:
-        super().__init__(uri)
-        self.tear, self.persistent = tear, persistent
-        self.hold_get, self.hold_put, self.hold_create = hold_get, hold_put, hold_create
-        self.damaged = 0
-
-    def _until_decided(self) -> None:
-        deadline = time.monotonic() + 20
-        while not self.exists(layout.outcome_key(FAULT_ROUND, 0)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def get(self, key: str) -> memoryview:
-        if key == self.hold_get:
-            self._until_decided()
-        if key == self.tear and (self.persistent or not self.damaged):
-            self.damaged += 1
-            raise ChecksumMismatch(key, "damaged read (injected)")
-        return super().get(key)
-
-    def put(self, key: str, payload: Any, **kw: Any) -> int:
-        if key == self.hold_put:
-            self._until_decided()
-        return super().put(key, payload, **kw)
-
-    def create(self, key: str, payload: Any) -> bool:
-        if key == self.hold_create:
-            self._until_decided()
-        return super().create(key, payload)
-
-
-def run_threads(uri: str, stores: dict[int, Store]) -> dict[int, dict[str, Any]]:
-    """A lock-step DiLoCo run (``min_replicas = replicas``), one thread per replica; final params + syncs."""
-    models = [make_model() for _ in range(WORLD)]  # built here: make_model seeds torch's global RNG
-    spec = run_spec(WORLD, min_replicas=WORLD, inner_steps=SYNC_EVERY, outer=OUTER, quorum_timeout_s=4,
-                    round_timeout_s=30, heal_timeout_s=60)
-    out: dict[int, dict[str, Any]] = {}
-
-    def replica(rank: int) -> None:
-        model = models[rank]
-        inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        syncs: list[Any] = []
-        try:
-            loop = build_diloco(store=stores.get(rank) or Store(uri), rank=rank, model=model, inner_optimizer=inner,
-                                config=LockstepConfig.from_spec(spec), fragments=[model], on_sync=syncs.append)
-            with loop:
-                for step in range(ROUNDS * SYNC_EVERY):
-                    inner_step(model, inner, rank, step)
-            loop.close()
-            out[rank] = {"params": [p.detach().numpy().copy() for p in model.parameters()], "syncs": syncs}
-        except Exception as exc:  # noqa: BLE001 - asserted on below
-            out[rank] = {"error": exc}
-
-    threads = [threading.Thread(target=replica, args=(r,)) for r in range(WORLD)]
-    [t.start() for t in threads]
-    [t.join(timeout=180) for t in threads]
-    assert not any(t.is_alive() for t in threads), "a replica hung"
-    return out
 
 
 @pytest.fixture(scope="module")
