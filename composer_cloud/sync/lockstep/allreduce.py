@@ -49,7 +49,7 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -62,10 +62,8 @@ from composer_cloud.storage.store import Store, iter_chunks
 from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
                                         verify_reduced)
 from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.sync.lockstep.config import AllReduceConfig
 from composer_cloud.sync.lockstep.rounds import join_rank, read_outcome, read_quorum
-
-if TYPE_CHECKING:
-    from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,43 +94,6 @@ class BehindError(SyncError):
     def __init__(self, round: int) -> None:
         self.round = round
         super().__init__(f"round {round} is already committed; heal from the committed state")
-
-
-@dataclass(frozen=True)
-class AllReduceConfig:
-    """Settings of the object-store all-reduce. Times are seconds. Built from the spec
-    (:meth:`from_spec`), which holds every default.
-
-    Attributes:
-        replicas: number of replicas launched (the quorum is decided early when all joined).
-        min_replicas: fewest participants a round may commit with.
-        codec: wire codec name (``fp32``, ``bf16``, ``int8``).
-        quorum_timeout_s: after joining, how long to wait for the others.
-        round_timeout_s: deadline for every other wait of the round.
-        io_threads: parallel transfers per replica.
-        outlier_factor: a participant's slot whose L2 norm exceeds this many
-            times the median of the participants' norms for that slot aborts
-            the attempt and is excluded (needs >= 3 participants; ``None``
-            disables the check; must be > 1).
-        max_attempts: attempts of a round run back to back within one sync
-            when integrity checks abort them (``1``: never retry at once).
-    """
-
-    replicas: int
-    min_replicas: int
-    codec: str
-    quorum_timeout_s: float
-    round_timeout_s: float
-    io_threads: int
-    outlier_factor: float | None
-    max_attempts: int
-
-    @classmethod
-    def from_spec(cls, spec: RunSpec) -> "AllReduceConfig":
-        s = spec.sync
-        return cls(replicas=spec.replicas, min_replicas=spec.min_replicas, codec=s.codec,
-                   quorum_timeout_s=s.quorum_timeout_s, round_timeout_s=s.round_timeout_s, io_threads=s.io_threads,
-                   outlier_factor=s.outlier_factor, max_attempts=s.max_attempts)
 
 
 @dataclass
@@ -381,6 +342,7 @@ class ObjectStoreAllReduce:
         slots = list(iter_chunks(flat.numel(), w))
         deadline = time.monotonic() + cfg.round_timeout_s
         timings = result.timings
+        my_norms: list[float] | None = None
         try:
             # 0. my own payload first: a replica whose local state went NaN says so before uploading.
             my_norms = [check_finite(flat[s:e], rank=self.rank, slot=None) for s, e in slots]
@@ -414,27 +376,12 @@ class ObjectStoreAllReduce:
                                mine=(me, reduced_mine))
             timings["gather_s"] = time.monotonic() - t
         except RoundTimeout as exc:
-            return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
+            final = self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
+            return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
         except RejectedPayload as exc:
             final = self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
                                          excluded=exc.excluded, slot=exc.slot, retry=True)
-            if not result.heal:
-                return final
-            # The round committed before this check failed: the record decides, so this replica
-            # applies the committed result like every other participant. A fresh read of every
-            # reduced slot (the failure may have been a damaged read, not a damaged object) either
-            # verifies, or this replica heals from the committed global state at once.
-            try:
-                out = self._gather(round, attempt, participants, slots, my_norms,
-                                   time.monotonic() + cfg.round_timeout_s)
-            except (RoundTimeout, RejectedPayload) as again:
-                logger.warning("round %d.%d committed, but replica %d cannot verify its result (%s); healing "
-                               "from the committed state", round, attempt, self.rank, again)
-                return final
-            flat.copy_(out)
-            result.committed, result.heal, result.reason = True, False, ""
-            return read_outcome(self.store, round, attempt, replicas=cfg.replicas, participants=participants) \
-                or final
+            return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
 
         # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
@@ -476,6 +423,30 @@ class ObjectStoreAllReduce:
                            participants=participants, me=me, my_norm=my_norms[j], rtol=wire.norm_rtol(cfg.codec))
             out[s:e] = decoded
         return out
+
+    def _settle_after_commit(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
+                             result: RoundResult, final: Outcome, slots: list[tuple[int, int]],
+                             my_norms: list[float] | None) -> Outcome:
+        """After this replica's attempt failed: if the round committed anyway, apply its result or heal.
+
+        The record decides: a committed round is applied by every participant. A fresh read of every
+        reduced slot (the failure may have been a damaged read or a slow part, not a bad object) either
+        verifies, and this replica applies it like everyone else, or ``result.heal`` stays set and the
+        manager heals from the round's committed global state. Bytes that failed a check are never applied.
+        """
+        if not result.heal or my_norms is None:
+            return final
+        try:
+            out = self._gather(round, attempt, participants, slots, my_norms,
+                               time.monotonic() + self.config.round_timeout_s)
+        except (RoundTimeout, RejectedPayload) as again:
+            logger.warning("round %d.%d committed, but replica %d cannot verify its result (%s); healing from the "
+                           "committed state", round, attempt, self.rank, again)
+            return final
+        flat.copy_(out)
+        result.committed, result.heal, result.reason = True, False, ""
+        return read_outcome(self.store, round, attempt, replicas=self.config.replicas,
+                            participants=participants) or final
 
     def _finish_aborted(self, round: int, attempt: int, participants: list[int], result: RoundResult,
                         reason: str, **record: Any) -> Outcome:
