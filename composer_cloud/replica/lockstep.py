@@ -130,8 +130,11 @@ class LockstepBoundary:
         return self.position < self.spec.rounds
 
     def sync_s(self) -> float:
+        """Seconds of the last step spent in the sync, waits included (a takeover, a heal): not compute."""
         rec = self._syncs[-1] if self._syncs else None
-        return rec.result.wall_s if rec is not None and rec.result is not None else 0.0
+        if rec is None:
+            return 0.0
+        return max(rec.blocked_s, rec.result.wall_s if rec.result is not None else 0.0)
 
     def after_step(self, segment: Segment) -> dict[str, Any] | None:
         """A sync happened inside this step (DiLoCo's optimizer post-hook) iff the manager reported one."""

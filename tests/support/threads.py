@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from composer_cloud.errors import ChecksumMismatch
+from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
@@ -60,7 +61,7 @@ class FaultyStore(Store):
 
 
 def run_threads(uri: str, stores: dict[int, Store], *, world: int = 2, rounds: int = 3,
-                sync_every: int = 2) -> dict[int, dict[str, Any]]:
+                sync_every: int = 2, hooks: Hooks = NO_HOOKS) -> dict[int, dict[str, Any]]:
     """A lock-step DiLoCo run (``min_replicas = replicas``), one thread per replica: ``{rank: {"params",
     "syncs"} or {"error"}}``."""
     models = [make_model() for _ in range(world)]  # built here: make_model seeds torch's global RNG
@@ -74,7 +75,8 @@ def run_threads(uri: str, stores: dict[int, Store], *, world: int = 2, rounds: i
         syncs: list[Any] = []
         try:
             loop = build_diloco(store=stores.get(rank) or Store(uri), rank=rank, model=model, inner_optimizer=inner,
-                                config=LockstepConfig.from_spec(spec), fragments=[model], on_sync=syncs.append)
+                                config=LockstepConfig.from_spec(spec), fragments=[model], on_sync=syncs.append,
+                                hooks=hooks)
             with loop:
                 for step in range(rounds * sync_every):
                     inner_step(model, inner, rank, step)
