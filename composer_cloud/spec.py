@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import re
 import secrets as _secrets
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,8 @@ _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key
 
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
+# ``[trainer]`` settings that may be a "module:factory" reference (besides ``name``).
+_FACTORY_SETTINGS = ("task", "hint_source", "reward")
 
 
 class _Strict(BaseModel):
@@ -67,18 +70,29 @@ class ModelSpec(_Strict):
     """
 
     name: str = "tiny"
-    # Shape overrides for the built-in tiny model only.
-    hidden_size: int = Field(default=256, gt=0)
-    num_hidden_layers: int = Field(default=4, gt=0)
-    num_attention_heads: int = Field(default=4, gt=0)
-    num_key_value_heads: int = Field(default=2, gt=0)
-    intermediate_size: int = Field(default=688, gt=0)
+    # Shape overrides for the built-in tiny model only. Bounds: well above any released model's, far
+    # below what would exhaust a machine's memory before the first step (a typo, not a setting).
+    hidden_size: int = Field(default=256, gt=0, le=65_536)
+    num_hidden_layers: int = Field(default=4, gt=0, le=1024)
+    num_attention_heads: int = Field(default=4, gt=0, le=1024)
+    num_key_value_heads: int = Field(default=2, gt=0, le=1024)
+    intermediate_size: int = Field(default=688, gt=0, le=262_144)
     precision: Literal["fp32", "bf16"] = "fp32"
     #: Recompute activations in the backward pass (less memory, ~30% more compute).
     gradient_checkpointing: bool = False
     #: ``auto``: flash-attention 2 on a CUDA GPU with bf16 where ``flash_attn`` is installed, else SDPA.
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     lora: LoraSpec | None = None
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "ModelSpec":
+        if self.hidden_size % self.num_attention_heads:
+            raise SpecError("model.num_attention_heads", f"{self.num_attention_heads} heads do not divide "
+                            f"model.hidden_size ({self.hidden_size}); each head needs an equal share")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SpecError("model.num_key_value_heads", f"{self.num_key_value_heads} key/value heads do not "
+                            f"divide model.num_attention_heads ({self.num_attention_heads})")
+        return self
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -101,6 +115,13 @@ class InnerOptimizerSpec(_Strict):
     @classmethod
     def _betas_list(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"{list(v)}: each of AdamW's betas must be in [0, 1), e.g. [0.9, 0.95]")
+        return v
 
 
 # Outer optimizer defaults per sync mode (lr, momentum). Lock-step: DiLoCo's. Decoupled: merges apply
@@ -169,8 +190,21 @@ class TrainerSpec(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)
 
     name: str = "three-channel"
-    batch_size: int = Field(default=8, gt=0)
-    seq_len: int = Field(default=64, gt=0)
+    batch_size: int = Field(default=8, gt=0, le=1 << 20)
+    seq_len: int = Field(default=64, gt=0, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _no_stdlib_factories(self) -> "TrainerSpec":
+        # A "module:factory" setting is called in every replica: a stdlib function (os:system) is never
+        # a trainer, task, hint source or reward, and calling one with the settings' arguments is harmful.
+        for key in ("name", *_FACTORY_SETTINGS):
+            value = self.name if key == "name" else (self.model_extra or {}).get(key)
+            if isinstance(value, str) and ":" in value:
+                top = value.partition(":")[0].split(".")[0]
+                if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+                    raise SpecError(f"trainer.{key}", f"{value!r} names the standard library module {top!r}; "
+                                    "name a factory in your own code (\"my_tasks:make_task\") or a registered name")
+        return self
 
     def settings(self) -> dict[str, Any]:
         return dict(self.model_extra or {}) | {"batch_size": self.batch_size, "seq_len": self.seq_len}
@@ -323,6 +357,23 @@ def _check_compute(spec: "RunSpec") -> None:
         raise SpecError("trainer.rollout", '"vllm" generates on a CUDA GPU; use rollout = "hf" with device = "cpu"')
 
 
+def check_device(spec: "RunSpec", *, executors: list[str], local_cuda: bool) -> None:
+    """Refuse ``device = "cuda"`` where the replicas will find no GPU (a launch-time check).
+
+    ``executors``: the executor names of the run (``jobs.assign_ranks``); ``local_cuda``: whether this
+    machine, where ``local`` replicas run, has a CUDA GPU. Not a validator: a spec is also read on
+    machines that do not run it (``status`` on a laptop).
+    """
+    if spec.device != "cuda":
+        return
+    if "local" in executors and not local_cuda:
+        raise SpecError("device", '"cuda", but this machine has no CUDA GPU for the local executor\'s replicas; '
+                        'use device = "auto" (a GPU when there is one) or "cpu", or a GPU executor')
+    if "hf-jobs" in executors and spec.hf_jobs.flavor.startswith("cpu"):
+        raise SpecError("hf_jobs.flavor", f'{spec.hf_jobs.flavor!r} has no GPU, but device = "cuda"; pick a GPU '
+                        'flavor (e.g. "a10g-small") or device = "auto"')
+
+
 def _walk_keys(d: Any, prefix: str = "") -> list[str]:
     out: list[str] = []
     if isinstance(d, dict):
@@ -425,4 +476,13 @@ def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None =
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
-    return spec_from_dict(data, source=source)
+    spec = spec_from_dict(data, source=source)
+    # The launcher sets these from what it packaged and uploaded; a hand-set value would point the
+    # replicas at code or files the launcher never checked.
+    if spec.code.ref is not None:
+        raise SpecError("code.ref", "is set by `launch` (the packaged user code's key and sha256), never by hand; "
+                        "remove it and name your code with \"module:factory\" settings or [code] include")
+    if spec.code.files:
+        raise SpecError("code.files", "is set by `launch` (the local files it uploaded), never by hand; remove it "
+                        "and name local paths in model.name / trainer.dataset / trainer.pairs")
+    return spec

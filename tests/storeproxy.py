@@ -21,6 +21,11 @@ Modes:
 * ``delay``: wait ``delay_s`` before forwarding each request.
 * ``error``: answer every request ``503 SlowDown`` without forwarding.
 * ``corrupt``: flip one byte in the middle of every non-empty successful GET response body.
+* ``serve-partial``: a PUT of at least :data:`PARTIAL_MIN_BYTES` is held for ``delay_s`` before it is
+  forwarded, and a GET of that key meanwhile is answered ``200`` with the first half of the body being
+  written (a store that serves objects while they are written).
+* ``drop-create-response``: a conditional create (``If-None-Match``) is forwarded, then its connection
+  is reset before the answer: the object was written, the client never hears so (a lost response).
 
 Requests the proxy changes are signed again (SigV4) with ``credentials``
 (the tests' dummy ones by default), so an upstream that checks signatures
@@ -43,7 +48,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 logger = logging.getLogger(__name__)
 
-MODES = ("pass", "strip-if-none-match", "refuse", "reset", "delay", "error", "corrupt")
+MODES = ("pass", "strip-if-none-match", "refuse", "reset", "delay", "error", "corrupt", "serve-partial",
+         "drop-create-response")
+#: Smallest PUT body that ``serve-partial`` holds and serves half of.
+PARTIAL_MIN_BYTES = 1 << 20
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
                "expect"}
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -114,6 +122,22 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if mode == "delay":
             time.sleep(proxy.delay_s)
+        target = self.path.split("?", 1)[0]
+        if mode == "serve-partial" and self.command == "GET" and (partial := proxy._writing.get(target)):
+            proxy.counts["served-partial"] += 1
+            self._answer(200, {"Content-Type": "application/octet-stream"}, partial)
+            return
+        if mode == "serve-partial" and self.command == "PUT" and len(body) >= PARTIAL_MIN_BYTES:
+            proxy._writing[target] = body[: len(body) // 2]
+            try:
+                time.sleep(proxy.delay_s)
+                self._forward(proxy, mode, body)
+            finally:
+                proxy._writing.pop(target, None)
+            return
+        self._forward(proxy, mode, body)
+
+    def _forward(self, proxy: "StoreProxy", mode: str, body: bytes) -> None:
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if body or self.command in ("PUT", "POST"):
             headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
@@ -136,6 +160,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(502, {"Content-Type": "text/plain"}, f"storeproxy: upstream failed: {exc}".encode())
             return
         proxy._log(self.command, self.path, resp.status, len(body), len(data))
+        if mode == "drop-create-response" and any(k.lower() == "if-none-match" for k in headers) \
+                and proxy.drops_left > 0:
+            proxy.drops_left -= 1
+            proxy.counts["dropped-create-response"] += 1
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return
         out_headers = {k: v for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP}
         if mode == "corrupt" and self.command == "GET" and data and 200 <= resp.status < 300:
             flipped = bytearray(data)
@@ -188,6 +220,9 @@ class StoreProxy:
         self.mode = "pass"
         self.delay_s = 0.0
         self.counts: Counter[str] = Counter()
+        #: ``drop-create-response``: how many create responses are still to be dropped.
+        self.drops_left = 1
+        self._writing: dict[str, bytes] = {}  # serve-partial: path -> half of the body being written
         #: Every request forwarded upstream, in order: what a store bills (benchmarks/scale.py counts them).
         self.requests: list[ProxiedRequest] = []
         self._port = port

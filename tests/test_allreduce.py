@@ -222,3 +222,30 @@ def test_a_failing_participant_aborts_the_round_for_everyone_quickly(store_uri):
     assert outcome["result"].committed is False and "replica 1 failed" in outcome["result"].reason
     assert outcome["wall"] < 20  # far below round_timeout_s: the abort record stopped the wait
     assert Store(store_uri).get_json("rounds/00000000/0/outcome.json")["committed"] is False
+
+
+class _SlowGlobalUpload:
+    """Hooks: replica 0's upload of its slice of round 0's global state takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def at(self, phase, round, rank):
+        if phase == "global_upload" and round == 0 and rank == 0:
+            time.sleep(self.seconds)
+
+    def after_step(self, rank, step_s):
+        return 0.0
+
+
+def test_a_sync_reports_the_time_it_blocked_training_waits_included(tmp_path):
+    """The next sync joins a slow state upload before it starts: that wait is sync time, not compute
+    (the slow-step fault hook multiplies compute only)."""
+    from support.threads import run_threads
+
+    slow = 2.0
+    out = run_threads(f"file://{tmp_path}/store", {}, hooks=_SlowGlobalUpload(slow))
+    syncs = {rank: {s.round: s for s in o["syncs"]} for rank, o in out.items()}
+    assert all(s.committed for o in syncs.values() for s in o.values())
+    assert syncs[0][1].blocked_s >= slow  # round 1's start_quorum waited for round 0's upload
+    assert all(s.blocked_s >= s.result.wall_s for o in syncs.values() for s in o.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -103,3 +105,70 @@ def test_encodings_are_byte_identical_across_processes(tmp_path):
     outs = {subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, check=True).stdout
             for _ in range(3)}
     assert len(outs) == 1, outs
+
+
+class _PrunedAround(Store):
+    """A store where a newer checkpoint's prune removes ``checkpoints/<round>/`` just before or just after
+    the manifest of ``round`` is created (a late manifest writer)."""
+
+    def __init__(self, uri: str, *, round: int, when: str) -> None:
+        super().__init__(uri)
+        self.prefix, self.when = f"checkpoints/{round:08d}", when
+
+    def create(self, key, payload):
+        if key != f"{self.prefix}/manifest.json":
+            return super().create(key, payload)
+        if self.when == "before":
+            self.delete(self.prefix, recursive=True)
+        created = super().create(key, payload)
+        if self.when == "after":  # the prune listed the checkpoint before the manifest appeared
+            for k in self.list(self.prefix):
+                if not k.endswith("manifest.json"):
+                    self.delete(k)
+        return created
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_late_manifest_never_lists_pruned_objects(tmp_path, when):
+    uri = f"file://{tmp_path}/s"
+    store = _PrunedAround(uri, round=0, when=when)
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
+    states.write(0, A, _tree(0), writer=0, num_slices=2)
+    for rank in (0, 1):
+        replicas.write(0, rank, {"x": torch.ones(2)}, world_size=2)
+    assert not manifests.write_manifest(states, replicas, 0, A, [0, 1], deadline_s=5)
+    assert not Store(uri).exists("checkpoints/00000000/manifest.json")
+    assert manifests.latest_checkpoint(states, _attempt_0) is None
+
+
+def test_the_manifest_does_not_wait_for_the_inner_state_of_a_replica_whose_slice_was_taken_over(tmp_path):
+    store = Store(f"file://{tmp_path}/s")
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
+    slices = split_global_state(_tree(0), 2)
+    states.write_slice(0, A, slices, 0, writer=1)  # replica 0 died: replica 1 wrote its slice
+    states.write_slice(0, A, slices, 1, writer=1)
+    replicas.write(0, 1, {"x": torch.ones(2)}, world_size=2)
+    # The deadline is the round's (long); the answer for replica 0 is already decided, so the writer
+    # returns long before it (a generous bound: a tenth of the deadline).
+    done = []
+    writer = threading.Thread(target=lambda: done.append(
+        manifests.write_manifest(states, replicas, 0, A, [0, 1], deadline_s=1200)), daemon=True)
+    writer.start()
+    writer.join(timeout=120)
+    assert done == [True], "the manifest writer waited for a replica whose slice was taken over"
+    manifest = manifests.read_manifest(states, 0)
+    assert sorted(manifest.replicas) == [1] and manifest.participants == [0, 1]
+
+
+def test_the_manifest_writer_stops_waiting_once_the_commit_is_abandoned(tmp_path):
+    store = Store(f"file://{tmp_path}/s")
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
+    states.write_slice(0, A, split_global_state(_tree(0), 2), 1, writer=1)  # slice 0 never comes
+    checks = []
+
+    def abandoned() -> bool:
+        checks.append(1)
+        return len(checks) >= 2  # the commit is voided while the writer waits
+
+    assert not manifests.write_manifest(states, replicas, 0, A, [0, 1], deadline_s=120, abandoned=abandoned)
+    assert len(checks) == 2 and not store.exists("checkpoints/00000000/manifest.json")

@@ -18,7 +18,7 @@ from composer_cloud.storage.store import Store
 from storeproxy import StoreProxy
 
 REQUIRED = ["conditional_create", "concurrent_create", "read_after_write", "list_after_write",
-            "overwrite_visibility", "delete"]
+            "overwrite_visibility", "delete", "no_partial_reads"]
 
 
 def _assert_conforms(report: ConformanceReport) -> None:
@@ -67,6 +67,38 @@ def test_a_store_that_ignores_if_none_match_is_refused_by_name(s3_store):
                                 storage_options={"endpoint_url": proxy.endpoint})
     assert isinstance(err.value, StoreNotConforming) and not err.value.report.ok
     assert require_conformance(f"s3://{s3_store.bucket}/split-brain").ok
+
+
+def test_a_store_that_serves_objects_while_they_are_written_is_refused_by_name(s3_store):
+    uri = f"s3://{s3_store.bucket}/half-written"
+    with StoreProxy(s3_store.endpoint) as proxy:
+        proxy.set_mode("serve-partial", delay_s=1.0)
+        with pytest.raises(StoreNotConforming, match="half-written does not provide no_partial_reads") as err:
+            require_conformance(uri, storage_options={"endpoint_url": proxy.endpoint})
+        assert proxy.counts["served-partial"] > 0
+    check = next(c for c in err.value.report.checks if c.name == "no_partial_reads")
+    assert not check.ok and "partial object" in check.detail and "of 8388608 bytes" in check.detail
+    assert [c.name for c in err.value.report.failures()] == ["no_partial_reads"]  # the rest of the store is fine
+    assert Store(uri).list(PROBE_PREFIX) == []
+
+
+def test_a_conforming_store_is_probed_once_per_process(s3_store):
+    uri = f"s3://{s3_store.bucket}/probed-once"
+    with StoreProxy(s3_store.endpoint) as proxy:
+        options = {"endpoint_url": proxy.endpoint}
+        first = require_conformance(uri, storage_options=options)
+        probed = len(proxy.requests)
+        assert first.ok and probed > 0
+        assert require_conformance(uri, storage_options=options) is first
+        assert len(proxy.requests) == probed  # cached: no request at all
+        # A failing store is probed every time (it may be fixed), and never cached as conforming.
+        proxy.set_mode("strip-if-none-match")
+        other = f"s3://{s3_store.bucket}/probed-twice"
+        for _ in range(2):
+            with pytest.raises(StoreNotConforming):
+                require_conformance(other, storage_options=options)
+        proxy.set_mode("pass")
+        assert require_conformance(other, storage_options=options).ok
 
 
 def test_an_unreachable_store_raises_store_config_error_naming_it(monkeypatch):

@@ -85,3 +85,29 @@ def test_every_participant_lost_before_the_state_is_durable_voids_and_reruns_the
     assert launcher.returncode == 0, out
     assert Store(f"{store}/void").exists(layout.void_key(1, 0))
     assert same_weights(export_weights(tmp_path, f"{store}/void", "model"), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["checkpoint", "global_upload"], ids=["inner-state-upload", "global-upload"])
+def test_the_survivor_exits_promptly_when_the_leader_dies_in_the_last_rounds_state_upload(phase, tmp_path,
+                                                                                          baselines):
+    """replicas = min_replicas = 2, max_restarts = 1, the leader SIGKILLed while it uploads the final
+    round's state: the survivor makes the state durable (taking over the leader's slice after
+    quorum_timeout_s) and exits; nothing waits out round_timeout_s for a writer that is gone."""
+    expected = baselines.get("file", tmp_path)
+    store = store_uri_for("file", tmp_path)
+    round_timeout_s, quorum_timeout_s = 120, 15
+    launcher = _launch_and_kill_replica_at(tmp_path, store, "exit", phase, 3, "max_restarts = 1\n",
+                                           round_timeout_s=round_timeout_s)
+    killed_at = time.time()
+    out, _ = launcher.communicate(timeout=400)
+    assert launcher.returncode == 0, out
+    run_uri = f"{store}/exit"
+    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    assert st["state"] == "completed" and st["last_durable_round"] == 3, st
+    assert st["replicas"][0]["restarts"] == 1 and st["replicas"][1]["restarts"] == 0, st
+    survivor = Store(run_uri).get_json(layout.heartbeat_key(1))
+    assert survivor["state"] == "completed"
+    # Its only wait was the slice takeover (quorum_timeout_s); a generous bound, half the round deadline.
+    assert survivor["time"] - killed_at < round_timeout_s / 2, (survivor["time"] - killed_at, quorum_timeout_s)
+    assert same_weights(export_weights(tmp_path, run_uri, "model"), expected)

@@ -186,3 +186,42 @@ def test_a_replica_process_rides_out_an_outage_through_the_proxy(s3_store, tmp_p
     assert out.split() == ["7", "True"]
     assert "reachable again" in err
     assert Store(uri).get_json("rec.json") == {"by": "child"}
+
+
+def test_a_create_whose_response_was_lost_is_settled_by_the_stored_bytes(s3_store):
+    """The PUT reached the store, its answer did not; the retry gets 412. The stored bytes decide."""
+    with StoreProxy(s3_store.endpoint) as proxy:
+        store = _via(proxy, s3_store.bucket, "lost-create", outage_s=10)
+        proxy.set_mode("drop-create-response")
+        proxy.drops_left = 1
+        assert store.create("mine", b"payload of this writer")  # it was this writer's create
+        assert proxy.counts["dropped-create-response"] == 1
+        assert bytes(store.get("mine")) == b"payload of this writer"
+        # Another writer's object: a lost answer to a refused create is still a loss.
+        Store(f"s3://{s3_store.bucket}/lost-create").create("theirs", b"the other writer's payload")
+        proxy.drops_left = 1
+        assert not store.create("theirs", b"payload of this writer")
+        assert proxy.counts["dropped-create-response"] == 2
+        assert bytes(store.get("theirs")) == b"the other writer's payload"
+        # Records (JSON) settle the same way: a launch's spec.json, a decoupled contribution's meta.
+        proxy.drops_left = 1
+        assert store.create_json("spec.json", {"run_id": "r"})
+        assert proxy.counts["dropped-create-response"] == 3
+
+
+def test_a_replica_that_starts_during_an_outage_rides_it_out_from_its_first_store_access(s3_store):
+    """Replica.__init__ reads the run before it knows the spec's budget: that read rides out an outage too."""
+    from composer_cloud.env import JobEnv
+    from composer_cloud.hooks import NO_HOOKS
+    from composer_cloud.replica.runtime import Replica
+    from composer_cloud.spec import spec_from_dict
+
+    uri = f"s3://{s3_store.bucket}/starting"
+    Store(f"{uri}/r").put_json("spec.json", spec_from_dict({"run_id": "r", "store": uri, "replicas": 2,
+                                                            "sync": {"store_outage_s": 120}}).to_json_dict())
+    with StoreProxy(s3_store.endpoint) as proxy:
+        proxy.set_mode("refuse", for_s=4)  # the store is down when the replica starts
+        replica = Replica(f"{uri}/r", 1, job_env=JobEnv(store_options={"endpoint_url": proxy.endpoint}),
+                          hooks=NO_HOOKS)
+        assert proxy.mode == "pass"  # it waited the outage out instead of failing in a second
+    assert replica.rank == 1 and replica.opened.store.outage_s == 120

@@ -39,6 +39,27 @@ def test_launch_refuses_a_store_that_ignores_if_none_match(kind, tmp_path, reque
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("mode,missing", [("strip-if-none-match", "conditional_create"),
+                                          ("serve-partial", "no_partial_reads")])
+def test_resume_refuses_a_run_copied_onto_a_non_conforming_store(mode, missing, tmp_path, s3_server_moto):
+    server = s3_server_moto
+    run_uri = f"s3://{server.bucket}/copied-{mode}/r"
+    direct = Store(run_uri, storage_options={"endpoint_url": server.endpoint})
+    spec = spec_from_dict({"run_id": "r", "store": f"s3://{server.bucket}/copied-{mode}", "rounds": 2})
+    direct.put_json(layout.SPEC, spec.to_json_dict())  # a run copied here from another store
+    before = {k: bytes(direct.get_plain(k)) for k in direct.list()}
+    with StoreProxy(server.endpoint) as proxy:
+        proxy.set_mode(mode, delay_s=1.0)
+        env = {**os.environ, **server.env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        res = cli("resume", run_uri, cwd=tmp_path, env=env, timeout=600)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert missing in res.stderr and f"s3://{server.bucket}/copied-{mode}" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert {k: bytes(direct.get_plain(k)) for k in direct.list()} == before  # nothing written
+    assert Store(f"s3://{server.bucket}/copied-{mode}", storage_options={"endpoint_url": server.endpoint}).list(
+        ".composer-cloud-probe") == []
+
+
 @pytest.mark.slow
 def test_three_replicas_complete_on_seaweedfs(tmp_path, s3_server_seaweedfs, monkeypatch):
     server = s3_server_seaweedfs

@@ -205,7 +205,8 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
         put_verified(store, key, data, sha)
         files[p.setting] = key
     spec = load_spec(None, {"trainer.pairs": "pairs.jsonl", "trainer.dataset": "json",
-                            "trainer.data_files": ["data/a.jsonl"], "code.files": files})
+                            "trainer.data_files": ["data/a.jsonl"]})
+    spec = spec.model_copy(update={"code": spec.code.model_copy(update={"files": files})})  # as launch sets it
     local = localize_spec(store, spec, cache_dir=tmp_path / "cache")  # no map from the launcher: the spec's
     settings = local.trainer.settings()
     assert settings["pairs"].startswith(str(tmp_path / "cache" / "files"))

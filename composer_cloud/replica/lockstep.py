@@ -92,7 +92,9 @@ class LockstepBoundary:
         if (attempt is not None and self.replica_states.marker(committed, self.rank) is not None
                 and not self.global_states.durable(committed, attempt)):
             logger.info("replica %d: waiting for round %d's global state to become durable", self.rank, committed)
-            if not wait_until(lambda: self.global_states.durable(committed, attempt),
+            # Ends when the state is durable (whoever wrote it) or the commit was voided.
+            if not wait_until(lambda: (self.global_states.durable(committed, attempt)
+                                       or rounds.committed_attempt(self.store, committed) != attempt),
                               deadline=time.monotonic() + self.spec.sync.round_timeout_s,
                               policy=PollPolicy(initial_s=0.2, max_s=2.0)):
                 logger.warning("replica %d: round %d's global state did not become durable within "
@@ -128,8 +130,11 @@ class LockstepBoundary:
         return self.position < self.spec.rounds
 
     def sync_s(self) -> float:
+        """Seconds of the last step spent in the sync, waits included (a takeover, a heal): not compute."""
         rec = self._syncs[-1] if self._syncs else None
-        return rec.result.wall_s if rec is not None and rec.result is not None else 0.0
+        if rec is None:
+            return 0.0
+        return max(rec.blocked_s, rec.result.wall_s if rec.result is not None else 0.0)
 
     def after_step(self, segment: Segment) -> dict[str, Any] | None:
         """A sync happened inside this step (DiLoCo's optimizer post-hook) iff the manager reported one."""
@@ -195,7 +200,8 @@ class LockstepBoundary:
         def finish() -> None:
             if manifests.write_manifest(self.global_states, self.replica_states, round, attempt, participants,
                                         deadline_s=spec.sync.round_timeout_s,
-                                        extra={"replicas_launched": spec.replicas}):
+                                        extra={"replicas_launched": spec.replicas},
+                                        abandoned=lambda: rounds.committed_attempt(self.store, round) != attempt):
                 manifests.prune(self.global_states, keep=spec.keep_checkpoints, newest=round)
                 rounds.cleanup_rounds(self.store, before=round)
         self._pending_io.append(self._manifest_io.submit(finish))

@@ -37,6 +37,7 @@ from composer_cloud.replica.decoupled import DecoupledBoundary
 from composer_cloud.replica.lockstep import LockstepBoundary
 from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.replica.usercode import install_code, localize_spec
+from composer_cloud.spec import SyncSpec
 from composer_cloud.stack import runtime_versions
 from composer_cloud.storage.records import CodeRef, HeartbeatState
 from composer_cloud.storage.run import Run, open_run
@@ -52,8 +53,10 @@ class Replica:
     """
 
     def __init__(self, run_uri: str, rank: int, *, job_env: JobEnv, hooks: Hooks) -> None:
-        run = open_run(run_uri, job_env=job_env)
-        # Ride out store outages up to the spec's budget (the spec had to be read first).
+        # Every store access rides out an outage, the first one too: a replica that starts (or restarts)
+        # while the store is down must not burn its restarts in a second. Until the spec is read, the
+        # budget is the spec's default; then the run's own.
+        run = open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env)
         self.opened = open_run(run_uri, outage_s=run.spec.sync.store_outage_s, job_env=job_env)
         spec = self.opened.spec
         if not 0 <= rank < spec.replicas:

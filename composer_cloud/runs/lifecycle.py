@@ -40,7 +40,7 @@ from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executo
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import sync_state
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
-from composer_cloud.spec import RunSpec, load_spec, spec_from_dict, with_paths
+from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict, with_paths
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import CodeRef, ResumeRecord
 from composer_cloud.storage.run import (
@@ -129,6 +129,18 @@ def _open_store_for(spec: RunSpec, *, signing_key: bytes | None) -> Store:
 
     report = require_conformance(spec.store, storage_options=spec.store_options)
     return Store(join_uri(report.store, spec.run_id), storage_options=spec.store_options, signing_key=signing_key)
+
+
+def _require_conforming_store(run: Run) -> None:
+    """The conformance probe ``launch`` runs, for the store holding ``run`` (once per store and process).
+
+    Every command that writes to a run calls it before its first write: a run copied onto a store
+    without write-once create (or one that serves partial objects) is refused with
+    :class:`StoreConfigError` naming the missing properties, and nothing is written.
+    """
+    from composer_cloud.storage.conformance import require_conformance
+
+    require_conformance(run.uri.rsplit("/", 1)[0], storage_options=run.store.storage_options)
 
 
 def _signing(spec: RunSpec) -> tuple[RunSpec, bytes | None]:
@@ -251,6 +263,17 @@ def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> No
             raise SpecError(field, f"split {sp!r} of {settings['dataset']!r}: " + "; ".join(problems))
 
 
+def _check_device(spec: RunSpec) -> None:
+    """``device = "cuda"`` only where the replicas will have a GPU (names the field otherwise)."""
+    executors = [name for name, _ in assign_ranks(spec.executor, spec.replicas)]
+    local_cuda = False
+    if spec.device == "cuda" and "local" in executors:
+        import torch
+
+        local_cuda = torch.cuda.is_available()
+    check_device(spec, executors=executors, local_cuda=local_cuda)
+
+
 def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """Everything checkable before anything is written; returns the user-code bundle (or None).
 
@@ -265,6 +288,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     from composer_cloud.runs.packaging import UserCodeError, collect_code
     from composer_cloud.trainer import check_settings
 
+    _check_device(spec)
     settings = spec.trainer.settings()
     try:
         check_settings(spec.trainer.name, settings)
@@ -384,6 +408,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     that will be recomputed) and relaunches.
     """
     run = _as_run(run, storage_options)
+    _require_conforming_store(run)
     spec = run.spec
     latest: Checkpoint | None = None
     finished = run_status(run).state == "completed"
@@ -443,6 +468,7 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
     current = run_status(run)
     if current.state != "running":
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
+    _require_conforming_store(run)
     request_cancel(run.store)
     cancelled, warnings = _cancel_jobs(run)
     return CancelResult(run=run, cancelled=cancelled, warnings=warnings)

@@ -51,6 +51,9 @@ class Backend(Protocol):
     uri: str
     #: Extra reads of an object whose bytes failed verification (damaged in transit, not at rest).
     rereads: int
+    #: Whether the client may resend a request whose response was lost, without telling the caller
+    #: (a create then reads as refused by its own first write): the store settles refusals by bytes.
+    resends: bool
 
     def path(self, key: str) -> str: ...
     def put(self, key: str, data: bytes, *, durable: bool) -> None: ...
@@ -137,6 +140,7 @@ class LocalBackend(_FsspecListing):
     """A directory on a filesystem with atomic ``rename`` and ``link`` (local disks, most NFSv4 setups)."""
 
     rereads = 0
+    resends = False  # os.link answers in-process: no response can be lost
 
     def __init__(self, uri: str, storage_options: dict[str, Any]) -> None:
         self.root = os.path.abspath(uri.split("://", 1)[1]).rstrip("/") or "/"
@@ -195,6 +199,7 @@ class FsspecBackend(_FsspecListing):
     """Any other fsspec filesystem; S3-compatible stores get the options and quirks they need."""
 
     rereads = 1  # a response damaged in transit: one more GET
+    resends = True  # aiohttp resends a PUT whose kept-alive connection was reset before the answer
 
     def __init__(self, uri: str, storage_options: dict[str, Any]) -> None:
         self.uri = uri

@@ -18,6 +18,10 @@ Required properties (a run is unsafe without them):
 * ``list_after_write``: new objects are listed at once.
 * ``overwrite_visibility``: a read after an overwrite returns the new payload.
 * ``delete``: a deleted object is gone for reads, listings and ``exists``.
+* ``no_partial_reads``: while a :data:`LARGE_OBJECT_BYTES` object is being
+  written (a new key, then an overwrite), every read of it returns nothing or
+  one whole version, never a part (a store that serves objects while they are
+  written would hand a reader a half-written pseudo-gradient or checkpoint).
 
 Informational (reported, never refused):
 
@@ -34,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer_cloud import env
 from composer_cloud.errors import ObjectNotFound, StoreConfigError
 from composer_cloud.storage.layout import (
     PROBE_PREFIX,  # where the probe writes, under the store root; removed afterwards
@@ -47,6 +52,12 @@ logger = logging.getLogger(__name__)
 
 #: Concurrent creators of one key in ``concurrent_create``.
 RACERS = 8
+#: Size of the object written while it is read in ``no_partial_reads`` (a multi-MiB pseudo-gradient slot).
+LARGE_OBJECT_BYTES = 8 << 20
+
+#: Reports of stores that conformed, per process: a launcher probes each store once (``require_conformance``).
+_CONFORMING: dict[tuple[str, str], "ConformanceReport"] = {}
+_CONFORMING_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -123,12 +134,31 @@ class StoreNotConforming(StoreConfigError):
 def require_conformance(uri: str, *, storage_options: dict[str, Any] | None = None) -> ConformanceReport:
     """:func:`probe_store`, raising :class:`StoreNotConforming` (a :class:`StoreConfigError`) if a property fails.
 
-    For ``launch``: it already turns ``StoreConfigError`` into exit 2 before anything is written.
+    Every command that writes to a run (``launch``, ``resume``, ``cancel``) calls it before its first
+    write, so a run copied onto a store without these properties is refused, not resumed. A store that
+    conformed is not probed again by this process (a launcher's lifetime); one that failed is probed
+    again each time (it may have been fixed).
     """
+    key = (uri.rstrip("/"), _options_key(storage_options))  # the endpoint too: AWS_ENDPOINT_URL may change
+    with _CONFORMING_LOCK:
+        cached = _CONFORMING.get(key)
+    if cached is not None:
+        return cached
     report = probe_store(uri, storage_options=storage_options)
     if not report.ok:
         raise StoreNotConforming(report)
+    with _CONFORMING_LOCK:
+        _CONFORMING[key] = report
     return report
+
+
+def _options_key(storage_options: dict[str, Any] | None) -> str:
+    """A cache key for storage options (a digest: the options may hold secrets)."""
+    import hashlib
+    import json
+
+    blob = json.dumps([storage_options or {}, env.s3_endpoint()], sort_keys=True, default=repr).encode()
+    return hashlib.sha256(blob).hexdigest()
 
 
 def format_report(report: ConformanceReport) -> str:
@@ -251,6 +281,42 @@ def _delete(st: Store) -> tuple[bool, str]:
     return True, "a deleted object is gone for reads, listings and exists"
 
 
+def _no_partial_reads(st: Store) -> tuple[bool, str]:
+    """Read a large object over and over while it is created, then overwritten: only whole versions."""
+    versions = [bytes([v]) * LARGE_OBJECT_BYTES for v in (0xA5, 0x5A)]  # plain: the raw bytes are compared
+    partial: list[str] = []
+    reading, stop = threading.Event(), threading.Event()
+
+    def read_while_written() -> None:
+        while not stop.is_set():
+            reading.set()
+            try:
+                data = st.get_plain("big/obj")
+            except ObjectNotFound:
+                continue
+            if data not in versions:
+                partial.append(f"{len(data)} of {LARGE_OBJECT_BYTES} bytes" if len(data) != LARGE_OBJECT_BYTES
+                               else "a mix of two versions")
+                return
+
+    reader = threading.Thread(target=read_while_written, daemon=True)
+    reader.start()
+    reading.wait(timeout=30)
+    try:
+        for data in versions:
+            st.put_plain("big/obj", data)
+    finally:
+        stop.set()
+        reader.join(timeout=120)
+    mib = LARGE_OBJECT_BYTES >> 20
+    if partial:
+        return False, (f"a read during a {mib} MiB write returned a partial object ({partial[0]}): readers "
+                       "could use half-written payloads")
+    if st.get_plain("big/obj") != versions[1]:
+        return False, f"a {mib} MiB object did not read back whole after its write"
+    return True, f"reads during a {mib} MiB write saw only whole objects"
+
+
 def _empty_prefix_cleanup(st: Store) -> tuple[bool, str]:
     st.put("gone/sub/obj", b"x")
     st.put("stay/obj", b"y")
@@ -269,5 +335,6 @@ _CHECKS: list[tuple[str, Callable[[Store], tuple[bool, str]], bool]] = [
     ("list_after_write", _list_after_write, True),
     ("overwrite_visibility", _overwrite_visibility, True),
     ("delete", _delete, True),
+    ("no_partial_reads", _no_partial_reads, True),
     ("empty_prefix_cleanup", _empty_prefix_cleanup, False),
 ]

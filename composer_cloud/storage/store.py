@@ -97,6 +97,7 @@ class Store:
         self.poll = poll
         self.outage_s = float(outage_s)
         self._signing_key = signing_key
+        self._storage_options = dict(storage_options or {})
         self.backend: Backend = open_backend(uri.rstrip("/"), storage_options or {})
         self.uri = self.backend.uri
         self.outage = Outage(f"store {self.uri}", budget_s=self.outage_s)
@@ -110,6 +111,11 @@ class Store:
     def signed(self) -> bool:
         """Whether this store writes signed objects and accepts only authentic ones."""
         return self._signing_key is not None
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """A copy of the fsspec options this store was opened with (they may hold secrets: never log them)."""
+        return dict(self._storage_options)
 
     @property
     def endpoint(self) -> str | None:
@@ -173,6 +179,11 @@ class Store:
 
         A create whose response was lost (a transient error after the request may have reached the
         store) is retried; if the retry finds the key, the stored bytes decide: ours or another's.
+        Over HTTP the client library may resend a PUT whose connection broke without telling us
+        (``Backend.resends``), so there every refused create is settled by the stored bytes: a
+        create whose bytes are already stored is this writer's. Records carry their writer's clock
+        time (most also its rank), so two writers' records differ; identical bytes are the same
+        object (content-addressed code, a replica racing itself for its own slice).
         """
         data = self._frame(key, payload)
         self.backend.path(key)
@@ -186,7 +197,7 @@ class Store:
             except Exception as exc:  # noqa: BLE001 - classified, then re-raised for the retry policy
                 maybe_ours = maybe_ours or is_transient(exc)
                 raise
-            if not maybe_ours:
+            if not (maybe_ours or self.backend.resends):
                 return False
             try:
                 return bytes(self.backend.read(key)) == data

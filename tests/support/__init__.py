@@ -7,6 +7,7 @@
 * :mod:`support.local_jobs`: launched runs on the local executor: stall, kill, logs, through job handles.
 * :mod:`support.resume`: exported weights, bitwise comparison, the shared uninterrupted baselines.
 * :mod:`support.processes`: run a function in several forkserver processes.
+* :mod:`support.threads`: lock-step DiLoCo with one thread per replica, and a store that damages chosen reads.
 * :mod:`support.executors`: executor test helpers (specs, small job commands, waiting for a job).
 * :mod:`support.hf_jobs`: fixtures of a local Hugging Face Jobs server and the wheel its jobs install.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from composer_cloud.errors import BadObject, CorruptCheckpoint, ObjectNotFound, 
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
+from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 
@@ -51,12 +53,20 @@ class _ManifestExists(Exception):
 
 
 def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round: int, attempt: int,
-                   participants: list[int], *, deadline_s: float, extra: dict[str, Any] | None = None) -> bool:
+                   participants: list[int], *, deadline_s: float, extra: dict[str, Any] | None = None,
+                   abandoned: Callable[[], bool] | None = None) -> bool:
     """Wait for the durable global state and every participant's inner state, then write the manifest.
 
     Any participant may call this; the manifest is write-once, so the first
     writer wins and the others return False. Replicas whose state does not
     arrive by the deadline are left out (they resume with fresh inner state).
+
+    The waits end as soon as their answer is decided, not at the deadline: when the manifest
+    exists, when ``abandoned()`` says the commit was given up (voided), and, for a participant's
+    inner state, when that participant's slice of the global state was written by someone else.
+    A replica writes its inner state *before* its slice, so a slice that had to be taken over
+    means its owner stopped before finishing either (it died, or restarted past this round):
+    its inner state is then taken only if it is already there.
     """
     store = states.store
     deadline = time.monotonic() + deadline_s
@@ -64,6 +74,8 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
 
     def stop_if_written(misses: int) -> None:
         if misses % 8 == 0 and store.exists(layout.manifest_key(round)):
+            raise _ManifestExists()
+        if misses % 8 == 4 and abandoned is not None and abandoned():
             raise _ManifestExists()
 
     try:
@@ -78,9 +90,11 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
         return False
     markers = states.markers(round, attempt).by_count[n]
     entries: dict[int, BlobEntry] = {}
-    for rank in participants:
+    for index, rank in enumerate(participants):
+        taken_over = markers[index].by != rank
         try:
-            store.wait_get(layout.replica_marker_key(round, rank), deadline=deadline)
+            store.wait_get(layout.replica_marker_key(round, rank),
+                           deadline=time.monotonic() if taken_over else deadline)
         except StoreTimeout:
             logger.warning("checkpoint %d: replica %d state missing; it will resume with fresh inner state",
                            round, rank)
@@ -90,7 +104,24 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
             entries[rank] = BlobEntry(key=layout.replica_blob_name(rank), bytes=rec.bytes, crc32=rec.crc32)
     manifest = Manifest(round=round, attempt=attempt, slices=[_slice_entry(markers[i]) for i in range(n)],
                         replicas=entries, participants=participants, time=time.time(), extra=dict(extra or {}))
-    return store.create_json(layout.manifest_key(round), manifest.to_json())
+    # A late writer (its replica was slow or paused) must not leave a manifest listing objects that a
+    # newer checkpoint's prune already removed: check before and after the write-once create.
+    if not _listed_objects_exist(store, manifest):
+        logger.info("checkpoint %d was pruned before its manifest was written; not writing it", round)
+        return False
+    if not store.create_json(layout.manifest_key(round), manifest.to_json()):
+        return False
+    if not _listed_objects_exist(store, manifest):
+        store.delete(layout.manifest_key(round))
+        logger.info("checkpoint %d was pruned while its manifest was written; removed the manifest", round)
+        return False
+    return True
+
+
+def _listed_objects_exist(store: Store, manifest: Manifest) -> bool:
+    """Whether every object ``manifest`` lists is still in the store (one existence check each)."""
+    entries = [*manifest.slices, *manifest.replicas.values()]
+    return all(store.exists(layout.in_checkpoint(manifest.round, e.key)) for e in entries)
 
 
 def read_manifest(states: GlobalStateStore, round: int) -> Manifest | None:

@@ -49,7 +49,7 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -62,10 +62,8 @@ from composer_cloud.storage.store import Store, iter_chunks
 from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_outliers, digest_mismatch, l2,
                                         verify_reduced)
 from composer_cloud.sync.lockstep import codec as wire
+from composer_cloud.sync.lockstep.config import AllReduceConfig
 from composer_cloud.sync.lockstep.rounds import join_rank, read_outcome, read_quorum
-
-if TYPE_CHECKING:
-    from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -98,43 +96,6 @@ class BehindError(SyncError):
         super().__init__(f"round {round} is already committed; heal from the committed state")
 
 
-@dataclass(frozen=True)
-class AllReduceConfig:
-    """Settings of the object-store all-reduce. Times are seconds. Built from the spec
-    (:meth:`from_spec`), which holds every default.
-
-    Attributes:
-        replicas: number of replicas launched (the quorum is decided early when all joined).
-        min_replicas: fewest participants a round may commit with.
-        codec: wire codec name (``fp32``, ``bf16``, ``int8``).
-        quorum_timeout_s: after joining, how long to wait for the others.
-        round_timeout_s: deadline for every other wait of the round.
-        io_threads: parallel transfers per replica.
-        outlier_factor: a participant's slot whose L2 norm exceeds this many
-            times the median of the participants' norms for that slot aborts
-            the attempt and is excluded (needs >= 3 participants; ``None``
-            disables the check; must be > 1).
-        max_attempts: attempts of a round run back to back within one sync
-            when integrity checks abort them (``1``: never retry at once).
-    """
-
-    replicas: int
-    min_replicas: int
-    codec: str
-    quorum_timeout_s: float
-    round_timeout_s: float
-    io_threads: int
-    outlier_factor: float | None
-    max_attempts: int
-
-    @classmethod
-    def from_spec(cls, spec: RunSpec) -> "AllReduceConfig":
-        s = spec.sync
-        return cls(replicas=spec.replicas, min_replicas=spec.min_replicas, codec=s.codec,
-                   quorum_timeout_s=s.quorum_timeout_s, round_timeout_s=s.round_timeout_s, io_threads=s.io_threads,
-                   outlier_factor=s.outlier_factor, max_attempts=s.max_attempts)
-
-
 @dataclass
 class RoundResult:
     """What happened in a round, from one replica's view (its last attempt, and how many it ran)."""
@@ -153,6 +114,9 @@ class RoundResult:
     timings: dict[str, float] = field(default_factory=dict)
     attempts: int = 1
     excluded: list[int] = field(default_factory=list)
+    #: The round committed, but this participant could not verify the committed result: it must heal
+    #: from the round's committed global state (never retry the round, never apply unverified bytes).
+    heal: bool = False
 
 
 @dataclass(frozen=True)
@@ -378,6 +342,7 @@ class ObjectStoreAllReduce:
         slots = list(iter_chunks(flat.numel(), w))
         deadline = time.monotonic() + cfg.round_timeout_s
         timings = result.timings
+        my_norms: list[float] | None = None
         try:
             # 0. my own payload first: a replica whose local state went NaN says so before uploading.
             my_norms = [check_finite(flat[s:e], rank=self.rank, slot=None) for s, e in slots]
@@ -407,30 +372,16 @@ class ObjectStoreAllReduce:
 
             # 3. gather every reduced slot (recomputing a slot whose reducer vanished) and check it.
             t = time.monotonic()
-            gathered = [None if j == me else
-                        self._pool.submit(self._fetch_reduced, round, attempt, participants, j, e - s, deadline)
-                        for j, (s, e) in enumerate(slots)]
-            out = torch.empty_like(flat)
-            for j, (s, e) in enumerate(slots):
-                if j == me:
-                    out[s:e] = wire.decode(cfg.codec, reduced_mine, numel=e - s)
-                    continue
-                key = layout.reduced_key(round, attempt, j)
-                record, data = gathered[j].result()
-                try:
-                    decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
-                except wire.PayloadError as exc:
-                    raise RejectedPayload(f"reduced slot {j}: {exc}", check="reduced", slot=j) from None
-                verify_reduced(record, data, decoded, key=key, round=round, attempt=attempt, slot=j,
-                               participants=participants, me=me, my_norm=my_norms[j],
-                               rtol=wire.norm_rtol(cfg.codec))
-                out[s:e] = decoded
+            out = self._gather(round, attempt, participants, slots, my_norms, deadline,
+                               mine=(me, reduced_mine))
             timings["gather_s"] = time.monotonic() - t
         except RoundTimeout as exc:
-            return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
+            final = self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
+            return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
         except RejectedPayload as exc:
-            return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
-                                        excluded=exc.excluded, slot=exc.slot, retry=True)
+            final = self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
+                                         excluded=exc.excluded, slot=exc.slot, retry=True)
+            return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
 
         # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
@@ -446,12 +397,65 @@ class ObjectStoreAllReduce:
         result.reason = f"aborted by replica {final.by}: {final.reason}"
         return final
 
+    def _gather(self, round: int, attempt: int, participants: list[int], slots: list[tuple[int, int]],
+                my_norms: list[float], deadline: float, *, mine: tuple[int, bytes] | None = None) -> torch.Tensor:
+        """Every reduced slot, fetched (or taken from ``mine``: ``(slot, bytes)``), checked and decoded.
+
+        Raises :class:`RejectedPayload` (a slot fails its digest or norms) or :class:`RoundTimeout`.
+        """
+        cfg = self.config
+        me = participants.index(self.rank)
+        gathered = [None if mine is not None and j == mine[0] else
+                    self._pool.submit(self._fetch_reduced, round, attempt, participants, j, e - s, deadline)
+                    for j, (s, e) in enumerate(slots)]
+        out = torch.empty(slots[-1][1] if slots else 0, dtype=torch.float32)
+        for j, (s, e) in enumerate(slots):
+            if gathered[j] is None:
+                out[s:e] = wire.decode(cfg.codec, mine[1], numel=e - s)
+                continue
+            key = layout.reduced_key(round, attempt, j)
+            record, data = gathered[j].result()
+            try:
+                decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
+            except wire.PayloadError as exc:
+                raise RejectedPayload(f"reduced slot {j}: {exc}", check="reduced", slot=j) from None
+            verify_reduced(record, data, decoded, key=key, round=round, attempt=attempt, slot=j,
+                           participants=participants, me=me, my_norm=my_norms[j], rtol=wire.norm_rtol(cfg.codec))
+            out[s:e] = decoded
+        return out
+
+    def _settle_after_commit(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
+                             result: RoundResult, final: Outcome, slots: list[tuple[int, int]],
+                             my_norms: list[float] | None) -> Outcome:
+        """After this replica's attempt failed: if the round committed anyway, apply its result or heal.
+
+        The record decides: a committed round is applied by every participant. A fresh read of every
+        reduced slot (the failure may have been a damaged read or a slow part, not a bad object) either
+        verifies, and this replica applies it like everyone else, or ``result.heal`` stays set and the
+        manager heals from the round's committed global state. Bytes that failed a check are never applied.
+        """
+        if not result.heal or my_norms is None:
+            return final
+        try:
+            out = self._gather(round, attempt, participants, slots, my_norms,
+                               time.monotonic() + self.config.round_timeout_s)
+        except (RoundTimeout, RejectedPayload) as again:
+            logger.warning("round %d.%d committed, but replica %d cannot verify its result (%s); healing from the "
+                           "committed state", round, attempt, self.rank, again)
+            return final
+        flat.copy_(out)
+        result.committed, result.heal, result.reason = True, False, ""
+        return read_outcome(self.store, round, attempt, replicas=self.config.replicas,
+                            participants=participants) or final
+
     def _finish_aborted(self, round: int, attempt: int, participants: list[int], result: RoundResult,
                         reason: str, **record: Any) -> Outcome:
         out = self._abort(round, attempt, reason, participants=participants, **record)
         if out.committed:
-            # A peer committed before this replica's check failed (an object changed between reads):
-            # do not apply what failed here; heal from the committed state at the next sync.
+            # A peer committed before this replica's check failed. The record decides: the round is
+            # over and nobody retries it; never apply what failed here (``heal``: the caller reads
+            # the result again or heals from the committed state, like a replica left out of it).
+            result.heal = True
             result.reason = f"check failed after the round committed ({reason}); not applied"
             return Outcome(round=round, attempt=attempt, committed=False, reason=result.reason)
         result.reason = out.reason if out.by is None or out.by == self.rank else \

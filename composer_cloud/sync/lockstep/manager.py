@@ -40,9 +40,10 @@ learns about commits, aborts and heals without inspecting the manager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,8 +98,9 @@ class _Work:
         self._future = future
 
     def wait(self, timeout: Any = None) -> bool:
-        self._manager._flush()
-        self._future.wait()
+        with self._manager._blocking():
+            self._manager._flush()
+            self._future.wait()
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -115,6 +117,9 @@ class SyncRecord:
     result: RoundResult | None
     committed: bool
     healed_to: int | None = None
+    #: Seconds the training thread was blocked in this sync (start_quorum: the previous round's state
+    #: upload and any heal; waiting for the exchange; should_commit), i.e. not computing.
+    blocked_s: float = 0.0
 
 
 class ObjectStoreManager:
@@ -172,6 +177,7 @@ class ObjectStoreManager:
         self._round_open = False
         self._skip_sync = False
         self.last_sync: SyncRecord | None = None
+        self._blocked_s = 0.0  # training-thread seconds inside the current sync
 
     # ------------------------------------------------------------ torchft Manager surface
     def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
@@ -191,7 +197,28 @@ class ObjectStoreManager:
     def current_step(self) -> int:
         return self._step
 
+    @contextlib.contextmanager
+    def _blocking(self) -> Iterator[None]:
+        """Count the time the training thread spends inside ``with`` as sync time (``SyncRecord.blocked_s``)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._blocked_s += time.monotonic() - t0
+
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+        with self._blocking():
+            self._start_quorum()
+
+    def should_commit(self, timeout: Any = None) -> bool:
+        try:
+            with self._blocking():
+                return self._should_commit()
+        finally:
+            if self.last_sync is not None:
+                self.last_sync.blocked_s, self._blocked_s = self._blocked_s, 0.0
+
+    def _start_quorum(self) -> None:
         self.flush_state()
         if self._pending or self._exchange is not None:
             raise RuntimeError("start_quorum called while a previous sync is still open")
@@ -226,7 +253,7 @@ class ObjectStoreManager:
         self._pending.append((tensor, fut))
         return _Work(self, fut)
 
-    def should_commit(self, timeout: Any = None) -> bool:
+    def _should_commit(self) -> bool:
         self._flush()
         if self._exchange is None:
             raise RuntimeError("should_commit called without a sync in flight")
@@ -242,6 +269,12 @@ class ObjectStoreManager:
             self._last_commit = (round, result.attempt)
             self._record(SyncRecord(round, result, committed=True))
             return True
+        if result.heal:
+            # The round committed, but this participant could not verify its result: heal from the
+            # committed state now, exactly where the other participants are after their outer step.
+            healed = self._heal(round)
+            self._record(SyncRecord(round, result, committed=False, healed_to=healed))
+            return False
         if not result.committed:
             logger.warning("round %d was not committed (%s); it will be retried", round, result.reason)
             self._record(SyncRecord(round, result, committed=False))
