@@ -218,10 +218,10 @@ class RunSpec(_Strict):
     run_id: str = ""
     store: str = DEFAULT_STORE
     store_options: dict[str, Any] = Field(default_factory=dict)
-    #: Whether the run's objects are HMAC-signed. Set by ``launch`` from whether ``COMPOSER_CLOUD_RUN_KEY``
-    #: is set; ``true`` in a spec file makes the key required at launch. A process without the key refuses
-    #: to open a signed run (see ``docs/store.md``).
-    signed: bool = False
+    #: Whether the run's objects are HMAC-signed (see ``docs/store.md``). Unset (the default): signed, with
+    #: ``COMPOSER_CLOUD_RUN_KEY`` or a key ``launch`` creates, unless ``COMPOSER_CLOUD_UNSIGNED=1``; ``false``:
+    #: an explicit opt-out (warned about). ``launch`` records the decision (true/false) in ``spec.json``.
+    signed: bool | None = None
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
