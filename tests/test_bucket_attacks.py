@@ -39,6 +39,7 @@ from composer_cloud.storage.records import CodeRef, JobHandle, Outcome, Quorum, 
 from composer_cloud.storage.run import cancel_requested, open_run, request_cancel
 from composer_cloud.storage.runkeys import load_record
 from composer_cloud.storage.store import Store
+from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
 from composer_cloud.sync.lockstep import rounds
 from support.cli import cli
@@ -323,6 +324,36 @@ def test_forged_contribution_names_do_not_count_toward_a_signed_budget(tmp_path)
     assert rec.cursor == {0: 1, 1: 1} and rec.merged == {0: 1, 1: 1}
     assert {(r.rank, r.seq) for r in rec.rejected} == {(1, 50), (1, 51), (1, 52)}
     assert dc.next_seq(store, cfg, 1, own=1) == 2  # forged names never push a replica's seqs
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_forged_contributions_with_equal_norms_are_refused_by_the_history_guard(tmp_path, signed):
+    """Well-formed contributions (the unsigned case: they verify) of huge equal norms and token counts: the
+    median rule cannot tell, the guard against each replica's own history refuses them; nothing counts."""
+    store, cfg = _decoupled(tmp_path, signed=signed)
+    _contribute(store, cfg, 0, 1)
+    _contribute(store, cfg, 1, 1, scale=1.5)
+    assert dc.try_merge(store, cfg, SHAPES, rank=0).merged == 1
+    before = dc.load_version(store, 1, SHAPES)
+    bucket = Store(store.uri)
+    for rank in (0, 1):
+        dc.publish_contribution(bucket, cfg, rank=rank, seq=2, base_version=1, tokens=10**9, inner_steps=2,
+                                delta={"w": torch.full((3,), 1e3)})
+    out = dc.try_merge(store, cfg, SHAPES, rank=1)
+    if signed:  # not authentic: never pending, dropped, no merge
+        assert out.merged is None and not bucket.exists(layout.contribution_key(0, 2, "json"))
+    else:  # authentic as far as anyone can tell: refused by the guard
+        rec = dc.newest_merge(store, cfg)
+        assert rec.contributions == () and rec.merged == {0: 1, 1: 1}
+        assert len(rec.rejected) == 2 and all("history" in r.reason for r in rec.rejected), rec.rejected
+    after = dc.load_version(store, dc.newest_version(store), SHAPES)
+    key = outer.FRAGMENT_KEY
+    assert torch.equal(after[key]["original_parameters"]["w"], before[key]["original_parameters"]["w"])
+    assert dc.published_total(store, cfg) == 2
+    # Genuine contributions of the usual size are still merged, and move the reference only slowly.
+    _contribute(store, cfg, 0, 3, scale=1.2)
+    _contribute(store, cfg, 1, 3, scale=1.1)
+    assert len(dc.read_merge(store, cfg, dc.try_merge(store, cfg, SHAPES, rank=0).merged).contributions) == 2
 
 
 @pytest.mark.parametrize("target", ["final", "merge"])

@@ -51,6 +51,7 @@ from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checks import check_tree, outliers, tree_norm
+from composer_cloud.sync.decoupled import guard
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY, initial_state, outer_step, token_weights
 from composer_cloud.sync.outer import OuterOptimizerConfig
 from composer_cloud.sync.trust import create_over_forged, warn_once
@@ -387,7 +388,7 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
     ranks = {c.rank for c in pending}
     if not pending and not final:
         # Metas that failed validation never move the cursor (a forged name must not skip or count genuine
-        # seqs) and never make a merge on their own (an empty merge still applies momentum): dropped here, or
+        # seqs) and never make a merge on their own (it would be a version with no step): dropped here, or
         # listed in the next record and pruned with it.
         _drop(store, rejected)
         return MergeOutcome(version=base, base=base, reason="nothing pending", grace_s=grace)
@@ -401,13 +402,16 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
     else:
         return MergeOutcome(version=base, base=base, reason="waiting for a quorum or the grace window", grace_s=grace,
                             pending=len(pending))
-    accepted, deltas = _verified(store, cfg, pending, shapes, rank=rank, rejected=rejected)
+    refs = {r: guard.Reference(*ref) for r, ref in ((latest.references or {}) if latest else {}).items()}
+    accepted, deltas, norms = _verified(store, cfg, pending, shapes, rank=rank, rejected=rejected, refs=refs)
+    refs = guard.updated(refs, [(c.rank, n, c.tokens) for c, n in zip(accepted, norms)])
     for c in pending:
         cursor[c.rank] = max(cursor.get(c.rank, 0), c.seq)
     merged = {r: (latest.merged_count(r) if latest else 0) + sum(c.rank == r for c in accepted)
               for r in range(cfg.replicas)}
     v = base + 1
     record = MergeRecord(run_id=cfg.run_id, version=v, contributions=tuple(accepted), merged=merged,
+                         references={r: (ref.norm, ref.tokens) for r, ref in refs.items()},
                          weights=tuple(token_weights(accepted, cfg.replicas)), cursor=cursor, final=final, time=now,
                          rejected=tuple(sorted(rejected, key=lambda r: (r.rank, r.seq))),
                          staleness=tuple(base - c.base_version for c in accepted), grace_s=grace, reason=reason,
@@ -422,8 +426,11 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
 
 
 def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], shapes: Shapes, *, rank: int,
-              rejected: list[Rejected]) -> tuple[list[Contribution], list[dict[str, torch.Tensor]]]:
-    """The pending contributions that pass every check, with their tensors; the others go to ``rejected``."""
+              rejected: list[Rejected], refs: Mapping[int, guard.Reference]
+              ) -> tuple[list[Contribution], list[dict[str, torch.Tensor]], list[float]]:
+    """The pending contributions that pass every check, with their tensors and norms; the others go to
+    ``rejected``. Checks: the blob (:func:`load_contribution`), the median rule among this merge's
+    contributions, and the guard against each replica's own history (:mod:`.guard`)."""
     accepted: list[Contribution] = []
     deltas: list[dict[str, torch.Tensor]] = []
     for c in pending:
@@ -435,11 +442,17 @@ def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], s
             rejected.append(Rejected(c.rank, c.seq, exc.reason))
     norms = [tree_norm(d) for d in deltas]
     median, bad = outliers(norms, cfg.outlier_factor)
-    for i in bad:
-        why = f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}"
-        rejected.append(Rejected(accepted[i].rank, accepted[i].seq, why))
-    keep = [i for i in range(len(accepted)) if i not in set(bad)]
-    return [accepted[i] for i in keep], [deltas[i] for i in keep]
+    why = {i: f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}" for i in bad}
+    for i, c in enumerate(accepted):
+        refused = None if i in why else guard.refusal(c.rank, norms[i], c.tokens, refs, cfg.outlier_factor)
+        if refused:
+            why[i] = refused
+    for i in sorted(why):
+        logger.warning("replica %d rejects contribution %d of replica %d: %s", rank, accepted[i].seq,
+                       accepted[i].rank, why[i])
+        rejected.append(Rejected(accepted[i].rank, accepted[i].seq, why[i]))
+    keep = [i for i in range(len(accepted)) if i not in why]
+    return [accepted[i] for i in keep], [deltas[i] for i in keep], [norms[i] for i in keep]
 
 
 # ------------------------------------------------------------------ pruning
