@@ -19,11 +19,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from composer_cloud.errors import SpecError
+from composer_cloud.errors import SpecError, url_has_credentials
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
-_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session)", re.IGNORECASE)
+_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session|access_key|key_id)",
+                            re.IGNORECASE)
 
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
@@ -262,6 +263,18 @@ class RunSpec(_Strict):
                     f"option {name!r} looks like a credential; credentials never go into a spec "
                     "(use the standard AWS_* environment variables or a named executor secret)"
                 )
+        for name, value in _walk_values(v):
+            if isinstance(value, str) and url_has_credentials(value):
+                raise ValueError(f"option {name!r} is a URL with user:password@ in it; credentials never go into "
+                                 "a spec (use the standard AWS_* environment variables or a named executor secret)")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _no_credentials_in_store(cls, v: str) -> str:
+        if url_has_credentials(v):
+            raise ValueError("the store URI carries credentials (user:password@); put them in AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY (or the executors' secrets), never in the URI")
         return v
 
     @model_validator(mode="after")
@@ -321,6 +334,15 @@ def _check_compute(spec: "RunSpec") -> None:
     rollout = (spec.trainer.model_extra or {}).get("rollout")
     if rollout == "vllm" and spec.device == "cpu":
         raise SpecError("trainer.rollout", '"vllm" generates on a CUDA GPU; use rollout = "hf" with device = "cpu"')
+
+
+def _walk_values(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted name, leaf value)`` of every leaf of nested dicts and lists."""
+    if isinstance(d, dict):
+        return [item for k, v in d.items() for item in _walk_values(v, f"{prefix}{k}.")]
+    if isinstance(d, list):
+        return [item for i, v in enumerate(d) for item in _walk_values(v, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), d)]
 
 
 def _walk_keys(d: Any, prefix: str = "") -> list[str]:

@@ -26,7 +26,7 @@ import torch
 
 from composer_cloud import env
 from composer_cloud.env import JobEnv
-from composer_cloud.errors import RunKeyError, SpecError
+from composer_cloud.errors import RunKeyError, SpecError, StoreConfigError
 from composer_cloud.jobs.environment import job_env
 from composer_cloud.jobs.hf_jobs import HFJobsExecutor
 from composer_cloud.jobs.local import LocalProcessExecutor
@@ -471,3 +471,45 @@ def test_a_signed_run_damaged_by_forged_objects_resumes_to_the_uninterrupted_mod
     assert record is not None and record.run_key
     for key in bucket.list():
         assert record.run_key.encode() not in bucket.get_plain(key), key
+
+
+# ------------------------------------------------------------------ secrets in URIs and options
+SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYzzCANARY"
+
+
+@pytest.mark.parametrize("where", ["uri", "endpoint"])
+def test_credentials_in_a_store_url_are_refused_by_name_and_never_echoed(tmp_path, where):
+    uri, options = f"s3://AKIACANARY:{SECRET}@bucket/runs", {}
+    if where == "endpoint":
+        uri, options = "s3://bucket/runs", {"endpoint_url": f"http://admin:{SECRET}@127.0.0.1:9"}
+    with pytest.raises(StoreConfigError) as err:
+        Store(uri, storage_options=options)
+    assert SECRET not in str(err.value) and "AWS_SECRET_ACCESS_KEY" in str(err.value)
+    assert ("store URI" if where == "uri" else "endpoint_url") in str(err.value)
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"store": uri, "store_options": options})
+    assert SECRET not in str(err.value) and err.value.field in ("store", "store_options")
+
+
+def test_the_cli_refuses_a_store_uri_with_credentials_without_echoing_them(tmp_path):
+    res = cli("status", f"s3://AKIACANARY:{SECRET}@bucket/runs/r1", cwd=tmp_path)
+    assert res.returncode == 2 and "credentials" in res.stderr, res.stderr
+    assert SECRET not in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("options", [{"aws_access_key_id": "AKIACANARY"},
+                                     {"client_kwargs": {"aws_secret_access_key": SECRET}},
+                                     {"config_kwargs": {"proxies": {"https": f"http://u:{SECRET}@proxy:3128"}}}])
+def test_store_options_never_carry_secrets_into_the_spec(options):
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"store": "s3://bucket/runs", "store_options": options})
+    assert err.value.field == "store_options" and SECRET not in str(err.value)
+
+
+def test_write_version_does_not_depend_on_a_listing(tmp_path, monkeypatch):
+    """A store whose listing lags (list-after-write) used to end a merge with a bare KeyError."""
+    store, cfg = _decoupled(tmp_path, signed=True)
+    monkeypatch.setattr(store, "list_dirs", lambda prefix="": [])
+    dc.write_version(store, 3, outer.initial_state({"w": torch.ones(3)}, cfg.outer), writer=0)
+    assert store.exists(layout.manifest_key(3))
+

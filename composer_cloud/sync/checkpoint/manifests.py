@@ -177,7 +177,15 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
     (its ``ranks`` as the participants).
     """
     states.write(version, VERSION_ATTEMPT, tree, writer=writer, num_slices=1)
-    marker = states.markers(version, VERSION_ATTEMPT).by_count[1][0]
+    # The marker is read at its key, not found through a listing: a listing may not show it yet (a store's
+    # list-after-write lag), which used to end a merge with a bare KeyError.
+    key = layout.slice_marker_key(version, VERSION_ATTEMPT, 0, 1)
+    try:
+        marker = SliceMarker.from_json(states.store.get_json(key), key=key, round=version, attempt=VERSION_ATTEMPT,
+                                       index=0, num_slices=1)
+    except ObjectNotFound:
+        raise CorruptCheckpoint(key, f"global version {version}: its marker is missing right after it was "
+                                     "written (deleted meanwhile?)") from None
     manifest = Manifest(round=version, attempt=VERSION_ATTEMPT, slices=[_slice_entry(marker)], replicas={},
                         participants=list(meta.get("ranks", [])), time=time.time(), extra={"decoupled": meta})
     states.store.create_json(layout.manifest_key(version), manifest.to_json())
