@@ -513,3 +513,39 @@ def test_write_version_does_not_depend_on_a_listing(tmp_path, monkeypatch):
     dc.write_version(store, 3, outer.initial_state({"w": torch.ones(3)}, cfg.outer), writer=0)
     assert store.exists(layout.manifest_key(3))
 
+
+@pytest.mark.parametrize("target", ["marker", "manifest"])
+def test_a_forged_marker_or_manifest_neither_blocks_nor_fakes_a_signed_checkpoint(tmp_path, target):
+    """Garbage at a global version's marker or manifest key, written before the run's writer gets there: the
+    version is written anyway (the forged object is replaced), and until then it is neither durable nor
+    complete."""
+    from composer_cloud.sync.checkpoint import manifests
+    from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+
+    store, cfg = _decoupled(tmp_path, signed=True)
+    states = GlobalStateStore(store)
+    key = layout.slice_marker_key(4, manifests.VERSION_ATTEMPT, 0, 1) if target == "marker" else layout.manifest_key(4)
+    Store(store.uri).put_json(key, {"round": 4, "forged": True})
+    assert not manifests.version_durable(states, 4) and not manifests.version_complete(states, 4)
+    tree = outer.initial_state({"w": torch.full((3,), 2.0)}, cfg.outer)
+    dc.write_version(store, 4, tree, writer=1)
+    assert manifests.version_complete(states, 4)
+    assert torch.equal(dc.load_version(store, 4, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"],
+                       torch.full((3,), 2.0))
+
+
+def test_forged_manifests_do_not_make_prune_drop_real_checkpoints(tmp_path):
+    from composer_cloud.sync.checkpoint import manifests
+    from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+
+    store, cfg = _decoupled(tmp_path, signed=True)
+    states = GlobalStateStore(store)
+    for v in (1, 2):
+        dc.write_version(store, v, outer.initial_state({"w": torch.full((3,), float(v))}, cfg.outer), writer=0)
+    bucket = Store(store.uri)
+    bucket.put_json(layout.slice_marker_key(3, manifests.VERSION_ATTEMPT, 0, 1), {"forged": True})
+    bucket.put_json(layout.manifest_key(3), {"round": 3, "forged": True})
+    manifests.prune(states, keep=1, newest=3)
+    assert manifests.version_complete(states, 2)  # the newest real checkpoint survives
+    assert dc.load_version(store, 2, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"][0] == 2.0
+

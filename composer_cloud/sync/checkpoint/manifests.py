@@ -26,6 +26,7 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
+from composer_cloud.sync.trust import create_over_forged
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
     n = len(participants)
 
     def stop_if_written(misses: int) -> None:
-        if misses % 8 == 0 and store.exists(layout.manifest_key(round)):
+        if misses % 8 == 0 and read_manifest(states, round) is not None:  # read and verified, not "exists"
             raise _ManifestExists()
 
     try:
@@ -90,7 +91,8 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
             entries[rank] = BlobEntry(key=layout.replica_blob_name(rank), bytes=rec.bytes, crc32=rec.crc32)
     manifest = Manifest(round=round, attempt=attempt, slices=[_slice_entry(markers[i]) for i in range(n)],
                         replicas=entries, participants=participants, time=time.time(), extra=dict(extra or {}))
-    return store.create_json(layout.manifest_key(round), manifest.to_json())
+    key = layout.manifest_key(round)
+    return create_over_forged(store, key, manifest.to_json(), lambda o: Manifest.from_json(o, key=key, round=round))
 
 
 def read_manifest(states: GlobalStateStore, round: int) -> Manifest | None:
@@ -146,7 +148,8 @@ def prune(states: GlobalStateStore, *, keep: int, newest: int) -> list[int]:
     """
     store = states.store
     present = states.rounds()
-    valid = [r for r in present if r <= newest and store.exists(layout.manifest_key(r))]
+    # A manifest counts once read and verified: a forged one must not make prune drop real checkpoints.
+    valid = [r for r in present if r <= newest and read_manifest(states, r) is not None]
     keep_set = set(valid[-keep:])
     removed = []
     for r in present:
@@ -188,7 +191,9 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
                                      "written (deleted meanwhile?)") from None
     manifest = Manifest(round=version, attempt=VERSION_ATTEMPT, slices=[_slice_entry(marker)], replicas={},
                         participants=list(meta.get("ranks", [])), time=time.time(), extra={"decoupled": meta})
-    states.store.create_json(layout.manifest_key(version), manifest.to_json())
+    manifest_key = layout.manifest_key(version)
+    create_over_forged(states.store, manifest_key, manifest.to_json(),
+                       lambda o: Manifest.from_json(o, key=manifest_key, round=version))
 
 
 def read_version(states: GlobalStateStore, version: int) -> dict[str, Any]:
@@ -203,7 +208,7 @@ def version_durable(states: GlobalStateStore, version: int) -> bool:
 
 def version_complete(states: GlobalStateStore, version: int) -> bool:
     """Whether global ``version``'s manifest exists too (its writer finished; its inputs may be pruned)."""
-    return states.store.exists(layout.manifest_key(version))
+    return read_manifest(states, version) is not None
 
 
 def versions(states: GlobalStateStore, *, above: int = -1) -> list[int]:
