@@ -282,6 +282,21 @@ def test_unknown_flavor_warns_but_launches(hf_env, tmp_path, wheel):
 
 
 # ---------------------------------------------------------------------- secrets
+def test_the_run_key_of_a_signed_run_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel):
+    key = "runkey-" + secrets.token_hex(24)
+    spec = make_spec(tmp_path, "run-keyed", namespace=NAMESPACE)
+    code = ("import hashlib, os\n"
+            "print('sha', hashlib.sha256(os.environ['COMPOSER_CLOUD_RUN_KEY'].encode()).hexdigest(), flush=True)\n")
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code), run_key=key)
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
+    assert f"sha {hashlib.sha256(key.encode()).hexdigest()}" in list(ex.logs(handle))
+    body = hf_env.jobs[handle.job_id].body
+    assert body["secrets"] == {"COMPOSER_CLOUD_RUN_KEY": key}
+    assert key not in json.dumps({k: v for k, v in body.items() if k != "secrets"})
+    assert key not in json.dumps(handle.to_json()) and key not in " ".join(hf_env.jobs[handle.job_id].argv)
+
+
 def test_secret_canary_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel, monkeypatch, caplog, capsys):
     canary = "canary-" + secrets.token_hex(16)
     monkeypatch.setenv("CANARY_SECRET", canary)

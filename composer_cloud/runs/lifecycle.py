@@ -360,7 +360,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         raise LaunchError(f"{exc} (jobs that did start are recorded; `composer-cloud cancel {store.uri}` "
                           "stops them)") from None
     logger.info("launched %d replicas of run %s at %s", spec.replicas, spec.run_id, store.uri)
-    return Run(uri=store.uri, store=store, spec=spec)
+    return Run(uri=store.uri, store=store, spec=spec, run_key=run_key)
 
 
 def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None,

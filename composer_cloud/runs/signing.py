@@ -96,6 +96,9 @@ def vouched_spec(run: Run) -> None:
     machine's launch record; without a record, a spec that names code to run is refused (:class:`RunKeyError`).
     """
     if run.store.signed:
+        if run.run_key is None:
+            raise RunKeyError(f"run {run.uri} is signed, but this Run carries no run key to give its new jobs; open "
+                              f"it with open_run (which reads {env.RUN_KEY} or this machine's launch record)")
         return
     record = load_record(run.uri)
     if record is not None:
