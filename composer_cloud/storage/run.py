@@ -139,7 +139,8 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
         raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - an unreachable endpoint, bad credentials: say which store
         raise StoreConfigError(f"cannot read run {uri}: {type(exc).__name__}: {exc}") from None
-    spec, digest = _read_spec(uri, raw, key)
+    spec, digest = _read_spec(uri, raw, key, keyed_by=env.RUN_KEY if job_env.run_key else
+                              f"this machine's launch record ({env.keys_dir()})")
     if job_env.spec_sha256 is not None and digest != job_env.spec_sha256:
         raise RunKeyError(f"run {uri}: its {layout.SPEC} is not the spec this job was launched with (sha256 "
                           f"{digest[:12]}..., the launcher wrote {job_env.spec_sha256[:12]}...): it was replaced in "
@@ -153,11 +154,13 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
     return Run(uri=store.uri, store=store, spec=spec, run_key=run_key, spec_sha256=digest)
 
 
-def _read_spec(uri: str, raw: bytes, key: bytes | None) -> tuple[RunSpec, str]:
-    """The spec in ``raw`` (the framed ``spec.json``), verified under ``key`` when there is one, and its digest."""
+def _read_spec(uri: str, raw: bytes, key: bytes | None, *, keyed_by: str) -> tuple[RunSpec, str]:
+    """The spec in ``raw`` (the framed ``spec.json``), verified under ``key`` when there is one, and its digest.
+    ``keyed_by`` says where the key came from (for messages; never the key)."""
     if key is not None and not is_signed(raw):
-        raise RunKeyError(f"run {uri}: its {layout.SPEC} is not signed, but {env.RUN_KEY} is set: the run was launched "
-                          "without a key (unset it to open the run), or someone without the key replaced the spec")
+        raise RunKeyError(f"run {uri}: its {layout.SPEC} is not signed, but a run key is set ({keyed_by}): the run "
+                          "was launched without a key (unset it to open the run), or someone without the key replaced "
+                          "the spec")
     try:
         data = json.loads(bytes(unframe(layout.SPEC, raw, signing_key=key)))
     except SignatureMismatch:
