@@ -66,6 +66,15 @@ FILES = "COMPOSER_CLOUD_FILES"
 #: recorded in its spec at launch; a process must have the key to open a signed run, and must not have it
 #: to open an unsigned one (:func:`composer_cloud.storage.run.open_run`). Unset or empty: no key.
 RUN_KEY = "COMPOSER_CLOUD_RUN_KEY"
+#: sha256 of the spec (canonical JSON) the launcher wrote for a job: a replica refuses a ``spec.json`` that
+#: differs (it was replaced in the store after the launch), signed run or not.
+SPEC_SHA256 = "COMPOSER_CLOUD_SPEC_SHA256"
+#: Launcher side: ``1`` makes runs whose spec does not set ``signed`` unsigned (an explicit opt-out, warned
+#: about at launch). By default ``launch`` signs every run, creating a run key when none is set.
+UNSIGNED = "COMPOSER_CLOUD_UNSIGNED"
+#: Launcher side: the folder where ``launch`` keeps the run keys it created (0600 files keyed by run URI;
+#: default ``$XDG_CONFIG_HOME/composer-cloud/run-keys``), so later commands on this machine find them.
+KEYS = "COMPOSER_CLOUD_KEYS"
 #: The standard AWS variables naming an S3-compatible endpoint (MinIO, R2, SeaweedFS), most specific first.
 AWS_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
@@ -96,6 +105,7 @@ class JobEnv:
         code_ref: :data:`CODE_REF`, the code bundle's digest as the launcher computed it (None: take the spec's).
         files: :data:`FILES`, ``{setting: store key}`` of uploaded local files (None: take the spec's).
         run_key: :data:`RUN_KEY` (a secret: never in ``repr``, a log or the store).
+        spec_sha256: :data:`SPEC_SHA256`, the digest of the spec the launcher wrote (None: not checked).
         stall_at, stall_marker, slow: crash-test fault injection (:mod:`composer_cloud.replica.faults`).
         cache_dir: :data:`CACHE`, else ``$XDG_CACHE_HOME/composer-cloud``.
     """
@@ -106,6 +116,7 @@ class JobEnv:
     code_ref: dict[str, Any] | None = None
     files: dict[str, str] | None = None
     run_key: str | None = field(default=None, repr=False)
+    spec_sha256: str | None = None
     stall_at: str | None = None
     stall_marker: str | None = None
     slow: str | None = None
@@ -122,7 +133,8 @@ class JobEnv:
         return cls(log_level=environ.get(LOG_LEVEL) or "INFO", threads=max(1, n_threads),
                    store_options=_json_object(environ, STORE_OPTIONS) or {},
                    code_ref=_json_object(environ, CODE_REF), files=_json_object(environ, FILES),
-                   run_key=environ.get(RUN_KEY) or None, stall_at=environ.get(STALL_AT) or None,
+                   run_key=environ.get(RUN_KEY) or None, spec_sha256=environ.get(SPEC_SHA256) or None,
+                   stall_at=environ.get(STALL_AT) or None,
                    stall_marker=environ.get(STALL_MARKER) or None, slow=environ.get(SLOW) or None,
                    cache_dir=cache_root(environ))
 
@@ -136,7 +148,8 @@ class JobEnv:
         for name, value in ((STORE_OPTIONS, self.store_options), (CODE_REF, self.code_ref), (FILES, self.files)):
             if value:
                 out[name] = json.dumps(value, sort_keys=True)
-        for name, text in ((STALL_AT, self.stall_at), (STALL_MARKER, self.stall_marker), (SLOW, self.slow)):
+        for name, text in ((SPEC_SHA256, self.spec_sha256), (STALL_AT, self.stall_at),
+                           (STALL_MARKER, self.stall_marker), (SLOW, self.slow)):
             if text:
                 out[name] = text
         return out
@@ -147,6 +160,18 @@ def cache_root(environ: Mapping[str, str] = os.environ) -> Path:
     if environ.get(CACHE):
         return Path(environ[CACHE])
     return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "composer-cloud"
+
+
+def keys_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """:data:`KEYS`, else ``$XDG_CONFIG_HOME/composer-cloud/run-keys`` (``~/.config/composer-cloud/run-keys``)."""
+    if environ.get(KEYS):
+        return Path(environ[KEYS])
+    return Path(environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "composer-cloud" / "run-keys"
+
+
+def unsigned_by_default(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether :data:`UNSIGNED` opts this launcher out of signing runs whose spec does not say."""
+    return (environ.get(UNSIGNED) or "").strip().lower() in ("1", "true", "yes")
 
 
 def run_key(environ: Mapping[str, str] = os.environ) -> str | None:

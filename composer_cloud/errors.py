@@ -31,6 +31,8 @@ fails the run. Modules add narrower classes (``RoundTimeout``, ``PayloadError``,
 
 from __future__ import annotations
 
+import re
+
 
 class ComposerCloudError(Exception):
     """Base class of every error composer-cloud raises on purpose."""
@@ -156,6 +158,21 @@ class LaunchError(ExecutorError):
     """A backend failed while replica jobs were being started; the message says which and why."""
 
 
+# ---------------------------------------------------------------- credentials in URLs
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s'\"]+)@")
+
+
+def url_has_credentials(url: str) -> bool:
+    """Whether ``url`` carries ``user[:password]@`` (credentials belong in the environment or a secret)."""
+    return bool(_URL_USERINFO.search(url))
+
+
+def redact(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it replaced by ``***@``."""
+    return _URL_USERINFO.sub(r"\g<scheme>***@", text)
+
+
 __all__ = ["BadObject", "BadReference", "ChecksumMismatch", "ComposerCloudError", "ConfigError", "CorruptCheckpoint",
            "ExecutorError", "LaunchError", "ObjectNotFound", "RunExists", "RunKeyError", "RunNotFound", "SignatureMismatch",
-           "SpecError", "StoreConfigError", "StoreError", "StoreTimeout", "StoreUnavailable", "SyncError"]
+           "SpecError", "StoreConfigError", "StoreError", "StoreTimeout", "StoreUnavailable", "SyncError",
+           "redact", "url_has_credentials"]

@@ -20,11 +20,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from composer_cloud.errors import SpecError
+from composer_cloud.errors import SpecError, url_has_credentials
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
-_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session)", re.IGNORECASE)
+_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key|session|access_key|key_id)",
+                            re.IGNORECASE)
 
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
@@ -252,10 +253,10 @@ class RunSpec(_Strict):
     run_id: str = ""
     store: str = DEFAULT_STORE
     store_options: dict[str, Any] = Field(default_factory=dict)
-    #: Whether the run's objects are HMAC-signed. Set by ``launch`` from whether ``COMPOSER_CLOUD_RUN_KEY``
-    #: is set; ``true`` in a spec file makes the key required at launch. A process without the key refuses
-    #: to open a signed run (see ``docs/store.md``).
-    signed: bool = False
+    #: Whether the run's objects are HMAC-signed (see ``docs/store.md``). Unset (the default): signed, with
+    #: ``COMPOSER_CLOUD_RUN_KEY`` or a key ``launch`` creates, unless ``COMPOSER_CLOUD_UNSIGNED=1``; ``false``:
+    #: an explicit opt-out (warned about). ``launch`` records the decision (true/false) in ``spec.json``.
+    signed: bool | None = None
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
@@ -296,6 +297,18 @@ class RunSpec(_Strict):
                     f"option {name!r} looks like a credential; credentials never go into a spec "
                     "(use the standard AWS_* environment variables or a named executor secret)"
                 )
+        for name, value in _walk_values(v):
+            if isinstance(value, str) and url_has_credentials(value):
+                raise ValueError(f"option {name!r} is a URL with user:password@ in it; credentials never go into "
+                                 "a spec (use the standard AWS_* environment variables or a named executor secret)")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _no_credentials_in_store(cls, v: str) -> str:
+        if url_has_credentials(v):
+            raise ValueError("the store URI carries credentials (user:password@); put them in AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY (or the executors' secrets), never in the URI")
         return v
 
     @model_validator(mode="after")
@@ -372,6 +385,15 @@ def check_device(spec: "RunSpec", *, executors: list[str], local_cuda: bool) -> 
     if "hf-jobs" in executors and spec.hf_jobs.flavor.startswith("cpu"):
         raise SpecError("hf_jobs.flavor", f'{spec.hf_jobs.flavor!r} has no GPU, but device = "cuda"; pick a GPU '
                         'flavor (e.g. "a10g-small") or device = "auto"')
+
+
+def _walk_values(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted name, leaf value)`` of every leaf of nested dicts and lists."""
+    if isinstance(d, dict):
+        return [item for k, v in d.items() for item in _walk_values(v, f"{prefix}{k}.")]
+    if isinstance(d, list):
+        return [item for i, v in enumerate(d) for item in _walk_values(v, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), d)]
 
 
 def _walk_keys(d: Any, prefix: str = "") -> list[str]:

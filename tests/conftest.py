@@ -9,6 +9,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Runs are signed by default, with a key `launch` creates and keeps for this machine's commands. The suite's
+# older end-to-end tests read their runs' objects with plain `Store(...)` (no key), so the session opts out
+# of the default explicitly; the tests of signing (test_store_e2e, test_bucket_attacks) clear the opt-out.
+# Launch records go to a folder of the session, never to the user's ~/.config.
+os.environ.setdefault("COMPOSER_CLOUD_UNSIGNED", "1")
+if not os.environ.get("COMPOSER_CLOUD_KEYS"):
+    import tempfile
+
+    os.environ["COMPOSER_CLOUD_KEYS"] = tempfile.mkdtemp(prefix="cc-run-keys-")
+
 # Fixtures shared by several modules (their helpers are in tests/support/, see its docstring).
 from support.hf_jobs import hf_env, hf_server, job_constraints, job_python, wheel  # noqa: E402,F401
 from support.resume import baselines  # noqa: E402,F401

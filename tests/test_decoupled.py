@@ -244,7 +244,10 @@ def test_tampered_foreign_and_nan_contributions_are_skipped(store):
     rejected = {(r.rank, r.seq): r.reason for r in rec.rejected}
     assert set(rejected) == {(0, 2), (1, 1), (2, 1)}
     assert "non-finite" in rejected[(0, 2)] and "sha256" in rejected[(1, 1)] and "other-run" in rejected[(2, 1)]
-    assert rec.cursor == {0: 2, 1: 2, 2: 1}  # never looked at again
+    # Looked at once: valid metas move the cursor; the foreign one (it fails validation) moves nothing and
+    # counts for nothing, and is pruned with the record.
+    assert rec.cursor == {0: 2, 1: 2} and rec.merged == {0: 1, 1: 1, 2: 0}
+    assert not store.exists(layout.contribution_key(2, 1, "json"))
     for k, t in _global(store, 1).items():
         assert torch.isfinite(t).all(), k
 

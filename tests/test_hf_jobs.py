@@ -119,10 +119,10 @@ def test_handles_reattach_from_another_process(hf_env, tmp_path, wheel, monkeypa
     handles = launcher.launch(run_uri, [0])
     records = [json.dumps(h.to_json()) for h in handles]  # what the CLI stores at <run>/executor/<rank>.json
 
-    # Another machine: a fresh executor built by name, no HF_ENDPOINT set; the handle says where the job is.
-    monkeypatch.delenv("HF_ENDPOINT")
+    # Another process: a fresh executor built by name from its own configuration (HF_ENDPOINT, the spec's
+    # namespace); the handle names the job, never where the token goes (test_bucket_attacks).
     other = get_executor("hf-jobs", spec)
-    assert other.endpoint != hf_env.endpoint
+    assert other.endpoint == hf_env.endpoint
     handle = JobHandle.from_json(json.loads(records[0]))
     assert wait_finished(other, handle).state is ReplicaState.SUCCEEDED
     assert "reattached" in list(other.logs(handle))
@@ -282,6 +282,21 @@ def test_unknown_flavor_warns_but_launches(hf_env, tmp_path, wheel):
 
 
 # ---------------------------------------------------------------------- secrets
+def test_the_run_key_of_a_signed_run_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel):
+    key = "runkey-" + secrets.token_hex(24)
+    spec = make_spec(tmp_path, "run-keyed", namespace=NAMESPACE)
+    code = ("import hashlib, os\n"
+            "print('sha', hashlib.sha256(os.environ['COMPOSER_CLOUD_RUN_KEY'].encode()).hexdigest(), flush=True)\n")
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv(code), run_key=key)
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
+    assert f"sha {hashlib.sha256(key.encode()).hexdigest()}" in list(ex.logs(handle))
+    body = hf_env.jobs[handle.job_id].body
+    assert body["secrets"] == {"COMPOSER_CLOUD_RUN_KEY": key}
+    assert key not in json.dumps({k: v for k, v in body.items() if k != "secrets"})
+    assert key not in json.dumps(handle.to_json()) and key not in " ".join(hf_env.jobs[handle.job_id].argv)
+
+
 def test_secret_canary_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel, monkeypatch, caplog, capsys):
     canary = "canary-" + secrets.token_hex(16)
     monkeypatch.setenv("CANARY_SECRET", canary)
@@ -343,7 +358,7 @@ def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
     assert plan.command[:3] == ["python", "-c", BOOTSTRAP_PLACEHOLDER]
     assert plan.command[3:] == ["python", "-m", "composer_cloud.replica", "--run", run_uri_of(spec), "--rank", "0"]
     assert {"COMPOSER_CLOUD_WHEEL_URI", "COMPOSER_CLOUD_WHEEL_SHA256", "COMPOSER_CLOUD_STORE_OPTIONS",
-            "PYTHONUNBUFFERED", "HF_ENDPOINT"} == set(plan.env_names)
+            "PYTHONUNBUFFERED", "HF_ENDPOINT", "COMPOSER_CLOUD_SPEC_SHA256"} == set(plan.env_names)
     assert plan.secret_names == ["AWS_ACCESS_KEY_ID"]
     assert plan.estimated_gpu_hours == pytest.approx(3 * 2 * 2.0)
     assert "a10g-largex2" in plan.gpu

@@ -157,7 +157,8 @@ def _fake_run(tmp_path, monkeypatch, ex):
     from composer_cloud.spec import RunSpec
 
     store = Store(f"file://{tmp_path}/run")
-    save_handles(store, [JobHandle("fake", r, f"j{r}") for r in (0, 1)])
+    # Handles on the executor the spec assigns to their ranks (local): others are dropped as forged.
+    save_handles(store, [JobHandle("local", r, f"j{r}") for r in (0, 1)])
     monkeypatch.setattr(logs_mod, "get_executor", lambda name, spec: ex)
     return Run(uri=store.uri, store=store, spec=RunSpec(run_id="run"))
 

@@ -130,7 +130,7 @@ def test_a_replica_without_the_run_key_refuses_a_signed_run_and_writes_nothing(t
 
 def test_a_keyed_process_refuses_an_unsigned_run_and_a_wrong_key(tmp_path):
     plain = _run_with_spec(tmp_path, signed=False)
-    with pytest.raises(RunKeyError, match="not signed, but COMPOSER_CLOUD_RUN_KEY is set"):
+    with pytest.raises(RunKeyError, match=r"not signed, but a run key is set \(COMPOSER_CLOUD_RUN_KEY\)"):
         open_run(plain.uri, job_env=JobEnv(run_key=KEY))
     assert open_run(plain.uri, job_env=JobEnv()).spec.signed is False
     signed = _run_with_spec(tmp_path, signed=True)

@@ -9,6 +9,7 @@ one module per backend (``local``, ``modal_jobs``, ``hf_jobs``), ``wheel``
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from composer_cloud.jobs.base import (
@@ -26,6 +27,8 @@ from composer_cloud.registry import load_object
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
 
+logger = logging.getLogger(__name__)
+
 EXECUTORS: dict[str, str] = {
     "local": "composer_cloud.jobs.local:LocalProcessExecutor",
     "modal": "composer_cloud.jobs.modal_jobs:ModalExecutor",
@@ -33,11 +36,31 @@ EXECUTORS: dict[str, str] = {
 }
 
 
-def get_executor(name: str, spec: "RunSpec") -> ServerlessExecutor:
-    """Instantiate executor ``name`` for ``spec`` (``cls(spec)``)."""
+def get_executor(name: str, spec: "RunSpec", *, run_key: str | None = None) -> ServerlessExecutor:
+    """Instantiate executor ``name`` for ``spec`` (``cls(spec)``; ``cls(spec, run_key=...)`` for a signed run's
+    launch: the executor delivers the key to its jobs as a secret)."""
     if name not in EXECUTORS:
         raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
-    return load_object(EXECUTORS[name], setting="executor")(spec)
+    cls = load_object(EXECUTORS[name], setting="executor")
+    return cls(spec) if run_key is None else cls(spec, run_key=run_key)
+
+
+def trusted_handles(handles: "list[JobHandle]", spec: "RunSpec") -> "list[JobHandle]":
+    """The handles (read from the untrusted store) that name a job this run's spec could have started: a rank
+    of the run, on the executor the spec assigns to that rank, one per rank. Others are dropped with a warning,
+    so a forged ``executor/<rank>.json`` cannot make ``status``/``logs``/``cancel`` talk to another backend."""
+    try:
+        assigned = {rank: name for name, ranks in assign_ranks(spec.executor, spec.replicas) for rank in ranks}
+    except ValueError:
+        assigned = {}
+    out: dict[int, JobHandle] = {}
+    for h in handles:
+        if assigned.get(h.rank) != h.executor or h.rank in out:
+            logger.warning("ignoring the job handle of replica %d (executor %r): the run's spec assigns that rank "
+                           "to %r", h.rank, h.executor[:40], assigned.get(h.rank))
+            continue
+        out[h.rank] = h
+    return [out[r] for r in sorted(out)]
 
 
 def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:
@@ -83,4 +106,5 @@ __all__ = [
     "assign_ranks",
     "get_executor",
     "replica_command",
+    "trusted_handles",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from composer_cloud import env as cc_env
+from composer_cloud.storage.runkeys import spec_digest
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
@@ -27,13 +28,21 @@ def job_env(spec: "RunSpec", *, forward: bool = False) -> dict[str, str]:
     credential-like keys), so it may travel as plain environment; it lets code
     open the store before it can read the spec (the HF bootstrap, the replica).
     """
-    # The digests of the code bundle and of uploaded local files travel with the job, not only through the
-    # (untrusted) store; JobEnv owns how each variable is spelled.
+    # The digests of the spec, of the code bundle and of uploaded local files travel with the job, not only
+    # through the (untrusted) store: a replica refuses a spec.json replaced after this launch, so nothing in
+    # the store chooses the code it runs. JobEnv owns how each variable is spelled.
     env = {"PYTHONUNBUFFERED": "1", **cc_env.JobEnv(store_options=dict(spec.store_options or {}),
-                                                    code_ref=spec.code.ref, files=spec.code.files).to_environ()}
+                                                    code_ref=spec.code.ref, files=spec.code.files,
+                                                    spec_sha256=spec_digest(spec.to_json_dict())).to_environ()}
     if forward:
         env.update(cc_env.present(FORWARDED))
     return env
 
 
-__all__ = ["FORWARDED", "job_env"]
+def job_secrets(run_key: str | None) -> dict[str, str]:
+    """The secret variables every job of a signed run gets through its executor's secret mechanism (local: the
+    process environment; Modal: a ``modal.Secret``; HF Jobs: job secrets): the run key, never in :func:`job_env`."""
+    return {cc_env.RUN_KEY: run_key} if run_key else {}
+
+
+__all__ = ["FORWARDED", "job_env", "job_secrets"]

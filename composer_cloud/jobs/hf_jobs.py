@@ -30,9 +30,15 @@ Invariants:
   checks what a launch needs that the launcher can see (store reachable from
   the jobs, credentials for an S3 store among the secrets, secret values
   present) and raises before a wheel is staged or a record is written.
-* **Re-attachable.** A handle carries the endpoint and namespace it was created
-  with, so ``status``/``logs``/``cancel`` from another machine talk to the same
-  server; the token is never stored (``HF_TOKEN`` or the saved login is used).
+* **Re-attachable, never redirected.** A handle records the endpoint and
+  namespace it was created with, for people reading it, but ``status``/``logs``/
+  ``cancel`` talk only to the endpoint and namespace of *this process's*
+  configuration (``HF_ENDPOINT``, ``[hf_jobs] namespace`` or the token's user):
+  a handle read from the (untrusted) store never chooses where the token goes.
+  A job is acted on only if its ``composer-cloud-run`` label names this run.
+  The token is never stored (``HF_TOKEN`` or the saved login is used).
+* **The run key is a job secret.** A signed run's key is sent in ``secrets=``
+  with the spec's named secrets, never in ``env=``.
 
 Status caching, idempotent cancel, roll-back and the preflight's frame are
 :class:`~composer_cloud.jobs.remote.RemoteExecutor`'s. The launcher honours ``HF_ENDPOINT`` and ``HF_TOKEN`` (standard
@@ -184,8 +190,9 @@ class HFJobsExecutor(RemoteExecutor):
         token: str | None = None,
         wheel: str | os.PathLike[str] | None = None,
         replica_argv: Callable[[str, int], list[str]] = replica_command,
+        run_key: str | None = None,
     ) -> None:
-        super().__init__(spec)
+        super().__init__(spec, run_key=run_key)
         # Read HF_ENDPOINT now, not huggingface_hub.constants.ENDPOINT (frozen when that module was imported).
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self._token = token
@@ -288,8 +295,9 @@ class HFJobsExecutor(RemoteExecutor):
         super().preflight(run_uri, ranks)
 
     def _secret_values(self) -> dict[str, str]:
-        """Values of the secrets named in the spec, read from this process's environment (after :meth:`preflight`)."""
-        return {n: os.environ[n] for n in self.spec.hf_jobs.secrets}
+        """Values of the secrets named in the spec, read from this process's environment (after :meth:`preflight`),
+        and the run key of a signed run."""
+        return {**{n: os.environ[n] for n in self.spec.hf_jobs.secrets}, **self.job_secrets()}
 
     def _command(self, run_uri: str, rank: int, *, bootstrap: str) -> list[str]:
         return ["python", "-c", bootstrap, *self._replica_argv(run_uri, rank)]
@@ -362,7 +370,7 @@ class HFJobsExecutor(RemoteExecutor):
             image=hf.image,
             command=self._command(run_uri, ranks[0] if ranks else 0, bootstrap=BOOTSTRAP_PLACEHOLDER),
             env_names=sorted(self._job_env(None)),
-            secret_names=list(hf.secrets),
+            secret_names=[*hf.secrets, *self.job_secrets()],
             gpu=f"{hf.flavor} ({gpus} GPU{'s' if gpus != 1 else ''})",
             estimated_gpu_hours=len(ranks) * gpus * hf.timeout_s / 3600,
             notes=notes,
@@ -439,9 +447,21 @@ class HFJobsExecutor(RemoteExecutor):
 
     # ------------------------------------------------------------------ re-attach
     def _where(self, handle: JobHandle) -> tuple[Any, str]:
-        data = handle.data
-        namespace = data.get("namespace") or self.namespace()
-        return self._api(data.get("endpoint")), namespace
+        """The API client and namespace to reach ``handle``'s job: this process's configuration, never the
+        handle's ``endpoint``/``namespace`` (the handle came from the store; the token must not follow it)."""
+        if handle.data.get("endpoint") not in (None, self.endpoint):
+            logger.warning("hf-jobs: the handle of replica %d names endpoint %r; using the configured %s "
+                           "(a handle in the store never chooses where the token goes)", handle.rank,
+                           str(handle.data.get("endpoint"))[:80], self.endpoint)
+        return self._api(), self.namespace()
+
+    def _check_run_label(self, handle: JobHandle, info: Any) -> None:
+        """Refuse a job that is not labelled as this run's (a handle copied from another run, or forged)."""
+        labels = getattr(info, "labels", None) or {}
+        if self.spec.run_id and labels.get(LABEL_RUN) != self.spec.run_id:
+            raise ExecutorError(f"hf-jobs: job {handle.job_id} is not a job of run {self.spec.run_id} (its label "
+                                f"{LABEL_RUN} is {str(labels.get(LABEL_RUN))[:80]!r}); the handle of replica "
+                                f"{handle.rank} in the store was altered or copied; refusing to act on it")
 
     def _fetch_status(self, handle: JobHandle) -> ReplicaStatus:
         """Map the job's stage to a :class:`ReplicaStatus`.
@@ -461,6 +481,7 @@ class HFJobsExecutor(RemoteExecutor):
                                      f"{handle.data.get('endpoint', self.endpoint)}; it was deleted, or the token "
                                      "cannot see that namespace")
             raise
+        self._check_run_label(handle, info)
         stage = str(getattr(info.status.stage, "value", info.status.stage))
         message = info.status.message or ""
         state = STAGE_STATES.get(stage)
@@ -488,8 +509,10 @@ class HFJobsExecutor(RemoteExecutor):
         return out[-n:]
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
-        """The job's output lines; with ``follow``, until the job ends."""
+        """The job's output lines; with ``follow``, until the job ends (only a job labelled as this run's)."""
         api, namespace = self._where(handle)
+        self._check_run_label(handle, self._call(f"inspecting job {handle.job_id}",
+                                                 lambda: api.inspect_job(job_id=handle.job_id, namespace=namespace)))
         try:
             for line in api.fetch_job_logs(job_id=handle.job_id, namespace=namespace, follow=follow):
                 yield from (line.splitlines() or [""])

@@ -10,17 +10,24 @@ composer_cloud.jobs.local supervise ...``) in its own session, so that:
   rejoins the run by loading the latest checkpoint and healing).
 
 Job files live in ``<run dir>/jobs/<rank>/`` for ``file://`` stores, else in
-``./runs/.local-jobs/<run_id>/<rank>/``: ``replica.log``, ``supervisor.json``
+``./runs/.local-jobs/<run_id>-<digest of the run URI>/<rank>/`` (two runs with one id
+in two stores never share a folder): ``replica.log``, ``supervisor.json``
 (pids), ``exit.json``, ``token``.
 
 Handles are read back from the store, which is not trusted (anyone with write
 access to the bucket can edit ``executor/<rank>.json``). Before this executor
 signals a process or writes a file for a handle, the handle must prove it is
-this machine's job: its directory must hold the ``token`` file the launcher
-wrote (0600) with the handle's token, and the process group to signal must be
-the supervisor named in that directory, running ``composer_cloud.jobs.local
-supervise --dir <that directory>``. Anything else is refused with an
-:class:`~composer_cloud.jobs.base.ExecutorError`.
+this machine's job *of this run and rank*: its directory must be the one this
+executor derives for the run and the rank (:func:`job_dir`, from the spec, not
+from the handle), hold the ``token`` file the launcher wrote (0600) with the
+handle's token, and the process group to signal must be the supervisor named in
+that directory, running ``composer_cloud.jobs.local supervise --dir <that
+directory>``. Anything else is refused with an
+:class:`~composer_cloud.jobs.base.ExecutorError`: a handle copied from another
+run cannot stop that run's replicas.
+
+A signed run's key reaches the replicas through their process environment
+(the local executor's secret mechanism), never through the store.
 
 Every wait here (following a log, a cancelled job's exit, the supervised
 replica) goes through :func:`composer_cloud.retry.poll_until`.
@@ -29,6 +36,7 @@ replica) goes through :func:`composer_cloud.retry.poll_until`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import json
 import logging
@@ -52,7 +60,7 @@ from composer_cloud.jobs.base import (
     replica_command,
     run_id_of,
 )
-from composer_cloud.jobs.environment import job_env
+from composer_cloud.jobs.environment import job_env, job_secrets
 from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.retry import PollPolicy, poll_until
 
@@ -68,10 +76,12 @@ _WAIT = PollPolicy(initial_s=0.05, max_s=0.5, factor=1.5)
 
 
 def job_dir(run_uri: str, rank: int) -> Path:
-    """Where the files of replica ``rank``'s job live: in the run's directory for a ``file://`` store."""
+    """Where the files of replica ``rank``'s job live: in the run's directory for a ``file://`` store, else
+    under ``./runs/.local-jobs/``, keyed by the run id and a digest of the whole run URI (store + run)."""
     if run_uri.startswith("file://"):
         return Path(run_uri[len("file://"):]) / "jobs" / str(rank)
-    return Path("runs") / ".local-jobs" / run_id_of(run_uri) / str(rank)
+    digest = hashlib.sha256(run_uri.rstrip("/").encode()).hexdigest()[:12]
+    return Path("runs") / ".local-jobs" / f"{run_id_of(run_uri)}-{digest}" / str(rank)
 
 
 def _creatable_dir_problem(d: Path) -> str | None:
@@ -91,14 +101,19 @@ def _creatable_dir_problem(d: Path) -> str | None:
 _SUPERVISOR_MODULE = "composer_cloud.jobs.local"
 
 
-def _verified_dir(handle: JobHandle) -> Path:
-    """The handle's job directory, once the handle proved it belongs to a job this machine launched."""
+def _verified_dir(handle: JobHandle, run_uri: str | None) -> Path:
+    """The handle's job directory, once the handle proved it belongs to a job this machine launched for replica
+    ``handle.rank`` of the run at ``run_uri`` (None: the run is unknown; only the token is checked)."""
     raw = handle.data.get("dir")
     token = handle.data.get("token")
     if not isinstance(raw, str) or not isinstance(token, str) or not token:
         raise ExecutorError(f"replica {handle.rank}: the local job handle has no job directory or token; "
                             "it was not written by this version's launcher (refusing to act on it)")
     d = Path(raw)
+    if run_uri is not None and not _same_dir(d, job_dir(run_uri, handle.rank)):
+        raise ExecutorError(f"replica {handle.rank}: the job handle names {raw[:200]!r}, which is not this run's "
+                            "job directory for that rank; the handle in the store was altered or copied from "
+                            "another run; refusing to act on it")
     try:
         stored = (d / "token").read_text().strip()
     except OSError:
@@ -108,6 +123,14 @@ def _verified_dir(handle: JobHandle) -> Path:
         raise ExecutorError(f"replica {handle.rank}: the job handle's token does not match {d}/token; "
                             "the handle in the store was altered; refusing to act on it")
     return d
+
+
+def _same_dir(given: Path, expected: Path) -> bool:
+    """Whether ``given`` (absolute, from a handle) is ``expected``; a relative ``expected`` (a non-file store's
+    job folder under the launcher's working directory) matches by its trailing components."""
+    if expected.is_absolute():
+        return given == expected.resolve()
+    return given.is_absolute() and given.parts[-len(expected.parts):] == expected.parts
 
 
 def _supervisor_pgid(handle: JobHandle, d: Path) -> int | None:
@@ -146,8 +169,9 @@ class LocalProcessExecutor:
 
     name: ClassVar[str] = "local"
 
-    def __init__(self, spec: "RunSpec | None" = None) -> None:
+    def __init__(self, spec: "RunSpec | None" = None, *, run_key: str | None = None) -> None:
         self.spec = spec
+        self._run_key = run_key  # delivered to the replicas in their environment, never stored
         self.max_restarts = relaunches(spec, self.name) if spec is not None else 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
 
@@ -159,7 +183,14 @@ class LocalProcessExecutor:
             environ.update(job_env(self.spec))
         else:
             environ.setdefault("PYTHONUNBUFFERED", "1")
+        environ.update(job_secrets(self._run_key))
         return environ
+
+    def _run_uri(self) -> str | None:
+        """The run this executor acts for, derived from the spec (never from a handle)."""
+        if self.spec is None or not self.spec.run_id:
+            return None
+        return self.spec.store.rstrip("/") + "/" + self.spec.run_id
 
     def _preflight_problems(self, run_uri: str) -> list[str]:
         jobs = job_dir(run_uri, 0).resolve().parent
@@ -178,7 +209,8 @@ class LocalProcessExecutor:
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
         return LaunchPlan(executor=self.name, ranks=list(ranks), image="(this machine's Python environment)",
                           command=replica_command(run_uri, ranks[0] if ranks else 0, python=sys.executable),
-                          env_names=[env.THREADS], secret_names=[], gpu="none",
+                          env_names=[env.THREADS], secret_names=sorted(job_secrets(self._run_key)),
+                          gpu="none",
                           estimated_gpu_hours=0.0,
                           notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}",
                                  *(f"launch would fail: {p}" for p in self._preflight_problems(run_uri))])
@@ -188,7 +220,7 @@ class LocalProcessExecutor:
         environ = self._job_env()
         handles = []
         for rank in ranks:
-            d = job_dir(run_uri, rank).resolve()
+            d = job_dir(self._run_uri() or run_uri, rank).resolve()
             d.mkdir(parents=True, exist_ok=True)
             for stale in ("exit.json", "supervisor.json", "cancel", "token"):
                 (d / stale).unlink(missing_ok=True)
@@ -207,7 +239,7 @@ class LocalProcessExecutor:
         return handles
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
-        d = _verified_dir(handle)
+        d = _verified_dir(handle, self._run_uri())
         exit_rec = _read_json(d / "exit.json")
         if exit_rec is not None:
             code = exit_rec.get("exit_code")
@@ -226,7 +258,7 @@ class LocalProcessExecutor:
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
         """The replica's output lines (every restart's); with ``follow``, until the job ends."""
-        path = _verified_dir(handle) / "replica.log"
+        path = _verified_dir(handle, self._run_uri()) / "replica.log"
         pos = 0
         while True:
             # The state is read before the file, so the lines written before the end are all read.
@@ -245,7 +277,7 @@ class LocalProcessExecutor:
 
     def cancel(self, handle: JobHandle) -> None:
         """SIGTERM the supervisor's group, SIGKILL it after :data:`CANCEL_GRACE_S`; record the cancel. Idempotent."""
-        d = _verified_dir(handle)
+        d = _verified_dir(handle, self._run_uri())
         (d / "cancel").touch()  # the supervisor also polls for this file
         pgid = _supervisor_pgid(handle, d)
         if pgid is not None:

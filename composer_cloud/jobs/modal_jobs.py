@@ -41,7 +41,7 @@ import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from composer_cloud.images.container import ReplicaFailed, run_replica_body  # noqa: F401 - re-exported
@@ -99,6 +99,9 @@ class FunctionOptions:
     timeout_s: int
     retries: int  # Modal retries after a failure (0: none)
     secret_names: tuple[str, ...]
+    #: Secret values created for this launch (the run key of a signed run), attached as a ``modal.Secret``
+    #: built from them; never stored, logged or shown (``repr`` hides them).
+    secret_values: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,8 @@ class ModalSDKSeam:
         kwargs: dict[str, Any] = {
             "timeout": options.timeout_s,
             # Resolved by name when the app starts: a missing secret fails the launch, not the replica.
-            "secrets": [modal.Secret.from_name(n) for n in options.secret_names],
+            "secrets": [modal.Secret.from_name(n) for n in options.secret_names]
+            + ([modal.Secret.from_dict(dict(options.secret_values))] if options.secret_values else []),
         }
         if options.gpu:
             kwargs["gpu"] = options.gpu
@@ -295,9 +299,9 @@ class ModalExecutor(RemoteExecutor):
     name: ClassVar[str] = "modal"
     transient = staticmethod(is_transient)
 
-    def __init__(self, spec: RunSpec, *, seam: ModalSeam | None = None,
+    def __init__(self, spec: RunSpec, *, seam: ModalSeam | None = None, run_key: str | None = None,
                  replica_argv: Callable[[str, int], list[str]] = replica_command) -> None:
-        super().__init__(spec)
+        super().__init__(spec, run_key=run_key)
         self.seam: ModalSeam = seam or ModalSDKSeam()
         self._replica_argv = replica_argv
 
@@ -325,7 +329,7 @@ class ModalExecutor(RemoteExecutor):
                                 "(see `modal secret list`)")
         return FunctionOptions(gpu=gpu, timeout_s=m.timeout_s,
                                retries=relaunches(self.spec, self.name),
-                               secret_names=tuple(m.secrets))
+                               secret_names=tuple(m.secrets), secret_values=self.job_secrets())
 
     def gpus_per_replica(self) -> int:
         opts = self.function_options()

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from composer_cloud.jobs.base import ExecutorError, JobHandle, ReplicaStatus
-from composer_cloud.jobs.environment import job_env
+from composer_cloud.jobs.environment import job_env, job_secrets
 from composer_cloud.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -86,8 +86,9 @@ class RemoteExecutor(abc.ABC):
     transient: ClassVar[Callable[[BaseException], bool]] = staticmethod(never_transient)
     retry: ClassVar[RetryPolicy] = IDEMPOTENT_RETRY
 
-    def __init__(self, spec: "RunSpec") -> None:
+    def __init__(self, spec: "RunSpec", *, run_key: str | None = None) -> None:
         self.spec = spec
+        self._run_key = run_key  # a signed run's key: sent as a backend secret, never stored or logged
         self._final: dict[str, ReplicaStatus] = {}  # job id -> terminal status (it never changes)
 
     # ------------------------------------------------------------------ backend hooks
@@ -152,6 +153,11 @@ class RemoteExecutor(abc.ABC):
     def job_env(self) -> dict[str, str]:
         """The environment each job gets (:func:`~composer_cloud.jobs.environment.job_env`, forwarded names too)."""
         return job_env(self.spec, forward=True)
+
+    def job_secrets(self) -> dict[str, str]:
+        """The secrets every job gets besides the spec's named ones
+        (:func:`~composer_cloud.jobs.environment.job_secrets`)."""
+        return job_secrets(self._run_key)
 
     def preflight(self, run_uri: str, ranks: Sequence[int]) -> None:
         """Refuse a launch that cannot work, before anything is built, staged or written.

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_cloud import env
-from composer_cloud.env import JobEnv
 from composer_cloud.errors import (
     ConfigError,
     ExecutorError,
@@ -36,9 +34,9 @@ from composer_cloud.errors import (
     StoreConfigError,
     StoreError,
 )
-from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor
+from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor, trusted_handles
 from composer_cloud.retry import PollPolicy, poll_until
-from composer_cloud.runs import sync_state
+from composer_cloud.runs import signing, sync_state
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict, with_paths
 from composer_cloud.storage import layout
@@ -49,7 +47,6 @@ from composer_cloud.storage.run import (
     normalize_run_uri,
     open_run,
     request_cancel,
-    run_signing_key,
     save_handles,
 )
 from composer_cloud.storage.store import Store, join_uri
@@ -143,22 +140,12 @@ def _require_conforming_store(run: Run) -> None:
     require_conformance(run.uri.rsplit("/", 1)[0], storage_options=run.store.storage_options)
 
 
-def _signing(spec: RunSpec) -> tuple[RunSpec, bytes | None]:
-    """``spec`` with ``signed`` set from whether this process has the run key (required if the spec asks for
-    it), and the run's signing key."""
-    key = run_signing_key(spec.run_id, JobEnv.from_environ().run_key)
-    if spec.signed and key is None:
-        raise SpecError("signed", f"the spec asks for a signed run, but {env.RUN_KEY} is not set; export the run "
-                        "key (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`) and pass it to the "
-                        "replicas like the store credentials")
-    return spec.model_copy(update={"signed": key is not None}), key
-
-
-def _start_jobs(store: Store, spec: RunSpec) -> list[JobHandle]:
+def _start_jobs(store: Store, spec: RunSpec, run_key: str | None) -> list[JobHandle]:
+    """Start the jobs; a signed run's key goes to each executor, which delivers it to its jobs as a secret."""
     handles: list[JobHandle] = []
     for name, assigned in assign_ranks(spec.executor, spec.replicas):
         try:
-            launched = get_executor(name, spec).launch(store.uri, assigned)
+            launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
         except (ExecutorError, StoreError, OSError) as exc:
             raise LaunchError(f"launch of ranks {assigned} on {name} failed: {exc}") from None
         save_handles(store, launched)
@@ -371,8 +358,8 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         spec = spec.model_copy(update={"code": spec.code.model_copy(update={"files": files})})
     elif paths:
         spec = with_paths(spec, {p.setting: str(p.path) for p in paths}, source="spec with absolute paths")
-    spec, signing_key = _signing(spec)
-    store = _open_store_for(spec, signing_key=signing_key)
+    spec, run_key = signing.launch_key(spec)
+    store = _open_store_for(spec, signing_key=signing.signing_key(spec, run_key))
     if bundle is not None:  # the digest is fixed before the spec is stored; jobs get it in their environment
         ref = CodeRef(key=layout.code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size,
                       modules=bundle.modules)
@@ -380,12 +367,13 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     # Write-once: two launches racing on one run id cannot both start.
     if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
         raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
+    signing.remember(store.uri, spec, run_key)
     try:
         if bundle is not None:
             upload_code(store, bundle)
         for key, data, sha in packed:
             put_verified(store, key, data, sha)
-        _start_jobs(store, spec)
+        _start_jobs(store, spec, run_key)
     except (LaunchError, StoreError) as exc:
         if not store.list(layout.HANDLES):
             # No job started: roll back, so the id is free again and nothing claims to be running.
@@ -396,7 +384,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         raise LaunchError(f"{exc} (jobs that did start are recorded; `composer-cloud cancel {store.uri}` "
                           "stops them)") from None
     logger.info("launched %d replicas of run %s at %s", spec.replicas, spec.run_id, store.uri)
-    return Run(uri=store.uri, store=store, spec=spec)
+    return Run(uri=store.uri, store=store, spec=spec, run_key=run_key)
 
 
 def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None,
@@ -409,6 +397,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     """
     run = _as_run(run, storage_options)
     _require_conforming_store(run)
+    signing.vouched_spec(run)  # nothing in an unvouched spec may choose the code the new jobs run
     spec = run.spec
     latest: Checkpoint | None = None
     finished = run_status(run).state == "completed"
@@ -441,18 +430,19 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     store.delete(layout.HANDLES, recursive=True)
     store.delete(layout.HEARTBEATS, recursive=True)
     store.put_json(layout.SPEC, new_spec.to_json_dict())
+    signing.remember(store.uri, new_spec, run.run_key)
     n = len(store.list_dirs(layout.RESUMES))
     store.put_json(layout.resume_key(n), ResumeRecord(from_round=from_round, executor=new_spec.executor,
                                                       replicas=new_spec.replicas, time=time.time()).to_json())
     resumed = Run(uri=run.uri, store=store, spec=new_spec)
-    handles = _start_jobs(store, new_spec)
+    handles = _start_jobs(store, new_spec, run.run_key)
     return ResumeResult(run=resumed, from_round=from_round, handles=handles, warnings=warnings)
 
 
 def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
     cancelled, warnings = [], []
     executors: dict[str, Any] = {}
-    for h in load_handles(run.store):
+    for h in trusted_handles(load_handles(run.store), run.spec):
         try:
             ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec))
             ex.cancel(h)

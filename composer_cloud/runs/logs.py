@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from composer_cloud.jobs import JobHandle, get_executor
+from composer_cloud.jobs import JobHandle, get_executor, trusted_handles
 from composer_cloud.storage.run import Run, load_handles
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?(Z)?")
@@ -108,7 +108,7 @@ def replica_logs(run: Run, *, ranks: Sequence[int] | None = None, follow: bool =
     """
     if tail is not None and tail < 0:
         raise ValueError("--tail must be >= 0")
-    handles = [h for h in load_handles(run.store) if ranks is None or h.rank in ranks]
+    handles = [h for h in trusted_handles(load_handles(run.store), run.spec) if ranks is None or h.rank in ranks]
     executors: dict[str, Any] = {}
     errs = errors if errors is not None else []
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composer_cloud.errors import BadObject
-from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor
+from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor, trusted_handles
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs import sync_state
 from composer_cloud.stack import version_skew
@@ -140,7 +140,7 @@ class StatusTracker:
         """
         store, spec = self.run.store, self.run.spec
         problems: list[str] = []
-        handles = load_handles(store)
+        handles = trusted_handles(load_handles(store), spec)
         progress = sync_state.progress(store, spec, start=self._committed)
         committed = self._committed = progress.committed
         infos: list[ReplicaInfo] = []

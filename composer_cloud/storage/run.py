@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from composer_cloud.spec import DEFAULT_STORE, RunSpec, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.framing import derive_signing_key, is_signed, run_key_bytes, unframe
 from composer_cloud.storage.records import CancelRecord, JobHandle
+from composer_cloud.storage.runkeys import load_record, spec_digest
 from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -60,11 +61,16 @@ class Run:
         uri: the run's URI (``<store>/<run_id>``; ``file://`` URIs are absolute).
         store: the run's store, opened with the spec's ``store_options``.
         spec: the spec as launched (or as last resumed).
+        run_key: the run key this process opened it with (``$COMPOSER_CLOUD_RUN_KEY`` or the launcher's
+            record, :mod:`~composer_cloud.storage.runkeys`); a secret, never in ``repr``.
+        spec_sha256: sha256 of the spec's canonical JSON as read (:func:`~composer_cloud.storage.runkeys.spec_digest`).
     """
 
     uri: str
     store: Store
     spec: RunSpec
+    run_key: str | None = field(default=None, repr=False)
+    spec_sha256: str = ""
 
     @property
     def run_id(self) -> str:
@@ -116,8 +122,14 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
     uri = normalize_run_uri(uri)
     job_env = JobEnv.from_environ() if job_env is None else job_env
     given = dict(storage_options) if storage_options is not None else dict(job_env.store_options)
-    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1], job_env.run_key)
-    store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
+    store = Store(uri, storage_options=given, outage_s=outage_s)
+    run_key = job_env.run_key
+    if run_key is None:  # a run this machine launched: its key is in the launcher's record
+        record = load_record(store.uri)
+        run_key = record.run_key if record is not None else None
+    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1], run_key)
+    if key is not None:
+        store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     try:
         raw = store.get_plain(layout.SPEC)
     except ObjectNotFound:
@@ -127,21 +139,28 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
         raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - an unreachable endpoint, bad credentials: say which store
         raise StoreConfigError(f"cannot read run {uri}: {type(exc).__name__}: {exc}") from None
-    spec = _read_spec(uri, raw, key)
+    spec, digest = _read_spec(uri, raw, key, keyed_by=env.RUN_KEY if job_env.run_key else
+                              f"this machine's launch record ({env.keys_dir()})")
+    if job_env.spec_sha256 is not None and digest != job_env.spec_sha256:
+        raise RunKeyError(f"run {uri}: its {layout.SPEC} is not the spec this job was launched with (sha256 "
+                          f"{digest[:12]}..., the launcher wrote {job_env.spec_sha256[:12]}...): it was replaced in "
+                          "the store; refusing to use anything in it")
     if key is None and (spec.signed or is_signed(raw)):
         raise RunKeyError(f"run {uri} is signed: set {env.RUN_KEY} to its run key (a secret, passed like the store "
                           "credentials) to read or write it; nothing was read from it or written to it")
     options = {**spec.store_options, **given}
     if options != given:
         store = Store(uri, storage_options=options, outage_s=outage_s, signing_key=key)
-    return Run(uri=store.uri, store=store, spec=spec)
+    return Run(uri=store.uri, store=store, spec=spec, run_key=run_key, spec_sha256=digest)
 
 
-def _read_spec(uri: str, raw: bytes, key: bytes | None) -> RunSpec:
-    """The spec in ``raw`` (the framed ``spec.json``), verified under ``key`` when there is one."""
+def _read_spec(uri: str, raw: bytes, key: bytes | None, *, keyed_by: str) -> tuple[RunSpec, str]:
+    """The spec in ``raw`` (the framed ``spec.json``), verified under ``key`` when there is one, and its digest.
+    ``keyed_by`` says where the key came from (for messages; never the key)."""
     if key is not None and not is_signed(raw):
-        raise RunKeyError(f"run {uri}: its {layout.SPEC} is not signed, but {env.RUN_KEY} is set: the run was launched "
-                          "without a key (unset it to open the run), or someone without the key replaced the spec")
+        raise RunKeyError(f"run {uri}: its {layout.SPEC} is not signed, but a run key is set ({keyed_by}): the run "
+                          "was launched without a key (unset it to open the run), or someone without the key replaced "
+                          "the spec")
     try:
         data = json.loads(bytes(unframe(layout.SPEC, raw, signing_key=key)))
     except SignatureMismatch:
@@ -151,7 +170,9 @@ def _read_spec(uri: str, raw: bytes, key: bytes | None) -> RunSpec:
         raise RunNotFound(f"{uri}: {exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunNotFound(f"{uri}: {layout.SPEC} is not JSON ({exc})") from None
-    return spec_from_dict(data, source=f"{uri}/{layout.SPEC}")
+    if not isinstance(data, dict):
+        raise RunNotFound(f"{uri}: {layout.SPEC} is not a JSON object")
+    return spec_from_dict(data, source=f"{uri}/{layout.SPEC}"), spec_digest(data)
 
 
 # ---------------------------------------------------------------- launch records
@@ -174,12 +195,23 @@ def load_handles(store: Store) -> list[JobHandle]:
 
 
 def request_cancel(store: Store) -> None:
-    """Record that the run was cancelled (write-once; replicas and status read it)."""
-    store.create_json(layout.CANCEL, CancelRecord(time=time.time()).to_json())
+    """Record that the run was cancelled (write-once; status reads it). An object already there that is not
+    a valid (in a signed run: authentic) cancel record is replaced."""
+    record = CancelRecord(time=time.time()).to_json()
+    if not store.create_json(layout.CANCEL, record) and not cancel_requested(store):
+        store.put_json(layout.CANCEL, record)
 
 
 def cancel_requested(store: Store) -> bool:
-    return store.exists(layout.CANCEL)
+    """Whether the run holds a valid cancel record: read, verified and parsed, never judged by existence."""
+    try:
+        CancelRecord.from_json(store.get_json(layout.CANCEL), key=layout.CANCEL)
+    except ObjectNotFound:
+        return False
+    except BadObject as exc:
+        logger.warning("ignoring %s: not a valid cancel record (%s)", layout.CANCEL, exc)
+        return False
+    return True
 
 
 __all__ = ["Run", "RunNotFound", "SpecError", "load_handles", "normalize_run_uri", "open_run",

@@ -41,12 +41,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from composer_cloud import env
 from composer_cloud.errors import (
     ChecksumMismatch,
     ObjectNotFound,
     StoreConfigError,
     StoreTimeout,
     StoreUnavailable,
+    redact,
+    url_has_credentials,
 )
 from composer_cloud.retry import Outage, PollPolicy, RetryPolicy, is_transient, poll_until
 from composer_cloud.storage.backends import Backend, open_backend
@@ -93,6 +96,7 @@ class Store:
             raise ValueError(f"Store(outage_s=...) must be a finite number of seconds >= 0, got {outage_s!r}")
         if signing_key is not None and len(signing_key) < MIN_SIGNING_KEY_BYTES:
             raise StoreConfigError(f"Store(signing_key=...) is too short; use at least {MIN_SIGNING_KEY_BYTES} bytes")
+        _refuse_credentials(uri, storage_options or {})
         self.retry = dataclasses.replace(retry, budget_s=float(outage_s))
         self.poll = poll
         self.outage_s = float(outage_s)
@@ -333,6 +337,23 @@ class Store:
 
 
 # --------------------------------------------------------------------------- helpers
+def _refuse_credentials(uri: str, options: dict[str, Any]) -> None:
+    """Credentials in the store URI or an endpoint URL are refused by name (never echoed; the message says where
+    they go instead): a URI ends up in logs, errors, handles and job commands."""
+    where = "the store URI" if url_has_credentials(uri) else None
+    for name in ("endpoint_url",):
+        value = options.get(name) or (options.get("client_kwargs") or {}).get(name)
+        if where is None and isinstance(value, str) and url_has_credentials(value):
+            where = f"storage option {name!r}"
+    endpoint = env.s3_endpoint()
+    if where is None and endpoint and url_has_credentials(endpoint):
+        where = f"${'/$'.join(env.AWS_ENDPOINTS)}"
+    if where is not None:
+        raise StoreConfigError(f"store {redact(uri)}: {where} carries credentials (user:password@ in a URL); put "
+                               "them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (passed to jobs as executor "
+                               "secrets), never in a URL")
+
+
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 

@@ -69,8 +69,11 @@ class MergeRecord:
     """``decoupled/merge/<v>.json``: version ``v`` = global ``v-1`` + an outer step on the weighted contributions.
 
     ``cursor[rank]`` is the highest seq of ``rank`` consumed through ``v``
-    (merged or rejected). The protocol checks that ``weights`` are the token
-    weights of ``contributions``.
+    (merged, or valid and refused by a check; a meta that failed validation
+    never moves it). ``merged[rank]`` counts the contributions of ``rank``
+    merged through ``v`` (the fleet's budget; None in records written before it
+    existed: the cursor stands in). The protocol checks that ``weights`` are the
+    token weights of ``contributions``.
     """
 
     run_id: str
@@ -85,6 +88,14 @@ class MergeRecord:
     grace_s: float = 0.0
     reason: str = ""
     decided_by: int | None = None
+    merged: dict[int, int] | None = None
+    #: Per rank, the merge guard's running reference ``(norm, tokens)`` of its accepted contributions
+    #: (:mod:`composer_cloud.sync.decoupled.guard`); None in records written before it existed.
+    references: dict[int, tuple[float, float]] | None = None
+
+    def merged_count(self, rank: int) -> int:
+        """Contributions of ``rank`` merged through this version."""
+        return self.merged.get(rank, 0) if self.merged is not None else self.cursor.get(rank, 0)
 
     @property
     def base(self) -> int:
@@ -95,12 +106,15 @@ class MergeRecord:
         return sorted({c.rank for c in self.contributions})
 
     def to_json(self) -> dict[str, Any]:
+        merged = {} if self.merged is None else {"merged": {str(k): self.merged[k] for k in sorted(self.merged)}}
+        if self.references is not None:
+            merged["references"] = {str(k): list(self.references[k]) for k in sorted(self.references)}
         return {"run_id": self.run_id, "version": self.version, "base": self.base,
                 "contributions": [c.to_entry() for c in self.contributions], "weights": list(self.weights),
                 "cursor": {str(k): self.cursor[k] for k in sorted(self.cursor)},
                 "rejected": [r.to_json() for r in self.rejected], "staleness": list(self.staleness),
                 "grace_s": self.grace_s, "reason": self.reason, "final": self.final,
-                "decided_by": self.decided_by, "time": self.time}
+                "decided_by": self.decided_by, "time": self.time, **merged}
 
     @classmethod
     def from_json(cls, obj: Any, *, key: str, run_id: str, version: int, replicas: int) -> "MergeRecord":
@@ -140,12 +154,43 @@ class MergeRecord:
             raise BadObject(key, "field 'final' must be a boolean")
         rejected = tuple(Rejected(r["rank"], r["seq"], str(r.get("reason", ""))) for r in obj.get("rejected") or []
                          if isinstance(r, dict) and is_int(r.get("rank")) and is_int(r.get("seq")))
+        merged = _rank_counts(obj.get("merged"), key, replicas, cursor) if "merged" in obj else None
+        refs = _references(obj.get("references"), key, replicas) if "references" in obj else None
         by, grace, reason = obj.get("decided_by"), obj.get("grace_s"), obj.get("reason")
         return cls(run_id=run_id, version=version, contributions=tuple(contribs), weights=tuple(weights),
                    cursor=cursor, final=final, time=float_field(obj, "time", key), rejected=rejected,
                    staleness=tuple(s for s in obj.get("staleness") or [] if is_int(s)),
                    grace_s=float(grace) if isinstance(grace, (int, float)) else 0.0,
-                   reason=reason if isinstance(reason, str) else "", decided_by=by if is_int(by) else None)
+                   reason=reason if isinstance(reason, str) else "", decided_by=by if is_int(by) else None,
+                   merged=merged, references=refs)
+
+
+def _references(value: Any, key: str, replicas: int) -> dict[int, tuple[float, float]]:
+    """``references``: ``{rank: [norm, tokens]}``, finite, norm >= 0 and tokens > 0."""
+    if not isinstance(value, dict):
+        raise BadObject(key, "field 'references' must be an object")
+    out: dict[int, tuple[float, float]] = {}
+    for k, v in value.items():
+        ok = (isinstance(k, str) and k.isdigit() and int(k) < replicas and isinstance(v, list) and len(v) == 2
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+              and v[0] >= 0 and v[1] > 0)
+        if not ok:
+            raise BadObject(key, f"references entry {k!r:.20}: {v!r:.40} is not rank: [norm, tokens]")
+        out[int(k)] = (float(v[0]), float(v[1]))
+    return out
+
+
+def _rank_counts(value: Any, key: str, replicas: int, cursor: dict[int, int]) -> dict[int, int]:
+    """``merged``: ``{rank: count}``, each count at most the rank's cursor (a count is of seqs consumed)."""
+    if not isinstance(value, dict):
+        raise BadObject(key, "field 'merged' must be an object")
+    out: dict[int, int] = {}
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) < replicas and is_int(v)
+                and 0 <= v <= cursor.get(int(k), 0)):
+            raise BadObject(key, f"merged entry {k!r:.20}: {v!r:.20} is not rank: count <= its cursor")
+        out[int(k)] = v
+    return out
 
 
 @dataclass(frozen=True)

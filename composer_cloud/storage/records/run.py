@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_cloud.storage.records.fields import SHA256, as_object, int_field, is_int, sha256_field
+from composer_cloud.storage.records.fields import SHA256, as_object, float_field, int_field, is_int, sha256_field
 
 
 class HeartbeatState(str, enum.Enum):
@@ -163,12 +163,17 @@ class ResumeRecord:
 
 @dataclass(frozen=True)
 class CancelRecord:
-    """``control/cancel.json``: the run was cancelled (write-once); its existence is what counts."""
+    """``control/cancel.json``: the run was cancelled (write-once). It counts only once read and parsed (and,
+    in a signed run, verified): an object that merely exists there decides nothing."""
 
     time: float
 
     def to_json(self) -> dict[str, Any]:
         return {"time": self.time}
+
+    @classmethod
+    def from_json(cls, obj: Any, *, key: str) -> "CancelRecord":
+        return cls(time=float_field(as_object(obj, key), "time", key))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
+from composer_cloud.sync.trust import create_over_forged
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
     n = len(participants)
 
     def stop_if_written(misses: int) -> None:
-        if misses % 8 == 0 and store.exists(layout.manifest_key(round)):
+        if misses % 8 == 0 and read_manifest(states, round) is not None:  # read and verified, not "exists"
             raise _ManifestExists()
         if misses % 8 == 4 and abandoned is not None and abandoned():
             raise _ManifestExists()
@@ -109,10 +110,11 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
     if not _listed_objects_exist(store, manifest):
         logger.info("checkpoint %d was pruned before its manifest was written; not writing it", round)
         return False
-    if not store.create_json(layout.manifest_key(round), manifest.to_json()):
+    key = layout.manifest_key(round)
+    if not create_over_forged(store, key, manifest.to_json(), lambda o: Manifest.from_json(o, key=key, round=round)):
         return False
     if not _listed_objects_exist(store, manifest):
-        store.delete(layout.manifest_key(round))
+        store.delete(key)
         logger.info("checkpoint %d was pruned while its manifest was written; removed the manifest", round)
         return False
     return True
@@ -177,7 +179,8 @@ def prune(states: GlobalStateStore, *, keep: int, newest: int) -> list[int]:
     """
     store = states.store
     present = states.rounds()
-    valid = [r for r in present if r <= newest and store.exists(layout.manifest_key(r))]
+    # A manifest counts once read and verified: a forged one must not make prune drop real checkpoints.
+    valid = [r for r in present if r <= newest and read_manifest(states, r) is not None]
     keep_set = set(valid[-keep:])
     removed = []
     for r in present:
@@ -208,10 +211,20 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
     (its ``ranks`` as the participants).
     """
     states.write(version, VERSION_ATTEMPT, tree, writer=writer, num_slices=1)
-    marker = states.markers(version, VERSION_ATTEMPT).by_count[1][0]
+    # The marker is read at its key, not found through a listing: a listing may not show it yet (a store's
+    # list-after-write lag), which used to end a merge with a bare KeyError.
+    key = layout.slice_marker_key(version, VERSION_ATTEMPT, 0, 1)
+    try:
+        marker = SliceMarker.from_json(states.store.get_json(key), key=key, round=version, attempt=VERSION_ATTEMPT,
+                                       index=0, num_slices=1)
+    except ObjectNotFound:
+        raise CorruptCheckpoint(key, f"global version {version}: its marker is missing right after it was "
+                                     "written (deleted meanwhile?)") from None
     manifest = Manifest(round=version, attempt=VERSION_ATTEMPT, slices=[_slice_entry(marker)], replicas={},
                         participants=list(meta.get("ranks", [])), time=time.time(), extra={"decoupled": meta})
-    states.store.create_json(layout.manifest_key(version), manifest.to_json())
+    manifest_key = layout.manifest_key(version)
+    create_over_forged(states.store, manifest_key, manifest.to_json(),
+                       lambda o: Manifest.from_json(o, key=manifest_key, round=version))
 
 
 def read_version(states: GlobalStateStore, version: int) -> dict[str, Any]:
@@ -226,7 +239,7 @@ def version_durable(states: GlobalStateStore, version: int) -> bool:
 
 def version_complete(states: GlobalStateStore, version: int) -> bool:
     """Whether global ``version``'s manifest exists too (its writer finished; its inputs may be pruned)."""
-    return states.store.exists(layout.manifest_key(version))
+    return read_manifest(states, version) is not None
 
 
 def versions(states: GlobalStateStore, *, above: int = -1) -> list[int]:

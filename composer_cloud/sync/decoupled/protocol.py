@@ -51,8 +51,10 @@ from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checks import check_tree, outliers, tree_norm
+from composer_cloud.sync.decoupled import guard
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY, initial_state, outer_step, token_weights
 from composer_cloud.sync.outer import OuterOptimizerConfig
+from composer_cloud.sync.trust import create_over_forged, warn_once
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +128,9 @@ def publish_contribution(store: Store, cfg: DecoupledConfig, *, rank: int, seq: 
                      sha256=hashlib.sha256(blob).hexdigest(), time=time.time())
     store.put(layout.contribution_key(rank, seq, "safetensors"), blob)
     meta_key = layout.contribution_key(rank, seq, "json")
-    if not store.create_json(meta_key, c.to_json(run_id=cfg.run_id, bytes=len(blob))):
+    meta = c.to_json(run_id=cfg.run_id, bytes=len(blob))
+    if not create_over_forged(store, meta_key, meta, lambda o: Contribution.from_json(
+            o, key=meta_key, run_id=cfg.run_id, rank=rank, seq=seq, replicas=cfg.replicas)):
         raise BadObject(meta_key, f"contribution {seq} of replica {rank} was already published (another process "
                                   "runs this rank?)")
     return c
@@ -151,18 +155,30 @@ def list_contributions(store: Store, cfg: DecoupledConfig,
         if rank is None or rank >= cfg.replicas:
             logger.warning("ignoring %s/%s: not a rank of this run", layout.CONTRIBUTIONS, name)
             continue
-        for seq in _seqs(store, rank):
-            if seq <= cursor.get(rank, 0):
-                continue
-            key = layout.contribution_key(rank, seq, "json")
-            try:
-                pending.append(Contribution.from_json(_read_json(store, key), key=key, run_id=cfg.run_id, rank=rank,
-                                                      seq=seq, replicas=cfg.replicas))
-            except BadObject as exc:
-                logger.warning("skipping contribution %s", exc)
-                rejected.append(Rejected(rank, seq, exc.reason))
+        valid, bad = _pending_metas(store, cfg, rank, cursor.get(rank, 0))
+        pending.extend(valid)
+        rejected.extend(bad)
     pending.sort(key=lambda c: (c.rank, c.seq))
     return pending, rejected
+
+
+def _pending_metas(store: Store, cfg: DecoupledConfig, rank: int,
+                   after: int) -> tuple[list[Contribution], list[Rejected]]:
+    """``rank``'s metas listed past seq ``after``, read and validated: the valid ones (in a signed run: written
+    by a job of the run) and the others (forged, garbage, another run's). A listed name alone decides nothing."""
+    valid: list[Contribution] = []
+    bad: list[Rejected] = []
+    for seq in _seqs(store, rank):
+        if seq <= after:
+            continue
+        key = layout.contribution_key(rank, seq, "json")
+        try:
+            valid.append(Contribution.from_json(_read_json(store, key), key=key, run_id=cfg.run_id, rank=rank,
+                                                seq=seq, replicas=cfg.replicas))
+        except BadObject as exc:
+            logger.warning("skipping contribution %s", exc)
+            bad.append(Rejected(rank, seq, exc.reason))
+    return valid, bad
 
 
 def load_contribution(store: Store, c: Contribution, shapes: Shapes) -> dict[str, torch.Tensor]:
@@ -215,11 +231,16 @@ def newest_merge(store: Store, cfg: DecoupledConfig) -> MergeRecord | None:
     """The newest merge record (None: only version 0 exists).
 
     Records are write-once and decide the version chain; one that fails
-    validation (forged, another run's) poisons its version: it is reported
-    and the chain stops below it (see docs/decoupled.md, limits).
+    validation (forged, garbage, another run's) decides nothing: it is
+    reported and skipped, and the chain continues from the newest valid record
+    below it (in a signed run the next merge replaces it: :func:`create_over_forged`).
     """
-    versions = merge_versions(store)
-    return read_merge(store, cfg, versions[-1]) if versions else None
+    for v in reversed(merge_versions(store)):
+        try:
+            return read_merge(store, cfg, v)
+        except BadObject as exc:
+            logger.warning("ignoring merge record %d: %s", v, exc)
+    return None
 
 
 # ------------------------------------------------------------------ global versions
@@ -365,7 +386,11 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
     history = [c.time for c in (latest.contributions if latest else ())]
     grace = grace_window(history + [c.time for c in pending], cfg)
     ranks = {c.rank for c in pending}
-    if not pending and not rejected and not final:
+    if not pending and not final:
+        # Metas that failed validation never move the cursor (a forged name must not skip or count genuine
+        # seqs) and never make a merge on their own (it would be a version with no step): dropped here, or
+        # listed in the next record and pruned with it.
+        _drop(store, rejected)
         return MergeOutcome(version=base, base=base, reason="nothing pending", grace_s=grace)
     waited = now - min(c.time for c in pending) if pending else 0.0
     if final:
@@ -377,18 +402,22 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
     else:
         return MergeOutcome(version=base, base=base, reason="waiting for a quorum or the grace window", grace_s=grace,
                             pending=len(pending))
-    accepted, deltas = _verified(store, cfg, pending, shapes, rank=rank, rejected=rejected)
+    refs = {r: guard.Reference(*ref) for r, ref in ((latest.references or {}) if latest else {}).items()}
+    accepted, deltas, norms = _verified(store, cfg, pending, shapes, rank=rank, rejected=rejected, refs=refs)
+    refs = guard.updated(refs, [(c.rank, n, c.tokens) for c, n in zip(accepted, norms)])
     for c in pending:
         cursor[c.rank] = max(cursor.get(c.rank, 0), c.seq)
-    for r in rejected:
-        cursor[r.rank] = max(cursor.get(r.rank, 0), r.seq)
+    merged = {r: (latest.merged_count(r) if latest else 0) + sum(c.rank == r for c in accepted)
+              for r in range(cfg.replicas)}
     v = base + 1
-    record = MergeRecord(run_id=cfg.run_id, version=v, contributions=tuple(accepted),
+    record = MergeRecord(run_id=cfg.run_id, version=v, contributions=tuple(accepted), merged=merged,
+                         references={r: (ref.norm, ref.tokens) for r, ref in refs.items()},
                          weights=tuple(token_weights(accepted, cfg.replicas)), cursor=cursor, final=final, time=now,
                          rejected=tuple(sorted(rejected, key=lambda r: (r.rank, r.seq))),
                          staleness=tuple(base - c.base_version for c in accepted), grace_s=grace, reason=reason,
                          decided_by=rank)
-    if not store.create_json(layout.merge_key(v), record.to_json()):
+    if not create_over_forged(store, layout.merge_key(v), record.to_json(),
+                              lambda o: parse_merge(o, layout.merge_key(v), cfg, v)):
         logger.info("replica %d lost the race for merge %d; adopting the winner's", rank, v)
         return MergeOutcome(version=newest_version(store), base=base, reason="lost the race", grace_s=grace)
     complete_version(store, cfg, record, shapes, rank=rank, deltas=deltas)  # won the create: the record is ours
@@ -397,8 +426,11 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
 
 
 def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], shapes: Shapes, *, rank: int,
-              rejected: list[Rejected]) -> tuple[list[Contribution], list[dict[str, torch.Tensor]]]:
-    """The pending contributions that pass every check, with their tensors; the others go to ``rejected``."""
+              rejected: list[Rejected], refs: Mapping[int, guard.Reference]
+              ) -> tuple[list[Contribution], list[dict[str, torch.Tensor]], list[float]]:
+    """The pending contributions that pass every check, with their tensors and norms; the others go to
+    ``rejected``. Checks: the blob (:func:`load_contribution`), the median rule among this merge's
+    contributions, and the guard against each replica's own history (:mod:`.guard`)."""
     accepted: list[Contribution] = []
     deltas: list[dict[str, torch.Tensor]] = []
     for c in pending:
@@ -410,14 +442,27 @@ def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], s
             rejected.append(Rejected(c.rank, c.seq, exc.reason))
     norms = [tree_norm(d) for d in deltas]
     median, bad = outliers(norms, cfg.outlier_factor)
-    for i in bad:
-        why = f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}"
-        rejected.append(Rejected(accepted[i].rank, accepted[i].seq, why))
-    keep = [i for i in range(len(accepted)) if i not in set(bad)]
-    return [accepted[i] for i in keep], [deltas[i] for i in keep]
+    why = {i: f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}" for i in bad}
+    for i, c in enumerate(accepted):
+        refused = None if i in why else guard.refusal(c.rank, norms[i], c.tokens, refs, cfg.outlier_factor)
+        if refused:
+            why[i] = refused
+    for i in sorted(why):
+        logger.warning("replica %d rejects contribution %d of replica %d: %s", rank, accepted[i].seq,
+                       accepted[i].rank, why[i])
+        rejected.append(Rejected(accepted[i].rank, accepted[i].seq, why[i]))
+    keep = [i for i in range(len(accepted)) if i not in why]
+    return [accepted[i] for i in keep], [deltas[i] for i in keep], [norms[i] for i in keep]
 
 
 # ------------------------------------------------------------------ pruning
+def _drop(store: Store, rejected: Sequence[Rejected]) -> None:
+    """Delete contribution objects that failed validation (nothing merges them; they only cost listings)."""
+    for r in rejected:
+        for ext in ("safetensors", "json"):
+            store.delete(layout.contribution_key(r.rank, r.seq, ext))
+
+
 def prune(store: Store, cfg: DecoupledConfig, *, newest: int, record: MergeRecord) -> None:
     """After global ``newest`` is durable: drop its consumed contributions, old globals and old records.
 
@@ -448,7 +493,8 @@ def next_seq(store: Store, cfg: DecoupledConfig, rank: int, own: int) -> int:
     already published (the steps since that state are contributed again:
     at-least-once, see docs/decoupled.md).
     """
-    return max(own, _published(store, rank, _newest_merge_or_none(store, cfg, f"next seq of replica {rank}"))) + 1
+    latest = _newest_merge_or_none(store, cfg, f"next seq of replica {rank}")
+    return max(own, _published(store, cfg, rank, latest)[0]) + 1
 
 
 def _newest_merge_or_none(store: Store, cfg: DecoupledConfig, what: str) -> MergeRecord | None:
@@ -459,29 +505,46 @@ def _newest_merge_or_none(store: Store, cfg: DecoupledConfig, what: str) -> Merg
         return None
 
 
-def _published(store: Store, rank: int, latest: MergeRecord | None) -> int:
-    """The highest seq ``rank`` published: merged (the record's cursor) or still listed."""
-    return max([latest.cursor.get(rank, 0) if latest else 0, *_seqs(store, rank)])
+def _published(store: Store, cfg: DecoupledConfig, rank: int, latest: MergeRecord | None) -> tuple[int, int]:
+    """``(highest seq, contributions counted)`` of ``rank``: merged (the record's cursor and merged count) and
+    pending metas that validate. Names that fail validation count for nothing and move no seq."""
+    cursor = latest.cursor.get(rank, 0) if latest else 0
+    merged = latest.merged_count(rank) if latest else 0
+    valid, _ = _pending_metas(store, cfg, rank, cursor)
+    return max([cursor, *(c.seq for c in valid)]), merged + len(valid)
 
 
 def published_total(store: Store, cfg: DecoupledConfig) -> int:
-    """Contributions the whole fleet has published so far (merged or pending), summed over ranks.
+    """Contributions the whole fleet has published so far (merged, or pending and valid), summed over ranks.
 
     The run's work budget is ``replicas * rounds`` contributions of ``inner_steps``
     each, whoever does them: a replica 3x slower contributes fewer, a dead one
-    none, and the run still ends after the same amount of work.
+    none, and the run still ends after the same amount of work. Only contributions
+    that validate count (in a signed run: written by a job of the run), and a
+    merged one only if the merge accepted it: forged names, or contributions the
+    merge refused, never bring the end of the run closer.
     """
     latest = _newest_merge_or_none(store, cfg, "published total")
-    return sum(_published(store, r, latest) for r in range(cfg.replicas))
+    return sum(_published(store, cfg, r, latest)[1] for r in range(cfg.replicas))
 
 
 # ------------------------------------------------------------------ finishing
 def read_final(store: Store) -> int | None:
-    """The final version if the run finished (``final.json`` present and well-formed)."""
+    """The final version if the run finished: ``final.json`` read and verified, naming a version whose merge
+    record is flagged final and whose global state is durable. Anything else there finishes nothing."""
     try:
         obj = store.try_get_json(layout.FINAL)
-        return None if obj is None else FinalRecord.from_json(obj, key=layout.FINAL).version
-    except BadObject:
+        if obj is None:
+            return None
+        version = FinalRecord.from_json(obj, key=layout.FINAL).version
+        merge = _read_json(store, layout.merge_key(version)) if version > 0 else None
+        if not (isinstance(merge, dict) and merge.get("final") is True and merge.get("version") == version):
+            raise BadObject(layout.FINAL, f"names version {version}, which no final merge record decided")
+        if not has_version(store, version):
+            raise BadObject(layout.FINAL, f"names version {version}, whose global state is not durable")
+        return version
+    except BadObject as exc:
+        warn_once(f"final:{store.uri}:{exc.reason}", "ignoring %s", exc)
         return None
 
 
@@ -511,7 +574,8 @@ def finish(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, rou
                                        "retry")
     complete_version(store, cfg, latest, shapes, rank=rank)  # durable with its manifest, whoever wrote it
     load_version(store, latest.version, shapes)  # read back: "completed" means durable and verified
-    if not store.create_json(layout.FINAL, FinalRecord(version=latest.version, by=rank, time=time.time()).to_json()):
+    final_record = FinalRecord(version=latest.version, by=rank, time=time.time()).to_json()
+    if not create_over_forged(store, layout.FINAL, final_record, lambda o: FinalRecord.from_json(o, key=layout.FINAL)):
         logger.info("replica %d: another finisher recorded the final version", rank)
     final = read_final(store)
     if final != latest.version:

@@ -381,7 +381,15 @@ class ObjectStoreManager:
             load_fn(tree[key])
 
     def _commit_was_voided(self, round: int, attempt: int) -> bool:
-        return rounds.committed_attempt(self.store, round) != attempt
+        # A commit is voided only when its state can never become durable (declare_void); our own commit's
+        # state is durable by now (flush_state joined its publish), so a void of it was not the run's: ignore it.
+        if rounds.committed_attempt(self.store, round) == attempt:
+            return False
+        if self.global_state.durable(round, attempt):
+            logger.warning("replica %d: ignoring a void of round %d attempt %d, whose state is durable", self.rank,
+                           round, attempt)
+            return False
+        return True
 
     def _heal(self, floor: int, *, latest: int | None = None) -> int | None:
         """Load the newest durable committed global state of a round ``>= floor``; returns its round.

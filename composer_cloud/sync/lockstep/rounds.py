@@ -111,7 +111,7 @@ def read_outcome(store: Store, round: int, attempt: int, *, replicas: int | None
         if out.participants != participants:
             raise BadObject(key, f"committed with participants {out.participants[:16]}, but the quorum "
                                      f"record names {participants[:16]}")
-        if store.exists(layout.void_key(round, attempt)):
+        if _valid_void(store, round, attempt, replicas):
             # The commit was abandoned: its global state never became durable (see declare_void).
             return Outcome(round=round, attempt=attempt, committed=False,
                            reason="void: the committed state was never made durable",
@@ -120,6 +120,24 @@ def read_outcome(store: Store, round: int, attempt: int, *, replicas: int | None
     except BadObject as exc:
         warn_once(f"outcome:{store.uri}/{key}:{exc.reason}", "%s", exc)
         return Outcome.unusable(round, attempt, exc, unreadable=isinstance(exc, ChecksumMismatch))
+
+
+def _valid_void(store: Store, round: int, attempt: int, replicas: int | None) -> bool:
+    """Whether the attempt holds a valid void record: read, verified (signed runs: authentic) and parsed, its
+    author a rank of the run. Anything else there is ignored with a warning: the existence of an object never
+    voids a commit (in a signed run only the run's jobs can void one)."""
+    key = layout.void_key(round, attempt)
+    try:
+        obj = store.try_get_json(key)
+        if obj is None:
+            return False
+        void = Void.from_json(obj, key=key, round=round, attempt=attempt)
+        if replicas is not None and void.by >= replicas:
+            raise BadObject(key, f"declared by replica {void.by}, but the run has {replicas} replicas")
+    except BadObject as exc:
+        warn_once(f"void:{store.uri}/{key}:{exc.reason}", "ignoring %s", exc)
+        return False
+    return True
 
 
 def declare_void(store: Store, round: int, attempt: int, *, by: int, reason: str) -> bool:
