@@ -256,7 +256,7 @@ KNOWN_PACKAGE_CYCLES = [["composer_cloud.trainer", "composer_cloud.trainer.three
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "stack", "archive")),
     ("storage", ("storage",)),
-    ("sync and model", ("sync", "model", "corpus", "stdlib_corpus", "trainer")),
+    ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer")),
     ("replica and executors", ("replica", "jobs", "images")),
     ("client", ("runs",)),
     ("command line", ("cli",)),
