@@ -139,8 +139,9 @@ class LockstepBoundary:
             "participants": res.participants if res else [], "sync_s": res.wall_s if res else 0.0,
             "quorum_wait_s": res.quorum_wait_s if res else 0.0, "bytes_read": res.bytes_read if res else 0,
             "bytes_written": res.bytes_written if res else 0}
-        if rec.committed or rec.healed_to is not None:
-            params_replaced(self.ctx.trainer)  # the outer step (or a heal) replaced the synced parameters
+        # Every sync replaced the synced parameters: torchft's DiLoCo restores the global backup before it
+        # knows the outcome (then an outer step, or a heal, or nothing more if the round was not committed).
+        params_replaced(self.ctx.trainer)
         if rec.committed and res is not None:
             self._after_commit(rec.round, res.attempt, res.participants, row)
         self._reap_io()
