@@ -110,6 +110,20 @@ def test_every_decoupled_adopt_reaches_the_engine(monkeypatch, tmp_path):
     assert set(tree[FRAGMENT_KEY]["original_parameters"]) == set(synced_parameters(ctx.model))
     assert all(".lora_" in name for name in synced_parameters(ctx.model))
 
+    # A restart resumes the adapters, their AdamW state and the RNGs from the replica's inner state.
+    adapters = {n: p.detach().clone() for n, p in synced_parameters(ctx.model).items()}
+    optim, _ = ctx.trainer.state_dict()
+    rng = torch.get_rng_state()
+    torch.manual_seed(1234)
+    monkeypatch.setattr(vllm_engine.RecordingVLLMGeneration, "instances", [])
+    ctx2, engine2 = _context(monkeypatch, ctx.run.uri, mode="decoupled", rounds=3, lora=True)
+    DecoupledBoundary(ctx2).start()
+    assert all(torch.equal(p, adapters[n]) for n, p in synced_parameters(ctx2.model).items())
+    optim2, _ = ctx2.trainer.state_dict()
+    moments = [k for k in optim if k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert len(moments) == 2 * len(adapters) and all(torch.equal(optim2[k], optim[k]) for k in moments)
+    assert torch.equal(torch.get_rng_state(), rng) and engine2.engine_matches_policy()
+
 
 def test_without_the_boundarys_call_the_engine_is_stale(monkeypatch, tmp_path):
     """Control: the check above can fail. With ``params_replaced`` a no-op the engine lags every sync."""
