@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from composer_cloud import runs
+from composer_cloud.lora import synced_parameters
 from composer_cloud.runs import read_metrics
 from composer_cloud.storage.run import open_run
-from composer_cloud.lora import synced_parameters
+from composer_cloud.storage.tensors import flatten
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.lockstep.diloco import params_digest
-from composer_cloud.storage.tensors import flatten
 from support.cli import cli
 from support.resume import export_weights, kill_run_at, launch_run, same_weights
 from support.specs import RESUME_SPEC, with_sync

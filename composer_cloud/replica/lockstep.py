@@ -27,7 +27,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-
 from composer_cloud.errors import CorruptCheckpoint
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, params_replaced, snapshot
