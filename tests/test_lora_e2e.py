@@ -177,3 +177,19 @@ def test_lora_store_bytes_per_round_are_under_two_percent_of_a_full_fine_tune(tm
     lora = _bytes_per_replica_round(open_run(f"{store}/lora").store)
     print(f"store bytes per replica per round: full {full:.0f}, LoRA {lora:.0f}, ratio {lora / full:.4f}")
     assert lora / full <= 0.02
+
+
+@pytest.mark.slow
+def test_three_channel_bf16_lora_run_completes_and_exports(tmp_path):
+    """The default trainer (three-channel) with bf16 autocast and LoRA: a bf16 base, fp32 adapters synced."""
+    store = store_uri_for("file", tmp_path)
+    spec = BF16_SPEC.replace('name = "causal-lm"\n', "num_generations = 2\nmax_completion_length = 6\n")
+    spec = spec.replace("rounds = 4", "rounds = 2").replace("inner_steps = 4", "inner_steps = 2") + LORA_TOML
+    res = launch_run(tmp_path, store, "tc", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "synced share (LoRA)" in res.stdout
+    rows = read_metrics(open_run(f"{store}/tc").store, kind="round")
+    assert len(rows) == 4 and all(0 < m["synced_fraction"] < 0.1 and "reward_mean" in m for m in rows)
+    weights = export_weights(tmp_path, f"{store}/tc", "tc-model")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}  # merged into the bf16 base
+    _generate(tmp_path / "tc-model")
