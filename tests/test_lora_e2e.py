@@ -187,7 +187,7 @@ def test_three_channel_bf16_lora_run_completes_and_exports(tmp_path):
     spec = spec.replace("rounds = 4", "rounds = 2").replace("inner_steps = 4", "inner_steps = 2") + LORA_TOML
     res = launch_run(tmp_path, store, "tc", spec)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "synced share (LoRA)" in res.stdout
+    assert "(LoRA: " in res.stdout and "of a full fine-tune's)" in res.stdout
     rows = read_metrics(open_run(f"{store}/tc").store, kind="round")
     assert len(rows) == 4 and all(0 < m["synced_fraction"] < 0.1 and "reward_mean" in m for m in rows)
     weights = export_weights(tmp_path, f"{store}/tc", "tc-model")

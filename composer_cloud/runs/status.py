@@ -235,6 +235,13 @@ class RunSummary:
     eval_reward_last: float | None = None
     synced_fraction: float | None = None  # bytes DiLoCo syncs vs a full fine-tune's (LoRA: the adapters' share)
 
+    @property
+    def synced_note(self) -> str:
+        """`` (LoRA: 0.95% of a full fine-tune's)`` where the run syncs a share of its parameters, else ``""``."""
+        if self.synced_fraction is None or self.synced_fraction >= 1.0:
+            return ""
+        return f" (LoRA: {100 * self.synced_fraction:.2f}% of a full fine-tune's)"
+
 
 def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
     """The run's metric rows (one replica's with ``rank``); see :func:`composer_cloud.runs.metrics.read_metrics`."""
