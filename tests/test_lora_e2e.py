@@ -107,7 +107,7 @@ def test_lora_run_syncs_adapters_only_exports_and_resumes_bitwise_after_kill(tmp
     assert {round(m["synced_fraction"], 6) for m in rows} == {round(rows[0]["synced_fraction"], 6)}
     assert 0 < rows[0]["synced_fraction"] < 0.1
     assert runs.summarize(run, runs.get_status(run)).synced_fraction == rows[0]["synced_fraction"]
-    assert f"{100 * rows[0]['synced_fraction']:.2f}% of a full fine-tune" in launched.stdout, launched.stdout
+    assert f"(LoRA: {100 * rows[0]['synced_fraction']:.2f}% of full)" in launched.stdout, launched.stdout
 
 
 def test_export_adapter_of_a_full_fine_tune_is_refused(tmp_path):
@@ -187,7 +187,7 @@ def test_three_channel_bf16_lora_run_completes_and_exports(tmp_path):
     spec = spec.replace("rounds = 4", "rounds = 2").replace("inner_steps = 4", "inner_steps = 2") + LORA_TOML
     res = launch_run(tmp_path, store, "tc", spec)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "(LoRA: " in res.stdout and "of a full fine-tune's)" in res.stdout
+    assert "(LoRA: " in res.stdout and "% of full)" in res.stdout
     rows = read_metrics(open_run(f"{store}/tc").store, kind="round")
     assert len(rows) == 4 and all(0 < m["synced_fraction"] < 0.1 and "reward_mean" in m for m in rows)
     weights = export_weights(tmp_path, f"{store}/tc", "tc-model")

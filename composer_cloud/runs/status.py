@@ -237,10 +237,10 @@ class RunSummary:
 
     @property
     def synced_note(self) -> str:
-        """`` (LoRA: 0.95% of a full fine-tune's)`` where the run syncs a share of its parameters, else ``""``."""
+        """`` (LoRA: 0.95% of full)`` where the run syncs a share of a full fine-tune's bytes, else ``""``."""
         if self.synced_fraction is None or self.synced_fraction >= 1.0:
             return ""
-        return f" (LoRA: {100 * self.synced_fraction:.2f}% of a full fine-tune's)"
+        return f" (LoRA: {100 * self.synced_fraction:.2f}% of full)"
 
 
 def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
