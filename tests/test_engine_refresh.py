@@ -134,3 +134,27 @@ def test_without_the_boundarys_call_the_engine_is_stale(monkeypatch, tmp_path):
     ctx, engine = _context(monkeypatch, f"file://{tmp_path}/store/run", mode="lockstep", rounds=2, lora=False)
     probe = _run(ctx, engine, LockstepBoundary)
     assert probe.checks == [False, False] and ctx.trainer.engine_refreshes == 0
+
+
+def test_a_heal_and_an_aborted_round_reach_the_engine(monkeypatch, tmp_path):
+    """The syncs that change the parameters without an outer step: a heal (the manager copied a committed
+    global state into the model) and a round that was not committed (torchft restored the global backup).
+    Each is reported as a sync record; the boundary pushes the parameters before the next inner step."""
+    from composer_cloud.replica.boundary import Segment
+    from composer_cloud.sync.lockstep.manager import SyncRecord
+
+    ctx, engine = _context(monkeypatch, f"file://{tmp_path}/store/run", mode="lockstep", rounds=2, lora=True)
+    boundary = LockstepBoundary(ctx)
+    boundary.start()
+    try:
+        for record in (SyncRecord(0, None, committed=False, healed_to=0), SyncRecord(0, None, committed=False)):
+            with torch.no_grad():  # what the manager's heal / torchft's restore does to the synced parameters
+                for p in synced_parameters(ctx.model).values():
+                    p.add_(0.05 * torch.randn_like(p))
+            assert not engine.engine_matches_policy()
+            boundary._syncs.append(record)  # the manager's on_sync
+            row = boundary.after_step(Segment())
+            assert row["committed"] is False and engine.engine_matches_policy()
+        assert ctx.trainer.engine_refreshes == 2
+    finally:
+        boundary.loop.close()
