@@ -460,8 +460,8 @@ def _run_case(model_name: str, store_uri: str, opts: dict[str, Any], out_path: s
 
     # ---------------------------------------------------------------- 6. resume reads (after), each on a fresh Store
     manifest = ckpt.read_manifest(real, resume_round)
-    g_bytes = sum(e["bytes"] for e in manifest["global"])
-    r_bytes = {int(k): v["bytes"] for k, v in manifest["replicas"].items()}
+    g_bytes = sum(e.bytes for e in manifest.slices)
+    r_bytes = {rank: e.bytes for rank, e in manifest.replicas.items()}
     reads: dict[str, Any] = {"world_size": opts["resume_w"], "global_bytes": g_bytes, "replica_bytes": r_bytes,
                              "checkpoint_bytes": g_bytes + sum(r_bytes.values()),
                              "replica_needs_bytes": g_bytes + r_bytes[0]}

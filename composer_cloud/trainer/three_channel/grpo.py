@@ -26,10 +26,10 @@ from typing import Any, Iterator, Mapping
 
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
-from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id, pad, selective_log_softmax
 
+from composer_cloud.lora import is_lora_model
 from composer_cloud.trainer.three_channel.distill import TAIDSchedule
 from composer_cloud.trainer.three_channel.loss import (
     DPOInputs,
@@ -129,7 +129,7 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         self.hint_source: HintSource = hint_source or NoHints()
         self.replay = replay
         reference = None
-        if args.beta != 0.0 and not isinstance(model, str) and not is_peft_model(model):
+        if args.beta != 0.0 and not isinstance(model, str) and not is_lora_model(model):
             # Copied before TRL patches model.forward: a deepcopy of the patched model would keep
             # calling the original's forward (the closure is not copied).
             reference = copy.deepcopy(model).eval().requires_grad_(False)

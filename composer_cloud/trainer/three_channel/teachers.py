@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -48,6 +47,7 @@ from typing import Any, Literal, Mapping, Sequence
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from composer_cloud import env as cc_env
 from composer_cloud.trainer.three_channel.replay import (
     PairFilters,
     TraceStep,
@@ -200,7 +200,7 @@ class Teacher:
         self.config = config
         key = "EMPTY"  # what keyless servers (vLLM, llama.cpp) accept
         if config.api_key_env:
-            key = os.environ.get(config.api_key_env, "")
+            key = cc_env.present((config.api_key_env,)).get(config.api_key_env, "")
             if not key:
                 raise TeachersError(f"teacher {config.name!r}: environment variable {config.api_key_env} "
                                     "(api_key_env) is not set")
