@@ -26,7 +26,9 @@ Rows (one per shape x {full, lora} x {hf, vllm} x {composer-cloud, trl}); per in
 * ``vs_trl``: composer-cloud's step time / TRL's on the same shape and mode (goal <= 1.05);
 * ``sync_s`` / ``sync_share_h50``: one DiLoCo round of the synced parameter set through a local
   ``file://`` store (torchft's DiLoCo over the object-store all-reduce, one replica, fp32), and its share
-  of a round of ``H = 50`` inner steps: ``sync_s / (50 * step_s + sync_s)`` (goal <= 2%).
+  of a round of ``H = 50`` inner steps: ``sync_s / (50 * step_s + sync_s)`` (goal <= 2%);
+* ``store_mib_per_round`` / ``store_vs_full``: that round's store traffic (the store's byte counters: the
+  payload, the reduced slot, the global state and the records), and its ratio to the full fine-tune's.
 
 vLLM rows run only where ``vllm`` imports and a GPU is present (TRL's colocated engine).
 """
@@ -210,8 +212,9 @@ def _row(steps: list[float], rollout_s: list[float], device: torch.device) -> di
             "step_s_samples": steps}
 
 
-def measure_sync_s(model: torch.nn.Module, rounds: int = 3) -> float:
-    """Median wall time of one DiLoCo round of ``synced_parameters(model)`` through a fresh ``file://`` store.
+def measure_sync(model: torch.nn.Module, rounds: int = 3) -> tuple[float, float]:
+    """Median wall time (s) and mean store bytes (read + written, the store's counters) of one DiLoCo round of
+    ``synced_parameters(model)`` through a fresh ``file://`` store.
 
     The one place this benchmark touches the sync layer: torchft's DiLoCo (via ``build_diloco``) over the
     object-store all-reduce, one replica, fp32 codec, ``sync_every = 1`` so every optimizer step is a round.
@@ -224,7 +227,8 @@ def measure_sync_s(model: torch.nn.Module, rounds: int = 3) -> float:
     inner = torch.optim.SGD(group.parameters(), lr=0.0)
     config = LockstepConfig.from_spec(spec_from_dict({"replicas": 1, "min_replicas": 1, "inner_steps": 1}))
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as root:
-        loop = build_diloco(store=Store(f"file://{root}"), rank=0, model=group, inner_optimizer=inner, config=config)
+        store = Store(f"file://{root}")
+        loop = build_diloco(store=store, rank=0, model=group, inner_optimizer=inner, config=config)
         times = []
         try:
             with loop:
@@ -233,8 +237,8 @@ def measure_sync_s(model: torch.nn.Module, rounds: int = 3) -> float:
                     inner.step()
                     times.append(time.perf_counter() - t0)
         finally:
-            loop.close()
-    return statistics.median(times[1:])
+            loop.close()  # the last round's global state is uploaded: every round's bytes are counted
+    return statistics.median(times[1:]), (store.bytes_read + store.bytes_written) / (rounds + 1)
 
 
 def model_flops(model: torch.nn.Module, args: argparse.Namespace, prompt_tokens: int, lora: bool) -> float:
@@ -276,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             fp = sync_footprint(probe)
             flops = model_flops(probe, args, prompt_tokens, lora)
             del probe
-            sync_s = measure_sync_s(build_model(shape, lora=lora, device=torch.device("cpu")))
+            sync_s, sync_bytes = measure_sync(build_model(shape, lora=lora, device=torch.device("cpu")))
             for rollout in rollouts:
                 for impl, run in (("composer-cloud", run_composer), ("trl", run_trl)):
                     model = build_model(shape, lora=lora, device=device)
@@ -288,13 +292,15 @@ def main(argv: list[str] | None = None) -> int:
                                tokens_per_s=args.batch * args.completion / row["step_s"],
                                mfu=flops / (row["step_s"] * peak) if peak else None,
                                synced_mib=fp.synced_bytes / 2**20, full_mib=fp.full_bytes / 2**20,
-                               synced_ratio=fp.ratio, sync_s=sync_s,
+                               synced_ratio=fp.ratio, sync_s=sync_s, store_mib_per_round=sync_bytes / 2**20,
                                sync_share_h50=sync_s / (H * row["step_s"] + sync_s))
                     rows.append(row)
                     print(f"{shape} {mode} {rollout} {impl}: step {row['step_s']:.2f}s", flush=True)
     for row in rows:
         anchor = next(r for r in rows if r["impl"] == "trl" and all(r[k] == row[k] for k in ("shape", "mode", "rollout")))
         row["vs_trl"] = row["step_s"] / anchor["step_s"]
+        full = next((r for r in rows if r["mode"] == "full" and r["shape"] == row["shape"]), None)
+        row["store_vs_full"] = row["store_mib_per_round"] / full["store_mib_per_round"] if full else None
     report = {"device": gpu, "torch": torch.__version__, "batch": args.batch, "generations": args.generations,
               "completion_tokens": args.completion, "steps": args.steps, "warmup": args.warmup, "H": H,
               "peak_flops": peak, "rows": rows}
@@ -310,7 +316,7 @@ def print_table(report: dict[str, Any]) -> None:
         return "-" if v is None else format(v, spec)
 
     head = ("shape", "mode", "rollout", "impl", "step s", "rollout s", "train s", "peak GiB", "tok/s", "MFU",
-            "vs TRL", "synced MiB", "sync s", "sync@H50")
+            "vs TRL", "synced MiB", "store MiB/round", "vs full", "sync s", "sync@H50")
     print(f"{report['device']}: {report['batch']} completions ({report['generations']} per prompt) x "
           f"{report['completion_tokens']} tokens, median of {report['steps']} steps")
     print(" | ".join(head))
@@ -318,7 +324,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(" | ".join([r["shape"], r["mode"], r["rollout"], r["impl"], f(r["step_s"], ".3f"),
                           f(r["rollout_s"], ".3f"), f(r["train_s"], ".3f"), f(r["peak_mem_gib"], ".1f"),
                           f(r["tokens_per_s"], ".0f"), f(r["mfu"], ".1%"), f(r["vs_trl"], ".3f"),
-                          f(r["synced_mib"], ".1f"), f(r["sync_s"], ".3f"), f(r["sync_share_h50"], ".2%")]))
+                          f(r["synced_mib"], ".1f"), f(r["store_mib_per_round"], ".2f"), f(r["store_vs_full"], ".2%"),
+                          f(r["sync_s"], ".3f"), f(r["sync_share_h50"], ".2%")]))
 
 
 if __name__ == "__main__":

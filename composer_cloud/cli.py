@@ -354,7 +354,7 @@ def _print_summary(run: Run, status: RunStatus) -> None:
     if total > 0:
         table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
                                                  f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
-    table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB")
+    table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB{s.synced_note}")
     if s.lost_replicas:
         table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
     console.print(table)
@@ -541,15 +541,16 @@ def resume(
 @app.command()
 def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")],
            round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None,
+           adapter: Annotated[bool, typer.Option("--adapter", help="LoRA run: the adapter alone (PEFT format)")] = False,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write the global parameters as a Hugging Face model directory."""
+    """Write the global parameters as a Hugging Face model directory (``--adapter``: a LoRA run's adapter)."""
     from composer_cloud.runs.export import export_model
 
     run = _open(run_uri, store_option)
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
     try:
-        r = export_model(run, out, round=round)
+        r = export_model(run, out, round=round, adapter=adapter)
     except (LookupError, StoreError) as exc:
         raise _fail(str(exc), code=1) from None
     if as_json:

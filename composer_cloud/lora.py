@@ -22,6 +22,7 @@ wrapped model computes exactly what the base does until the first step.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,10 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 def is_lora_model(model: torch.nn.Module) -> bool:
-    """True for a PEFT-wrapped model (what :func:`apply_lora` returns)."""
-    from peft import PeftModel
+    """True for a PEFT-wrapped model (what :func:`apply_lora` returns).
 
-    return isinstance(model, PeftModel)
+    Never imports ``peft`` itself: a model can only be a PEFT model once ``peft`` was imported.
+    """
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def apply_lora(

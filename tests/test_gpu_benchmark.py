@@ -29,4 +29,7 @@ def test_gpu_benchmark_tiny_runs_end_to_end(tmp_path):
     lora = next(r for r in rows if r["mode"] == "lora")
     full = next(r for r in rows if r["mode"] == "full")
     assert lora["synced_mib"] < full["synced_mib"] == full["full_mib"]
+    # The store's counters: a LoRA round moves a fraction of a full round's bytes, close to the synced share.
+    assert full["store_vs_full"] == 1.0 and lora["store_vs_full"] < 1.0
+    assert lora["store_vs_full"] == pytest.approx(lora["synced_ratio"], rel=0.5)
     assert "vs TRL" in done.stdout and "sync@H50" in done.stdout

@@ -190,6 +190,22 @@ def test_vllm_is_refused_where_it_cannot_run(monkeypatch):
     rollout.check_rollout_before_launch(spec, cuda_available=True)
     rollout.check_rollout_before_launch(spec_from_dict({"executor": "modal", "trainer": {"rollout": "vllm"}}),
                                         cuda_available=False)  # checked where modal's replicas run
+    mixed = spec_from_dict({"replicas": 2, "executor": "local:1,modal:1", "trainer": {"rollout": "vllm"}})
+    with pytest.raises(ValueError, match="trainer.rollout.*CUDA"):
+        rollout.check_rollout_before_launch(mixed, cuda_available=False)  # rank 0 runs here
+
+
+@pytest.mark.skipif(rollout.vllm_installed(), reason="vLLM is installed here: nothing to refuse for lack of it")
+def test_launch_refuses_vllm_without_the_extra_with_the_install_command(tmp_path):
+    """``composer-cloud launch`` runs the check with its others: nothing is written, exit code 2."""
+    from support.cli import cli
+
+    (tmp_path / "spec.toml").write_text('[trainer]\nrollout = "vllm"\n')
+    res = cli("launch", "--config", "spec.toml", "--store", f"file://{tmp_path}/store", "--run-id", "v",
+              cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "trainer.rollout" in res.stderr and "pip install 'composer-cloud[vllm]'" in res.stderr, res.stderr
+    assert not (tmp_path / "store" / "v").exists()
 
 
 def test_factory_refuses_vllm_without_a_gpu():

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from composer_cloud.hooks import Hooks
+from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.storage.run import Run
 
@@ -127,8 +128,16 @@ def snapshot(tree: Any) -> Any:
 
 
 def cpu_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A float32 CPU copy of the model's parameters, by name."""
-    return {n: p.detach().to("cpu", dtype=torch.float32, copy=True) for n, p in model.named_parameters()}
+    """A float32 CPU copy of the model's synced parameters, by name (a LoRA model's adapters alone)."""
+    return {n: p.detach().to("cpu", dtype=torch.float32, copy=True) for n, p in synced_parameters(model).items()}
 
 
-__all__ = ["Boundary", "ReplicaContext", "Segment", "cpu_params", "params_replaced", "snapshot"]
+def copy_into(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Copy ``params`` (by name; a subset of the model's, e.g. the synced ones) into the model."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in params.items():
+            named[name].copy_(value)
+
+
+__all__ = ["Boundary", "ReplicaContext", "Segment", "copy_into", "cpu_params", "params_replaced", "snapshot"]

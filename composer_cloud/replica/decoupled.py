@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from composer_cloud.errors import BadObject
-from composer_cloud.replica.boundary import ReplicaContext, Segment, cpu_params, params_replaced
+from composer_cloud.lora import synced_parameters
+from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, cpu_params, params_replaced
 from composer_cloud.storage import layout
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
 from composer_cloud.sync.decoupled import protocol
@@ -62,7 +63,8 @@ class DecoupledBoundary:
         self.spec = ctx.spec
         self.rank = ctx.rank
         self.cfg = protocol.DecoupledConfig.from_spec(self.spec)
-        self.shapes = {n: tuple(p.shape) for n, p in ctx.model.named_parameters()}
+        self.synced = synced_parameters(ctx.model)  # what is published and adopted (a LoRA model: its adapters)
+        self.shapes = {n: tuple(p.shape) for n, p in self.synced.items()}
         self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)
         self.budget = self.spec.replicas * self.spec.rounds
         self.adopted = -1  # the global version the model last adopted
@@ -80,10 +82,7 @@ class DecoupledBoundary:
         """Resume my inner state if I have one, else start from the newest durable global (version 0 first)."""
         resume = self.replica_states.load_decoupled(self.rank, world_size=self.spec.replicas)
         if resume is not None:
-            local = restore_replica_state(self.ctx.trainer, resume.tree["inner"])
-            with torch.no_grad():
-                for name, p in self.ctx.model.named_parameters():
-                    p.copy_(local[name])
+            copy_into(self.ctx.model, restore_replica_state(self.ctx.trainer, resume.tree["inner"]))
             self.seq, self.adopted = resume.seq, resume.version
             logger.info("replica %d resumed its inner state after contribution %d (version %d)", self.rank,
                         resume.seq, resume.version)
@@ -111,7 +110,7 @@ class DecoupledBoundary:
             return False
         params = tree[FRAGMENT_KEY]["original_parameters"]
         with torch.no_grad():
-            for name, p in self.ctx.model.named_parameters():
+            for name, p in self.synced.items():
                 g = params[name].to(p.device, p.dtype)
                 if alpha >= 1.0:
                     p.copy_(g)

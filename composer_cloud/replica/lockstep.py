@@ -27,10 +27,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from composer_cloud.errors import CorruptCheckpoint
-from composer_cloud.replica.boundary import ReplicaContext, Segment, params_replaced, snapshot
+from composer_cloud.lora import synced_parameters
+from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, params_replaced, snapshot
 from composer_cloud.retry import PollPolicy, wait_until
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
@@ -115,11 +114,7 @@ class LockstepBoundary:
         except CorruptCheckpoint as exc:
             logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
             return
-        local = restore_replica_state(self.ctx.trainer, tree)
-        if local:
-            with torch.no_grad():
-                for name, p in self.ctx.model.named_parameters():
-                    p.copy_(local[name])
+        copy_into(self.ctx.model, restore_replica_state(self.ctx.trainer, tree))
         logger.info("replica %d resumed from checkpoint %d", self.rank, start.round)
 
     # ------------------------------------------------------------ the loop's side
@@ -148,8 +143,9 @@ class LockstepBoundary:
             "participants": res.participants if res else [], "sync_s": res.wall_s if res else 0.0,
             "quorum_wait_s": res.quorum_wait_s if res else 0.0, "bytes_read": res.bytes_read if res else 0,
             "bytes_written": res.bytes_written if res else 0}
-        if rec.committed or rec.healed_to is not None:
-            params_replaced(self.ctx.trainer)  # the outer step (or a heal) replaced the synced parameters
+        # Every sync replaced the synced parameters: torchft's DiLoCo restores the global backup before it
+        # knows the outcome (then an outer step, or a heal, or nothing more if the round was not committed).
+        params_replaced(self.ctx.trainer)
         if rec.committed and res is not None:
             self._after_commit(rec.round, res.attempt, res.participants, row)
         self._reap_io()
@@ -179,7 +175,7 @@ class LockstepBoundary:
             return
         local = None
         if spec.sync.fragments > 1:  # parameters of not-yet-synced fragments are local
-            local = {n: p.detach().cpu().clone() for n, p in self.ctx.model.named_parameters()}
+            local = {n: p.detach().cpu().clone() for n, p in synced_parameters(self.ctx.model).items()}
         # At most one of this replica's state writes in flight: if the store is slower than the rounds,
         # wait here (and record it) rather than queue full snapshots. Manifest writers are not waited on:
         # they wait for other replicas, which may be gone.

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from composer_cloud.env import JobEnv
 from composer_cloud.hooks import Hooks
+from composer_cloud.lora import sync_footprint
 from composer_cloud.replica.boundary import Boundary, ReplicaContext, Segment
 from composer_cloud.replica.decoupled import DecoupledBoundary
 from composer_cloud.replica.lockstep import LockstepBoundary
@@ -103,11 +105,12 @@ class Replica:
         spec = ctx.spec
         boundary: Boundary = DecoupledBoundary(ctx) if spec.sync.mode == "decoupled" else LockstepBoundary(ctx)
         first = boundary.start()
+        synced = sync_fields(ctx.model)
         self.telemetry.start(runtime_versions(device=ctx.device.type))
         self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
         logger.info("replica %d/%d (%s) on %s: %s, starting at round %d of %d", self.rank, spec.replicas,
                     spec.sync.mode, ctx.device, spec.model.name, boundary.position, spec.rounds)
-        steps = _inner_loop(ctx, boundary)
+        steps = _inner_loop(ctx, boundary, round_fields=synced)
         final = boundary.finish(steps)
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
@@ -119,8 +122,21 @@ class Replica:
         self.telemetry.heartbeat(HeartbeatState.FAILED, error=f"{type(exc).__name__}: {exc}")
 
 
-def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
-    """THE inner loop of both sync modes; returns the inner steps this process took."""
+def sync_fields(model: torch.nn.Module) -> dict[str, Any]:
+    """What every round row says about the synced set: its parameters and its bytes against a full fine-tune's.
+
+    ``synced_fraction`` is 1.0 for a full fine-tune; under LoRA it is the adapters' share (what the store
+    traffic of a round shrinks by: ``docs/gpu.md``).
+    """
+    fp = sync_footprint(model)
+    return {"synced_params": fp.synced_params, "synced_fraction": fp.ratio}
+
+
+def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[str, Any] | None = None) -> int:
+    """THE inner loop of both sync modes; returns the inner steps this process took.
+
+    ``round_fields`` are added to every round row.
+    """
     spec, trainer, hooks, rank = ctx.spec, ctx.trainer, ctx.hooks, ctx.rank
     h = spec.inner_steps
     tokens_per_step = spec.trainer.batch_size * spec.trainer.seq_len
@@ -142,7 +158,7 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
             row = boundary.after_step(segment)
             if row is None:
                 continue
-            ctx.telemetry.round({**segment.row(), **row})
+            ctx.telemetry.round({**segment.row(), **row, **(round_fields or {})})
             ctx.telemetry.heartbeat(HeartbeatState.RUNNING, **boundary.heartbeat_fields(steps))
             segment = Segment()
     return steps

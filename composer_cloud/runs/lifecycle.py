@@ -261,6 +261,18 @@ def _check_device(spec: RunSpec) -> None:
     check_device(spec, executors=executors, local_cuda=local_cuda)
 
 
+def _check_rollout(spec: RunSpec) -> None:
+    """``rollout = "vllm"`` where local replicas cannot run it (no vLLM: the install command; no GPU)."""
+    if (spec.trainer.model_extra or {}).get("rollout") != "vllm":
+        return  # nothing of the three-channel trainer (TRL) is imported for other runs
+    from composer_cloud.trainer.three_channel.rollout import check_rollout_before_launch
+
+    try:
+        check_rollout_before_launch(spec)
+    except ValueError as exc:
+        raise SpecError("", str(exc)) from None
+
+
 def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """Everything checkable before anything is written; returns the user-code bundle (or None).
 
@@ -281,6 +293,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         check_settings(spec.trainer.name, settings)
     except ValueError as exc:
         raise SpecError("", str(exc)) from None
+    _check_rollout(spec)
     references = {f"trainer.{k}": v for k, v in settings.items()
                   if k in ("task", "hint_source", "reward") and isinstance(v, str)} | {"trainer.name": spec.trainer.name}
     try:

@@ -233,6 +233,14 @@ class RunSummary:
     reward_last: float | None = None
     eval_reward_first: float | None = None  # held-out greedy reward (three-channel), first/last evaluation
     eval_reward_last: float | None = None
+    synced_fraction: float | None = None  # bytes DiLoCo syncs vs a full fine-tune's (LoRA: the adapters' share)
+
+    @property
+    def synced_note(self) -> str:
+        """`` (LoRA: 0.95% of full)`` where the run syncs a share of a full fine-tune's bytes, else ``""``."""
+        if self.synced_fraction is None or self.synced_fraction >= 1.0:
+            return ""
+        return f" (LoRA: {100 * self.synced_fraction:.2f}% of full)"
 
 
 def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
@@ -260,6 +268,7 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         reward_last=_round_mean(rounds, "reward_mean", first=False),
         eval_reward_first=eval_rewards[0] if eval_rewards else None,
         eval_reward_last=eval_rewards[-1] if eval_rewards else None,
+        synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
     )
 
 

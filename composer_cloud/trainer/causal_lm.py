@@ -4,6 +4,10 @@ Each replica reads its own shard of the corpus (``rank::world_size``) in an
 order drawn from a seeded ``torch.Generator``; the data position and the
 generator state are part of :meth:`CausalLMTrainer.state_dict`, so a resumed
 replica sees exactly the batches it would have seen.
+
+``[model] precision = "bf16"`` runs the forward and backward under bfloat16
+autocast (on a GPU and on a CPU); parameters, gradients and AdamW's state stay
+as the model was loaded (float32).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 
 from composer_cloud.corpus import heldout_corpus, train_corpus
+from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
 from composer_cloud.trainer.optim import build_inner_optimizer, load_optimizer_state, optimizer_state
 from composer_cloud.trainer.settings import CausalLMSettings
@@ -56,6 +61,7 @@ class CausalLMTrainer:
             self.heldout = _pack(ctx.tokenizer, heldout_corpus(), settings.seq_len)[: settings.eval_rows]
         self.rows = rows[ctx.rank :: ctx.world_size]
         self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
+        self.bf16 = compute_precision(self.model) == "bf16"
         self.grad_clip = float(ctx.inner_optimizer.get("grad_clip", 1.0))
         self.generator = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)
         self.epoch = 0
@@ -74,10 +80,14 @@ class CausalLMTrainer:
             self.position += take
         return self.rows[idx].to(self.device)
 
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
     def step(self) -> dict[str, float]:
         self.model.train()
         batch = self._next_batch()
-        loss = self.model(input_ids=batch, labels=batch).loss
+        with self._autocast():
+            loss = self.model(input_ids=batch, labels=batch).loss
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip) if self.grad_clip else None
         self.optimizer.step()
@@ -93,7 +103,8 @@ class CausalLMTrainer:
         losses = []
         for start in range(0, len(self.heldout), self.batch_size):
             batch = self.heldout[start : start + self.batch_size].to(self.device)
-            losses.append(float(self.model(input_ids=batch, labels=batch).loss))
+            with self._autocast():
+                losses.append(float(self.model(input_ids=batch, labels=batch).loss))
         loss = sum(losses) / max(1, len(losses))
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 

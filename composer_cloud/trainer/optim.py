@@ -17,7 +17,7 @@ def build_inner_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.
     parameter count, so a resumed run reproduces an uninterrupted one bitwise.
     """
     return torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # a LoRA model: its adapters alone
         lr=float(cfg.get("lr", 4e-4)),
         weight_decay=float(cfg.get("weight_decay", 0.1)),
         betas=tuple(cfg.get("betas", (0.9, 0.95))),

@@ -28,6 +28,7 @@ import torch
 
 from composer_cloud.errors import CorruptCheckpoint
 from composer_cloud.hooks import NO_HOOKS, Hooks
+from composer_cloud.lora import is_lora_model, synced_parameters
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
@@ -43,23 +44,33 @@ logger = logging.getLogger(__name__)
 
 
 class ParameterGroup(torch.nn.Module):
-    """A DiLoCo fragment made of existing parameters (shared, not copied)."""
+    """A DiLoCo fragment made of existing parameters (shared, not copied).
+
+    ``source_names`` maps each registered name (dots are not allowed there) to the model's name.
+    """
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         super().__init__()
+        self.source_names: dict[str, str] = {}
         for name, p in named:
             self.register_parameter(name.replace(".", "__"), p)
+            self.source_names[name.replace(".", "__")] = name
 
 
 def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
-    """Split parameters, in model order, into ``n`` contiguous groups of ~equal size.
+    """Split the synced parameters, in model order, into ``n`` contiguous groups of ~equal size.
 
-    Deterministic in the model's parameter order, so every replica (and
-    ``export``) derives the same fragments from the same model.
+    The synced parameters are :func:`~composer_cloud.lora.synced_parameters`: every parameter, or a
+    LoRA model's adapters alone (its frozen base never changes, so DiLoCo neither syncs nor stores it).
+    Deterministic in the model's parameter order, so every replica (and ``export``) derives the same
+    fragments from the same model.
     """
-    if n == 1:
+    lora = is_lora_model(model)
+    if n == 1 and not lora:
         return [model]
-    named = list(model.named_parameters())
+    named = list(synced_parameters(model).items())
+    if n == 1:
+        return [ParameterGroup(named)]
     total = sum(p.numel() for _, p in named)
     groups: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(n)]
     seen = 0
@@ -81,8 +92,10 @@ def load_global_parameters(fragments: Sequence[torch.nn.Module], tree: Mapping[s
     with torch.no_grad():
         for i, frag in enumerate(fragments):
             params = tree[fragment_key(i)]["original_parameters"]
+            sources = getattr(frag, "source_names", {})
             for name, p in frag.named_parameters():
-                p.copy_(params[name])
+                # Lock-step states are keyed by the fragment's names; decoupled ones by the model's.
+                p.copy_(params[name] if name in params else params[sources.get(name, name)])
 
 
 def params_digest(model: torch.nn.Module) -> str:

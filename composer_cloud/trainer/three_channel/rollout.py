@@ -44,22 +44,32 @@ def vllm_installed() -> bool:
 
 
 def check_vllm_rollout(device_type: str) -> None:
-    """Raise ``ValueError`` naming ``trainer.rollout`` when a replica on ``device_type`` cannot generate with vLLM."""
-    if device_type != "cuda":
-        raise ValueError(f'trainer.rollout: "vllm" generates on a CUDA GPU; this replica runs on {device_type}. '
-                         'Use rollout = "hf" here.')
+    """Raise ``ValueError`` naming ``trainer.rollout`` when a replica on ``device_type`` cannot generate with vLLM.
+
+    Every missing piece is named at once (the install command, the GPU), so one fix is never followed by another refusal.
+    """
+    missing = []
     if not vllm_installed():
-        raise ValueError(f'trainer.rollout: "vllm" needs vLLM, which is not installed: {VLLM_INSTALL} '
-                         '(or use rollout = "hf")')
+        missing.append(f"vLLM, which is not installed: {VLLM_INSTALL}")
+    if device_type != "cuda":
+        missing.append(f"a CUDA GPU; this replica runs on {device_type}")
+    if missing:
+        raise ValueError(f'trainer.rollout: "vllm" needs {" and ".join(missing)}. Or use rollout = "hf".')
+
+
+def runs_replicas_here(executor: str) -> bool:
+    """Whether ``executor`` (``"local"``, ``"local:1,modal:2"``...) puts any replica on the launching machine."""
+    return any(part.split(":", 1)[0].strip() == "local" for part in executor.split(","))
 
 
 def check_rollout_before_launch(spec: Any, *, cuda_available: bool | None = None) -> None:
-    """The launch-time check of ``trainer.rollout`` for replicas that run on this machine (``executor = "local"``).
+    """The launch-time check of ``trainer.rollout`` for replicas that run on this machine (the ``local`` executor).
 
-    Cloud executors' replicas are checked where they run. ``cuda_available``
-    defaults to asking torch (only imported when ``rollout = "vllm"``).
+    ``launch`` runs it with its other checks (``runs.lifecycle.check_before_launch``). Cloud executors'
+    replicas are checked where they run. ``cuda_available`` defaults to asking torch (only imported when
+    ``rollout = "vllm"``).
     """
-    if (spec.trainer.model_extra or {}).get("rollout") != "vllm" or spec.executor != "local":
+    if (spec.trainer.model_extra or {}).get("rollout") != "vllm" or not runs_replicas_here(spec.executor):
         return
     if cuda_available is None:
         import torch
@@ -97,5 +107,6 @@ __all__ = [
     "check_rollout_before_launch",
     "check_vllm_rollout",
     "ensure_engine_model_dir",
+    "runs_replicas_here",
     "vllm_installed",
 ]
