@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,11 +25,10 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from composer_cloud import runs
+from composer_cloud import cli_views, runs
 from composer_cloud.errors import ConfigError, LaunchError, StoreError
 from composer_cloud.runs import Run, RunStatus
-from composer_cloud.spec import DEFAULT_STORE, RunSpec
-from composer_cloud.storage.store import join_uri
+from composer_cloud.spec import DEFAULT_STORE
 
 app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
@@ -126,21 +124,34 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 @app.command()
-def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/prefix, file:///dir, ...)")],
+def doctor(store: Annotated[Optional[str], typer.Argument(help="store URI (s3://bucket/prefix, file:///dir, ...)")] = None,
+           executor: Annotated[Optional[list[str]], typer.Option(
+               help="also check this executor's SDK and credentials: local | modal | hf-jobs (repeatable)")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Check that a store provides what a run needs (write-once create, read/list-after-write, delete).
+    """Check a store (write-once create, read/list-after-write, delete) and an executor's credentials.
 
-    Exit 0: it does; 2: it does not (the failing properties are named) or cannot be reached.
+    Exit 0: everything checked is fine; 2: something is not (each failure says what to do).
     """
+    from composer_cloud.runs.doctor import check_credentials
     from composer_cloud.storage.conformance import format_report, probe_store
 
-    with _user_errors():
-        report = probe_store(runs.normalize_run_uri(store), storage_options=_storage_options(store_option))
+    if store is None and not executor:
+        raise _fail("give a store URI, an --executor, or both (e.g. composer-cloud doctor s3://bucket/x --executor modal)")
+    options = _storage_options(store_option)
+    checks = check_credentials(executor or [], store or "", options)
+    report = None
+    if store is not None and all(c.ok for c in checks if c.name.startswith("s3 store")):
+        with _user_errors():
+            report = probe_store(runs.normalize_run_uri(store), storage_options=options)
+    ok = all(c.ok for c in checks) and (report is None or report.ok)
     if as_json:
-        _print_json({**dataclasses.asdict(report), "ok": report.ok})
+        _print_json({**(dataclasses.asdict(report) if report else {}),
+                     "credentials": [dataclasses.asdict(c) for c in checks], "ok": ok})
     else:
-        console.print(format_report(report), highlight=False)
-    if not report.ok:
+        cli_views.print_checks(console, checks)
+        if report is not None:
+            console.print(format_report(report), highlight=False)
+    if not ok:
         raise typer.Exit(2)
 
 
@@ -157,21 +168,10 @@ def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path
     for col in ("run id", "state", "rounds", "age"):
         table.add_column(col)
     for r in found:
-        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", _age(r.launched_at))
+        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", cli_views.age(r.launched_at))
     console.print(table)
     if found:
         console.print(f"details: composer-cloud status {found[0].uri}", highlight=False)
-
-
-def _age(since: float | None) -> str:
-    """``42s``, ``5m``, ``3h``, ``2d`` since an epoch time; ``-`` when unknown."""
-    if since is None:
-        return "-"
-    s = max(0.0, time.time() - since)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{int(s // size)}{unit}"
-    return f"{int(s)}s"
 
 
 # ---------------------------------------------------------------- launch
@@ -211,17 +211,26 @@ def launch(
     }
     # Named flags win over --set for the same key (they are the more specific spelling).
     overrides = {**_set_overrides(set_), **{k: v for k, v in flags.items() if v is not None}}
+    base_dir = config.resolve().parent if config is not None else None
     with _user_errors():
         spec = runs.build_spec(config=config, overrides=overrides)
-        if dry_run:
-            plans = runs.plan(spec)
+        if dry_run:  # launch's own checks (runs.check_launch), then the executors' credentials
+            from composer_cloud.runs.doctor import spec_credentials
+
+            checked = runs.check_launch(spec, base_dir=base_dir)
+            checks = spec_credentials(checked.spec)
+            failed = [c for c in checks if not c.ok]
             if as_json:
-                _print_json({"run_uri": join_uri(spec.store, spec.run_id), "dry_run": True,
-                             "spec": spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in plans]})
+                _print_json({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
+                             "spec": checked.spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in checked.plans],
+                             "credentials": [dataclasses.asdict(c) for c in checks]})
             else:
-                _print_plan(spec, plans)
+                cli_views.print_plan(console, checked.spec, checked.plans)
+                cli_views.print_checks(console, checks)
+            if failed:
+                raise _fail("launch would fail: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
             return
-        run = runs.launch(spec, base_dir=config.resolve().parent if config is not None else None)
+        run = runs.launch(spec, base_dir=base_dir)
     launched = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas}
     if as_json:
         if detach:
@@ -233,29 +242,6 @@ def launch(
         console.print(f"follow with: composer-cloud status {run.uri}")
         return
     raise typer.Exit(_watch(run))
-
-
-def _print_plan(spec: RunSpec, plans: list[Any]) -> None:
-    for p in plans:
-        table = Table(title=f"{p.executor}: ranks {p.ranks}", show_header=False)
-        table.add_row("image", p.image)
-        table.add_row("command", " ".join(p.command))
-        table.add_row("env vars", ", ".join(p.env_names) or "-")
-        table.add_row("secrets (names)", ", ".join(p.secret_names) or "-")
-        table.add_row("gpu", p.gpu)
-        table.add_row("est. GPU-hours", "-" if p.estimated_gpu_hours is None else f"{p.estimated_gpu_hours:.2f}")
-        if p.hourly_cost_usd is not None:
-            table.add_row("cost per hour (all jobs)", f"${p.hourly_cost_usd:,.2f}")
-        if p.estimated_cost_usd is not None:
-            table.add_row("cost if every job runs to its timeout", f"${p.estimated_cost_usd:,.2f}")
-        if p.max_cost_usd is not None:
-            table.add_row("cost upper bound (restarts included)", f"${p.max_cost_usd:,.2f}")
-        table.add_row("price source", p.cost_basis or "-")
-        for note in p.notes:
-            table.add_row("note", note)
-        console.print(table)
-    run_uri = join_uri(spec.store, spec.run_id)
-    console.print(f"run {run_uri}: {spec.rounds} rounds x {spec.inner_steps} inner steps (dry run: nothing launched)")
 
 
 def _duration(seconds: float | None) -> str:
@@ -331,34 +317,8 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
         _print_json({**as_json, "status": status.to_json(), "summary": dataclasses.asdict(runs.summarize(run, status))})
     else:
         console.line()
-        _print_summary(run, status)
+        cli_views.print_summary(console, err_console, run, status)
     return 0 if status.state == "completed" else 1
-
-
-def _print_summary(run: Run, status: RunStatus) -> None:
-    s = runs.summarize(run, status)
-    table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
-    table.add_column("")
-    table.add_column("first round → last round")
-    table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
-    if s.loss_first is not None:
-        table.add_row("train loss", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
-    if s.reward_first is not None:
-        table.add_row("mean reward", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
-    if s.eval_loss_first is not None:
-        what = "held-out loss, reference answers" if s.eval_reward_first is not None else "held-out loss"
-        table.add_row(what, f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f} nats/token")
-    if s.eval_reward_first is not None:
-        table.add_row("held-out greedy reward", f"{s.eval_reward_first:.3f} → {s.eval_reward_last:.3f}")
-    total = s.compute_s + s.sync_s
-    if total > 0:
-        table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
-                                                 f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
-    table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB")
-    if s.lost_replicas:
-        table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
-    console.print(table)
-    console.print(f"run URI: {run.uri}", highlight=False)  # outside the table: never truncated
 
 
 # ---------------------------------------------------------------- status / logs / cancel

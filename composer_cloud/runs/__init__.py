@@ -5,12 +5,14 @@
 
 from composer_cloud.runs.lifecycle import (
     CancelResult,
+    LaunchCheck,
     LaunchError,
     ResumeResult,
     RunExists,
     RunListing,
     build_spec,
     cancel,
+    check_launch,
     get_status,
     launch,
     list_runs,
@@ -18,11 +20,13 @@ from composer_cloud.runs.lifecycle import (
     resume,
     wait,
 )
-from composer_cloud.runs.status import ReplicaInfo, RunStatus, RunSummary, read_metrics, summarize
+from composer_cloud.runs.status import ReplicaInfo, RunStatus, read_metrics
+from composer_cloud.runs.summary import RunSummary, summarize
 from composer_cloud.storage.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run
 
 __all__ = [
     "CancelResult",
+    "LaunchCheck",
     "LaunchError",
     "ReplicaInfo",
     "ResumeResult",
@@ -34,6 +38,7 @@ __all__ = [
     "RunSummary",
     "build_spec",
     "cancel",
+    "check_launch",
     "get_status",
     "launch",
     "list_runs",

@@ -209,9 +209,9 @@ def _check_hub_model(name: str, base_dir: Path) -> None:
 _BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
 
 
-def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> None:
+def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> list[str] | None:
     """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
-    warning when they cannot be reached from here)."""
+    warning when they cannot be reached from here). Returns the columns read (None: not read)."""
     from composer_cloud.trainer.three_channel.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
 
     name = str(local.get("trainer.dataset", settings["dataset"]))
@@ -233,7 +233,8 @@ def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> No
         except Exception as exc:  # noqa: BLE001 - offline, private, or missing: the replicas will say which
             logger.warning("trainer.dataset %r: columns not checked before launch (the Hub said %s: %s)",
                            settings["dataset"], type(exc).__name__, str(exc)[:200])
-            return
+            return None
+    available: list[str] | None = None
     for sp in splits:
         try:
             available = dataset_columns(name, sp, config=settings.get("dataset_config"), data_files=files)
@@ -244,11 +245,12 @@ def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> No
                 raise SpecError("trainer.dataset", f"{name!r} cannot be read: {exc}") from None
             logger.warning("trainer.dataset %r: columns not checked before launch (%s: %s)", name,
                            type(exc).__name__, exc)
-            return
+            return None
         problems = missing_columns(columns, available, needed=needed)
         if problems:
             field = "trainer.columns" if any(p.startswith("trainer.columns") for p in problems) else "trainer.dataset"
             raise SpecError(field, f"split {sp!r} of {settings['dataset']!r}: " + "; ".join(problems))
+    return available
 
 
 def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
@@ -291,8 +293,12 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         _check_model_dir(local["model.name"])
     elif spec.model.name != "tiny":
         _check_hub_model(spec.model.name, base_dir or Path.cwd())
-    if settings.get("dataset"):
-        _check_dataset(settings, local)
+    columns = _check_dataset(settings, local) if settings.get("dataset") else None
+    from composer_cloud.runs.signal import launch_refusal
+
+    refusal = launch_refusal(spec.trainer.name, settings, columns)
+    if refusal:
+        raise SpecError("trainer", refusal)
     run_uri = join_uri(spec.store, spec.run_id)
     for name, ranks in assign_ranks(spec.executor, spec.replicas):
         try:
@@ -302,32 +308,31 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     return None if bundle.empty else bundle
 
 
-def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
-           overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> Run:
-    """Launch a new run and return it once its replica jobs were started (it does not wait).
+@dataclass(frozen=True)
+class LaunchCheck:
+    """What :func:`check_launch` found: the spec as ``launch`` would store it, the run's URI and the plans."""
 
-    Args:
-        spec: a full spec; otherwise one is built from ``config`` and ``overrides``
-            (dotted names, e.g. ``{"replicas": 4, "sync.codec": "bf16"}``).
-        base_dir: where user code (``module:factory`` settings, ``[code] include``) is
-            looked for first; default: the spec file's directory, else the current one.
+    spec: RunSpec
+    run_uri: str
+    plans: list[LaunchPlan]
 
-    Raises:
-        SpecError, StoreConfigError: bad input; nothing was written.
-        RunExists: the run id is taken; nothing was written.
-        LaunchError: a backend failed; what this launch wrote was removed again
-            if no job had started, else the run stays for ``resume``/``cancel``.
-    """
-    from composer_cloud.runs.packaging import put_verified, upload_code
 
+def _spec_of(spec: RunSpec | None, config: str | Path | None, overrides: Mapping[str, Any] | None) -> RunSpec:
     if spec is None:
         spec = build_spec(config=config, overrides=overrides)
     elif config is not None or overrides:
         raise SpecError("spec", "give either a spec or config/overrides, not both")
-    spec = spec.with_run_id()
-    # User code and [code] include paths are found relative to the spec file (else the current directory).
-    if base_dir is None and config is not None:
-        base_dir = Path(config).resolve().parent
+    return spec.with_run_id()
+
+
+def _prepare(spec: RunSpec, base_dir: str | Path | None) -> tuple[RunSpec, Any, list[tuple[str, bytes, str]], Store]:
+    """Every check of a launch, in launch's order; writes nothing but the store probe's scratch objects.
+
+    Returns the spec as it will be stored, the user-code bundle, the packed local files and the run's
+    store. Raises what launch raises for bad input (:class:`SpecError`, :class:`StoreConfigError`,
+    :class:`RunExists` for a taken run id). ``launch`` and ``check_launch`` (``--dry-run``) both call it:
+    one code path, so the dry run refuses exactly what launch refuses.
+    """
     base = Path(base_dir) if base_dir is not None else None
     bundle = check_before_launch(spec, base_dir=base)
     # Local files the spec names: absolute for local replicas; uploaded (content-addressed) for cloud ones.
@@ -353,6 +358,56 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         ref = CodeRef(key=layout.code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size,
                       modules=bundle.modules)
         spec = spec.model_copy(update={"code": spec.code.model_copy(update={"ref": ref.to_json()})})
+    if store.exists(layout.SPEC):
+        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`, "
+                        "or pick another --run-id")
+    return spec, bundle, packed, store
+
+
+def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
+                 overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> LaunchCheck:
+    """Run every check :func:`launch` runs and return what it would start, starting and storing nothing.
+
+    Raises exactly what ``launch`` would raise for bad input (the ``--dry-run`` of the CLI: exit 2).
+    """
+    if base_dir is None and config is not None:
+        base_dir = Path(config).resolve().parent
+    spec = _spec_of(spec, config, overrides)
+    # The store probe of a new file:// store creates its folder: leave none behind (a dry run writes nothing).
+    local_root = Path(spec.store[len("file://"):]) if spec.store.startswith("file://") else None
+    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
+    try:
+        spec, _, _, store = _prepare(spec, base_dir)
+        return LaunchCheck(spec=spec, run_uri=store.uri, plans=plan(spec))
+    finally:
+        for folder in created:  # deepest first; only folders the probe left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
+           overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> Run:
+    """Launch a new run and return it once its replica jobs were started (it does not wait).
+
+    Args:
+        spec: a full spec; otherwise one is built from ``config`` and ``overrides``
+            (dotted names, e.g. ``{"replicas": 4, "sync.codec": "bf16"}``).
+        base_dir: where user code (``module:factory`` settings, ``[code] include``) is
+            looked for first; default: the spec file's directory, else the current one.
+
+    Raises:
+        SpecError, StoreConfigError: bad input; nothing was written.
+        RunExists: the run id is taken; nothing was written.
+        LaunchError: a backend failed; what this launch wrote was removed again
+            if no job had started, else the run stays for ``resume``/``cancel``.
+    """
+    from composer_cloud.runs.packaging import put_verified, upload_code
+
+    if base_dir is None and config is not None:
+        base_dir = Path(config).resolve().parent
+    spec, bundle, packed, store = _prepare(_spec_of(spec, config, overrides), base_dir)
     # Write-once: two launches racing on one run id cannot both start.
     if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
         raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
@@ -528,5 +583,5 @@ def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
     return sorted(out, key=lambda r: r.run_id, reverse=True)
 
 
-__all__ = ["RunListing", "list_runs", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "check_launch", "RunListing", "list_runs", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

@@ -304,14 +304,44 @@ class DatasetTask:
         return list(self._reward(completions, rows))
 
     def default_hints(self) -> Any:
+        """Channel 2's hints: the ``hint`` column when mapped or present, else the reference answer.
+
+        The answer as privileged information is the OPSD/SDFT recipe: the hinted
+        model (the teacher) sees the answer, the student does not, and learns to
+        put the teacher's probability on its own completions. Without it a freshly
+        initialised model on a question/answer dataset gets no gradient at all (no
+        reward variance for GRPO, no pairs for channel 3).
+        """
         from composer_cloud.trainer.three_channel.tasks import ColumnHints
 
         rows = self.examples("train")
         if "hint" in self.columns or (rows and "hint" in rows[0]):
             return ColumnHints("hint")
+        if rows and "answer" in rows[0]:
+            return AnswerHints()
         return None
 
 
-__all__ = ["BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARDS", "REWARD_NEEDS", "contains", "dataset_columns",
+@dataclass(frozen=True)
+class AnswerHints:
+    """Channel 2's hint from the row's reference ``answer``: ``"Answer: <answer>"`` (None without one)."""
+
+    prefix: str = "Answer: "
+
+    def hints(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
+        return [None if row.get("answer") in (None, "") else f"{self.prefix}{row['answer']}" for row in rows]
+
+
+def default_hint_column(columns: Mapping[str, str], available: Sequence[str]) -> str | None:
+    """What a dataset run's ``hint_source = "default"`` uses, named as the user's column: the hint column,
+    else the answer column (:class:`AnswerHints`), else None (channel 2 has nothing to distil)."""
+    for canonical in ("hint", "answer"):
+        source = columns.get(canonical, canonical)
+        if source in available:
+            return source
+    return None
+
+
+__all__ = ["AnswerHints", "BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARDS", "REWARD_NEEDS", "contains", "dataset_columns", "default_hint_column",
            "exact_match", "extract_answer", "is_local_dataset", "load_rows", "missing_columns", "normalize_answer",
            "python_tests"]

@@ -1,0 +1,211 @@
+"""A user's first hour (issue 23): own data that learns or says why; a dry run that tells the truth.
+
+Each test replays a finding of the issue as a user meets it (CLI in a subprocess where that is what the
+user runs) and asserts what they should see instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from composer_cloud.runs.signal import diagnose_rounds, hint_note, launch_refusal
+from composer_cloud.spec import SpecError, load_spec
+from composer_cloud.trainer.three_channel.dataset_task import AnswerHints, DatasetTask
+from support.cli import cli
+from support.specs import SMALL_RUN_TOML
+
+QA = [{"question": f"What is {a} plus {b}?", "solution": str(a + b)} for a in range(6) for b in range(4)]
+
+
+def write_qa(path: Path, rows=QA) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def qa_spec(tmp_path: Path, extra: str = "", **top: object) -> Path:
+    """The issue's scenario: a JSONL of question/answer rows, a freshly initialised model, exact_match."""
+    write_qa(tmp_path / "qa.jsonl")
+    head = "".join(f"{k} = {v}\n" for k, v in {"replicas": 1, "rounds": 2, "inner_steps": 2, **top}.items())
+    body = SMALL_RUN_TOML.replace('name = "causal-lm"', (
+        'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
+        f'max_completion_length = 4\neval_examples = 2\n{extra}'))
+    path = tmp_path / "spec.toml"
+    path.write_text(head + body + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n')
+    return path
+
+
+# ---------------------------------------------------------------------- 1. own data learns or says why
+def test_a_dataset_without_a_hint_column_distils_from_its_answers():
+    """Finding 1: no hint column meant no channel 2; the reference answer is now the privileged hint."""
+    task = DatasetTask(dataset="unused", columns={"prompt": "question", "answer": "solution"})
+    task._splits = {"train": [task._rename(r) for r in QA], "eval": []}
+    source = task.default_hints()
+    assert isinstance(source, AnswerHints)
+    assert source.hints([{"answer": "7"}, {"answer": None}]) == ["Answer: 7", None]
+    note = hint_note({"dataset": "x", "columns": {"answer": "solution"}}, ["question", "solution"])
+    assert note is not None and "reference answer (column 'solution')" in note
+
+
+def test_answer_hints_give_a_fresh_model_a_gradient(tmp_path):
+    """With the answer as hint (and truncated completions kept) the issue's model and data move the weights."""
+    import torch
+
+    from composer_cloud.model import TinyModelConfig, load_model
+    from composer_cloud.trainer import TrainerContext, build_trainer
+
+    path = write_qa(tmp_path / "qa.jsonl")
+    model, tok = load_model("tiny", seed=0, tiny=TinyModelConfig(hidden_size=32, num_hidden_layers=2,
+                                                                  num_attention_heads=2, num_key_value_heads=1,
+                                                                  intermediate_size=64))
+    ctx = TrainerContext(
+        model=model, tokenizer=tok, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
+        settings={"batch_size": 4, "seq_len": 32, "num_generations": 2, "max_completion_length": 6,
+                  "eval_examples": 2, "dataset": str(path), "reward": "exact_match",
+                  "mask_truncated_completions": False, "columns": {"prompt": "question", "answer": "solution"}},
+        inner_optimizer={"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0})
+    tr = build_trainer("three-channel", ctx)
+    out = tr.step()
+    assert out["sdpo"] != 0.0 and out["grad_norm"] > 0.0
+    assert out["frac_reward_zero_std"] == 1.0 and "clipped_ratio" in out  # GRPO alone had nothing
+
+
+def test_a_spec_in_which_no_channel_can_learn_is_refused_with_what_to_change(tmp_path):
+    settings = {"dataset": "qa.jsonl", "pg_weight": 0.0, "hint_source": "none", "pairs": "none",
+                "columns": {"prompt": "question", "answer": "solution"}}
+    message = launch_refusal("three-channel", settings, ["question", "solution"])
+    assert message is not None and "no channel can produce a gradient" in message
+    assert "trainer.pg_weight = 0" in message and "trainer.hint_source = 'none'" in message
+    assert launch_refusal("three-channel", {**settings, "hint_source": "default"}, ["question", "solution"]) is None
+    assert "neither a hint nor an answer" in launch_refusal(
+        "three-channel", {**settings, "hint_source": "default", "columns": {"prompt": "question"}}, ["question", "x"])
+    # the CLI: launch and the dry run refuse it alike, exit 2, nothing written
+    spec = qa_spec(tmp_path, extra='pg_weight = 0.0\nhint_source = "none"\n')
+    for dry in ([], ["--dry-run"]):
+        res = cli("launch", "--config", str(spec), "--store", f"file://{tmp_path}/store", "--run-id", "r", *dry,
+                  cwd=tmp_path)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "no channel can produce a gradient" in res.stderr
+        assert not (tmp_path / "store" / "r").exists()
+
+
+def test_rounds_without_a_gradient_are_diagnosed_per_channel():
+    step = {"kind": "step", "grad_norm": 0.0, "pg": 0.0, "sdpo": 0.0, "dpo": 0.0, "frac_reward_zero_std": 1.0,
+            "reward_mean": 0.0, "clipped_ratio": 1.0}
+    rows = [{**step, "round": r, "rank": k} for r in range(2) for k in range(2)]
+    (msg,) = diagnose_rounds(rows, {"max_completion_length": 4})
+    assert msg.startswith("no training signal in every round")
+    assert "frac_reward_zero_std 1.0" in msg and "max_completion_length (4)" in msg and "no pairs" in msg
+    rows[0] = {**rows[0], "grad_norm": 0.5}  # round 1 moved: only round 2 is flagged, counted from 1
+    (msg,) = diagnose_rounds(rows)
+    assert "no training signal in rounds 2:" in msg
+    assert diagnose_rounds([{**r, "grad_norm": 1.0} for r in rows]) == []
+    assert diagnose_rounds([{"kind": "step", "round": 0, "loss": 1.0}]) == []  # no grad_norm: no claim
+
+
+@pytest.mark.slow
+def test_the_issues_jsonl_run_says_it_trained_nothing(tmp_path):
+    """The scenario of finding 1, end to end: no longer a silent "completed" — the summary and status say why."""
+    spec = qa_spec(tmp_path)
+    store = f"file://{tmp_path}/store"
+    res = cli("launch", "--config", str(spec), "--store", store, "--run-id", "qa", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no training signal in every round" in res.stderr
+    assert "every completion hit max_completion_length (4)" in res.stderr
+    assert "channel 2's hint: the reference answer (column 'solution')" in res.stdout
+    assert "channel 1 (GRPO policy gradient)" in res.stdout  # per-channel means, named
+    st = cli("status", f"{store}/qa", "--json", cwd=tmp_path)
+    assert any("no training signal" in w for w in json.loads(st.stdout)["warnings"])
+
+
+def test_the_check_is_part_of_launchs_checks(tmp_path):
+    from composer_cloud.runs.lifecycle import check_before_launch
+
+    write_qa(tmp_path / "qa.jsonl")
+    spec = load_spec(None, {"trainer.name": "three-channel", "trainer.dataset": "qa.jsonl",
+                            "trainer.columns": {"prompt": "question", "answer": "solution"},
+                            "trainer.pg_weight": 0.0, "trainer.dpo_weight": 0.0, "trainer.sdpo_weight": 0.0})
+    with pytest.raises(SpecError, match="no channel can produce a gradient"):
+        check_before_launch(spec.with_run_id(), base_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------- 2. the dry run tells the truth
+def _dry(tmp_path: Path, *args: str, env: dict | None = None):
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    return CliRunner().invoke(app, ["launch", "--dry-run", "--store", f"file://{tmp_path}/store", *args], env=env)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "trainer.batchsize=3", "--trainer", "three-channel"], "did you mean trainer.batch_size"),
+    (["--trainer", "three-chanel"], "unknown trainer 'three-chanel'"),
+    (["--trainer", "three-channel", "--set", "trainer.dataset=qa.jsonl"], "column 'prompt' is not in the dataset"),
+    (["--executor", "modal", "--replicas", "1"], "a local directory, which Modal containers cannot read"),
+    # finding 3: typos that used to launch doomed runs
+    (["--model", "models/my-modle/"], "model.name = 'models/my-modle/': no such file or folder"),
+    (["--trainer", "three-channel", "--set", "trainer.dataset=data/qa.jsonl"],
+     "trainer.dataset = 'data/qa.jsonl': no such file or folder"),
+    (["--trainer", "three-channel", "--set", "trainer.dataset=qa.jsonl", "--set", "trainer.columns.prompt=q",
+      "--set", "trainer.reward=my_rewards:scroe"], "defines no 'scroe'; did you mean my_rewards:score?"),
+])
+def test_the_dry_run_refuses_what_launch_refuses_with_exit_2(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qa.jsonl").write_text('{"q": "1+1", "answer": "2"}\n')
+    (tmp_path / "my_rewards.py").write_text("def score(completions, rows):\n    return [0.0] * len(completions)\n")
+    dry = _dry(tmp_path, *args)
+    assert dry.exit_code == 2 and needle in dry.output, dry.output
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    real = CliRunner().invoke(app, ["launch", "--store", f"file://{tmp_path}/store", "--detach", *args])
+    assert real.exit_code == 2 and needle in real.output, real.output  # the same refusal, the same words
+    assert not (tmp_path / "store").exists()  # nothing written by either
+
+
+def test_the_dry_run_refuses_a_taken_run_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "store" / "taken").mkdir(parents=True)
+    from composer_cloud.storage.store import Store
+
+    Store(f"file://{tmp_path}/store/taken").put_json("spec.json", {"x": 1})
+    res = _dry(tmp_path, "--run-id", "taken")
+    assert res.exit_code == 2 and "already exists" in res.output, res.output
+    ok = _dry(tmp_path, "--run-id", "fresh", "--json")
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)["ok"] is True and not (tmp_path / "store" / "fresh").exists()
+
+
+def test_hf_jobs_example_without_its_secrets_fails_the_dry_run(tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    example = Path(__file__).parent.parent / "examples" / "hf-jobs.toml"
+    res = cli("launch", "--dry-run", "--config", str(example), cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "AWS_ACCESS_KEY_ID" in res.stderr
+
+
+def test_doctor_checks_each_executors_credentials(tmp_path, monkeypatch):
+    """Modal token, HF token, AWS credentials: found the way each SDK finds them; exit 2 and the fix when not."""
+    home = tmp_path / "home"
+    home.mkdir()
+    base = {k: v for k, v in __import__("os").environ.items()
+            if not k.startswith(("MODAL_", "AWS_", "HF_")) and k != "HOME"}
+    base.update(HOME=str(home), HF_HOME=str(home / "hf"), AWS_CONFIG_FILE=str(home / "none"),
+                AWS_SHARED_CREDENTIALS_FILE=str(home / "none"), AWS_EC2_METADATA_DISABLED="true")
+    bare = cli("doctor", "--executor", "modal", "--executor", "hf-jobs", "--json", cwd=tmp_path, env=base)
+    assert bare.returncode == 2, bare.stdout + bare.stderr
+    checks = {c["name"]: c for c in json.loads(bare.stdout)["credentials"]}
+    assert not checks["modal: token"]["ok"] and "modal token new" in checks["modal: token"]["detail"]
+    assert not checks["hf-jobs: token"]["ok"] and "HF_TOKEN" in checks["hf-jobs: token"]["detail"]
+    secret = "as-canary-never-printed"
+    good = cli("doctor", "--executor", "modal", "--executor", "hf-jobs", cwd=tmp_path,
+               env={**base, "MODAL_TOKEN_ID": "ak-123456789", "MODAL_TOKEN_SECRET": secret, "HF_TOKEN": "hf_" + secret})
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert secret not in good.stdout + good.stderr
+    s3 = cli("doctor", "--executor", "local", "s3://bucket/prefix", "--json", cwd=tmp_path, env=base)
+    assert s3.returncode == 2 and "no AWS credentials" in s3.stdout, s3.stdout + s3.stderr
