@@ -500,22 +500,37 @@ def resume(
 
 @app.command()
 def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")],
-           round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None,
+           round: Annotated[Optional[int], typer.Option("--round", help="round to export, counted from 1 as "
+                                                        "everywhere (default: the latest checkpoint)")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write the global parameters as a Hugging Face model directory."""
+    """Write the global parameters as a Hugging Face model directory (with a model card), from the store alone."""
     from composer_cloud.runs.export import export_model
 
     run = _open(run_uri, store_option)
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
+    if round is not None and round < 1:
+        raise _fail(f"--round {round}: rounds are counted from 1")
+    _writable_dir(out)
     try:
-        r = export_model(run, out, round=round)
+        r = export_model(run, out, round=None if round is None else round - 1)
     except (LookupError, StoreError) as exc:
         raise _fail(str(exc), code=1) from None
     if as_json:
-        _print_json({"run_id": run.run_id, "round": r, "out": str(out.resolve())})
+        _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})
         return
     console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
+
+
+def _writable_dir(out: Path) -> None:
+    """``--out`` must be a directory this process can create and write in: say so before any work."""
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".composer-cloud-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise _fail(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a directory you can write to")
 
 
 @app.command()

@@ -209,3 +209,70 @@ def test_doctor_checks_each_executors_credentials(tmp_path, monkeypatch):
     assert secret not in good.stdout + good.stderr
     s3 = cli("doctor", "--executor", "local", "s3://bucket/prefix", "--json", cwd=tmp_path, env=base)
     assert s3.returncode == 2 and "no AWS credentials" in s3.stdout, s3.stdout + s3.stderr
+
+
+# ---------------------------------------------------------------------- 3. export from the store alone
+def _saved_model(folder: Path) -> None:
+    from composer_cloud.model import TinyModelConfig, load_model
+
+    model, tok = load_model("tiny", seed=0, tiny=TinyModelConfig(hidden_size=64, num_hidden_layers=2,
+                                                                  num_attention_heads=2, num_key_value_heads=1,
+                                                                  intermediate_size=128))
+    model.save_pretrained(folder)
+    tok.init_kwargs["padding_side"] = "left"
+    tok.save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_export_needs_neither_the_model_folder_nor_the_hub(tmp_path):
+    """Finding 4: export rebuilt the model from the original folder (gone: HFValidationError), wrote 0600
+    weights, lost the tokenizer's left padding and wrote no model card."""
+    import stat
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _saved_model(tmp_path / "my-model")
+    spec = tmp_path / "spec.toml"
+    spec.write_text("replicas = 1\nrounds = 1\ninner_steps = 2\n[model]\nname = \"./my-model\"\n"
+                    "[trainer]\nname = \"causal-lm\"\nbatch_size = 2\nseq_len = 16\n")
+    store = f"file://{tmp_path}/store"
+    res = cli("launch", "--config", str(spec), "--store", store, "--run-id", "m", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (tmp_path / "my-model").rename(tmp_path / "moved")  # the user tidies up
+    out = tmp_path / "exported"
+    ex = cli("export", f"{store}/m", "--out", str(out), "--round", "1", "--json", cwd=tmp_path,
+             env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert ex.returncode == 0, ex.stdout + ex.stderr
+    assert json.loads(ex.stdout)["round"] == 1  # counted from 1, like --round
+    mode = stat.S_IMODE((out / "model.safetensors").stat().st_mode)
+    assert mode & 0o044 == 0o044, oct(mode)  # readable by others, like any file the user writes
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.padding_side == "left"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.hidden_size == 64
+    card = (out / "README.md").read_text()
+    assert "library_name: transformers" in card and "rounds | 1 of 1" in card and "my-model` |" in card
+    # no checkpoint (round 2 never ran): a clear error, exit 1, no traceback
+    bad = cli("export", f"{store}/m", "--out", str(tmp_path / "x"), "--round", "2", cwd=tmp_path)
+    assert bad.returncode == 1 and "no global state for round 2 (available: [1])" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_export_of_a_run_without_a_checkpoint_and_an_unwritable_out(tmp_path):
+    from composer_cloud.storage import layout
+    from composer_cloud.storage.store import Store
+
+    spec = load_spec(None, {"run_id": "empty", "model.name": "org/gone-model"})
+    Store(f"file://{tmp_path}/store/empty").create_json(layout.SPEC, spec.to_json_dict())
+    res = cli("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert res.returncode == 1 and "has no checkpoint to export yet" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        res = cli("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"), cwd=tmp_path)
+    finally:
+        locked.chmod(0o700)
+    if __import__("os").geteuid() != 0:  # root writes anywhere
+        assert res.returncode == 2 and "cannot write there" in res.stderr, res.stderr

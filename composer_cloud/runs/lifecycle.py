@@ -364,6 +364,20 @@ def _prepare(spec: RunSpec, base_dir: str | Path | None) -> tuple[RunSpec, Any, 
     return spec, bundle, packed, store
 
 
+def _store_model_files(store: Store, spec: RunSpec) -> None:
+    """What export needs besides the weights (runs/export.py); a failure here costs export its independence
+    from the original model folder, never the launch."""
+    from composer_cloud.runs.export import store_model_files
+
+    try:
+        store_model_files(store, spec)
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot be re-saved: export falls back
+        logger.warning("model files not stored with the run (%s: %s); export will load [model] name again",
+                       type(exc).__name__, exc)
+
+
 def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
                  overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> LaunchCheck:
     """Run every check :func:`launch` runs and return what it would start, starting and storing nothing.
@@ -416,11 +430,12 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
             upload_code(store, bundle)
         for key, data, sha in packed:
             put_verified(store, key, data, sha)
+        _store_model_files(store, spec)
         _start_jobs(store, spec)
     except (LaunchError, StoreError) as exc:
         if not store.list(layout.HANDLES):
             # No job started: roll back, so the id is free again and nothing claims to be running.
-            for prefix in (layout.CODE, layout.FILES, layout.DIRS):
+            for prefix in (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES):
                 store.delete(prefix, recursive=True)
             store.delete(layout.SPEC)
             raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
