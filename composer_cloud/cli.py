@@ -274,7 +274,9 @@ def _status_table(status: RunStatus) -> Table:
     if any(r.reward is not None for r in reps):
         cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
     cols.append(("steps/s", lambda r: _fmt(r.steps_per_s, ".2f")))
-    if any(r.restarts for r in reps):
+    if any(r.exit_code not in (None, 0) or r.state == "failed" for r in reps):
+        cols.append(("exit", lambda r: cli_views.exit_reason(r.exit_code, r.state)))
+    if any(r.restarts or r.state == "failed" for r in reps):  # why it stopped: restarts used up, or none allowed
         cols.append(("restarts", lambda r: str(r.restarts)))
     if any(r.message for r in reps):
         cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
@@ -458,7 +460,8 @@ def cancel(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
         console.print(result.noop)
         return
     _report_cancel(result)
-    console.print(f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
+    console.print(f"cancel requested for run {run.run_id}; no job was stopped" if not result.cancelled else
+                  f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
     if result.warnings:
         raise typer.Exit(1)
 
@@ -469,6 +472,8 @@ def resume(
     run_uri: str,
     executor: Annotated[Optional[str], typer.Option(help="run the remaining rounds elsewhere")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="a different replica count")] = None,
+    force: Annotated[bool, typer.Option("--force", help="resume a run that is still running (its live replicas "
+                                                        "are stopped and restart from the checkpoint)")] = False,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable: what resumed, and (attached) the "
                                                           "final status")] = False,
@@ -477,7 +482,7 @@ def resume(
     """Continue a run from its latest valid checkpoint (attached: Ctrl-C detaches, the run goes on)."""
     run = _open(run_uri, store_option)
     with _user_errors():
-        result = runs.resume(run, executor=executor, replicas=replicas)
+        result = runs.resume(run, executor=executor, replicas=replicas, force=force)
     if as_json:
         out = {"run_id": run.run_id, "run_uri": run.uri, "from_round": result.from_round,
                "ranks": [h.rank for h in result.handles], "warnings": result.warnings, "noop": result.noop}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -86,3 +87,15 @@ def print_checks(console: Console, checks: list[Any]) -> None:
     for c in checks:
         mark = "[green]ok[/]  " if c.ok else "[bold red]FAIL[/]"
         console.print(f"{mark} {escape(c.name)}: {escape(c.detail)}", highlight=False)
+
+
+def exit_reason(code: int | None, state: str) -> str:
+    """A replica's exit for people: ``0``, ``1``, ``killed (SIGKILL)`` for -9 (a signal), ``-`` when unknown."""
+    if code is None:
+        return "unknown" if state == "failed" else "-"
+    if code < 0:
+        try:
+            return f"killed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)

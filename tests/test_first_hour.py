@@ -276,3 +276,68 @@ def test_export_of_a_run_without_a_checkpoint_and_an_unwritable_out(tmp_path):
         locked.chmod(0o700)
     if __import__("os").geteuid() != 0:  # root writes anywhere
         assert res.returncode == 2 and "cannot write there" in res.stderr, res.stderr
+
+
+# ---------------------------------------------------------------------- 4/5. resume guard, ls = status
+@pytest.mark.slow
+def test_resume_guard_ls_agrees_with_status_and_a_lost_supervisor(tmp_path):
+    """Finding 5: resume killed a live run's replicas and reshaped a completed run; finding 6: ls disagreed
+    with status and sorted by id; a killed supervisor whose replica finished read "failed"."""
+    store = f"file://{tmp_path}/store"
+    cfg = tmp_path / "spec.toml"
+    cfg.write_text("replicas = 1\n" + SMALL_RUN_TOML)
+    # "zz-done" sorts after "aa-live" by id, but was created first
+    done = cli("launch", "--config", str(cfg), "--store", store, "--run-id", "zz-done", "--rounds", "1",
+               "--inner-steps", "2", cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reshape = cli("resume", f"{store}/zz-done", "--replicas", "3", cwd=tmp_path)
+    assert reshape.returncode == 2 and "resume cannot change its replicas" in reshape.stderr, reshape.stderr
+    assert "composer-cloud launch --model ./zz-done-model --replicas 3" in reshape.stderr
+    assert json.loads((tmp_path / "store/zz-done/spec.json").read_bytes()[16:])["replicas"] == 1  # untouched
+    live = cli("launch", "--config", str(cfg), "--store", store, "--run-id", "aa-live", "--rounds", "1",
+               "--inner-steps", "100000", "--detach", cwd=tmp_path)
+    assert live.returncode == 0, live.stdout + live.stderr
+    try:
+        refused = cli("resume", f"{store}/aa-live", cwd=tmp_path)
+        assert refused.returncode == 2 and "still running" in refused.stderr and "--force" in refused.stderr
+        listed = json.loads(cli("ls", store, "--json", cwd=tmp_path).stdout)
+        assert [r["run_id"] for r in listed] == ["aa-live", "zz-done"]  # newest first by creation
+        for r in listed:
+            assert r["state"] == json.loads(cli("status", r["uri"], "--json", cwd=tmp_path).stdout)["state"]
+    finally:
+        assert cli("cancel", f"{store}/aa-live", cwd=tmp_path).returncode == 0
+    # the local supervisor of the finished run dies before recording the exit: the replica said it completed
+    from composer_cloud.jobs.local import job_dir
+
+    exit_json = job_dir(f"{store}/zz-done", 0) / "exit.json"
+    assert exit_json.exists()
+    exit_json.unlink()
+    st = json.loads(cli("status", f"{store}/zz-done", "--json", cwd=tmp_path).stdout)
+    assert st["state"] == "completed" and st["replicas"][0]["state"] == "succeeded", st
+
+
+def test_cancel_that_found_no_job_handle_exits_1(tmp_path):
+    from composer_cloud.runs import cancel, open_run
+    from composer_cloud.storage import layout
+    from composer_cloud.storage.store import Store
+
+    for run_id in ("api", "cli"):
+        spec = load_spec(None, {"run_id": run_id})
+        Store(f"file://{tmp_path}/store/{run_id}").create_json(layout.SPEC, spec.to_json_dict())
+    result = cancel(open_run(f"file://{tmp_path}/store/api"))
+    assert result.cancelled == [] and "no replica job handle" in result.warnings[0]
+    res = cli("cancel", f"file://{tmp_path}/store/cli", cwd=tmp_path)
+    assert res.returncode == 1 and "no job was stopped" in res.stdout, res.stdout + res.stderr
+
+
+def test_exit_reasons_for_people():
+    from composer_cloud.cli_views import exit_reason
+
+    assert exit_reason(-9, "failed") == "killed (SIGKILL)" and exit_reason(1, "failed") == "1"
+    assert exit_reason(None, "failed") == "unknown" and exit_reason(None, "running") == "-"
+
+
+def test_ls_of_a_bucket_that_does_not_exist_is_a_clear_error(tmp_path, s3_endpoint):
+    res = cli("ls", "s3://no-such-bucket/runs", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "cannot list runs under s3://no-such-bucket/runs" in res.stderr and "Traceback" not in res.stderr

@@ -9,17 +9,16 @@ from composer_cloud.runs.lifecycle import (
     LaunchError,
     ResumeResult,
     RunExists,
-    RunListing,
     build_spec,
     cancel,
     check_launch,
     get_status,
     launch,
-    list_runs,
     plan,
     resume,
     wait,
 )
+from composer_cloud.runs.listing import RunListing, list_runs
 from composer_cloud.runs.status import ReplicaInfo, RunStatus, read_metrics
 from composer_cloud.runs.summary import RunSummary, summarize
 from composer_cloud.storage.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run

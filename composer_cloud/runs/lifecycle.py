@@ -445,22 +445,42 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     return Run(uri=store.uri, store=store, spec=spec)
 
 
-def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None,
+def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None, force: bool = False,
            storage_options: Mapping[str, Any] | None = None) -> ResumeResult:
     """Continue a run from its latest valid checkpoint, optionally elsewhere or with another replica count.
 
     Stops whatever is left of the previous launch first, then discards round
     records and checkpoints newer than the checkpoint (they belong to rounds
     that will be recomputed) and relaunches.
+
+    Refuses (:class:`ConfigError`, nothing done) a run that is still running
+    unless ``force`` (resuming kills its live replicas and redoes the rounds
+    since its checkpoint), and a completed run with another executor or
+    replica count (its rounds are done; the message says how to start a new
+    run from its weights instead).
     """
     run = _as_run(run, storage_options)
     spec = run.spec
     latest: Checkpoint | None = None
-    finished = run_status(run).state == "completed"
+    current = run_status(run)
+    finished = current.state == "completed"
+    if current.state == "running" and not force:
+        alive = [i.rank for i in current.replicas if i.state in ("running", "pending")]
+        raise ConfigError(f"run {run.run_id} is still running (replicas {alive or 'starting'}); resuming would "
+                          f"stop them and redo the rounds since its last checkpoint. Wait for it "
+                          f"(`composer-cloud status {run.uri}`), cancel it first, or pass --force")
+    changes = {k: v for k, v in (("executor", executor), ("replicas", replicas))
+               if v is not None and v != getattr(spec, k)}
+    if finished and changes:
+        raise ConfigError(
+            f"run {run.run_id} completed all {spec.rounds} rounds; resume cannot change its "
+            f"{' and '.join(changes)}. To train on from its weights, start a new run: "
+            f"`composer-cloud export {run.uri} --out ./{run.run_id}-model` then `composer-cloud launch "
+            f"--model ./{run.run_id}-model" + "".join(f" --{k} {v}" for k, v in changes.items()) + "`")
     if finished:  # nothing runs: the checkpoint cannot change under us
         latest = sync_state.latest_checkpoint(run.store, spec)  # verified: every object read once
         last = sync_state.progress(run.store, spec).final
-        if executor is None and replicas is None and latest is not None and latest.round == last:
+        if latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
                 f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
     updates: dict[str, Any] = {}
@@ -515,6 +535,9 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     request_cancel(run.store)
     cancelled, warnings = _cancel_jobs(run)
+    if not cancelled and not warnings:  # nothing to stop was found: say so (exit 1), never "cancelled"
+        warnings = ["no replica job handle was found in the store, so no job was stopped; the cancel request is "
+                    "recorded and replicas stop at their next round boundary (check `composer-cloud status`)"]
     return CancelResult(run=run, cancelled=cancelled, warnings=warnings)
 
 
@@ -556,47 +579,5 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
                       on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
-@dataclass(frozen=True)
-class RunListing:
-    """One run found under a store: id, URI, state and committed rounds."""
-
-    run_id: str
-    uri: str
-    state: str
-    rounds_committed: int
-    rounds: int
-    launched_at: float | None = None  # epoch seconds the spec was written (launch, or a resume that changed it)
-
-
-def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
-              poll_executors: bool = False) -> list[RunListing]:
-    """Runs directly under ``store`` (directories with a ``spec.json``), by run id, newest generated id first.
-
-    States come from the store alone unless ``poll_executors`` (a run whose jobs
-    died without a word then still reads "running"); entries that cannot be read
-    are listed with state ``unreadable`` rather than failing the listing.
-    """
-    uri = normalize_run_uri(store)
-    root = Store(uri, storage_options=dict(storage_options or {}))
-    out: list[RunListing] = []
-    for name in root.list_dirs():
-        if not root.exists(f"{name}/{layout.SPEC}"):
-            continue
-        run_uri = join_uri(root.uri, name)
-        try:
-            run = open_run(run_uri, storage_options=storage_options)
-            st = run_status(run, poll_executors=poll_executors)
-            try:
-                launched_at = root.modified(f"{name}/{layout.SPEC}")
-            except (StoreError, OSError):
-                launched_at = None
-            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds, launched_at))
-        except (StoreError, ConfigError) as exc:
-            logger.warning("cannot read run %s: %s", run_uri, exc)
-            out.append(RunListing(name, run_uri, "unreadable", 0, 0))
-    # Generated ids are run-<UTC time>-<hex>, so they sort by launch time.
-    return sorted(out, key=lambda r: r.run_id, reverse=True)
-
-
-__all__ = ["LaunchCheck", "check_launch", "RunListing", "list_runs", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

@@ -155,6 +155,11 @@ class StatusTracker:
             state = status.state.value
             if not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
                 state = _FINISHED_JOB_STATE[beat.state].value
+            elif (status.state is ReplicaState.FAILED and status.exit_code is None and beat is not None
+                  and beat.state is HeartbeatState.COMPLETED):
+                # The job's wrapper died without recording an exit (a killed local supervisor) after the
+                # replica itself finished: the replica's own word wins, the run did not fail.
+                state = ReplicaState.SUCCEEDED.value
             restarts = status.restarts if status.restarts is not None else h.restarts
             beat_time = beat.time if beat is not None and beat.time > 0 else None
             loss = None if beat is None else beat.number("loss_ema")
