@@ -244,53 +244,6 @@ def launch(
     raise typer.Exit(_watch(run))
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _status_table(status: RunStatus) -> Table:
-    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
-    if status.step is not None:
-        title += f", step {status.step}/{status.total_steps}"
-    if status.elapsed_s is not None:
-        title += f" — elapsed {_duration(status.elapsed_s)}"
-    if status.eta_s is not None:
-        title += f", ETA {_duration(status.eta_s)}"
-    table = Table(title=title)
-    reps = status.replicas
-    # Columns that say nothing for this run (one executor, no rewards, no restarts, no messages) are left out.
-    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
-    if len({r.executor for r in reps}) > 1:
-        cols.append(("executor", lambda r: r.executor))
-    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
-             ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
-    if any(r.reward is not None for r in reps):
-        cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
-    cols.append(("steps/s", lambda r: _fmt(r.steps_per_s, ".2f")))
-    if any(r.exit_code not in (None, 0) or r.state == "failed" for r in reps):
-        cols.append(("exit", lambda r: cli_views.exit_reason(r.exit_code, r.state)))
-    if any(r.restarts or r.state == "failed" for r in reps):  # why it stopped: restarts used up, or none allowed
-        cols.append(("restarts", lambda r: str(r.restarts)))
-    if any(r.message for r in reps):
-        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
-    for name, _ in cols:
-        table.add_column(name)
-    for r in reps:
-        table.add_row(*[get(r) for _, get in cols])
-    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
-                                  if status.store_error else [])
-    if notes:
-        table.caption = "\n".join(notes)
-    return table
-
-
 DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
 
 
@@ -308,8 +261,8 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
         else:
             with _user_errors():
                 status = runs.get_status(run)
-            with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
-                status = runs.wait(run, on_update=lambda st: live.update(_status_table(st)))
+            with Live(cli_views.status_table(status), console=console, refresh_per_second=2, transient=False) as live:
+                status = runs.wait(run, on_update=lambda st: live.update(cli_views.status_table(st)))
     except KeyboardInterrupt:
         err_console.print(DETACHED.format(uri=run.uri), highlight=False)
         if as_json is not None:
@@ -320,7 +273,24 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
     else:
         console.line()
         cli_views.print_summary(console, err_console, run, status)
+    if run.spec.report_to:  # the spec's trackers, from the store's metrics, on this machine
+        _write_tracking(run, list(run.spec.report_to), Path("tracking"), "composer-cloud", quiet=as_json is not None)
     return 0 if status.state == "completed" else 1
+
+
+def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, *, quiet: bool = False) -> Any:
+    from composer_cloud.runs.tracking import write_tracking
+
+    try:
+        result = write_tracking(run, report_to=report_to, logdir=logdir, project=project)
+    except (ValueError, ImportError) as exc:
+        raise _fail(str(exc)) from None
+    if not quiet:
+        where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
+        where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
+        console.print(f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
+                      f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where), highlight=False)
+    return result
 
 
 # ---------------------------------------------------------------- status / logs / cancel
@@ -333,7 +303,7 @@ def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
     if as_json:
         sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
     else:
-        console.print(_status_table(st))
+        console.print(cli_views.status_table(st))
 
 
 @app.command()
@@ -536,6 +506,21 @@ def _writable_dir(out: Path) -> None:
         probe.unlink()
     except OSError as exc:
         raise _fail(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a directory you can write to")
+
+
+@app.command()
+def track(run_uri: str,
+          to: Annotated[list[str], typer.Option("--to", help="tracker: tensorboard | trackio (repeatable; TRL's "
+                                                "report_to names)")],
+          logdir: Annotated[Path, typer.Option(help="TensorBoard log directory (one folder per run)")] = Path("tracking"),
+          project: Annotated[str, typer.Option(help="trackio project")] = "composer-cloud",
+          as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Write a run's metrics to TensorBoard and/or trackio, offline: one series per replica, plus the rounds."""
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        result = _write_tracking(run, to, logdir, project, quiet=as_json)
+    if as_json:
+        _print_json(dataclasses.asdict(result))
 
 
 @app.command()

@@ -99,3 +99,50 @@ def exit_reason(code: int | None, state: str) -> str:
         except ValueError:
             return f"signal {-code}"
     return str(code)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def status_table(status: RunStatus) -> Table:
+    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
+    if status.step is not None:
+        title += f", step {status.step}/{status.total_steps}"
+    if status.elapsed_s is not None:
+        title += f" — elapsed {_duration(status.elapsed_s)}"
+    if status.eta_s is not None:
+        title += f", ETA {_duration(status.eta_s)}"
+    table = Table(title=title)
+    reps = status.replicas
+    # Columns that say nothing for this run (one executor, no rewards, no restarts, no messages) are left out.
+    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
+    if len({r.executor for r in reps}) > 1:
+        cols.append(("executor", lambda r: r.executor))
+    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
+             ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
+    if any(r.reward is not None for r in reps):
+        cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
+    cols.append(("steps/s", lambda r: _fmt(r.steps_per_s, ".2f")))
+    if any(r.exit_code not in (None, 0) or r.state == "failed" for r in reps):
+        cols.append(("exit", lambda r: exit_reason(r.exit_code, r.state)))
+    if any(r.restarts or r.state == "failed" for r in reps):  # why it stopped: restarts used up, or none allowed
+        cols.append(("restarts", lambda r: str(r.restarts)))
+    if any(r.message for r in reps):
+        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
+    for name, _ in cols:
+        table.add_column(name)
+    for r in reps:
+        table.add_row(*[get(r) for _, get in cols])
+    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
+                                  if status.store_error else [])
+    if notes:
+        table.caption = "\n".join(notes)
+    return table

@@ -84,6 +84,26 @@ def _aws(store_options: Mapping[str, Any]) -> list[Check]:
                                                   "--store-option key=... --store-option secret=...")]
 
 
+#: The module each executor (and an s3:// store) imports, and where it is missing what to install.
+SDK_MODULES = {"modal": ("modal", "modal"), "hf-jobs": ("httpx", "hf"), "s3": ("s3fs", "s3")}
+
+
+def missing_sdks(executors: list[str], store: str) -> list[str]:
+    """One message per SDK the executors or the store need that is not installed, each naming the extra
+    (``pip install "composer-cloud[modal,s3]"``); empty when everything is there."""
+    needs = [n for n in dict.fromkeys(executors) if n in SDK_MODULES]
+    if store.startswith(("s3://", "s3a://")):
+        needs.append("s3")
+    out = []
+    for name in needs:
+        module, extra = SDK_MODULES[name]
+        if importlib.util.find_spec(module) is None:
+            extras = [extra] + (["s3"] if name in ("modal", "hf-jobs") and extra != "s3" else [])
+            out.append(f"{'an s3:// store' if name == 's3' else f'--executor {name}'} needs the {module} package, "
+                       f"which is not installed: {install_hint(*extras)}")
+    return out
+
+
 def check_credentials(executors: list[str], store: str, store_options: Mapping[str, Any] | None = None
                       ) -> list[Check]:
     """The SDK and credential checks for ``executors`` (names) and ``store`` (a URI), in that order."""
@@ -106,4 +126,4 @@ def spec_credentials(spec: RunSpec) -> list[Check]:
                              spec.store_options)
 
 
-__all__ = ["Check", "EXTRAS", "check_credentials", "install_hint", "spec_credentials"]
+__all__ = ["Check", "EXTRAS", "SDK_MODULES", "check_credentials", "install_hint", "missing_sdks", "spec_credentials"]

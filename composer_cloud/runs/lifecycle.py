@@ -267,6 +267,11 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     from composer_cloud.runs.packaging import UserCodeError, collect_code
     from composer_cloud.trainer import check_settings
 
+    from composer_cloud.runs.doctor import missing_sdks
+
+    missing = missing_sdks([name for name, _ in assign_ranks(spec.executor, spec.replicas)], spec.store)
+    if missing:
+        raise SpecError("executor", "; ".join(missing))
     settings = spec.trainer.settings()
     try:
         check_settings(spec.trainer.name, settings)
