@@ -313,9 +313,15 @@ def logs(run_uri: str,
          tail: Annotated[Optional[int], typer.Option("--tail", "-n", help="last N lines of each replica")] = None,
          since: Annotated[Optional[str], typer.Option(help="lines since a duration ago (10m, 2h) or an ISO time")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line: rank, line, time")] = False,
+         verbose: Annotated[bool, typer.Option("--verbose", "-v", help="also the libraries' INFO/DEBUG lines "
+                                                                        "(torchft, transformers, ...)")] = False,
          store_option: StoreOptionFlag = None) -> None:
-    """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...)."""
-    from composer_cloud.runs.logs import parse_since, replica_logs
+    """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...).
+
+    By default composer-cloud's own lines (steps, rounds, checkpoints), every warning and error, and
+    tracebacks; --verbose adds the libraries' chatter.
+    """
+    from composer_cloud.runs.logs import parse_since, replica_logs, without_rank
 
     run = _open(run_uri, store_option)
     ranks = {h.rank for h in runs.load_handles(run.store)}
@@ -331,8 +337,9 @@ def logs(run_uri: str,
         raise _fail(str(exc)) from None
     errors: list[str] = []
     try:
-        for ll in replica_logs(run, ranks=replica, follow=follow, tail=tail, since=since_t, errors=errors):
-            sys.stdout.write((json.dumps(ll.to_json()) if as_json else f"[r{ll.rank}] {ll.line}") + "\n")
+        for ll in replica_logs(run, ranks=replica, follow=follow, tail=tail, since=since_t, errors=errors,
+                               verbose=verbose):
+            sys.stdout.write((json.dumps(ll.to_json()) if as_json else f"[r{ll.rank}] {without_rank(ll.line)}") + "\n")
             sys.stdout.flush()
     except KeyboardInterrupt:
         pass
@@ -391,9 +398,11 @@ def _cell(v: Any) -> str:
 
 
 @app.command()
-def report(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")] = Path("."),
+def report(run_uri: str, out: Annotated[Optional[Path], typer.Option(
+               "--out", help="output directory (default: report/ in a local run's folder, else ./<run_id>-report)")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write report.png and report.html: loss, reward, held-out eval and sync time per round per replica."""
+    """Write report.png and report.html: train loss per inner step; reward, held-out eval, sync time per round;
+    one line per replica (dead or restarted replicas marked)."""
     from composer_cloud.runs.report import ReportUnavailable, write_report
 
     run = _open(run_uri, store_option)
@@ -404,7 +413,7 @@ def report(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
         raise _fail(str(exc)) from None
     if as_json:
         _print_json({"run_id": run.run_id, "png": str(rep.png), "html": str(rep.html), "rounds": rep.rounds,
-                     "replicas": rep.replicas})
+                     "replicas": rep.replicas, "labels": rep.labels})
     else:
         console.print(f"wrote {rep.png} and {rep.html} ({rep.rounds} rounds, replicas {rep.replicas})")
 

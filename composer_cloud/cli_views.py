@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Any
 
@@ -12,6 +11,7 @@ from rich.table import Table
 
 from composer_cloud import runs
 from composer_cloud.runs import Run, RunStatus
+from composer_cloud.runs.status import exit_reason
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.store import join_uri
 
@@ -87,18 +87,6 @@ def print_checks(console: Console, checks: list[Any]) -> None:
     for c in checks:
         mark = "[green]ok[/]  " if c.ok else "[bold red]FAIL[/]"
         console.print(f"{mark} {escape(c.name)}: {escape(c.detail)}", highlight=False)
-
-
-def exit_reason(code: int | None, state: str) -> str:
-    """A replica's exit for people: ``0``, ``1``, ``killed (SIGKILL)`` for -9 (a signal), ``-`` when unknown."""
-    if code is None:
-        return "unknown" if state == "failed" else "-"
-    if code < 0:
-        try:
-            return f"killed ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"signal {-code}"
-    return str(code)
 
 
 def _duration(seconds: float | None) -> str:

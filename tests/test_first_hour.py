@@ -306,6 +306,13 @@ def test_resume_guard_ls_agrees_with_status_and_a_lost_supervisor(tmp_path):
             assert r["state"] == json.loads(cli("status", r["uri"], "--json", cwd=tmp_path).stdout)["state"]
     finally:
         assert cli("cancel", f"{store}/aa-live", cwd=tmp_path).returncode == 0
+    rep = cli("report", f"{store}/aa-live", "--json", cwd=tmp_path)  # next to the run; the dead replica marked
+    assert rep.returncode == 0, rep.stderr
+    rep = json.loads(rep.stdout)
+    assert rep["png"] == str(tmp_path / "store/aa-live/report/report.png") and rep["labels"] == {"0": "r0 (cancelled, killed (SIGTERM))"}
+    ours = cli("logs", f"{store}/zz-done", "--tail", "3", cwd=tmp_path).stdout.splitlines()
+    assert len(ours) == 3 and all(line.startswith("[r0] 20") and " r0 " not in line for line in ours), ours
+    assert all("composer_cloud" in line or "WARNING" in line or "ERROR" in line for line in ours), ours
     # the local supervisor of the finished run dies before recording the exit: the replica said it completed
     from composer_cloud.jobs.local import job_dir
 
@@ -331,7 +338,7 @@ def test_cancel_that_found_no_job_handle_exits_1(tmp_path):
 
 
 def test_exit_reasons_for_people():
-    from composer_cloud.cli_views import exit_reason
+    from composer_cloud.runs.status import exit_reason
 
     assert exit_reason(-9, "failed") == "killed (SIGKILL)" and exit_reason(1, "failed") == "1"
     assert exit_reason(None, "failed") == "unknown" and exit_reason(None, "running") == "-"
@@ -436,3 +443,30 @@ def test_tracking_writes_one_series_per_replica_and_the_rounds(tmp_path):
     assert logs["tracked-rounds"] == [[1, 2.5], [2, 1.5]]
     bad = cli("track", run.uri, "--to", "wandb", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown tracker 'wandb'" in bad.stderr
+
+
+def test_logs_show_our_lines_by_default_and_the_rank_once():
+    """Finding 6: `logs --tail 5` was mostly torchft internals and showed the rank twice."""
+    from composer_cloud.runs.logs import _stamped, without_rank
+
+    lines = ["2026-11-24T16:00:00.100Z r1 INFO torchft.manager: quorum 3 joined",
+             "2026-11-24T16:00:00.200Z r1 INFO composer_cloud.replica.telemetry: round 1 step 3 loss 2.1",
+             "2026-11-24T16:00:00.300Z r1 DEBUG urllib3.connectionpool: GET /x",
+             "2026-11-24T16:00:00.400Z r1 WARNING transformers.modeling_utils: something odd",
+             "2026-11-24T16:00:00.500Z r1 ERROR composer_cloud.replica.runtime: replica failed",
+             "Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: boom"]
+    shown = [ll.line for ll in _stamped(1, iter(lines), [None], verbose=False)]
+    assert shown == lines[1:2] + lines[3:]
+    assert [ll.line for ll in _stamped(1, iter(lines), [None])] == lines  # --verbose: everything
+    assert without_rank(lines[1]) == "2026-11-24T16:00:00.200Z INFO composer_cloud.replica.telemetry: round 1 step 3 loss 2.1"
+    assert without_rank("Traceback (most recent call last):") == "Traceback (most recent call last):"
+
+
+def test_report_draws_steps_and_goes_next_to_the_run(tmp_path):
+    pytest.importorskip("matplotlib", reason="the [report] extra")
+    from composer_cloud.runs.report import write_report
+
+    run = _run_with_metrics(tmp_path)
+    rep = write_report(run)
+    assert rep.png == tmp_path / "store" / "tracked" / "report" / "report.png" and rep.png.stat().st_size > 10_000
+    assert rep.rounds == 2 and rep.replicas == [0, 1]

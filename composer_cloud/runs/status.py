@@ -7,6 +7,7 @@ another machine) sees the same status.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -230,3 +231,15 @@ def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
 def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
     """The run's metric rows (one replica's with ``rank``); see :func:`composer_cloud.runs.metrics.read_metrics`."""
     return _metrics.read_metrics(store, rank=rank, **kwargs)
+
+
+def exit_reason(code: int | None, state: str) -> str:
+    """A replica's exit for people: ``0``, ``1``, ``killed (SIGKILL)`` for -9 (a signal), ``-`` when unknown."""
+    if code is None:
+        return "unknown" if state == "failed" else "-"
+    if code < 0:
+        try:
+            return f"killed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
