@@ -470,3 +470,66 @@ def test_report_draws_steps_and_goes_next_to_the_run(tmp_path):
     rep = write_report(run)
     assert rep.png == tmp_path / "store" / "tracked" / "report" / "report.png" and rep.png.stat().st_size > 10_000
     assert rep.rounds == 2 and rep.replicas == [0, 1]
+
+
+# ---------------------------------------------------------------------- 1b. causal-LM fine-tuning on own data
+def test_the_causal_lm_trainer_fine_tunes_on_a_users_dataset(tmp_path):
+    """Finding 1: `trainer.dataset is not a causal-lm setting`. Now: text column, or prompt + answer."""
+    import torch
+
+    from composer_cloud.model import TinyModelConfig, load_model
+    from composer_cloud.trainer import TrainerContext, build_trainer
+
+    qa = write_qa(tmp_path / "qa.jsonl", QA * 4)
+    model, tok = load_model("tiny", seed=0, tiny=TinyModelConfig(hidden_size=32, num_hidden_layers=2,
+                                                                  num_attention_heads=2, num_key_value_heads=1,
+                                                                  intermediate_size=64))
+
+    def trainer(settings):
+        return build_trainer("causal-lm", TrainerContext(
+            model=model, tokenizer=tok, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
+            settings={"batch_size": 4, "seq_len": 16, **settings},
+            inner_optimizer={"lr": 3e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0}))
+
+    tr = trainer({"dataset": str(qa), "columns": {"prompt": "question", "answer": "solution"}})
+    before = tr.evaluate()["eval_loss"]
+    for _ in range(15):
+        tr.step()
+    assert tr.evaluate()["eval_loss"] < before  # it learns the user's rows (held-out 10 % of them)
+    text = tmp_path / "notes.jsonl"
+    text.write_text("".join(json.dumps({"body": f"note {i}: the sum of {i} and 1 is {i + 1}."}) + "\n"
+                            for i in range(40)))
+    assert tr.__class__(  # a text column, mapped
+        __import__("composer_cloud.trainer.base", fromlist=["TrainerContext"]).TrainerContext(
+            model=model, tokenizer=tok, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
+            settings={"batch_size": 2, "seq_len": 16, "dataset": str(text), "columns": {"text": "body"}},
+            inner_optimizer={"lr": 1e-3})).step()["loss"] > 0
+    with pytest.raises(ValueError, match=r"trainer.columns.hint: the causal-lm trainer's columns are text, prompt"):
+        trainer({"dataset": str(qa), "columns": {"hint": "solution"}})
+
+
+def test_launch_checks_a_causal_lm_datasets_columns(tmp_path):
+    from composer_cloud.runs.lifecycle import check_before_launch
+
+    write_qa(tmp_path / "qa.jsonl")
+    spec = load_spec(None, {"trainer.name": "causal-lm", "trainer.dataset": "qa.jsonl"})
+    with pytest.raises(SpecError, match=r"needs a 'text' column, or 'prompt' and 'answer' \(its columns: question, "
+                                        r"solution\)"):
+        check_before_launch(spec.with_run_id(), base_dir=tmp_path)
+    ok = load_spec(None, {"trainer.name": "causal-lm", "trainer.dataset": "qa.jsonl",
+                          "trainer.columns": {"prompt": "question", "answer": "solution"}})
+    check_before_launch(ok.with_run_id(), base_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_causal_lm_run_on_a_users_jsonl_completes(tmp_path):
+    write_qa(tmp_path / "qa.jsonl", QA * 4)
+    spec = tmp_path / "spec.toml"
+    spec.write_text("replicas = 1\nrounds = 2\ninner_steps = 3\n" + SMALL_RUN_TOML.replace(
+        'seq_len = 32', 'seq_len = 16\ndataset = "qa.jsonl"') + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n')
+    res = cli("launch", "--config", str(spec), "--store", f"file://{tmp_path}/store", "--run-id", "ft", "--json",
+              cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)["summary"]
+    assert summary["loss_name"] == "next-token cross-entropy, nats/token" and summary["warnings"] == []
+    assert summary["eval_loss_first"] is not None and summary["loss_last"] < summary["loss_first"]
