@@ -51,21 +51,14 @@ def test_a_dataset_without_a_hint_column_distils_from_its_answers():
 
 def test_answer_hints_give_a_fresh_model_a_gradient(tmp_path):
     """With the answer as hint (and truncated completions kept) the issue's model and data move the weights."""
-    import torch
-
-    from composer_cloud.model import TinyModelConfig, load_model
-    from composer_cloud.trainer import TrainerContext, build_trainer
+    from composer_cloud.trainer import build_trainer
+    from support.trainer import tiny_context
 
     path = write_qa(tmp_path / "qa.jsonl")
-    model, tok = load_model("tiny", seed=0, tiny=TinyModelConfig(hidden_size=32, num_hidden_layers=2,
-                                                                  num_attention_heads=2, num_key_value_heads=1,
-                                                                  intermediate_size=64))
-    ctx = TrainerContext(
-        model=model, tokenizer=tok, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
-        settings={"batch_size": 4, "seq_len": 32, "num_generations": 2, "max_completion_length": 6,
-                  "eval_examples": 2, "dataset": str(path), "reward": "exact_match",
-                  "mask_truncated_completions": False, "columns": {"prompt": "question", "answer": "solution"}},
-        inner_optimizer={"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0})
+    ctx = tiny_context({"batch_size": 4, "seq_len": 32, "num_generations": 2, "max_completion_length": 6,
+                        "eval_examples": 2, "dataset": str(path), "reward": "exact_match",
+                        "mask_truncated_completions": False,
+                        "columns": {"prompt": "question", "answer": "solution"}})
     tr = build_trainer("three-channel", ctx)
     out = tr.step()
     assert out["sdpo"] != 0.0 and out["grad_norm"] > 0.0
@@ -475,21 +468,16 @@ def test_report_draws_steps_and_goes_next_to_the_run(tmp_path):
 # ---------------------------------------------------------------------- 1b. causal-LM fine-tuning on own data
 def test_the_causal_lm_trainer_fine_tunes_on_a_users_dataset(tmp_path):
     """Finding 1: `trainer.dataset is not a causal-lm setting`. Now: text column, or prompt + answer."""
-    import torch
-
-    from composer_cloud.model import TinyModelConfig, load_model
-    from composer_cloud.trainer import TrainerContext, build_trainer
+    from composer_cloud.trainer import build_trainer
+    from support.trainer import tiny_context
 
     qa = write_qa(tmp_path / "qa.jsonl", QA * 4)
-    model, tok = load_model("tiny", seed=0, tiny=TinyModelConfig(hidden_size=32, num_hidden_layers=2,
-                                                                  num_attention_heads=2, num_key_value_heads=1,
-                                                                  intermediate_size=64))
+    first = tiny_context({})
+    model, tok = first.model, first.tokenizer
 
     def trainer(settings):
-        return build_trainer("causal-lm", TrainerContext(
-            model=model, tokenizer=tok, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
-            settings={"batch_size": 4, "seq_len": 16, **settings},
-            inner_optimizer={"lr": 3e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0}))
+        return build_trainer("causal-lm", tiny_context({"batch_size": 4, "seq_len": 16, **settings}, lr=3e-3,
+                                                       model=model, tokenizer=tok))
 
     tr = trainer({"dataset": str(qa), "columns": {"prompt": "question", "answer": "solution"}})
     before = tr.evaluate()["eval_loss"]
@@ -499,11 +487,7 @@ def test_the_causal_lm_trainer_fine_tunes_on_a_users_dataset(tmp_path):
     text = tmp_path / "notes.jsonl"
     text.write_text("".join(json.dumps({"body": f"note {i}: the sum of {i} and 1 is {i + 1}."}) + "\n"
                             for i in range(40)))
-    assert tr.__class__(  # a text column, mapped
-        __import__("composer_cloud.trainer.base", fromlist=["TrainerContext"]).TrainerContext(
-            model=model, tokenizer=tok, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
-            settings={"batch_size": 2, "seq_len": 16, "dataset": str(text), "columns": {"text": "body"}},
-            inner_optimizer={"lr": 1e-3})).step()["loss"] > 0
+    assert trainer({"dataset": str(text), "columns": {"text": "body"}}).step()["loss"] > 0  # a text column, mapped
     with pytest.raises(ValueError, match=r"trainer.columns.hint: the causal-lm trainer's columns are text, prompt"):
         trainer({"dataset": str(qa), "columns": {"hint": "solution"}})
 
