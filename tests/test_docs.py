@@ -61,3 +61,45 @@ def test_the_readme_and_metrics_examples_run_in_a_fresh_interpreter(tmp_path):
     for key in sorted(others):  # any block added later runs here too
         res = run_block(blocks[key], tmp_path)
         assert res.returncode == 0, f"{key}: {res.stderr[-2000:]}"
+
+
+#: TOML blocks that are not run specs: what they are.
+OTHER_TOML = {("docs/trainer.md", 0): "teachers", ("docs/trainer.md", 1): "PRIME-RL's own trainer config"}
+
+
+def toml_blocks() -> dict[tuple[str, int], str]:
+    out = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        rel = str(path.relative_to(ROOT))
+        for i, block in enumerate(re.findall(r"```toml\n(.*?)```", path.read_text(), flags=re.S)):
+            out[(rel, i)] = block
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(toml_blocks()), ids=lambda k: f"{k[0]}#{k[1]}")
+def test_every_documented_spec_passes_launchs_settings_checks(key, tmp_path):
+    """The docs are the contract: each TOML block is a valid spec (strict fields) and valid trainer settings
+    (the same checks launch and --dry-run run first)."""
+    from composer_cloud.spec import load_spec
+    from composer_cloud.trainer import check_settings
+
+    path = tmp_path / "spec.toml"
+    path.write_text(toml_blocks()[key])
+    if key in OTHER_TOML:
+        kind = OTHER_TOML[key]
+        if kind == "teachers":  # composer-cloud pairs --teachers FILE: checked by its own loader
+            from composer_cloud.trainer.three_channel.teachers import load_teachers
+
+            assert load_teachers(str(path))
+        return
+    spec = load_spec(path, {})
+    check_settings(spec.trainer.name, spec.trainer.settings())
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.toml")))
+def test_every_example_spec_passes_launchs_settings_checks(example):
+    from composer_cloud.spec import load_spec
+    from composer_cloud.trainer import check_settings
+
+    spec = load_spec(ROOT / "examples" / example, {})
+    check_settings(spec.trainer.name, spec.trainer.settings())
