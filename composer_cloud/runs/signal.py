@@ -119,8 +119,8 @@ def diagnose_rounds(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, An
     which = ("every round" if len(silent) == len(by_round) else
              "rounds " + ", ".join(str(r + 1) for r in silent))
     reasons = _channel_reasons(steps, settings or {}) or ["the trainer reported grad_norm 0 on every step"]
-    return [f"no training signal in {which}: grad_norm was 0 on every inner step of every replica, so the model "
-            "did not change. " + "; ".join(reasons)]
+    return [f"no training signal in {which}: grad_norm was 0 on every inner step of every replica: no loss "
+            "channel gave the model a gradient. " + "; ".join(reasons)]
 
 
 __all__ = ["CHANNELS", "diagnose_rounds", "hint_note", "launch_refusal"]
