@@ -20,13 +20,18 @@ NOT_OFFLINE = {
 }
 
 
-def python_blocks() -> dict[tuple[str, int], str]:
+def blocks(lang: str) -> dict[tuple[str, int], str]:
+    """(file, index among its ``lang`` blocks) -> the block, over README.md and docs/."""
     out = {}
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         rel = str(path.relative_to(ROOT))
-        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)):
+        for i, block in enumerate(re.findall(rf"```{lang}\n(.*?)```", path.read_text(), flags=re.S)):
             out[(rel, i)] = block
     return out
+
+
+def python_blocks() -> dict[tuple[str, int], str]:
+    return blocks("python")
 
 
 def run_block(code: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -68,12 +73,7 @@ OTHER_TOML = {("docs/trainer.md", 0): "teachers", ("docs/trainer.md", 1): "PRIME
 
 
 def toml_blocks() -> dict[tuple[str, int], str]:
-    out = {}
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
-        rel = str(path.relative_to(ROOT))
-        for i, block in enumerate(re.findall(r"```toml\n(.*?)```", path.read_text(), flags=re.S)):
-            out[(rel, i)] = block
-    return out
+    return blocks("toml")
 
 
 @pytest.mark.parametrize("key", sorted(toml_blocks()), ids=lambda k: f"{k[0]}#{k[1]}")
