@@ -509,7 +509,7 @@ def test_launch_checks_a_causal_lm_datasets_columns(tmp_path):
 def test_a_causal_lm_run_on_a_users_jsonl_completes(tmp_path):
     write_qa(tmp_path / "qa.jsonl", QA * 4)
     spec = tmp_path / "spec.toml"
-    spec.write_text("replicas = 1\nrounds = 2\ninner_steps = 3\n" + SMALL_RUN_TOML.replace(
+    spec.write_text("replicas = 1\nrounds = 2\ninner_steps = 3\nreport_to = [\"tensorboard\"]\n" + SMALL_RUN_TOML.replace(
         'seq_len = 32', 'seq_len = 16\ndataset = "qa.jsonl"') + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n')
     res = cli("launch", "--config", str(spec), "--store", f"file://{tmp_path}/store", "--run-id", "ft", "--json",
               cwd=tmp_path, timeout=600)
@@ -517,3 +517,6 @@ def test_a_causal_lm_run_on_a_users_jsonl_completes(tmp_path):
     summary = json.loads(res.stdout)["summary"]
     assert summary["loss_name"] == "next-token cross-entropy, nats/token" and summary["warnings"] == []
     assert summary["eval_loss_first"] is not None and summary["loss_last"] < summary["loss_first"]
+    # report_to: the attached launch wrote the TensorBoard series when the run ended
+    assert any((tmp_path / "tracking" / "ft" / "replica-0").glob("events.out.tfevents.*"))
+    assert any((tmp_path / "tracking" / "ft" / "rounds").glob("events.out.tfevents.*"))
