@@ -16,14 +16,16 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = {"Run", "RunStatus", "open_run", "launch", "resume", "cancel", "get_status", "wait", "plan", "build_spec"}
+_API = {"Run", "RunStatus", "open_run", "launch", "resume", "cancel", "get_status", "wait", "plan", "build_spec",
+        "check_launch", "list_runs", "read_metrics", "summarize"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _API:
-        from composer_cloud import runs
+    if name in _API or name == "runs":  # ``cc.runs.read_metrics`` as well as ``cc.read_metrics``
+        import importlib
 
-        return getattr(runs, name)
+        runs = importlib.import_module("composer_cloud.runs")  # not `from composer_cloud import runs`: it asks here
+        return runs if name == "runs" else getattr(runs, name)
     raise AttributeError(f"module 'composer_cloud' has no attribute {name!r}")
 
 

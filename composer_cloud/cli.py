@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,11 +25,10 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from composer_cloud import runs
+from composer_cloud import cli_views, runs
 from composer_cloud.errors import ConfigError, LaunchError, StoreError
-from composer_cloud.runs import Run, RunStatus
-from composer_cloud.spec import DEFAULT_STORE, RunSpec
-from composer_cloud.storage.store import join_uri
+from composer_cloud.runs import Run
+from composer_cloud.spec import DEFAULT_STORE
 
 app = typer.Typer(add_completion=True, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="DiLoCo post-training across independent serverless jobs, synced through an object store.")
@@ -126,21 +124,34 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 @app.command()
-def doctor(store: Annotated[str, typer.Argument(help="store URI (s3://bucket/prefix, file:///dir, ...)")],
+def doctor(store: Annotated[Optional[str], typer.Argument(help="store URI (s3://bucket/prefix, file:///dir, ...)")] = None,
+           executor: Annotated[Optional[list[str]], typer.Option(
+               help="also check this executor's SDK and credentials: local | modal | hf-jobs (repeatable)")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Check that a store provides what a run needs (write-once create, read/list-after-write, delete).
+    """Check a store (write-once create, read/list-after-write, delete) and an executor's credentials.
 
-    Exit 0: it does; 2: it does not (the failing properties are named) or cannot be reached.
+    Exit 0: everything checked is fine; 2: something is not (each failure says what to do).
     """
+    from composer_cloud.runs.doctor import check_credentials
     from composer_cloud.storage.conformance import format_report, probe_store
 
-    with _user_errors():
-        report = probe_store(runs.normalize_run_uri(store), storage_options=_storage_options(store_option))
+    if store is None and not executor:
+        raise _fail("give a store URI, an --executor, or both (e.g. composer-cloud doctor s3://bucket/x --executor modal)")
+    options = _storage_options(store_option)
+    checks = check_credentials(executor or [], store or "", options)
+    report = None
+    if store is not None and all(c.ok for c in checks if c.name.startswith("s3 store")):
+        with _user_errors():
+            report = probe_store(runs.normalize_run_uri(store), storage_options=options)
+    ok = all(c.ok for c in checks) and (report is None or report.ok)
     if as_json:
-        _print_json({**dataclasses.asdict(report), "ok": report.ok})
+        _print_json({**(dataclasses.asdict(report) if report else {}),
+                     "credentials": [dataclasses.asdict(c) for c in checks], "ok": ok})
     else:
-        console.print(format_report(report), highlight=False)
-    if not report.ok:
+        cli_views.print_checks(console, checks)
+        if report is not None:
+            console.print(format_report(report), highlight=False)
+    if not ok:
         raise typer.Exit(2)
 
 
@@ -157,21 +168,10 @@ def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path
     for col in ("run id", "state", "rounds", "age"):
         table.add_column(col)
     for r in found:
-        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", _age(r.launched_at))
+        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", cli_views.age(r.launched_at))
     console.print(table)
     if found:
         console.print(f"details: composer-cloud status {found[0].uri}", highlight=False)
-
-
-def _age(since: float | None) -> str:
-    """``42s``, ``5m``, ``3h``, ``2d`` since an epoch time; ``-`` when unknown."""
-    if since is None:
-        return "-"
-    s = max(0.0, time.time() - since)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{int(s // size)}{unit}"
-    return f"{int(s)}s"
 
 
 # ---------------------------------------------------------------- launch
@@ -211,17 +211,26 @@ def launch(
     }
     # Named flags win over --set for the same key (they are the more specific spelling).
     overrides = {**_set_overrides(set_), **{k: v for k, v in flags.items() if v is not None}}
+    base_dir = config.resolve().parent if config is not None else None
     with _user_errors():
         spec = runs.build_spec(config=config, overrides=overrides)
-        if dry_run:
-            plans = runs.plan(spec)
+        if dry_run:  # launch's own checks (runs.check_launch), then the executors' credentials
+            from composer_cloud.runs.doctor import spec_credentials
+
+            checked = runs.check_launch(spec, base_dir=base_dir)
+            checks = spec_credentials(checked.spec)
+            failed = [c for c in checks if not c.ok]
             if as_json:
-                _print_json({"run_uri": join_uri(spec.store, spec.run_id), "dry_run": True,
-                             "spec": spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in plans]})
+                _print_json({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
+                             "spec": checked.spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in checked.plans],
+                             "credentials": [dataclasses.asdict(c) for c in checks]})
             else:
-                _print_plan(spec, plans)
+                cli_views.print_plan(console, checked.spec, checked.plans)
+                cli_views.print_checks(console, checks)
+            if failed:
+                raise _fail("launch would fail: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
             return
-        run = runs.launch(spec, base_dir=config.resolve().parent if config is not None else None)
+        run = runs.launch(spec, base_dir=base_dir)
     launched = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas}
     if as_json:
         if detach:
@@ -233,74 +242,6 @@ def launch(
         console.print(f"follow with: composer-cloud status {run.uri}")
         return
     raise typer.Exit(_watch(run))
-
-
-def _print_plan(spec: RunSpec, plans: list[Any]) -> None:
-    for p in plans:
-        table = Table(title=f"{p.executor}: ranks {p.ranks}", show_header=False)
-        table.add_row("image", p.image)
-        table.add_row("command", " ".join(p.command))
-        table.add_row("env vars", ", ".join(p.env_names) or "-")
-        table.add_row("secrets (names)", ", ".join(p.secret_names) or "-")
-        table.add_row("gpu", p.gpu)
-        table.add_row("est. GPU-hours", "-" if p.estimated_gpu_hours is None else f"{p.estimated_gpu_hours:.2f}")
-        if p.hourly_cost_usd is not None:
-            table.add_row("cost per hour (all jobs)", f"${p.hourly_cost_usd:,.2f}")
-        if p.estimated_cost_usd is not None:
-            table.add_row("cost if every job runs to its timeout", f"${p.estimated_cost_usd:,.2f}")
-        if p.max_cost_usd is not None:
-            table.add_row("cost upper bound (restarts included)", f"${p.max_cost_usd:,.2f}")
-        table.add_row("price source", p.cost_basis or "-")
-        for note in p.notes:
-            table.add_row("note", note)
-        console.print(table)
-    run_uri = join_uri(spec.store, spec.run_id)
-    console.print(f"run {run_uri}: {spec.rounds} rounds x {spec.inner_steps} inner steps (dry run: nothing launched)")
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _status_table(status: RunStatus) -> Table:
-    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
-    if status.step is not None:
-        title += f", step {status.step}/{status.total_steps}"
-    if status.elapsed_s is not None:
-        title += f" — elapsed {_duration(status.elapsed_s)}"
-    if status.eta_s is not None:
-        title += f", ETA {_duration(status.eta_s)}"
-    table = Table(title=title)
-    reps = status.replicas
-    # Columns that say nothing for this run (one executor, no rewards, no restarts, no messages) are left out.
-    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
-    if len({r.executor for r in reps}) > 1:
-        cols.append(("executor", lambda r: r.executor))
-    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
-             ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
-    if any(r.reward is not None for r in reps):
-        cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
-    cols.append(("steps/s", lambda r: _fmt(r.steps_per_s, ".2f")))
-    if any(r.restarts for r in reps):
-        cols.append(("restarts", lambda r: str(r.restarts)))
-    if any(r.message for r in reps):
-        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
-    for name, _ in cols:
-        table.add_column(name)
-    for r in reps:
-        table.add_row(*[get(r) for _, get in cols])
-    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
-                                  if status.store_error else [])
-    if notes:
-        table.caption = "\n".join(notes)
-    return table
 
 
 DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
@@ -320,8 +261,8 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
         else:
             with _user_errors():
                 status = runs.get_status(run)
-            with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
-                status = runs.wait(run, on_update=lambda st: live.update(_status_table(st)))
+            with Live(cli_views.status_table(status), console=console, refresh_per_second=2, transient=False) as live:
+                status = runs.wait(run, on_update=lambda st: live.update(cli_views.status_table(st)))
     except KeyboardInterrupt:
         err_console.print(DETACHED.format(uri=run.uri), highlight=False)
         if as_json is not None:
@@ -331,34 +272,25 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
         _print_json({**as_json, "status": status.to_json(), "summary": dataclasses.asdict(runs.summarize(run, status))})
     else:
         console.line()
-        _print_summary(run, status)
+        cli_views.print_summary(console, err_console, run, status)
+    if run.spec.report_to:  # the spec's trackers, from the store's metrics, on this machine
+        _write_tracking(run, list(run.spec.report_to), Path("tracking"), "composer-cloud", quiet=as_json is not None)
     return 0 if status.state == "completed" else 1
 
 
-def _print_summary(run: Run, status: RunStatus) -> None:
-    s = runs.summarize(run, status)
-    table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
-    table.add_column("")
-    table.add_column("first round → last round")
-    table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
-    if s.loss_first is not None:
-        table.add_row("train loss", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
-    if s.reward_first is not None:
-        table.add_row("mean reward", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
-    if s.eval_loss_first is not None:
-        what = "held-out loss, reference answers" if s.eval_reward_first is not None else "held-out loss"
-        table.add_row(what, f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f} nats/token")
-    if s.eval_reward_first is not None:
-        table.add_row("held-out greedy reward", f"{s.eval_reward_first:.3f} → {s.eval_reward_last:.3f}")
-    total = s.compute_s + s.sync_s
-    if total > 0:
-        table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
-                                                 f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
-    table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB{s.synced_note}")
-    if s.lost_replicas:
-        table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
-    console.print(table)
-    console.print(f"run URI: {run.uri}", highlight=False)  # outside the table: never truncated
+def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, *, quiet: bool = False) -> Any:
+    from composer_cloud.runs.tracking import write_tracking
+
+    try:
+        result = write_tracking(run, report_to=report_to, logdir=logdir, project=project)
+    except (ValueError, ImportError) as exc:
+        raise _fail(str(exc)) from None
+    if not quiet:
+        where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
+        where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
+        console.print(f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
+                      f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where), highlight=False)
+    return result
 
 
 # ---------------------------------------------------------------- status / logs / cancel
@@ -371,7 +303,7 @@ def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
     if as_json:
         sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
     else:
-        console.print(_status_table(st))
+        console.print(cli_views.status_table(st))
 
 
 @app.command()
@@ -381,9 +313,15 @@ def logs(run_uri: str,
          tail: Annotated[Optional[int], typer.Option("--tail", "-n", help="last N lines of each replica")] = None,
          since: Annotated[Optional[str], typer.Option(help="lines since a duration ago (10m, 2h) or an ISO time")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line: rank, line, time")] = False,
+         verbose: Annotated[bool, typer.Option("--verbose", "-v", help="also the libraries' INFO/DEBUG lines "
+                                                                        "(torchft, transformers, ...)")] = False,
          store_option: StoreOptionFlag = None) -> None:
-    """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...)."""
-    from composer_cloud.runs.logs import parse_since, replica_logs
+    """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...).
+
+    By default composer-cloud's own lines (steps, rounds, checkpoints), every warning and error, and
+    tracebacks; --verbose adds the libraries' chatter.
+    """
+    from composer_cloud.runs.logs import parse_since, replica_logs, without_rank
 
     run = _open(run_uri, store_option)
     ranks = {h.rank for h in runs.load_handles(run.store)}
@@ -399,8 +337,9 @@ def logs(run_uri: str,
         raise _fail(str(exc)) from None
     errors: list[str] = []
     try:
-        for ll in replica_logs(run, ranks=replica, follow=follow, tail=tail, since=since_t, errors=errors):
-            sys.stdout.write((json.dumps(ll.to_json()) if as_json else f"[r{ll.rank}] {ll.line}") + "\n")
+        for ll in replica_logs(run, ranks=replica, follow=follow, tail=tail, since=since_t, errors=errors,
+                               verbose=verbose):
+            sys.stdout.write((json.dumps(ll.to_json()) if as_json else f"[r{ll.rank}] {without_rank(ll.line)}") + "\n")
             sys.stdout.flush()
     except KeyboardInterrupt:
         pass
@@ -459,9 +398,11 @@ def _cell(v: Any) -> str:
 
 
 @app.command()
-def report(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")] = Path("."),
+def report(run_uri: str, out: Annotated[Optional[Path], typer.Option(
+               "--out", help="output directory (default: report/ in a local run's folder, else ./<run_id>-report)")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write report.png and report.html: loss, reward, held-out eval and sync time per round per replica."""
+    """Write report.png and report.html: train loss per inner step; reward, held-out eval, sync time per round;
+    one line per replica (dead or restarted replicas marked)."""
     from composer_cloud.runs.report import ReportUnavailable, write_report
 
     run = _open(run_uri, store_option)
@@ -472,7 +413,7 @@ def report(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
         raise _fail(str(exc)) from None
     if as_json:
         _print_json({"run_id": run.run_id, "png": str(rep.png), "html": str(rep.html), "rounds": rep.rounds,
-                     "replicas": rep.replicas})
+                     "replicas": rep.replicas, "labels": rep.labels})
     else:
         console.print(f"wrote {rep.png} and {rep.html} ({rep.rounds} rounds, replicas {rep.replicas})")
 
@@ -498,7 +439,8 @@ def cancel(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
         console.print(result.noop)
         return
     _report_cancel(result)
-    console.print(f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
+    console.print(f"cancel requested for run {run.run_id}; no job was stopped" if not result.cancelled else
+                  f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
     if result.warnings:
         raise typer.Exit(1)
 
@@ -509,6 +451,8 @@ def resume(
     run_uri: str,
     executor: Annotated[Optional[str], typer.Option(help="run the remaining rounds elsewhere")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="a different replica count")] = None,
+    force: Annotated[bool, typer.Option("--force", help="resume a run that is still running (its live replicas "
+                                                        "are stopped and restart from the checkpoint)")] = False,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable: what resumed, and (attached) the "
                                                           "final status")] = False,
@@ -517,7 +461,7 @@ def resume(
     """Continue a run from its latest valid checkpoint (attached: Ctrl-C detaches, the run goes on)."""
     run = _open(run_uri, store_option)
     with _user_errors():
-        result = runs.resume(run, executor=executor, replicas=replicas)
+        result = runs.resume(run, executor=executor, replicas=replicas, force=force)
     if as_json:
         out = {"run_id": run.run_id, "run_uri": run.uri, "from_round": result.from_round,
                "ranks": [h.rank for h in result.handles], "warnings": result.warnings, "noop": result.noop}
@@ -540,23 +484,54 @@ def resume(
 
 @app.command()
 def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output directory")],
-           round: Annotated[Optional[int], typer.Option("--round", help="checkpoint round (default latest)")] = None,
+           round: Annotated[Optional[int], typer.Option("--round", help="round to export, counted from 1 as "
+                                                        "everywhere (default: the latest checkpoint)")] = None,
            adapter: Annotated[bool, typer.Option("--adapter", help="LoRA run: the adapter alone (PEFT format)")] = False,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write the global parameters as a Hugging Face model directory (``--adapter``: a LoRA run's adapter)."""
+    """Write the global parameters as a Hugging Face model directory (with a model card), from the store alone
+    (``--adapter``: a LoRA run's adapter)."""
     from composer_cloud.runs.export import export_model
 
     run = _open(run_uri, store_option)
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
+    if round is not None and round < 1:
+        raise _fail(f"--round {round}: rounds are counted from 1")
+    _writable_dir(out)
     try:
-        r = export_model(run, out, round=round, adapter=adapter)
+        r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
     except (LookupError, StoreError) as exc:
         raise _fail(str(exc), code=1) from None
     if as_json:
-        _print_json({"run_id": run.run_id, "round": r, "out": str(out.resolve())})
+        _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})
         return
     console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
+
+
+def _writable_dir(out: Path) -> None:
+    """``--out`` must be a directory this process can create and write in: say so before any work."""
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".composer-cloud-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise _fail(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a directory you can write to")
+
+
+@app.command()
+def track(run_uri: str,
+          to: Annotated[list[str], typer.Option("--to", help="tracker: tensorboard | trackio (repeatable; TRL's "
+                                                "report_to names)")],
+          logdir: Annotated[Path, typer.Option(help="TensorBoard log directory (one folder per run)")] = Path("tracking"),
+          project: Annotated[str, typer.Option(help="trackio project")] = "composer-cloud",
+          as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Write a run's metrics to TensorBoard and/or trackio, offline: one series per replica, plus the rounds."""
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        result = _write_tracking(run, to, logdir, project, quiet=as_json)
+    if as_json:
+        _print_json(dataclasses.asdict(result))
 
 
 @app.command()

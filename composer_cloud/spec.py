@@ -269,6 +269,8 @@ class RunSpec(_Strict):
     max_restarts: int = Field(default=0, ge=0, le=1000)
     #: Seconds between a replica's progress heartbeats (step, loss, reward, steps/s) in ``replicas/<rank>.json``.
     progress_every_s: float = Field(default=5.0, gt=0, le=3600)
+    #: Trackers (TRL's names) an attached launch writes the run's metrics to when it ends; docs/metrics.md.
+    report_to: list[Literal["tensorboard", "trackio"]] = Field(default_factory=list)
     model: ModelSpec = Field(default_factory=ModelSpec)
     inner_optimizer: InnerOptimizerSpec = Field(default_factory=InnerOptimizerSpec)
     outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec)

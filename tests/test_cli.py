@@ -249,7 +249,7 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
     assert "data:image/png;base64," in Path(paths["html"]).read_text() and paths["replicas"] == [0, 1]
 
     ex = cli("export", run_uri, "--out", str(tmp_path / "model"), "--json", cwd=tmp_path)
-    assert ex.returncode == 0 and json.loads(ex.stdout)["round"] == 1, ex.stderr
+    assert ex.returncode == 0 and json.loads(ex.stdout)["round"] == 2, ex.stderr  # counted from 1
     c = cli("cancel", run_uri, "--json", cwd=tmp_path)
     assert c.returncode == 0 and "already completed" in json.loads(c.stdout)["noop"], c.stderr
     r = cli("resume", run_uri, "--json", cwd=tmp_path)

@@ -258,7 +258,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer")),
     ("replica and executors", ("replica", "jobs", "images")),
     ("client", ("runs",)),
-    ("command line", ("cli",)),
+    ("command line", ("cli", "cli_views")),
 ]
 
 
@@ -311,7 +311,7 @@ def _code_strings(path: Path) -> list[tuple[int, str]]:
 
 #: The top-level key prefixes of a run, all spelled by ``storage/layout.py`` alone.
 RUN_PREFIXES = ("checkpoints", "rounds", "metrics", "decoupled", "replicas", "executor", "control", "code",
-                "files", "dirs", "resumes")
+                "files", "dirs", "resumes", "model")
 _PREFIX_RE = re.compile(rf"(?<![\w.-])({'|'.join(RUN_PREFIXES)})/")
 _BARE_PREFIXES = {"checkpoints", "resumes"}  # "rounds", "replicas", "decoupled"... are field and mode names too
 

@@ -5,24 +5,27 @@
 
 from composer_cloud.runs.lifecycle import (
     CancelResult,
+    LaunchCheck,
     LaunchError,
     ResumeResult,
     RunExists,
-    RunListing,
     build_spec,
     cancel,
+    check_launch,
     get_status,
     launch,
-    list_runs,
     plan,
     resume,
     wait,
 )
-from composer_cloud.runs.status import ReplicaInfo, RunStatus, RunSummary, read_metrics, summarize
+from composer_cloud.runs.listing import RunListing, list_runs
+from composer_cloud.runs.status import ReplicaInfo, RunStatus, read_metrics
+from composer_cloud.runs.summary import RunSummary, summarize
 from composer_cloud.storage.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run
 
 __all__ = [
     "CancelResult",
+    "LaunchCheck",
     "LaunchError",
     "ReplicaInfo",
     "ResumeResult",
@@ -34,6 +37,7 @@ __all__ = [
     "RunSummary",
     "build_spec",
     "cancel",
+    "check_launch",
     "get_status",
     "launch",
     "list_runs",

@@ -1,21 +1,137 @@
-"""Turn a run's global parameters into a Hugging Face model directory."""
+"""Turn a run's global parameters into a Hugging Face model directory, from the store alone.
+
+``launch`` stores what export needs besides the weights under ``model/`` of the run
+(:func:`store_model_files`: ``config.json``, ``generation_config.json`` and the
+tokenizer's files, padding side included), so ``export`` rebuilds the model from
+the store: moving or deleting the original model folder, or being offline, does not
+matter. Runs launched before that (or a LoRA run, whose frozen base weights are not
+in the store) are rebuilt from ``[model] name`` as before.
+
+The directory export writes: ``model.safetensors`` + ``config.json`` +
+``generation_config.json`` + the tokenizer (as the run used it: left padding for
+generation) + ``README.md``, a model card (base model, data, rounds, replicas, sync
+settings, final metrics). Files get normal permissions (``0644`` under the usual
+umask), never the ``0600`` of a temporary file.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from composer_cloud.errors import CorruptCheckpoint
+from composer_cloud.errors import CorruptCheckpoint, StoreError
 from composer_cloud.runs import sync_state
+from composer_cloud.spec import RunSpec
+from composer_cloud.storage import layout
 from composer_cloud.storage.run import Run
+from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 
 logger = logging.getLogger(__name__)
 
+#: Files of a model folder that export needs besides the weights.
+MODEL_FILE_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json")
+
+
+# ---------------------------------------------------------------- launcher side
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """``save_pretrained`` that keeps the padding side (set after init, it is not in ``init_kwargs``)."""
+    tokenizer.init_kwargs["padding_side"] = tokenizer.padding_side
+    tokenizer.save_pretrained(folder)
+
+
+def model_files(spec: RunSpec) -> dict[str, bytes]:
+    """The config, generation config and tokenizer files of the spec's model, without its weights.
+
+    ``tiny``: built here; a local folder: read from it; a hub id: from the local Hugging Face cache
+    only (no download at launch). Empty when they cannot be had here (export then needs the original).
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        if spec.model.name == "tiny":
+            from composer_cloud.model import TinyModelConfig, load_model
+
+            tiny = TinyModelConfig(**{k: getattr(spec.model, k) for k in (
+                "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
+            model, tokenizer = load_model("tiny", seed=spec.seed, tiny=tiny)
+            model.config.save_pretrained(folder)
+            model.generation_config.save_pretrained(folder)
+        else:
+            try:
+                AutoConfig.from_pretrained(spec.model.name, local_files_only=True).save_pretrained(folder)
+                tokenizer = AutoTokenizer.from_pretrained(spec.model.name, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                logger.warning("model %s: its config and tokenizer are not on this machine (%s); export will "
+                               "load them from the original again", spec.model.name, str(exc)[:200])
+                return {}
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token  # as the replicas load it (model.load_model)
+            try:
+                GenerationConfig.from_pretrained(spec.model.name, local_files_only=True).save_pretrained(folder)
+            except (OSError, ValueError):
+                pass  # export derives it from the model config
+        _save_tokenizer(tokenizer, folder)
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name in MODEL_FILE_NAMES}
+
+
+def store_model_files(store: Store, spec: RunSpec) -> list[str]:
+    """Write :func:`model_files` under the run's ``model/`` (the launcher calls it); returns the names."""
+    files = model_files(spec)
+    for name, data in sorted(files.items()):
+        store.put(layout.model_file_key(name), data)
+    return sorted(files)
+
+
+# ---------------------------------------------------------------- export
+def _stored_model(store: Store, spec: RunSpec) -> tuple[Any, Any] | None:
+    """``(model, tokenizer)`` built from the run's ``model/`` files (weights uninitialised: every parameter
+    is then loaded from the global state); None for a run without them or a LoRA run."""
+    if getattr(spec.model, "lora", None) is not None:
+        return None
+    names = [k.rsplit("/", 1)[-1] for k in store.list(layout.MODEL_FILES)]
+    if "config.json" not in names:
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            (Path(tmp) / name).write_bytes(store.get(layout.model_file_key(name)))
+        config = AutoConfig.from_pretrained(tmp)
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if (Path(tmp) / "generation_config.json").exists():
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    return model, tokenizer
+
+
+def _model_for(run: Run) -> tuple[Any, Any]:
+    found = _stored_model(run.store, run.spec)
+    if found is not None:
+        return found
+    from composer_cloud.model import load_spec_model
+
+    try:
+        return load_spec_model(run.spec.model, seed=run.spec.seed)
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"run {run.store.uri} was launched before runs stored their model config, and "
+                          f"[model] name {run.spec.model.name!r} cannot be loaded from here: "
+                          f"{type(exc).__name__}: {str(exc)[:300]}") from None
+
 
 def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool = False) -> int:
-    """Write ``save_pretrained`` safetensors + config + tokenizer of the global params; returns the round.
+    """Write ``save_pretrained`` safetensors + config + tokenizer + model card of the global params; returns
+    the round (0-based, as under ``checkpoints/``).
 
     A LoRA run's model is written merged (a plain transformers model, no PEFT needed to load it); with
     ``adapter``, its adapter alone in PEFT's format instead (any other run is refused: ``LookupError``).
@@ -23,20 +139,22 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
     ``round`` defaults to the latest valid checkpoint. Raises ``LookupError``
     naming the run if there is none, or if ``round`` has no global state.
     """
-    from composer_cloud.model import load_spec_model
     from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
 
     store, spec = run.store, run.spec
     if adapter:
         _check_adapter_export(run)
     states, attempt_of = GlobalStateStore(store), sync_state.attempt_of(store, spec)
-    model, tokenizer = load_spec_model(spec.model, seed=spec.seed)
+    if round is None and sync_state.latest_checkpoint(store, spec, verify=False) is None:
+        raise LookupError(f"run {store.uri} has no checkpoint to export yet (the first is written when round 1 "
+                          "commits); see `composer-cloud status`")
+    model, tokenizer = _model_for(run)
     fragments = split_fragments(model, spec.sync.fragments)
     if round is not None:
         attempt = attempt_of(round)
         if attempt is None or not states.durable(round, attempt):
-            raise LookupError(f"run {store.uri} has no global state for round {round} "
-                              f"(available: {states.durable_rounds(attempt_of)})")
+            raise LookupError(f"run {store.uri} has no global state for round {round + 1} "
+                              f"(available: {[r + 1 for r in states.durable_rounds(attempt_of)]})")
         load_global_parameters(fragments, states.load(round, attempt))
     else:
         # Newest checkpoint with a manifest whose global state reads back intact: one verified read each.
@@ -58,6 +176,9 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
         from composer_cloud.lora import export_merged
 
         export_merged(model, tokenizer, out)  # under [model.lora]: the adapters folded into the base
+        _save_tokenizer(tokenizer, Path(out))  # again: keep the padding side the run generated with
+        write_model_card(run, Path(out), round=round)
+    normal_permissions(Path(out))
     logger.info("exported round %d to %s", round, out)
     return round
 
@@ -77,4 +198,62 @@ def _write_adapter(model: Any, tokenizer: Any, out: Path) -> None:
     from composer_cloud.lora import export_adapter
 
     export_adapter(model, out)
-    tokenizer.save_pretrained(out)
+    _save_tokenizer(tokenizer, Path(out))  # with the padding side the run generated with
+
+
+def normal_permissions(folder: Path) -> None:
+    """Files ``0666 & ~umask`` (``0644`` usually), as any file a user writes; savers that write a temporary
+    file and rename it leave ``0600``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+def write_model_card(run: Run, out: Path, *, round: int) -> Path:
+    """``README.md``: a Hugging Face model card (``huggingface_hub.ModelCard``) saying what the model is."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from composer_cloud.runs.metrics import read_metrics
+
+    spec = run.spec
+    settings = spec.trainer.settings()
+    local = spec.model.name == "tiny" or os.path.isabs(spec.model.name) or spec.model.name.startswith(".")
+    data = settings.get("dataset") or (settings.get("task") if spec.trainer.name == "three-channel" else None) \
+        or "the built-in corpus"
+    try:
+        rows = [r for r in read_metrics(run.store, kind="round") if r.get("round") == round]
+    except StoreError:
+        rows = []
+
+    def mean(key: str) -> str:
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return f"{sum(vals) / len(vals):.4f}" if vals else "-"
+
+    card_data = ModelCardData(library_name="transformers", base_model=None if local else spec.model.name,
+                              tags=["composer-cloud", "diloco", spec.trainer.name])
+    lines = [
+        f"# {spec.run_id}", "",
+        f"Trained with composer-cloud (DiLoCo across serverless jobs, synced through an "
+        f"object store) by the `{spec.trainer.name}` trainer.", "",
+        "| | |", "|---|---|",
+        f"| base model | `{spec.model.name}`{' (freshly initialised)' if spec.model.name == 'tiny' else ''} |",
+        f"| data | `{data}` |",
+        f"| rounds | {round + 1} of {spec.rounds} (this export), {spec.inner_steps} inner steps each |",
+        f"| replicas | {spec.replicas} (executor `{spec.executor}`) |",
+        f"| sync | mode `{spec.sync.mode}`, codec `{spec.sync.codec}`, outer lr {spec.outer_optimizer.lr} |",
+        f"| inner optimizer | lr {spec.inner_optimizer.lr} |",
+        f"| train loss, round {round + 1} (mean over replicas) | {mean('train_loss')} |",
+        f"| held-out loss, round {round + 1} | {mean('eval_loss')} |",
+        f"| reward, round {round + 1} | {mean('reward_mean')} |",
+        "", f"Run: `{run.uri}`", "",
+    ]
+    card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    path = out / "README.md"
+    card.save(path)
+    return path
+
+
+__all__ = ["MODEL_FILE_NAMES", "export_model", "model_files", "normal_permissions", "store_model_files",
+           "write_model_card"]

@@ -37,6 +37,7 @@ from composer_cloud.errors import (
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor, trusted_handles
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import signing, sync_state
+from composer_cloud.runs.preflight import check_dataset, check_hub_model, check_model_dir
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict, with_paths
 from composer_cloud.storage import layout
@@ -169,87 +170,6 @@ def _spec_paths(spec: RunSpec, base_dir: Path | None) -> list[Any]:
         raise SpecError(field if field.startswith(("model.", "trainer.")) else "", str(exc)) from None
 
 
-def _check_model_dir(path: Path) -> None:
-    """A local ``model.name`` must be a saved model folder: a ``config.json`` with a ``model_type``."""
-    import json
-
-    config = path / "config.json"
-    if not path.is_dir():
-        raise SpecError("model.name", f"{path} is a file; name a folder written by save_pretrained (or a hub id)")
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except FileNotFoundError:
-        raise SpecError("model.name", f"{path} has no config.json; name a folder written by "
-                        "model.save_pretrained(...) and tokenizer.save_pretrained(...)") from None
-    except (ValueError, OSError, AttributeError) as exc:
-        raise SpecError("model.name", f"{config} is not a readable model config: {exc}") from None
-    if not model_type:
-        raise SpecError("model.name", f"{config} has no model_type, so transformers cannot load it")
-
-
-def _check_hub_model(name: str, base_dir: Path) -> None:
-    """A ``model.name`` that is no local folder should be a hub model; say so early when the Hub disagrees.
-
-    Only a warning: the launcher may be offline or lack the token the replicas get as a secret.
-    """
-    try:
-        from huggingface_hub import HfApi
-
-        info = HfApi().model_info(name, timeout=10)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("model.name %r is neither a folder under %s nor a model the Hub confirms (%s: %s); the "
-                       "replicas will try to download it", name, base_dir, type(exc).__name__, str(exc)[:200])
-        return
-    if info.config is not None and not info.config.get("model_type"):
-        logger.warning("model.name %r: its config.json on the Hub has no model_type", name)
-
-
-#: ``datasets`` builder names that read ``data_files`` (not hub repositories).
-_BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
-
-
-def _check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path]) -> None:
-    """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
-    warning when they cannot be reached from here)."""
-    from composer_cloud.trainer.three_channel.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
-
-    name = str(local.get("trainer.dataset", settings["dataset"]))
-    files = settings.get("data_files")
-    local_files = [str(v) for k, v in sorted(local.items()) if k.startswith("trainer.data_files.")]
-    if local_files:
-        files = local_files
-    split = settings.get("dataset_split", "train")
-    splits = [split] + ([settings["eval_split"]] if settings.get("eval_split") else [])
-    columns = dict(settings.get("columns") or {})
-    reward = settings.get("reward") or "exact_match"
-    needed = [REWARD_NEEDS[reward]] if reward in REWARD_NEEDS else []
-    if "trainer.dataset" not in local and settings["dataset"] not in _BUILDER_NAMES:
-        # A hub dataset: one quick request first, so an unreachable Hub costs a warning, not datasets' retries.
-        try:
-            from huggingface_hub import HfApi
-
-            HfApi().dataset_info(settings["dataset"], timeout=10)
-        except Exception as exc:  # noqa: BLE001 - offline, private, or missing: the replicas will say which
-            logger.warning("trainer.dataset %r: columns not checked before launch (the Hub said %s: %s)",
-                           settings["dataset"], type(exc).__name__, str(exc)[:200])
-            return
-    for sp in splits:
-        try:
-            available = dataset_columns(name, sp, config=settings.get("dataset_config"), data_files=files)
-        except DatasetError as exc:
-            raise SpecError("trainer.dataset", str(exc).removeprefix("trainer.dataset ")) from None
-        except Exception as exc:  # noqa: BLE001 - a hub dataset we cannot reach from here: the replicas may
-            if "trainer.dataset" in local:
-                raise SpecError("trainer.dataset", f"{name!r} cannot be read: {exc}") from None
-            logger.warning("trainer.dataset %r: columns not checked before launch (%s: %s)", name,
-                           type(exc).__name__, exc)
-            return
-        problems = missing_columns(columns, available, needed=needed)
-        if problems:
-            field = "trainer.columns" if any(p.startswith("trainer.columns") for p in problems) else "trainer.dataset"
-            raise SpecError(field, f"split {sp!r} of {settings['dataset']!r}: " + "; ".join(problems))
-
-
 def _check_device(spec: RunSpec) -> None:
     """``device = "cuda"`` only where the replicas will have a GPU (names the field otherwise)."""
     executors = [name for name, _ in assign_ranks(spec.executor, spec.replicas)]
@@ -288,6 +208,11 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     from composer_cloud.trainer import check_settings
 
     _check_device(spec)
+    from composer_cloud.runs.doctor import missing_sdks
+
+    missing = missing_sdks([name for name, _ in assign_ranks(spec.executor, spec.replicas)], spec.store)
+    if missing:
+        raise SpecError("executor", "; ".join(missing))
     settings = spec.trainer.settings()
     try:
         check_settings(spec.trainer.name, settings)
@@ -312,11 +237,15 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
                                 "Hugging Face Hub) and name it by id, or put it in the store yourself (s3://...)")
     local = {p.setting: p.path for p in paths}
     if "model.name" in local:
-        _check_model_dir(local["model.name"])
+        check_model_dir(local["model.name"])
     elif spec.model.name != "tiny":
-        _check_hub_model(spec.model.name, base_dir or Path.cwd())
-    if settings.get("dataset"):
-        _check_dataset(settings, local)
+        check_hub_model(spec.model.name, base_dir or Path.cwd())
+    columns = check_dataset(settings, local, spec.trainer.name) if settings.get("dataset") else None
+    from composer_cloud.runs.signal import launch_refusal
+
+    refusal = launch_refusal(spec.trainer.name, settings, columns)
+    if refusal:
+        raise SpecError("trainer", refusal)
     run_uri = join_uri(spec.store, spec.run_id)
     for name, ranks in assign_ranks(spec.executor, spec.replicas):
         try:
@@ -326,32 +255,32 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     return None if bundle.empty else bundle
 
 
-def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
-           overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> Run:
-    """Launch a new run and return it once its replica jobs were started (it does not wait).
+@dataclass(frozen=True)
+class LaunchCheck:
+    """What :func:`check_launch` found: the spec as ``launch`` would store it, the run's URI and the plans."""
 
-    Args:
-        spec: a full spec; otherwise one is built from ``config`` and ``overrides``
-            (dotted names, e.g. ``{"replicas": 4, "sync.codec": "bf16"}``).
-        base_dir: where user code (``module:factory`` settings, ``[code] include``) is
-            looked for first; default: the spec file's directory, else the current one.
+    spec: RunSpec
+    run_uri: str
+    plans: list[LaunchPlan]
 
-    Raises:
-        SpecError, StoreConfigError: bad input; nothing was written.
-        RunExists: the run id is taken; nothing was written.
-        LaunchError: a backend failed; what this launch wrote was removed again
-            if no job had started, else the run stays for ``resume``/``cancel``.
-    """
-    from composer_cloud.runs.packaging import put_verified, upload_code
 
+def _spec_of(spec: RunSpec | None, config: str | Path | None, overrides: Mapping[str, Any] | None) -> RunSpec:
     if spec is None:
         spec = build_spec(config=config, overrides=overrides)
     elif config is not None or overrides:
         raise SpecError("spec", "give either a spec or config/overrides, not both")
-    spec = spec.with_run_id()
-    # User code and [code] include paths are found relative to the spec file (else the current directory).
-    if base_dir is None and config is not None:
-        base_dir = Path(config).resolve().parent
+    return spec.with_run_id()
+
+
+def _prepare(spec: RunSpec, base_dir: str | Path | None
+             ) -> tuple[RunSpec, Any, list[tuple[str, bytes, str]], Store, str | None]:
+    """Every check of a launch, in launch's order; writes nothing but the store probe's scratch objects.
+
+    Returns the spec as it will be stored, the user-code bundle, the packed local files, the run's
+    store and the run key (None for an unsigned run; never stored). Raises what launch raises for bad input (:class:`SpecError`, :class:`StoreConfigError`,
+    :class:`RunExists` for a taken run id). ``launch`` and ``check_launch`` (``--dry-run``) both call it:
+    one code path, so the dry run refuses exactly what launch refuses.
+    """
     base = Path(base_dir) if base_dir is not None else None
     bundle = check_before_launch(spec, base_dir=base)
     # Local files the spec names: absolute for local replicas; uploaded (content-addressed) for cloud ones.
@@ -377,6 +306,70 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
         ref = CodeRef(key=layout.code_key(bundle.sha256), sha256=bundle.sha256, bytes=bundle.size,
                       modules=bundle.modules)
         spec = spec.model_copy(update={"code": spec.code.model_copy(update={"ref": ref.to_json()})})
+    if store.exists(layout.SPEC):
+        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`, "
+                        "or pick another --run-id")
+    return spec, bundle, packed, store, run_key
+
+
+def _store_model_files(store: Store, spec: RunSpec) -> None:
+    """What export needs besides the weights (runs/export.py); a failure here costs export its independence
+    from the original model folder, never the launch."""
+    from composer_cloud.runs.export import store_model_files
+
+    try:
+        store_model_files(store, spec)
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot be re-saved: export falls back
+        logger.warning("model files not stored with the run (%s: %s); export will load [model] name again",
+                       type(exc).__name__, exc)
+
+
+def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
+                 overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> LaunchCheck:
+    """Run every check :func:`launch` runs and return what it would start, starting and storing nothing.
+
+    Raises exactly what ``launch`` would raise for bad input (the ``--dry-run`` of the CLI: exit 2).
+    """
+    if base_dir is None and config is not None:
+        base_dir = Path(config).resolve().parent
+    spec = _spec_of(spec, config, overrides)
+    # The store probe of a new file:// store creates its folder: leave none behind (a dry run writes nothing).
+    local_root = Path(spec.store[len("file://"):]) if spec.store.startswith("file://") else None
+    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
+    try:
+        spec, _, _, store, _ = _prepare(spec, base_dir)
+        return LaunchCheck(spec=spec, run_uri=store.uri, plans=plan(spec))
+    finally:
+        for folder in created:  # deepest first; only folders the probe left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
+           overrides: Mapping[str, Any] | None = None, base_dir: str | Path | None = None) -> Run:
+    """Launch a new run and return it once its replica jobs were started (it does not wait).
+
+    Args:
+        spec: a full spec; otherwise one is built from ``config`` and ``overrides``
+            (dotted names, e.g. ``{"replicas": 4, "sync.codec": "bf16"}``).
+        base_dir: where user code (``module:factory`` settings, ``[code] include``) is
+            looked for first; default: the spec file's directory, else the current one.
+
+    Raises:
+        SpecError, StoreConfigError: bad input; nothing was written.
+        RunExists: the run id is taken; nothing was written.
+        LaunchError: a backend failed; what this launch wrote was removed again
+            if no job had started, else the run stays for ``resume``/``cancel``.
+    """
+    from composer_cloud.runs.packaging import put_verified, upload_code
+
+    if base_dir is None and config is not None:
+        base_dir = Path(config).resolve().parent
+    spec, bundle, packed, store, run_key = _prepare(_spec_of(spec, config, overrides), base_dir)
     # Write-once: two launches racing on one run id cannot both start.
     if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
         raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
@@ -386,11 +379,12 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
             upload_code(store, bundle)
         for key, data, sha in packed:
             put_verified(store, key, data, sha)
+        _store_model_files(store, spec)
         _start_jobs(store, spec, run_key)
     except (LaunchError, StoreError) as exc:
         if not store.list(layout.HANDLES):
             # No job started: roll back, so the id is free again and nothing claims to be running.
-            for prefix in (layout.CODE, layout.FILES, layout.DIRS):
+            for prefix in (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES):
                 store.delete(prefix, recursive=True)
             store.delete(layout.SPEC)
             raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
@@ -400,24 +394,44 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     return Run(uri=store.uri, store=store, spec=spec, run_key=run_key)
 
 
-def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None,
+def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None, force: bool = False,
            storage_options: Mapping[str, Any] | None = None) -> ResumeResult:
     """Continue a run from its latest valid checkpoint, optionally elsewhere or with another replica count.
 
     Stops whatever is left of the previous launch first, then discards round
     records and checkpoints newer than the checkpoint (they belong to rounds
     that will be recomputed) and relaunches.
+
+    Refuses (:class:`ConfigError`, nothing done) a run that is still running
+    unless ``force`` (resuming kills its live replicas and redoes the rounds
+    since its checkpoint), and a completed run with another executor or
+    replica count (its rounds are done; the message says how to start a new
+    run from its weights instead).
     """
     run = _as_run(run, storage_options)
     _require_conforming_store(run)
     signing.vouched_spec(run)  # nothing in an unvouched spec may choose the code the new jobs run
     spec = run.spec
     latest: Checkpoint | None = None
-    finished = run_status(run).state == "completed"
+    current = run_status(run)
+    finished = current.state == "completed"
+    if current.state == "running" and not force:
+        alive = [i.rank for i in current.replicas if i.state in ("running", "pending")]
+        raise ConfigError(f"run {run.run_id} is still running (replicas {alive or 'starting'}); resuming would "
+                          f"stop them and redo the rounds since its last checkpoint. Wait for it "
+                          f"(`composer-cloud status {run.uri}`), cancel it first, or pass --force")
+    changes = {k: v for k, v in (("executor", executor), ("replicas", replicas))
+               if v is not None and v != getattr(spec, k)}
+    if finished and changes:
+        raise ConfigError(
+            f"run {run.run_id} completed all {spec.rounds} rounds; resume cannot change its "
+            f"{' and '.join(changes)}. To train on from its weights, start a new run: "
+            f"`composer-cloud export {run.uri} --out ./{run.run_id}-model` then `composer-cloud launch "
+            f"--model ./{run.run_id}-model" + "".join(f" --{k} {v}" for k, v in changes.items()) + "`")
     if finished:  # nothing runs: the checkpoint cannot change under us
         latest = sync_state.latest_checkpoint(run.store, spec)  # verified: every object read once
         last = sync_state.progress(run.store, spec).final
-        if executor is None and replicas is None and latest is not None and latest.round == last:
+        if latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
                 f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
     updates: dict[str, Any] = {}
@@ -474,6 +488,9 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
     _require_conforming_store(run)
     request_cancel(run.store)
     cancelled, warnings = _cancel_jobs(run)
+    if not cancelled and not warnings:  # nothing to stop was found: say so (exit 1), never "cancelled"
+        warnings = ["no replica job handle was found in the store, so no job was stopped; the cancel request is "
+                    "recorded and replicas stop at their next round boundary (check `composer-cloud status`)"]
     return CancelResult(run=run, cancelled=cancelled, warnings=warnings)
 
 
@@ -515,47 +532,5 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
                       on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
-@dataclass(frozen=True)
-class RunListing:
-    """One run found under a store: id, URI, state and committed rounds."""
-
-    run_id: str
-    uri: str
-    state: str
-    rounds_committed: int
-    rounds: int
-    launched_at: float | None = None  # epoch seconds the spec was written (launch, or a resume that changed it)
-
-
-def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
-              poll_executors: bool = False) -> list[RunListing]:
-    """Runs directly under ``store`` (directories with a ``spec.json``), by run id, newest generated id first.
-
-    States come from the store alone unless ``poll_executors`` (a run whose jobs
-    died without a word then still reads "running"); entries that cannot be read
-    are listed with state ``unreadable`` rather than failing the listing.
-    """
-    uri = normalize_run_uri(store)
-    root = Store(uri, storage_options=dict(storage_options or {}))
-    out: list[RunListing] = []
-    for name in root.list_dirs():
-        if not root.exists(f"{name}/{layout.SPEC}"):
-            continue
-        run_uri = join_uri(root.uri, name)
-        try:
-            run = open_run(run_uri, storage_options=storage_options)
-            st = run_status(run, poll_executors=poll_executors)
-            try:
-                launched_at = root.modified(f"{name}/{layout.SPEC}")
-            except (StoreError, OSError):
-                launched_at = None
-            out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds, launched_at))
-        except (StoreError, ConfigError) as exc:
-            logger.warning("cannot read run %s: %s", run_uri, exc)
-            out.append(RunListing(name, run_uri, "unreadable", 0, 0))
-    # Generated ids are run-<UTC time>-<hex>, so they sort by launch time.
-    return sorted(out, key=lambda r: r.run_id, reverse=True)
-
-
-__all__ = ["RunListing", "list_runs", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

@@ -74,20 +74,46 @@ def parse_since(value: str, *, now: float | None = None) -> float:
     return t.timestamp()
 
 
-def _stamped(rank: int, lines: Iterator[str], last: list[float | None]) -> Iterator[LogLine]:
+#: A replica's logging line: ``<UTC stamp> r<rank> <LEVEL> <logger>: <message>`` (replica/__main__.py).
+_RECORD = re.compile(r"^\S+ r\d+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): ")
+_RANK_TOKEN = re.compile(r"^(\S+) r\d+ ")
+
+
+def is_ours(line: str, previous: bool) -> bool:
+    """Whether ``logs`` shows ``line`` without ``--verbose``: composer-cloud's own records, any library's
+    warnings and errors, and lines without a record header (tracebacks, prints) after a shown one.
+    ``previous``: whether the line before was shown."""
+    m = _RECORD.match(line)
+    if m is None:
+        return previous
+    return m.group(2).startswith("composer_cloud") or m.group(1) in ("WARNING", "ERROR", "CRITICAL")
+
+
+def without_rank(line: str) -> str:
+    """The line without the replica's own ``r<rank>`` token (``logs`` prefixes every line with ``[r<rank>]``)."""
+    return _RANK_TOKEN.sub(r"\1 ", line, count=1) if _RECORD.match(line) else line
+
+
+def _stamped(rank: int, lines: Iterator[str], last: list[float | None], verbose: bool = True) -> Iterator[LogLine]:
+    shown = True
     for line in lines:
         t = line_time(line)
         if t is not None:
             last[0] = t
+        if not verbose:
+            shown = is_ours(line, shown)
+            if not shown:
+                continue
         yield LogLine(rank, line, last[0])
 
 
-def _history(ex: Any, h: JobHandle, *, tail: int | None, since: float | None) -> tuple[list[LogLine], int]:
+def _history(ex: Any, h: JobHandle, *, tail: int | None, since: float | None,
+             verbose: bool = True) -> tuple[list[LogLine], int]:
     """The job's lines so far (filtered), and how many lines it had in all."""
     last: list[float | None] = [None]
     kept: deque[LogLine] | list[LogLine] = deque(maxlen=tail) if tail is not None else []
     n = 0
-    for ll in _stamped(h.rank, ex.logs(h, follow=False), last):
+    for ll in _stamped(h.rank, ex.logs(h, follow=False), last, verbose):
         n += 1
         if since is None or (ll.time is not None and ll.time >= since):
             kept.append(ll)
@@ -100,8 +126,12 @@ def _merge(per_replica: Sequence[list[LogLine]]) -> list[LogLine]:
 
 
 def replica_logs(run: Run, *, ranks: Sequence[int] | None = None, follow: bool = False, tail: int | None = None,
-                 since: float | None = None, errors: list[str] | None = None) -> Iterator[LogLine]:
+                 since: float | None = None, errors: list[str] | None = None, verbose: bool = True
+                 ) -> Iterator[LogLine]:
     """The run's replica log lines (``ranks``: only those), merged; with ``follow`` until every job ended.
+
+    ``verbose=False`` keeps only :func:`is_ours` lines (composer-cloud's records, warnings and errors,
+    tracebacks), before ``tail`` counts.
 
     A replica whose logs cannot be fetched is skipped; its error is appended
     to ``errors`` (when given) so the caller can report it.
@@ -120,7 +150,7 @@ def replica_logs(run: Run, *, ranks: Sequence[int] | None = None, follow: bool =
 
     def fetch(h: JobHandle) -> None:
         try:
-            histories[h.rank] = _history(ex_of(h), h, tail=tail, since=since)
+            histories[h.rank] = _history(ex_of(h), h, tail=tail, since=since, verbose=verbose)
         except Exception as exc:  # noqa: BLE001 - one replica's logs must not hide the others'
             errs.append(f"replica {h.rank}: {exc}")
             histories[h.rank] = ([], -1)
@@ -142,7 +172,7 @@ def replica_logs(run: Run, *, ranks: Sequence[int] | None = None, follow: bool =
         last: list[float | None] = [None]
         try:
             if seen >= 0:
-                for i, ll in enumerate(_stamped(h.rank, ex_of(h).logs(h, follow=True), last)):
+                for i, ll in enumerate(_stamped(h.rank, ex_of(h).logs(h, follow=True), last, verbose)):
                     if i >= seen:
                         out.put(ll)
         except Exception as exc:  # noqa: BLE001
@@ -162,4 +192,4 @@ def replica_logs(run: Run, *, ranks: Sequence[int] | None = None, follow: bool =
             yield item
 
 
-__all__ = ["LogLine", "line_time", "parse_since", "replica_logs"]
+__all__ = ["LogLine", "is_ours", "line_time", "parse_since", "replica_logs", "without_rank"]

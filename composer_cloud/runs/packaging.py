@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import filecmp
+import difflib
 import functools
 import hashlib
 import importlib.machinery
@@ -173,6 +174,8 @@ def collect_code(
             continue
         if not explicit and spec.origin is None:
             continue  # only named references may pull in a namespace package (a bare folder)
+        if explicit and ref is not None:
+            _check_attribute(setting, ref, roots)
         logger.debug("packaging %s from %s", top, ", ".join(map(str, roots)))
         packaged.add(top)
         for i, root in enumerate(roots):
@@ -239,6 +242,47 @@ def path_size(path: str | os.PathLike[str]) -> int:
     return sum(f.stat().st_size for _, f in _walk(p)) if p.is_dir() else p.stat().st_size
 
 
+def _top_level_names(path: Path) -> set[str] | None:
+    """Names a Python file binds at top level (defs, classes, assignments, imports); None when it cannot be
+    known without running it (a syntax error, a star import, a module ``__getattr__``)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return None
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            return None  # conditional definitions: only an import would tell
+    return None if "__getattr__" in names else names
+
+
+def _check_attribute(setting: str, ref: str, roots: Sequence[Path]) -> None:
+    """A ``"module:attr"`` reference whose module file is found must bind ``attr`` at top level (a typo in the
+    function name is refused here, not by every replica). Unknowable cases pass."""
+    module, _, attr = ref.partition(":")
+    if not attr or not roots:
+        return
+    parts = module.split(".")[1:]
+    root = roots[0]
+    candidates = [root] if not parts and root.is_file() else [
+        root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")]
+    path = next((c for c in candidates if c.is_file()), None)
+    names = _top_level_names(path) if path is not None else None
+    if names is not None and attr.split(".")[0] not in names:
+        close = difflib.get_close_matches(attr, sorted(names), n=1)
+        raise CodeNotFound(f"{setting}: {ref!r}: {path} defines no {attr.split('.')[0]!r}"
+                           + (f"; did you mean {module}:{close[0]}?" if close else ""))
+
+
 # --------------------------------------------------------------------------- local paths named by a spec
 #: Values of those settings that are never paths.
 _NOT_PATHS = {"model.name": {"tiny"}, "trainer.pairs": {"auto", "builtin", "none"}}
@@ -263,6 +307,17 @@ class SpecPath:
 
 def _explicit_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", "file://"))
+
+
+#: File suffixes a dataset or model id on the Hub never has: such a value names a local file.
+_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt", ".safetensors", ".bin")
+
+
+def _looks_like_path(setting: str, value: str) -> bool:
+    """A value that cannot be a hub id (``org/name``): a file suffix, a trailing or second ``/``, a backslash."""
+    if setting not in ("model.name", "trainer.dataset"):
+        return False
+    return value.lower().endswith(_FILE_SUFFIXES) or value.endswith("/") or value.count("/") > 1 or "\\" in value
 
 
 def _as_local(value: str, base: Path) -> Path:
@@ -298,7 +353,8 @@ def spec_local_paths(model_name: str, settings: Mapping[str, Any], *,
             continue  # s3://, hf://, ...: read by the replica itself
         path = _as_local(value, base)
         if not path.exists():
-            if _explicit_path(value) or setting in ("trainer.pairs",) or setting.startswith("trainer.data_files"):
+            if _explicit_path(value) or _looks_like_path(setting, value) or setting in ("trainer.pairs",) \
+                    or setting.startswith("trainer.data_files"):
                 raise UserCodeError(f"{setting} = {value!r}: no such file or folder (looked at {path})")
             continue  # a hub id
         if any(ch in value for ch in "*?["):

@@ -11,7 +11,7 @@ import html
 import io
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,15 @@ from composer_cloud.storage.run import Run
 
 INSTALL_HINT = "pip install 'composer-cloud[report]'"
 
-#: (title, keys tried in order) of the report's panels
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("train loss", ("train_loss",)),
-    ("reward (mean)", ("reward_mean",)),
-    ("held-out eval", ("eval_loss", "eval_reward_mean")),
-    ("sync time (s)", ("sync_s",)),
+#: (title, keys tried in order, y-axis label) of the report's panels; "train loss" is drawn per inner step
+PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("train loss", ("loss",), ""),  # label from the trainer: LOSS_UNITS
+    ("reward (mean over the batch)", ("reward_mean",), "reward (task's scale; built-ins 0–1)"),
+    ("held-out eval", ("eval_loss", "eval_reward_mean"), "nats/token (eval_loss) or reward"),
+    ("sync time", ("sync_s",), "seconds per round"),
 )
+#: The train loss's y-axis label per trainer.
+LOSS_UNITS = {"causal-lm": "cross-entropy, nats/token", "three-channel": "three-channel loss (weighted sum)"}
 
 
 class ReportUnavailable(RuntimeError):
@@ -39,23 +41,53 @@ class Report:
     html: Path
     rounds: int
     replicas: list[int]
+    #: each replica's legend label (dead and restarted replicas say so)
+    labels: dict[int, str] = field(default_factory=dict)
 
 
-def _series(rows: Sequence[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str | None, dict[int, list[tuple[int, float]]]]:
-    """The first key any row has, and its (round, value) points per rank."""
+def _series(rows: Sequence[dict[str, Any]], keys: tuple[str, ...], *, x: str = "round"
+            ) -> tuple[str | None, dict[int, list[tuple[int, float]]]]:
+    """The first key any row has, and its (x, value) points per rank (x: the round counted from 1, or the
+    global inner step)."""
     for key in keys:
         points: dict[int, list[tuple[int, float]]] = {}
         for r in rows:
             v = r.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                points.setdefault(r["rank"], []).append((r["round"] + 1, float(v)))
+                points.setdefault(r["rank"], []).append((r["round"] + 1 if x == "round" else r["step"], float(v)))
         if points:
             return key, points
     return None, {}
 
 
-def write_report(run: Run, out_dir: str | Path) -> Report:
-    """Write ``report.png`` and ``report.html`` for ``run`` under ``out_dir``; return their paths."""
+def replica_labels(run: Run) -> dict[int, str]:
+    """``r1 (failed, killed (SIGKILL))``, ``r0 (2 restarts)``: each replica's legend label, marking a dead or
+    restarted one (from the run's status, executors polled)."""
+    from composer_cloud.runs.status import exit_reason, run_status
+
+    labels = {}
+    for info in run_status(run).replicas:
+        notes = []
+        if info.state in ("failed", "cancelled"):
+            code = info.exit_code
+            notes.append(info.state + (f", {exit_reason(code, info.state)}" if code not in (None, 0) else ""))
+        if info.restarts:
+            notes.append(f"{info.restarts} restart{'s' if info.restarts != 1 else ''}")
+        labels[info.rank] = f"r{info.rank}" + (f" ({'; '.join(notes)})" if notes else "")
+    return labels
+
+
+def default_out_dir(run: Run) -> Path:
+    """Where a report goes without ``--out``: ``report/`` in a local run's folder, else ``./<run_id>-report``."""
+    if run.uri.startswith("file://"):
+        return Path(run.uri[len("file://"):]) / "report"
+    return Path(f"{run.run_id}-report")
+
+
+def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
+    """Write ``report.png`` and ``report.html`` for ``run`` under ``out_dir`` (default:
+    :func:`default_out_dir`); return their paths. Train loss per inner step, the rest per round; a dead or
+    restarted replica is marked in the legend (and drawn dashed)."""
     try:
         import matplotlib
 
@@ -64,21 +96,28 @@ def write_report(run: Run, out_dir: str | Path) -> Report:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ReportUnavailable(f"the report needs matplotlib: {INSTALL_HINT}") from None
-    rows = read_metrics(run.store, kind="round")
-    out = Path(out_dir)
+    every = read_metrics(run.store)
+    rows = [r for r in every if r["kind"] == "round"]
+    steps = [r for r in every if r["kind"] == "step" and isinstance(r.get("step"), int)]
+    labels = replica_labels(run)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(run)
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    for ax, (title, keys) in zip(axes.flat, PANELS):
-        key, points = _series(rows, keys)
+    for ax, (title, keys, ylabel) in zip(axes.flat, PANELS):
+        per_step = keys == ("loss",)
+        key, points = _series(steps, keys, x="step") if per_step else _series(rows, keys)
         ax.set_title(title if key is None or len(keys) == 1 else f"{title}: {key}")
-        ax.set_xlabel("round")
+        ax.set_xlabel("inner step (all rounds)" if per_step else "round")
+        ax.set_ylabel(LOSS_UNITS.get(run.spec.trainer.name, "loss") if per_step else ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if not points:
             ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes, color="gray")
             continue
         for rank in sorted(points):
             xs, ys = zip(*points[rank])
-            ax.plot(xs, ys, marker="o", markersize=3, label=f"r{rank}")
+            label = labels.get(rank, f"r{rank}")
+            ax.plot(xs, ys, marker="" if per_step else "o", markersize=3, label=label,
+                    linestyle="--" if label != f"r{rank}" else "-")
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{run.run_id}: {run.spec.replicas} replicas, {run.spec.rounds} rounds x {run.spec.inner_steps} "
@@ -90,7 +129,8 @@ def write_report(run: Run, out_dir: str | Path) -> Report:
     png.write_bytes(buf.getvalue())
     page = out / "report.html"
     page.write_text(_html(run, rows, buf.getvalue()))
-    return Report(png=png, html=page, rounds=len({r["round"] for r in rows}), replicas=sorted({r["rank"] for r in rows}))
+    return Report(png=png, html=page, rounds=len({r["round"] for r in rows}), replicas=sorted({r["rank"] for r in rows}),
+                  labels=labels)
 
 
 _TABLE = ("round", "rank", "committed", "train_loss", "reward_mean", "eval_loss", "eval_reward_mean", "compute_s",
@@ -123,4 +163,5 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head>
 """
 
 
-__all__ = ["INSTALL_HINT", "Report", "ReportUnavailable", "write_report"]
+__all__ = ["INSTALL_HINT", "LOSS_UNITS", "Report", "ReportUnavailable", "default_out_dir", "replica_labels",
+           "write_report"]

@@ -7,6 +7,7 @@ another machine) sees the same status.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -155,6 +156,11 @@ class StatusTracker:
             state = status.state.value
             if not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
                 state = _FINISHED_JOB_STATE[beat.state].value
+            elif (status.state is ReplicaState.FAILED and status.exit_code is None and beat is not None
+                  and beat.state is HeartbeatState.COMPLETED):
+                # The job's wrapper died without recording an exit (a killed local supervisor) after the
+                # replica itself finished: the replica's own word wins, the run did not fail.
+                state = ReplicaState.SUCCEEDED.value
             restarts = status.restarts if status.restarts is not None else h.restarts
             beat_time = beat.time if beat is not None and beat.time > 0 else None
             loss = None if beat is None else beat.number("loss_ema")
@@ -206,10 +212,14 @@ class StatusTracker:
         if starts:  # until now, or until the last heartbeat of a finished run
             end = time.time() if state == "running" or not beats else max(beats)
             elapsed = max(0.0, end - min(starts))
+        warnings = [f"replicas run different stacks: {w}" for w in version_skew(stacks)]
+        if state != "running":  # once, at the end: did it train at all (runs/signal.py)?
+            from composer_cloud.runs.signal import diagnose_rounds
+
+            warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"), spec.trainer.settings())
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
-                         problems=problems,
-                         warnings=[f"replicas run different stacks: {w}" for w in version_skew(stacks)],
+                         problems=problems, warnings=warnings,
                          total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta)
 
 
@@ -218,65 +228,18 @@ def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
     return StatusTracker(run, poll_executors=poll_executors).poll()
 
 
-@dataclass
-class RunSummary:
-    rounds_committed: int
-    loss_first: float | None
-    loss_last: float | None
-    eval_loss_first: float | None
-    eval_loss_last: float | None
-    compute_s: float
-    sync_s: float
-    bytes_moved: int
-    lost_replicas: list[int]
-    reward_first: float | None = None
-    reward_last: float | None = None
-    eval_reward_first: float | None = None  # held-out greedy reward (three-channel), first/last evaluation
-    eval_reward_last: float | None = None
-    synced_fraction: float | None = None  # bytes DiLoCo syncs vs a full fine-tune's (LoRA: the adapters' share)
-
-    @property
-    def synced_note(self) -> str:
-        """`` (LoRA: 0.95% of full)`` where the run syncs a share of a full fine-tune's bytes, else ``""``."""
-        if self.synced_fraction is None or self.synced_fraction >= 1.0:
-            return ""
-        return f" (LoRA: {100 * self.synced_fraction:.2f}% of full)"
-
-
 def read_metrics(store: Store, rank: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
     """The run's metric rows (one replica's with ``rank``); see :func:`composer_cloud.runs.metrics.read_metrics`."""
     return _metrics.read_metrics(store, rank=rank, **kwargs)
 
 
-def summarize(run: Run, status: RunStatus) -> RunSummary:
-    """Loss, reward, time and traffic of a run, from its replicas' metrics."""
-    rounds = _metrics.read_metrics(run.store, kind="round")  # sorted by (round, rank)
-    losses = [m["train_loss"] for m in rounds if m.get("committed")]
-    evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
-    eval_rewards = [m["eval_reward_mean"] for m in rounds if "eval_reward_mean" in m]
-    return RunSummary(
-        rounds_committed=status.rounds_committed,
-        loss_first=losses[0] if losses else None,
-        loss_last=losses[-1] if losses else None,
-        eval_loss_first=evals[0] if evals else None,
-        eval_loss_last=evals[-1] if evals else None,
-        compute_s=sum(m.get("compute_s", 0.0) for m in rounds),
-        sync_s=sum(m.get("sync_s", 0.0) for m in rounds),
-        bytes_moved=sum(m.get("bytes_read", 0) + m.get("bytes_written", 0) for m in rounds),
-        lost_replicas=[i.rank for i in status.replicas if i.state in ("failed", "cancelled")],
-        reward_first=_round_mean(rounds, "reward_mean", first=True),
-        reward_last=_round_mean(rounds, "reward_mean", first=False),
-        eval_reward_first=eval_rewards[0] if eval_rewards else None,
-        eval_reward_last=eval_rewards[-1] if eval_rewards else None,
-        synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
-    )
-
-
-def _round_mean(rows: list[dict[str, Any]], key: str, *, first: bool) -> float | None:
-    """Mean of ``key`` over replicas in the first (or last) committed round that reports it."""
-    with_key = [m for m in rows if m.get("committed") and key in m]
-    if not with_key:
-        return None
-    r = with_key[0]["round"] if first else with_key[-1]["round"]
-    vals = [m[key] for m in with_key if m["round"] == r]
-    return sum(vals) / len(vals)
+def exit_reason(code: int | None, state: str) -> str:
+    """A replica's exit for people: ``0``, ``1``, ``killed (SIGKILL)`` for -9 (a signal), ``-`` when unknown."""
+    if code is None:
+        return "unknown" if state == "failed" else "-"
+    if code < 0:
+        try:
+            return f"killed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)

@@ -55,6 +55,8 @@ CANCEL = "control/cancel.json"
 CODE = "code"
 FILES = "files"
 DIRS = "dirs"
+#: what export needs besides the weights (model config, generation config, tokenizer), written at launch
+MODEL_FILES = "model"
 ROUNDS = "rounds"
 CHECKPOINTS = "checkpoints"
 DECOUPLED = "decoupled"
@@ -169,6 +171,13 @@ def code_key(sha256: str) -> str:
     if not _SHA.fullmatch(sha256):
         raise ValueError(f"{sha256!r} is not a sha256 hex digest")
     return f"{CODE}/{sha256}.zip"
+
+
+def model_file_key(name: str) -> str:
+    """``model/<name>``: one file of the model folder export rebuilds (no ``/`` in ``name``)."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{name!r} is not a plain file name")
+    return f"{MODEL_FILES}/{name}"
 
 
 def file_key(sha256: str, name: str, *, directory: bool) -> str:

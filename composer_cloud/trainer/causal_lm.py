@@ -1,4 +1,4 @@
-"""Plain next-token (causal LM) training on the built-in corpus or the stdlib corpus.
+"""Plain next-token (causal LM) training on the built-in corpus, the stdlib corpus, or your own dataset.
 
 Each replica reads its own shard of the corpus (``rank::world_size``) in an
 order drawn from a seeded ``torch.Generator``; the data position and the
@@ -39,6 +39,45 @@ def _pack(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+def _row_text(row: dict[str, Any], columns: dict[str, str]) -> str | None:
+    """A row's training text: its ``text`` column, else ``prompt`` + newline + ``answer`` (None: neither)."""
+    text = row.get(columns.get("text", "text"))
+    if isinstance(text, str):
+        return text
+    prompt, answer = row.get(columns.get("prompt", "prompt")), row.get(columns.get("answer", "answer"))
+    if prompt is None or answer is None:
+        return None
+    return f"{prompt}\n{answer}"
+
+
+def dataset_texts(settings: CausalLMSettings, *, seed: int) -> tuple[list[str], list[str]]:
+    """``(train, held-out)`` texts of ``settings.dataset``: ``eval_split``, else a seeded ``eval_fraction``
+    of the rows (the same on every replica and launch). ``ValueError`` naming the columns when a row has
+    neither a text nor a prompt and an answer."""
+    import random
+
+    from composer_cloud.trainer.data import load_rows
+
+    def texts(split: str) -> list[str]:
+        rows = load_rows(settings.dataset, split, config=settings.dataset_config, data_files=settings.data_files)
+        out = [_row_text(r, settings.columns) for r in rows]
+        if rows and any(t is None for t in out):
+            raise ValueError(f"trainer.dataset {settings.dataset!r} (split {split!r}): a row has neither a 'text' "
+                             f"column nor 'prompt' and 'answer' (its columns: {', '.join(rows[0])}); map them "
+                             "with trainer.columns")
+        return [t for t in out if t is not None]
+
+    train = texts(settings.dataset_split)
+    if settings.eval_split:
+        return train, texts(settings.eval_split)
+    order = list(range(len(train)))
+    random.Random(f"dataset-eval:{seed}").shuffle(order)
+    n_eval = 0 if settings.eval_fraction == 0 or len(train) < 2 else \
+        min(len(train) - 1, max(1, round(len(train) * settings.eval_fraction)))
+    held = set(order[:n_eval])
+    return [t for i, t in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
 class CausalLMTrainer:
     """Next-token prediction with AdamW; one :meth:`step` = one optimizer step.
 
@@ -51,7 +90,14 @@ class CausalLMTrainer:
         self.model = ctx.model
         self.device = ctx.device
         self.batch_size = settings.batch_size
-        if settings.corpus == "stdlib":
+        if settings.dataset is not None:
+            train, held = dataset_texts(settings, seed=ctx.seed)
+            rows = _pack(ctx.tokenizer, train, settings.seq_len)
+            try:
+                self.heldout = _pack(ctx.tokenizer, held, settings.seq_len)[: settings.eval_rows]
+            except ValueError:  # fewer held-out tokens than one row: no evaluation
+                self.heldout = rows[:0]
+        elif settings.corpus == "stdlib":
             from composer_cloud.stdlib_corpus import token_rows
 
             rows = token_rows(ctx.tokenizer, "train", settings.seq_len, max_bytes=settings.corpus_bytes)
@@ -99,6 +145,8 @@ class CausalLMTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        if len(self.heldout) == 0:
+            return {}
         self.model.eval()
         losses = []
         for start in range(0, len(self.heldout), self.batch_size):

@@ -134,6 +134,11 @@ class CausalLMSettings:
             interpreter's standard-library sources, :mod:`composer_cloud.stdlib_corpus`; the model's
             tokenizer should be the stdlib BPE, see ``stdlib_corpus.write_model_dir``).
         corpus_bytes: ``"stdlib"`` only: UTF-8 bytes of training files read (whole files, fixed order).
+        dataset: fine-tune on your own data instead of a corpus: a hub id, a local file (``.jsonl``,
+            ``.json``, ``.csv``, ``.parquet``) or a ``save_to_disk`` folder, with ``dataset_config``,
+            ``dataset_split``, ``data_files``, ``eval_split`` / ``eval_fraction`` as for the three-channel
+            trainer (``docs/datasets.md``). Each row's text is its ``text`` column, else ``prompt`` followed by
+            ``answer`` on the next line; ``columns`` maps those names to the dataset's.
     """
 
     TRAINER: ClassVar[str] = "causal-lm"
@@ -145,6 +150,28 @@ class CausalLMSettings:
     eval_rows: PositiveInt = 64
     corpus: Literal["builtin", "stdlib"] = "builtin"
     corpus_bytes: PositiveInt = 4_000_000
+    dataset: Annotated[str, Field(min_length=1)] | None = None
+    dataset_config: str | None = None
+    dataset_split: Annotated[str, Field(min_length=1)] = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    eval_split: str | None = None
+    eval_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    #: The canonical names ``columns`` may map for the causal-LM trainer.
+    COLUMNS: ClassVar[tuple[str, ...]] = ("text", "prompt", "answer")
+
+    def __post_init__(self) -> None:
+        if self.dataset is None:
+            for key in ("dataset_config", "data_files", "eval_split"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"trainer.{key} applies to a dataset run; set trainer.dataset too")
+            if self.columns:
+                raise ValueError("trainer.columns applies to a dataset run; set trainer.dataset too")
+        unknown = sorted(set(self.columns) - set(self.COLUMNS))
+        if unknown:
+            raise ValueError(f"trainer.columns.{unknown[0]}: the causal-lm trainer's columns are "
+                             f"{', '.join(self.COLUMNS)} (the text, or a prompt and its answer)")
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "CausalLMSettings":

@@ -49,3 +49,16 @@ def roundtrip(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[d
     from safetensors.torch import load, save
 
     return load(save(tensors)), json.loads(json.dumps(meta))
+
+
+def tiny_context(settings: Mapping[str, Any], *, lr: float = 1e-3, model: Any = None, tokenizer: Any = None) -> Any:
+    """A rank-0 CPU ``TrainerContext`` over a 2-layer, 32-wide tiny model (built unless ``model`` is given)."""
+    from composer_cloud.model import TinyModelConfig, load_model
+    from composer_cloud.trainer import TrainerContext
+
+    if model is None:
+        model, tokenizer = load_model("tiny", seed=0, tiny=TinyModelConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64))
+    return TrainerContext(model=model, tokenizer=tokenizer, rank=0, world_size=1, seed=0, device=torch.device("cpu"),
+                          settings=dict(settings),
+                          inner_optimizer={"lr": lr, "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0})

@@ -212,6 +212,8 @@ class ThreeChannelTrainer:
                 "reward_std": last("reward_std"),
                 "frac_reward_zero_std": last("frac_reward_zero_std"),
                 "completion_length": last("completions/mean_length"),
+                # completions that hit max_completion_length (masked out when mask_truncated_completions)
+                "clipped_ratio": last("completions/clipped_ratio"),
             }
         lr = float(self.optimizer.param_groups[0]["lr"])
         out: dict[str, float] = {"loss": loss, "grad_norm": grad_norm, "lr": lr}

@@ -31,15 +31,20 @@ written. Nothing here imports torch.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from composer_cloud.registry import resolve
+from composer_cloud.trainer.data import (  # re-exported: the loading is shared with the causal-LM trainer
+    BUILDERS,
+    DatasetError,
+    dataset_columns,
+    is_local_dataset,
+    load_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,105 +52,6 @@ logger = logging.getLogger(__name__)
 CANONICAL: tuple[str, ...] = ("prompt", "answer", "tests", "hint")
 #: Built-in rewards and the canonical column each one needs.
 REWARD_NEEDS: dict[str, str] = {"exact_match": "answer", "contains": "answer", "python_tests": "tests"}
-#: Local file extensions and the ``datasets`` builder that reads them.
-BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-class DatasetError(ValueError):
-    """A dataset cannot be loaded or lacks a column; the message names the setting and what exists."""
-
-
-# --------------------------------------------------------------------------- loading
-def is_local_dataset(name: str, base_dir: str | os.PathLike[str] | None = None) -> bool:
-    """True when ``name`` names a local file or folder (an explicit path, or one that exists)."""
-    if name.startswith(("/", "./", "../", "~", "file://")):
-        return True
-    if "://" in name:
-        return False
-    base = Path(base_dir) if base_dir is not None else Path.cwd()
-    return (base / name).exists()
-
-
-def _local_path(name: str) -> Path:
-    return Path(os.path.expanduser(name.removeprefix("file://")))
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and any((p / "state.json").exists() or (p / "dataset_dict.json").exists()
-                                 for p in (path, *[c for c in path.iterdir() if c.is_dir()]))
-
-
-def _builder_args(name: str, config: str | None, data_files: Any) -> tuple[str, dict[str, Any]]:
-    """``(path, kwargs)`` for ``load_dataset``; a local file picks its builder by extension."""
-    if is_local_dataset(name):
-        path = _local_path(name)
-        if path.is_file():
-            builder = BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise DatasetError(f"trainer.dataset {name!r}: unknown file type {path.suffix!r}; use one of "
-                                   f"{sorted(BUILDERS)} or a folder written by Dataset.save_to_disk")
-            return builder, {"data_files": str(path)}
-        if not path.exists():
-            raise DatasetError(f"trainer.dataset {name!r}: no such file or folder ({path.resolve()})")
-        return str(path), {"data_files": data_files} if data_files else {}
-    kwargs: dict[str, Any] = {"data_files": data_files} if data_files else {}
-    if config:
-        kwargs["name"] = config
-    return name, kwargs
-
-
-def _load_saved(name: str, split: str) -> Any:
-    """``split`` of a ``save_to_disk`` folder (a Dataset, or one split of a DatasetDict)."""
-    import datasets
-
-    ds = datasets.load_from_disk(str(_local_path(name)))
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise DatasetError(f"trainer.dataset {name!r} has splits {sorted(ds)}, not {split!r}")
-        ds = ds[split]
-    return ds
-
-
-def load_rows(name: str, split: str, *, config: str | None = None, data_files: Any = None) -> list[dict[str, Any]]:
-    """All rows of ``split`` as plain dicts (``datasets.load_dataset`` / ``load_from_disk``)."""
-    import datasets
-
-    try:
-        if is_local_dataset(name) and _is_saved_dataset(_local_path(name)):
-            ds = _load_saved(name, split)
-        else:
-            path, kwargs = _builder_args(name, config, data_files)
-            ds = datasets.load_dataset(path, split=split, **kwargs)
-    except DatasetError:
-        raise
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        raise DatasetError(f"trainer.dataset {name!r} (split {split!r}): {exc}") from None
-    return [dict(r) for r in ds]
-
-
-def dataset_columns(name: str, split: str, *, config: str | None = None, data_files: Any = None) -> list[str]:
-    """The column names of ``split``, reading as little as possible (a saved dataset's schema, or one
-    streamed row). Raises :class:`DatasetError` for a local dataset that cannot be read; for a hub
-    id that cannot be reached, whatever ``datasets`` raises (the caller decides if that is fatal)."""
-    import datasets
-
-    if is_local_dataset(name) and _is_saved_dataset(_local_path(name)):
-        return list(_load_saved(name, split).column_names)
-    path, kwargs = _builder_args(name, config, data_files)
-    try:
-        stream = datasets.load_dataset(path, split=split, streaming=True, **kwargs)
-        if stream.column_names:
-            return list(stream.column_names)
-        first = next(iter(stream), None)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        if is_local_dataset(name):
-            raise DatasetError(f"trainer.dataset {name!r} (split {split!r}): {exc}") from None
-        raise
-    if first is None:
-        raise DatasetError(f"trainer.dataset {name!r}: split {split!r} has no rows")
-    return list(first)
-
-
 def missing_columns(columns: Mapping[str, str], available: Sequence[str], *, needed: Sequence[str]) -> list[str]:
     """Problems with a column mapping against ``available`` columns (empty: fine)."""
     problems = []
@@ -304,14 +210,44 @@ class DatasetTask:
         return list(self._reward(completions, rows))
 
     def default_hints(self) -> Any:
+        """Channel 2's hints: the ``hint`` column when mapped or present, else the reference answer.
+
+        The answer as privileged information is the OPSD/SDFT recipe: the hinted
+        model (the teacher) sees the answer, the student does not, and learns to
+        put the teacher's probability on its own completions. Without it a freshly
+        initialised model on a question/answer dataset gets no gradient at all (no
+        reward variance for GRPO, no pairs for channel 3).
+        """
         from composer_cloud.trainer.three_channel.tasks import ColumnHints
 
         rows = self.examples("train")
         if "hint" in self.columns or (rows and "hint" in rows[0]):
             return ColumnHints("hint")
+        if rows and "answer" in rows[0]:
+            return AnswerHints()
         return None
 
 
-__all__ = ["BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARDS", "REWARD_NEEDS", "contains", "dataset_columns",
+@dataclass(frozen=True)
+class AnswerHints:
+    """Channel 2's hint from the row's reference ``answer``: ``"Answer: <answer>"`` (None without one)."""
+
+    prefix: str = "Answer: "
+
+    def hints(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
+        return [None if row.get("answer") in (None, "") else f"{self.prefix}{row['answer']}" for row in rows]
+
+
+def default_hint_column(columns: Mapping[str, str], available: Sequence[str]) -> str | None:
+    """What a dataset run's ``hint_source = "default"`` uses, named as the user's column: the hint column,
+    else the answer column (:class:`AnswerHints`), else None (channel 2 has nothing to distil)."""
+    for canonical in ("hint", "answer"):
+        source = columns.get(canonical, canonical)
+        if source in available:
+            return source
+    return None
+
+
+__all__ = ["AnswerHints", "BUILDERS", "CANONICAL", "DatasetError", "DatasetTask", "REWARDS", "REWARD_NEEDS", "contains", "dataset_columns", "default_hint_column",
            "exact_match", "extract_answer", "is_local_dataset", "load_rows", "missing_columns", "normalize_answer",
            "python_tests"]

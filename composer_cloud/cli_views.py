@@ -1,0 +1,136 @@
+"""What the ``composer-cloud`` command line prints (rich tables), apart from the commands themselves."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from composer_cloud import runs
+from composer_cloud.runs import Run, RunStatus
+from composer_cloud.runs.status import exit_reason
+from composer_cloud.spec import RunSpec
+from composer_cloud.storage.store import join_uri
+
+
+def age(since: float | None) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d`` since an epoch time; ``-`` when unknown."""
+    if since is None:
+        return "-"
+    s = max(0.0, time.time() - since)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit}"
+    return f"{int(s)}s"
+
+
+def print_plan(console: Console, spec: RunSpec, plans: list[Any]) -> None:
+    for p in plans:
+        table = Table(title=f"{p.executor}: ranks {p.ranks}", show_header=False)
+        table.add_row("image", p.image)
+        table.add_row("command", " ".join(p.command))
+        table.add_row("env vars", ", ".join(p.env_names) or "-")
+        table.add_row("secrets (names)", ", ".join(p.secret_names) or "-")
+        table.add_row("gpu", p.gpu)
+        table.add_row("est. GPU-hours", "-" if p.estimated_gpu_hours is None else f"{p.estimated_gpu_hours:.2f}")
+        if p.hourly_cost_usd is not None:
+            table.add_row("cost per hour (all jobs)", f"${p.hourly_cost_usd:,.2f}")
+        if p.estimated_cost_usd is not None:
+            table.add_row("cost if every job runs to its timeout", f"${p.estimated_cost_usd:,.2f}")
+        if p.max_cost_usd is not None:
+            table.add_row("cost upper bound (restarts included)", f"${p.max_cost_usd:,.2f}")
+        table.add_row("price source", p.cost_basis or "-")
+        for note in p.notes:
+            table.add_row("note", note)
+        console.print(table)
+    run_uri = join_uri(spec.store, spec.run_id)
+    console.print(f"run {run_uri}: {spec.rounds} rounds x {spec.inner_steps} inner steps (dry run: nothing launched)")
+
+
+def print_summary(console: Console, err_console: Console, run: Run, status: RunStatus) -> None:
+    s = runs.summarize(run, status)
+    table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
+    table.add_column("")
+    table.add_column("first round → last round (mean over replicas)")
+    table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
+    if s.loss_first is not None:
+        table.add_row(f"train loss: {s.loss_name}", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
+    for c in s.channels:
+        table.add_row(f"  {c.name}", f"{c.first:.4f} → {c.last:.4f}")
+    if s.reward_first is not None:
+        table.add_row("mean reward", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
+    if s.eval_loss_first is not None:
+        what = "held-out loss, reference answers" if s.eval_reward_first is not None else "held-out loss"
+        table.add_row(what, f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f} nats/token")
+    if s.eval_reward_first is not None:
+        table.add_row("held-out greedy reward", f"{s.eval_reward_first:.3f} → {s.eval_reward_last:.3f}")
+    total = s.compute_s + s.sync_s
+    if total > 0:
+        table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
+                                                 f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
+    table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB{s.synced_note}")
+    if s.lost_replicas:
+        table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
+    console.print(table)
+    for note in s.notes:
+        console.print(f"note: {note}", highlight=False)
+    for warning in s.warnings:
+        err_console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
+    console.print(f"run URI: {run.uri}", highlight=False)  # outside the table: never truncated
+
+
+def print_checks(console: Console, checks: list[Any]) -> None:
+    """One line per credential check (:mod:`composer_cloud.runs.doctor`): ok or FAIL, and what to do."""
+    for c in checks:
+        mark = "[green]ok[/]  " if c.ok else "[bold red]FAIL[/]"
+        console.print(f"{mark} {escape(c.name)}: {escape(c.detail)}", highlight=False)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def status_table(status: RunStatus) -> Table:
+    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
+    if status.step is not None:
+        title += f", step {status.step}/{status.total_steps}"
+    if status.elapsed_s is not None:
+        title += f" — elapsed {_duration(status.elapsed_s)}"
+    if status.eta_s is not None:
+        title += f", ETA {_duration(status.eta_s)}"
+    table = Table(title=title)
+    reps = status.replicas
+    # Columns that say nothing for this run (one executor, no rewards, no restarts, no messages) are left out.
+    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
+    if len({r.executor for r in reps}) > 1:
+        cols.append(("executor", lambda r: r.executor))
+    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
+             ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
+    if any(r.reward is not None for r in reps):
+        cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
+    cols.append(("steps/s", lambda r: _fmt(r.steps_per_s, ".2f")))
+    if any(r.exit_code not in (None, 0) or r.state == "failed" for r in reps):
+        cols.append(("exit", lambda r: exit_reason(r.exit_code, r.state)))
+    if any(r.restarts or r.state == "failed" for r in reps):  # why it stopped: restarts used up, or none allowed
+        cols.append(("restarts", lambda r: str(r.restarts)))
+    if any(r.message for r in reps):
+        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
+    for name, _ in cols:
+        table.add_column(name)
+    for r in reps:
+        table.add_row(*[get(r) for _, get in cols])
+    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
+                                  if status.store_error else [])
+    if notes:
+        table.caption = "\n".join(notes)
+    return table

@@ -1,0 +1,142 @@
+"""A finished (or running) run in a few numbers: what ``launch`` prints at the end and ``--json`` returns.
+
+Every "first → last" pair compares like with like: the mean over replicas of the
+first committed round against the mean over replicas of the last one. Rounds
+are counted from 1 here, as everywhere users read them (``docs/metrics.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer_cloud.runs import metrics as _metrics
+from composer_cloud.runs.signal import CHANNELS, diagnose_rounds, hint_note
+from composer_cloud.runs.status import RunStatus
+from composer_cloud.storage.run import Run
+
+#: What ``train_loss`` is, per trainer (the summary names it).
+LOSS_NAMES = {"three-channel": "three-channel loss (pg_weight·pg + sdpo_weight·sdpo + dpo_weight·dpo)",
+              "causal-lm": "next-token cross-entropy, nats/token"}
+
+
+@dataclass
+class ChannelMean:
+    """One loss channel's mean over a round's steps and replicas, in the first and last committed round."""
+
+    key: str
+    name: str
+    first: float
+    last: float
+
+
+@dataclass
+class RunSummary:
+    rounds_committed: int
+    loss_first: float | None
+    loss_last: float | None
+    eval_loss_first: float | None
+    eval_loss_last: float | None
+    compute_s: float
+    sync_s: float
+    bytes_moved: int
+    lost_replicas: list[int]
+    reward_first: float | None = None
+    reward_last: float | None = None
+    eval_reward_first: float | None = None  # held-out greedy reward (three-channel), first/last evaluation
+    eval_reward_last: float | None = None
+    #: what ``loss_first``/``loss_last`` measure
+    loss_name: str = ""
+    #: the three-channel loss's channels (empty for other trainers)
+    channels: list[ChannelMean] = field(default_factory=list)
+    #: things a user must know: no training signal (which channel, why, what to change), channel 2's hint
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: bytes DiLoCo syncs vs a full fine-tune's (LoRA: the adapters' share); None when not reported
+    synced_fraction: float | None = None
+
+    @property
+    def synced_note(self) -> str:
+        """`` (LoRA: 0.95% of full)`` where the run syncs a share of a full fine-tune's bytes, else ``""``."""
+        if self.synced_fraction is None or self.synced_fraction >= 1.0:
+            return ""
+        return f" (LoRA: {100 * self.synced_fraction:.2f}% of full)"
+
+
+def _round_mean(rows: list[dict[str, Any]], key: str, *, first: bool) -> float | None:
+    """Mean of ``key`` over replicas in the first (or last) committed round that reports it."""
+    with_key = [m for m in rows if m.get("committed") and isinstance(m.get(key), (int, float))]
+    if not with_key:
+        return None
+    r = min(m["round"] for m in with_key) if first else max(m["round"] for m in with_key)
+    vals = [m[key] for m in with_key if m["round"] == r]
+    return sum(vals) / len(vals)
+
+
+def _step_mean(steps: list[dict[str, Any]], committed: set[int], key: str, *, first: bool) -> float | None:
+    """Mean of ``key`` over every step row of every replica in the first (or last) committed round."""
+    rounds = sorted(r for r in committed if any(s["round"] == r and key in s for s in steps))
+    if not rounds:
+        return None
+    vals = [float(s[key]) for s in steps if s["round"] == rounds[0 if first else -1] and key in s]
+    return sum(vals) / len(vals)
+
+
+def _dataset_columns(settings: dict[str, Any]) -> list[str] | None:
+    """The columns of a run's dataset when this process can read them quickly (a local file), else None."""
+    from composer_cloud.trainer.three_channel.dataset_task import dataset_columns, is_local_dataset
+
+    name = settings.get("dataset")
+    if not name or not is_local_dataset(str(name)):
+        return None
+    try:
+        return dataset_columns(str(name), settings.get("dataset_split", "train"), data_files=settings.get("data_files"))
+    except Exception:  # noqa: BLE001 - a moved file: the note is left out, nothing else depends on it
+        return None
+
+
+def summarize(run: Run, status: RunStatus) -> RunSummary:
+    """Loss (named, and per channel), reward, time and traffic of a run, from its replicas' metrics; and
+    whether it trained at all (:func:`composer_cloud.runs.signal.diagnose_rounds`)."""
+    spec = run.spec
+    rows = _metrics.read_metrics(run.store)  # sorted by (round, rank)
+    rounds = [m for m in rows if m["kind"] == "round"]
+    steps = [m for m in rows if m["kind"] == "step"]
+    committed = {m["round"] for m in rounds if m.get("committed")}
+    evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
+    eval_rewards = [m["eval_reward_mean"] for m in rounds if "eval_reward_mean" in m]
+    settings = spec.trainer.settings()
+    channels = []
+    if spec.trainer.name == "three-channel":
+        for key, name in CHANNELS.items():
+            first = _step_mean(steps, committed, key, first=True)
+            last = _step_mean(steps, committed, key, first=False)
+            if first is not None and last is not None:
+                channels.append(ChannelMean(key, name, first, last))
+    notes = []
+    note = hint_note(settings, _dataset_columns(settings)) if spec.trainer.name == "three-channel" else None
+    if note:
+        notes.append(note)
+    return RunSummary(
+        rounds_committed=status.rounds_committed,
+        loss_first=_round_mean(rounds, "train_loss", first=True),
+        loss_last=_round_mean(rounds, "train_loss", first=False),
+        eval_loss_first=evals[0] if evals else None,
+        eval_loss_last=evals[-1] if evals else None,
+        compute_s=sum(m.get("compute_s", 0.0) for m in rounds),
+        sync_s=sum(m.get("sync_s", 0.0) for m in rounds),
+        bytes_moved=sum(m.get("bytes_read", 0) + m.get("bytes_written", 0) for m in rounds),
+        lost_replicas=[i.rank for i in status.replicas if i.state in ("failed", "cancelled")],
+        reward_first=_round_mean(rounds, "reward_mean", first=True),
+        reward_last=_round_mean(rounds, "reward_mean", first=False),
+        eval_reward_first=eval_rewards[0] if eval_rewards else None,
+        eval_reward_last=eval_rewards[-1] if eval_rewards else None,
+        loss_name=LOSS_NAMES.get(spec.trainer.name, f"{spec.trainer.name} loss"),
+        channels=channels,
+        warnings=diagnose_rounds(steps, settings),
+        notes=notes,
+        synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
+    )
+
+
+__all__ = ["ChannelMean", "LOSS_NAMES", "RunSummary", "summarize"]

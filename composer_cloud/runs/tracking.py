@@ -1,0 +1,172 @@
+"""Experiment tracking: a run's metrics as TensorBoard event files and trackio runs, offline-first.
+
+``report_to`` follows TRL's convention (``"tensorboard"``, ``"trackio"``). The
+replicas do not log to a tracker themselves: a replica on Modal or HF Jobs has no
+disk the user can read and no reason to hold tracker credentials. They write
+their rows to the store (:mod:`composer_cloud.runs.metrics`), and this module
+turns those rows into tracker series on the machine that asks, offline:
+
+* one series per replica: every numeric field of its step rows
+  (``train/loss``, ``train/grad_norm``, ``train/pg``, ``train/reward_mean``, ...)
+  against the run's global inner step;
+* the run's round metrics: per committed round (counted from 1), the mean over
+  replicas of ``train_loss``, ``eval_loss``, ``reward_mean``, ``eval_reward_mean``,
+  ``sync_s``, ``compute_s`` and the bytes moved (``round/...``).
+
+TensorBoard: ``<logdir>/<run_id>/replica-<r>/`` and ``<logdir>/<run_id>/rounds/``
+(``tensorboard --logdir <logdir>``); earlier event files of the same run are
+replaced, so writing again never doubles a series. trackio: project ``project``
+(default ``composer-cloud``), runs ``<run_id>-replica-<r>`` and ``<run_id>-rounds``
+grouped by run id, in trackio's local store (``TRACKIO_DIR``; ``trackio show``),
+written again from scratch each time. ``launch`` with ``report_to`` set writes
+them when the run ends; ``composer-cloud track RUN`` at any time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import sys
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_cloud.runs.metrics import read_metrics
+from composer_cloud.storage.run import Run
+
+logger = logging.getLogger(__name__)
+
+REPORT_TO = ("tensorboard", "trackio")
+#: Row fields that are coordinates or bookkeeping, not series.
+_NOT_SERIES = {"kind", "rank", "round", "step", "launch", "time", "committed", "superseded", "healed_to", "version",
+               "merged_version", "adopted"}
+#: Round-row fields averaged over replicas into the run's round series.
+ROUND_SERIES = ("train_loss", "eval_loss", "reward_mean", "eval_reward_mean", "sync_s", "compute_s")
+
+
+@dataclass(frozen=True)
+class TrackingResult:
+    """What :func:`write_tracking` wrote: the trackers, where, and how many points."""
+
+    report_to: list[str]
+    replicas: list[int]
+    rounds: int
+    step_points: int
+    tensorboard_dir: str | None = None
+    trackio_project: str | None = None
+    trackio_runs: list[str] = field(default_factory=list)
+
+
+def _numeric(row: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items() if k not in _NOT_SERIES and isinstance(v, (int, float))
+            and not isinstance(v, bool) and v == v}
+
+
+def replica_series(rows: Sequence[Mapping[str, Any]]) -> dict[int, list[tuple[int, dict[str, float]]]]:
+    """rank -> [(global inner step, {"train/<field>": value})], from the step rows."""
+    out: dict[int, list[tuple[int, dict[str, float]]]] = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "step" and isinstance(r.get("step"), int):
+            out[r["rank"]].append((r["step"], {f"train/{k}": v for k, v in _numeric(r).items()}))
+    return {rank: sorted(points, key=lambda p: p[0]) for rank, points in sorted(out.items())}
+
+
+def round_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, dict[str, float]]]:
+    """[(round counted from 1, {"round/<field>": mean over replicas})] over committed rounds."""
+    by_round: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "round" and r.get("committed", True):
+            by_round[r["round"]].append(r)
+    out = []
+    for rnd, group in sorted(by_round.items()):
+        point: dict[str, float] = {}
+        for key in ROUND_SERIES:
+            vals = [float(g[key]) for g in group if isinstance(g.get(key), (int, float))]
+            if vals:
+                point[f"round/{key}"] = sum(vals) / len(vals)
+        moved = [g.get("bytes_read", 0) + g.get("bytes_written", 0) for g in group]
+        point["round/store_mb"] = sum(moved) / 1e6
+        point["round/replicas"] = float(len(group))
+        out.append((rnd + 1, point))
+    return out
+
+
+def _tensorboard(root: Path, per_replica: dict[int, list[tuple[int, dict[str, float]]]],
+                 rounds: list[tuple[int, dict[str, float]]]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    if root.exists():
+        shutil.rmtree(root)  # this run's earlier snapshot: replaced, never doubled
+    series = {f"replica-{rank}": points for rank, points in per_replica.items()} | {"rounds": rounds}
+    for name, points in series.items():
+        with SummaryWriter(log_dir=str(root / name)) as writer:
+            for step, values in points:
+                for tag, value in values.items():
+                    writer.add_scalar(tag, value, global_step=step)
+
+
+def _trackio(project: str, run_id: str, config: dict[str, Any],
+             per_replica: dict[int, list[tuple[int, dict[str, float]]]],
+             rounds: list[tuple[int, dict[str, float]]]) -> list[str]:
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
+    names = []
+    with contextlib.redirect_stdout(sys.stderr):  # trackio prints its banner: keep stdout for --json
+        _trackio_runs(trackio, SQLiteStorage, project, run_id, config, per_replica, rounds, names)
+    return names
+
+
+def _trackio_runs(trackio: Any, storage: Any, project: str, run_id: str, config: dict[str, Any],
+                  per_replica: dict[int, list[tuple[int, dict[str, float]]]],
+                  rounds: list[tuple[int, dict[str, float]]], names: list[str]) -> None:
+    series = {f"{run_id}-replica-{rank}": points for rank, points in per_replica.items()} | {f"{run_id}-rounds": rounds}
+    for name, points in series.items():
+        if name in storage.get_runs(project):
+            storage.delete_run(project, name)  # an earlier snapshot: replaced, never doubled
+        trackio.init(project=project, name=name, group=run_id, config=config, auto_log_gpu=False,
+                     auto_log_cpu=False, embed=False)
+        try:
+            for step, values in points:
+                trackio.log(values, step=step)
+        finally:
+            trackio.finish()
+        names.append(name)
+
+
+def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "tracking",
+                   project: str = "composer-cloud") -> TrackingResult:
+    """Write the run's metrics to each tracker in ``report_to`` (see the module docstring); raises
+    ``ValueError`` naming an unknown tracker and ``ImportError`` with the extra to install."""
+    unknown = sorted(set(report_to) - set(REPORT_TO))
+    if unknown:
+        raise ValueError(f"report_to: unknown tracker {unknown[0]!r}; choose from {list(REPORT_TO)}")
+    rows = read_metrics(run.store)
+    per_replica, rounds = replica_series(rows), round_series(rows)
+    spec = run.spec
+    config = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas, "rounds": spec.rounds,
+              "inner_steps": spec.inner_steps, "trainer": spec.trainer.name, "model": spec.model.name,
+              "sync_mode": spec.sync.mode, "codec": spec.sync.codec}
+    tb_dir = trackio_runs = None
+    for tracker in dict.fromkeys(report_to):
+        try:
+            if tracker == "tensorboard":
+                tb_dir = Path(logdir) / spec.run_id
+                _tensorboard(tb_dir, per_replica, rounds)
+            else:
+                trackio_runs = _trackio(project, spec.run_id, config, per_replica, rounds)
+        except ImportError as exc:
+            raise ImportError(f"report_to {tracker!r} needs {exc.name or tracker}: "
+                              'pip install "composer-cloud[tracking]"') from None
+    logger.info("tracking for %s written to %s", spec.run_id, ", ".join(report_to))
+    return TrackingResult(report_to=list(dict.fromkeys(report_to)), replicas=sorted(per_replica),
+                          rounds=len(rounds), step_points=sum(len(p) for p in per_replica.values()),
+                          tensorboard_dir=None if tb_dir is None else str(tb_dir),
+                          trackio_project=project if trackio_runs is not None else None,
+                          trackio_runs=trackio_runs or [])
+
+
+__all__ = ["REPORT_TO", "ROUND_SERIES", "TrackingResult", "replica_series", "round_series", "write_tracking"]
