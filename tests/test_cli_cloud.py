@@ -74,15 +74,19 @@ def test_cancel_through_hf_jobs(hf_env, wheel, tmp_path):
     assert all(r["state"] == "cancelled" for r in st["replicas"]), st
 
 
-def test_dry_run_launches_nothing_and_names_no_secret_values(tmp_path, monkeypatch):
+def test_dry_run_launches_nothing_and_names_no_secret_values(tmp_path, monkeypatch, s3_server_moto):
+    # The dry run runs launch's own checks (the store probe included), so it gets a store it can reach.
     canary = "sk-canary-" + os.urandom(6).hex()
+    for name, value in s3_server_moto.env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", canary)
     monkeypatch.setenv("HF_TOKEN", canary)
-    (tmp_path / "spec.toml").write_text(SPEC + 'secrets = ["AWS_SECRET_ACCESS_KEY"]\n')
+    (tmp_path / "spec.toml").write_text(SPEC + 'secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]\n')
     env = {**os.environ}
     res = subprocess.run([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", "spec.toml",
                           "--executor", "hf-jobs", "--replicas", "8", "--flavor", "a10g-large", "--store",
-                          "s3://bucket/runs", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, env=env)
+                          f"s3://{s3_server_moto.bucket}/dry-run", "--dry-run"], cwd=tmp_path, capture_output=True,
+                         text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert "a10g-large" in res.stdout and "AWS_SECRET_ACCESS_KEY" in res.stdout
     assert canary not in res.stdout + res.stderr
