@@ -114,6 +114,7 @@ class LockstepBoundary:
             logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
             return
         local = restore_replica_state(self.ctx.trainer, tree)
+        self.loop.load_codec_state(tree.get("codec", {}))  # error feedback: training state, restored bitwise
         if local:
             with torch.no_grad():
                 for name, p in self.ctx.model.named_parameters():
@@ -185,7 +186,7 @@ class LockstepBoundary:
         row["checkpoint_wait_s"] = time.monotonic() - t0
         # Snapshot on the critical path (training mutates optimizer state next step), then upload in the background.
         t0 = time.monotonic()
-        tree = snapshot(replica_state(trainer, local))
+        tree = snapshot(replica_state(trainer, local, codec=self.loop.codec_state()))
         row["checkpoint_snapshot_s"] = time.monotonic() - t0
         self._state_write = self._io.submit(self.replica_states.write, round, self.rank, tree,
                                             world_size=spec.replicas)

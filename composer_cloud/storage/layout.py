@@ -228,8 +228,18 @@ def reduced_digest_key(round: int, attempt: int, slot: int) -> str:
     return f"{reduced_key(round, attempt, slot)}.json"
 
 
+#: Replicas per key prefix of a sparse gather's contributions (S3 limits request rates per prefix).
+SPARSE_PER_PREFIX = 32
+
+
+def sparse_key(round: int, attempt: int, rank: int, replicas: int) -> str:
+    """``rank``'s sparse contribution: ``sparse/<rank mod S>/<rank>``, ``S = ceil(replicas / 32)`` prefixes."""
+    shards = -(-replicas // SPARSE_PER_PREFIX)
+    return f"{attempt_prefix(round, attempt)}/sparse/{rank % shards}/{rank}"
+
+
 #: Sub-prefixes of an attempt holding payloads (deleted once a later checkpoint exists); records stay.
-ATTEMPT_PAYLOADS = ("grad", "reduced", "join")
+ATTEMPT_PAYLOADS = ("grad", "reduced", "join", "sparse")
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -165,13 +165,14 @@ class _Chain:
 
 
 class ObjectStoreAllReduce:
-    """Runs all-reduce rounds for one replica over a run's store."""
+    """Runs all-reduce rounds for one replica over a run's store (dense codecs: scatter-reduce)."""
 
+    codecs: tuple[str, ...] = wire.CODECS  # the exchange of the sparse codec is a subclass (gather.py)
     def __init__(self, store: Store, rank: int, config: AllReduceConfig, *, hooks: Hooks = NO_HOOKS) -> None:
         if not 0 <= rank < config.replicas:
             raise ValueError(f"rank {rank} out of range for {config.replicas} replicas")
-        if config.codec not in wire.CODECS:
-            raise ValueError(f"sync.codec: unknown codec {config.codec!r}; choose one of {wire.CODECS}")
+        if config.codec not in self.codecs:
+            raise ValueError(f"sync.codec: codec {config.codec!r} is not one of {self.codecs}")
         if not 1 <= config.min_replicas <= config.replicas:
             raise ValueError(f"min_replicas: {config.min_replicas} must be in [1, replicas={config.replicas}]")
         factor = config.outlier_factor
@@ -431,12 +432,15 @@ class ObjectStoreAllReduce:
         except RejectedPayload as exc:
             return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
                                         excluded=exc.excluded, slot=exc.slot, retry=True)
+        return self._commit(round, attempt, participants, out, flat, result)
 
-        # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
+    def _commit(self, round: int, attempt: int, participants: list[int], out: torch.Tensor, flat: torch.Tensor,
+                result: RoundResult) -> Outcome:
+        """4. commit. Only a valid "committed" outcome lets anyone apply the result (``out`` into ``flat``)."""
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
                          time=time.time())
         self.store.create_json(layout.outcome_key(round, attempt), commit.to_json())
-        final = read_outcome(self.store, round, attempt, replicas=cfg.replicas, participants=participants)
+        final = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         if final is not None and final.committed:
             flat.copy_(out)
             result.committed = True

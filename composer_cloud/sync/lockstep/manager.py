@@ -173,6 +173,11 @@ class ObjectStoreManager:
         self._skip_sync = False
         self.last_sync: SyncRecord | None = None
 
+    @property
+    def exchange(self) -> ObjectStoreAllReduce:
+        """The replica's object-store all-reduce (its codec state is checkpointed with the replica)."""
+        return self._ar
+
     # ------------------------------------------------------------ torchft Manager surface
     def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
         self._load_fns[key] = load_fn

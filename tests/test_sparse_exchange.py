@@ -1,0 +1,120 @@
+"""The sparse codec in the lock-step all-reduce: the flat gather, error feedback as state, bad payloads."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from composer_cloud.errors import SpecError
+from composer_cloud.spec import SPARSE_MAX_REPLICAS, spec_from_dict
+from composer_cloud.storage import layout
+from composer_cloud.storage.store import Store
+from composer_cloud.sync import sparse
+from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce, sparse_settings
+from workers import allreduce_config, payload
+
+SETTINGS = sparse.SparseSettings(density=1 / 16, chunk=256, value_bits=2, decay=0.95)
+NUMEL = 5000  # 19 full chunks and a partial one
+
+
+def _replicas(uri: str, world: int, **sync: object) -> list[SparseGatherAllReduce]:
+    cfg = allreduce_config(world, min_replicas=sync.pop("min_replicas", world), codec="sparse",
+                           quorum_timeout_s=30, round_timeout_s=60, **sync)
+    return [SparseGatherAllReduce(Store(uri), r, cfg, settings=SETTINGS) for r in range(world)]
+
+
+def _round(ars: list[SparseGatherAllReduce], round: int, flats: list[torch.Tensor]):
+    with ThreadPoolExecutor(len(ars)) as pool:
+        return list(pool.map(lambda i: ars[i].allreduce(round, flats[i]), range(len(ars))))
+
+
+def test_gather_averages_the_decoded_contributions_and_keeps_the_residual(store_uri):
+    world = 3
+    ars = _replicas(store_uri, world)
+    accs: list[torch.Tensor | None] = [None] * world
+    for round in range(3):
+        deltas = [payload(r + 10 * round, NUMEL) for r in range(world)]
+        flats = [d.clone() for d in deltas]
+        results = _round(ars, round, flats)
+        assert all(res.committed and res.participated for res in results)
+        encs = [sparse.encode(deltas[r], accs[r], SETTINGS) for r in range(world)]
+        expected = sparse.mean([e.sent for e in encs])
+        for r in range(world):
+            assert torch.equal(flats[r], expected)  # bitwise on every replica, in participant order
+            assert torch.equal(ars[r].codec_state()["fragment0"], encs[r].accumulator)
+            assert results[r].payload_bytes == len(encs[r].payload)
+        accs = [e.accumulator for e in encs]
+    # One compressed contribution up, the others down: far below the fp32 scatter-reduce's (3 - 1/W) * 4N.
+    per_round = results[0].bytes_read + results[0].bytes_written
+    assert per_round < (3 - 1 / world) * 4 * NUMEL / 10
+    keys = Store(store_uri).list(layout.attempt_prefix(2, 0))
+    assert layout.sparse_key(2, 0, 1, world) in keys and not any("/grad/" in k for k in keys)
+    for ar in ars:
+        ar.close()
+
+
+def test_a_malformed_contribution_excludes_its_writer_and_leaves_its_accumulator(store_uri):
+    ars = _replicas(store_uri, 3, min_replicas=2)
+    forged = ars[1]
+    real_encode = forged._encode
+
+    def bad_encode(round, flat):
+        enc = real_encode(round, flat)
+        return sparse.SparseEncoding(payload=enc.payload[: len(enc.payload) // 2], accumulator=enc.accumulator,
+                                     sent=enc.sent)
+
+    forged._encode = bad_encode  # type: ignore[method-assign]
+    flats = [payload(r, NUMEL) for r in range(3)]
+    deltas = [f.clone() for f in flats]
+    results = _round(ars, 0, flats)
+    assert [res.committed and res.participated for res in results] == [True, False, True]
+    assert results[0].participants == [0, 2] and results[0].attempts == 2
+    assert forged.codec_state() == {}  # its round did not commit: nothing of it counts as sent
+    assert torch.equal(flats[1], deltas[1])
+    encs = [sparse.encode(deltas[r], None, SETTINGS) for r in (0, 2)]
+    assert torch.equal(flats[0], sparse.mean([e.sent for e in encs]))
+    outcome = Store(store_uri).get_json(layout.outcome_key(0, 0))
+    assert outcome["excluded"] == [1] and outcome["check"] == "malformed"
+    for ar in ars:
+        ar.close()
+
+
+def test_error_feedback_state_round_trips_bitwise_and_checks_its_size(store_uri):
+    (ar,) = _replicas(store_uri, 1)
+    flat = payload(0, NUMEL)
+    assert ar.allreduce(0, flat).committed
+    state = ar.codec_state()
+    restored = _replicas(store_uri, 1)[0]
+    restored.load_codec_state(load(save(state)))
+    assert torch.equal(restored.codec_state()["fragment0"], state["fragment0"])
+    # Both continue identically from the restored accumulator.
+    a, b = payload(1, NUMEL), payload(1, NUMEL)
+    assert ar.allreduce(1, a).committed and restored.allreduce(2, b).committed
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not finite"):
+        restored.load_codec_state({"fragment0": torch.full((NUMEL,), float("nan"))})
+    restored.load_codec_state({"fragment0": torch.zeros(7)})
+    with pytest.raises(ValueError, match="another model"):
+        restored.allreduce(3, payload(2, NUMEL))
+    ar.close()
+    restored.close()
+
+
+def test_spec_sparse_defaults_and_bounds():
+    spec = spec_from_dict({"sync": {"codec": "sparse"}})
+    settings = sparse_settings(spec)
+    assert (settings.density, settings.value_bits, settings.decay, settings.chunk) == (3 / 64, 2, 0.95, 4096)
+    outer = spec.outer_optimizer
+    assert (outer.lr, outer.momentum, outer.nesterov) == (1.0, 0.0, False)  # SparseLoCo's outer step
+    assert spec_from_dict({}).outer_optimizer.momentum == 0.9  # dense codecs keep DiLoCo's
+    kept = spec_from_dict({"sync": {"codec": "sparse"}, "outer_optimizer": {"momentum": 0.5}}).outer_optimizer
+    assert (kept.momentum, kept.nesterov) == (0.5, True)
+    with pytest.raises(SpecError, match="sync.sparse.densty"):
+        spec_from_dict({"sync": {"codec": "sparse", "sparse": {"densty": 0.1}}})
+    with pytest.raises(SpecError, match="sync.sparse.density"):
+        spec_from_dict({"sync": {"codec": "sparse", "sparse": {"density": 0}}})
+    with pytest.raises(SpecError, match="sync.codec"):
+        spec_from_dict({"replicas": SPARSE_MAX_REPLICAS + 1, "sync": {"codec": "sparse"}})
