@@ -13,7 +13,10 @@ from composer_cloud.spec import SPARSE_MAX_REPLICAS, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync import sparse
-from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce, sparse_settings
+from composer_cloud.sync.decoupled import outer
+from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.sync.decoupled.contributions import ContributionEncoder, decode_contribution
+from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
 from workers import allreduce_config, payload
 
 SETTINGS = sparse.SparseSettings(density=1 / 16, chunk=256, value_bits=2, decay=0.95)
@@ -105,11 +108,12 @@ def test_error_feedback_state_round_trips_bitwise_and_checks_its_size(store_uri)
 
 def test_spec_sparse_defaults_and_bounds():
     spec = spec_from_dict({"sync": {"codec": "sparse"}})
-    settings = sparse_settings(spec)
+    settings = sparse.settings_of(spec)
     assert (settings.density, settings.value_bits, settings.decay, settings.chunk) == (3 / 64, 2, 0.95, 4096)
     outer = spec.outer_optimizer
     assert (outer.lr, outer.momentum, outer.nesterov) == (1.0, 0.0, False)  # SparseLoCo's outer step
     assert spec_from_dict({}).outer_optimizer.momentum == 0.9  # dense codecs keep DiLoCo's
+    assert sparse.settings_of(spec_from_dict({})) is None
     kept = spec_from_dict({"sync": {"codec": "sparse"}, "outer_optimizer": {"momentum": 0.5}}).outer_optimizer
     assert (kept.momentum, kept.nesterov) == (0.5, True)
     with pytest.raises(SpecError, match="sync.sparse.densty"):
@@ -118,3 +122,71 @@ def test_spec_sparse_defaults_and_bounds():
         spec_from_dict({"sync": {"codec": "sparse", "sparse": {"density": 0}}})
     with pytest.raises(SpecError, match="sync.codec"):
         spec_from_dict({"replicas": SPARSE_MAX_REPLICAS + 1, "sync": {"codec": "sparse"}})
+
+
+# ------------------------------------------------------------------ decoupled contributions
+DEC_SHAPES = {"w": (200, 20), "b": (40,)}
+DEC_CFG = dc.DecoupledConfig.from_spec(spec_from_dict({
+    "run_id": "run", "replicas": 2, "sync": {"mode": "decoupled", "min_quorum": 2, "codec": "sparse",
+                                             "sparse": {"density": 0.125, "chunk": 64}}}))
+
+
+def _dec_delta(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in DEC_SHAPES.items()}
+
+
+def test_decoupled_contributions_are_sparse_and_merge_what_they_decode_to(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    dc.ensure_initial(store, DEC_CFG, {n: torch.zeros(s) for n, s in DEC_SHAPES.items()}, rank=0)
+    encoders = [ContributionEncoder(DEC_CFG.sparse) for _ in range(2)]
+    blobs = []
+    for r in range(2):
+        dc.publish_contribution(store, DEC_CFG, rank=r, seq=1, base_version=0, tokens=100, inner_steps=4,
+                                delta=_dec_delta(r), encoder=encoders[r])
+        blob = bytes(store.get(layout.contribution_key(r, 1, "safetensors")))
+        assert len(blob) * 8 < 4 * 4040  # at least 8x below the dense fp32 blob, header included
+        blobs.append(blob)
+        assert encoders[r].state_dict()["model"].abs().sum() > 0  # the unsent residual is kept
+    assert dc.try_merge(store, DEC_CFG, DEC_SHAPES, rank=0).merged == 1
+    rec = dc.read_merge(store, DEC_CFG, 1)
+    assert [(c.rank, c.seq) for c in rec.contributions] == [(0, 1), (1, 1)]
+    decoded = [decode_contribution(b, key="k", shapes=DEC_SHAPES, settings=DEC_CFG.sparse) for b in blobs]
+    expected = outer.outer_step(dc.load_version(store, 0, DEC_SHAPES), decoded, rec.weights, DEC_CFG.outer)
+    got = dc.load_version(store, 1, DEC_SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]
+    for name in DEC_SHAPES:
+        assert torch.equal(got[name], expected[outer.FRAGMENT_KEY]["original_parameters"][name])
+        assert 0 < int((decoded[0][name] != 0).sum()) < decoded[0][name].numel() // 4
+
+
+def test_a_malformed_sparse_contribution_is_rejected_by_the_merge(tmp_path):
+    store = Store(f"file://{tmp_path}/run")
+    dc.ensure_initial(store, DEC_CFG, {n: torch.zeros(s) for n, s in DEC_SHAPES.items()}, rank=0)
+
+    class Truncating(ContributionEncoder):
+        def encode(self, delta, meta):
+            data = super().encode(delta, meta)
+            return data[: len(data) // 2]
+
+    dc.publish_contribution(store, DEC_CFG, rank=0, seq=1, base_version=0, tokens=100, inner_steps=4,
+                            delta=_dec_delta(0), encoder=Truncating(DEC_CFG.sparse))
+    dc.publish_contribution(store, DEC_CFG, rank=1, seq=1, base_version=0, tokens=100, inner_steps=4,
+                            delta=_dec_delta(1), encoder=ContributionEncoder(DEC_CFG.sparse))
+    dc.try_merge(store, DEC_CFG, DEC_SHAPES, rank=1, final=True)
+    rec = dc.read_merge(store, DEC_CFG, 1)
+    assert [(c.rank, c.seq) for c in rec.contributions] == [(1, 1)]
+    assert [(r.rank, r.seq) for r in rec.rejected] == [(0, 1)]
+
+
+def test_contribution_encoder_state_round_trips_and_refuses_foreign_state():
+    enc = ContributionEncoder(DEC_CFG.sparse)
+    enc.encode(_dec_delta(0), {})
+    assert enc.state_dict() == {}  # not published yet: nothing committed
+    enc.commit()
+    state = enc.state_dict()
+    again = ContributionEncoder(DEC_CFG.sparse)
+    again.load_state_dict(load(save(state)))
+    assert torch.equal(again.state_dict()["model"], state["model"])
+    assert enc.encode(_dec_delta(1), {}) == again.encode(_dec_delta(1), {})  # same bytes from here on
+    with pytest.raises(ValueError, match="codec state"):
+        ContributionEncoder(None).load_state_dict(state)

@@ -42,6 +42,7 @@ from composer_cloud.errors import BadObject
 from composer_cloud.replica.boundary import ReplicaContext, Segment, cpu_params, params_replaced
 from composer_cloud.storage import layout
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
+from composer_cloud.sync.decoupled.contributions import ContributionEncoder
 from composer_cloud.sync.decoupled import protocol
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
 
@@ -62,6 +63,7 @@ class DecoupledBoundary:
         self.spec = ctx.spec
         self.rank = ctx.rank
         self.cfg = protocol.DecoupledConfig.from_spec(self.spec)
+        self.encoder = ContributionEncoder(self.cfg.sparse)  # the sparse codec's error feedback, if any
         self.shapes = {n: tuple(p.shape) for n, p in ctx.model.named_parameters()}
         self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)
         self.budget = self.spec.replicas * self.spec.rounds
@@ -81,6 +83,7 @@ class DecoupledBoundary:
         resume = self.replica_states.load_decoupled(self.rank, world_size=self.spec.replicas)
         if resume is not None:
             local = restore_replica_state(self.ctx.trainer, resume.tree["inner"])
+            self.encoder.load_state_dict(resume.tree["inner"].get("codec", {}))
             with torch.no_grad():
                 for name, p in self.ctx.model.named_parameters():
                     p.copy_(local[name])
@@ -160,7 +163,8 @@ class DecoupledBoundary:
         read0, written0 = self.store.bytes_read, self.store.bytes_written
         contrib = protocol.publish_contribution(self.store, self.cfg, rank=self.rank, seq=self.seq + 1,
                                                 base_version=self.adopted, tokens=segment.tokens,
-                                                inner_steps=self.spec.inner_steps, delta=delta)
+                                                inner_steps=self.spec.inner_steps, delta=delta,
+                                                encoder=self.encoder)
         self.seq += 1
         outcome = self._merge()
         adopted_before = self.adopted
@@ -185,7 +189,8 @@ class DecoupledBoundary:
         if self.seq % self.spec.checkpoint_every == 0 or self.seq == self.spec.rounds:
             t0 = time.monotonic()
             # The model is unchanged since the base was copied (evaluate() only reads).
-            self.replica_states.write_decoupled(self.rank, self.seq, {"inner": replica_state(trainer, self._base)},
+            inner = replica_state(trainer, self._base, codec=self.encoder.state_dict())
+            self.replica_states.write_decoupled(self.rank, self.seq, {"inner": inner},
                                                 version=self.adopted, world_size=self.spec.replicas,
                                                 keep=KEEP_STATES)
             row["checkpoint_s"] = time.monotonic() - t0

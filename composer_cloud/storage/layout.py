@@ -238,6 +238,11 @@ def sparse_key(round: int, attempt: int, rank: int, replicas: int) -> str:
     return f"{attempt_prefix(round, attempt)}/sparse/{rank % shards}/{rank}"
 
 
+def sparse_ack_key(round: int, attempt: int, rank: int) -> str:
+    """``rank`` checked every sparse contribution of the attempt: the digest of the mean it computed."""
+    return f"{attempt_prefix(round, attempt)}/sparse/ack/{rank}.json"
+
+
 #: Sub-prefixes of an attempt holding payloads (deleted once a later checkpoint exists); records stay.
 ATTEMPT_PAYLOADS = ("grad", "reduced", "join", "sparse")
 

@@ -33,7 +33,8 @@ from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
-from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce, sparse_settings
+from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
+from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
 from composer_cloud.sync.outer import OuterOptimizerConfig, outer_sgd
 
@@ -124,7 +125,7 @@ class LockstepConfig:
                    sync_every=spec.inner_steps, fragments=spec.sync.fragments,
                    fragment_sync_delay=spec.sync.fragment_sync_delay, heal_timeout_s=spec.sync.heal_timeout_s,
                    takeover_after_s=spec.sync.quorum_timeout_s,
-                   sparse=sparse_settings(spec) if spec.sync.codec == "sparse" else None)
+                   sparse=settings_of(spec))
 
 
 def _restore_parameters(diloco: Any) -> None:

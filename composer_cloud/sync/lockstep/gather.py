@@ -4,13 +4,15 @@
 pseudo-gradient into an error-feedback accumulator, uploads ONE compressed contribution (chunk-wise top-k,
 n-bit values, Rice-coded positions), reads the others', decodes them strictly against the run's settings,
 and sums them in participant order in float32, divided by ``W``. Everyone sums the same bytes in the same
-order, so every participant ends with the bitwise-same mean: no reduced slots, no digests. Join, quorum,
-attempts, aborts and the write-once outcome are :class:`ObjectStoreAllReduce`'s, unchanged.
+order, so every participant ends with the bitwise-same mean: no reduced slots. Before committing, each
+publishes a small digest of its mean (``sparse/ack/<rank>.json``) and waits for everyone's: no replica
+commits before every participant checked every contribution, and equal digests pin equal results. Join,
+quorum, attempts, aborts and the write-once outcome are :class:`ObjectStoreAllReduce`'s, unchanged.
 
 Why a gather, not the scatter-reduce: the sum of W sparse contributions is W times denser than each, so a
 scatter-reduce of sparse payloads must send dense reduced slots back; the gather moves ``P`` up and
 ``(W - 1) P`` down per replica (``P`` = one contribution, ~1/80 of fp32 at the defaults) and costs
-``W + 1`` reads. It moves fewer bytes than bf16 scatter-reduce up to W ~ 290 at 1.56 % density (measured
+``2W`` reads (contributions and digests of the others, quorum, outcome). It moves fewer bytes than bf16 scatter-reduce up to W ~ 290 at 1.56 % density (measured
 crossovers: ``docs/scale.md``); the spec refuses the sparse codec above ``SPARSE_MAX_REPLICAS``. The
 contributions of a round spread over ``ceil(W / 32)`` key prefixes (``layout.sparse_key``).
 
@@ -23,8 +25,10 @@ accumulator per DiLoCo fragment (``round % fragments``: torchft syncs fragments 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import zlib
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -33,21 +37,15 @@ import torch
 from composer_cloud.errors import ChecksumMismatch
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.storage import layout
-from composer_cloud.storage.records import Outcome
+from composer_cloud.storage.records import Outcome, SlotDigest
 from composer_cloud.sync import sparse
-from composer_cloud.sync.checks import RejectedPayload, check_finite, check_outliers
+from composer_cloud.sync.checks import RejectedPayload, check_finite, check_outliers, digest_mismatch
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce, RoundResult, RoundTimeout
 
 if TYPE_CHECKING:
-    from composer_cloud.spec import RunSpec
     from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
-
-
-def sparse_settings(spec: RunSpec) -> sparse.SparseSettings:
-    """The codec settings of a run (``[sync.sparse]``)."""
-    return sparse.SparseSettings(**spec.sync.sparse.model_dump())
 
 
 class SparseGatherAllReduce(ObjectStoreAllReduce):
@@ -130,16 +128,52 @@ class SparseGatherAllReduce(ObjectStoreAllReduce):
                 updates.append(self._decode(round, attempt, p, others[p], numel, missing))
             if missing:
                 raise RoundTimeout(round, missing, "sparse contributions missing")
-            check_outliers(participants, [u.norm() for u in updates], slot=0, outlier_factor=cfg.outlier_factor)
+            norms = [u.norm() for u in updates]
+            check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
             mean = sparse.mean(updates, numel=numel)
             self.hooks.at("reduce", round, self.rank)
             timings["gather_s"] = time.monotonic() - t
+            t = time.monotonic()
+            self._acknowledge(round, attempt, participants, mean, norms, deadline)
+            timings["ack_s"] = time.monotonic() - t
         except RoundTimeout as exc:
             return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
         except RejectedPayload as exc:
             return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
                                         excluded=exc.excluded, slot=exc.slot, retry=True)
         return self._commit(round, attempt, participants, mean, flat, result)
+
+    def _acknowledge(self, round: int, attempt: int, participants: list[int], mean: torch.Tensor,
+                     norms: list[float], deadline: float) -> None:
+        """Publish the digest of my mean, then wait for every participant's and compare.
+
+        Nobody commits before every participant checked every contribution: without this a replica whose
+        own payload was damaged (it never reads it back) could commit before the others reject it.
+        Equal digests also pin that everyone computed the same bytes.
+        """
+        mine = SlotDigest(round=round, attempt=attempt, slot=0, numel=mean.numel(),
+                          crc32=zlib.crc32(mean.numpy().tobytes()), input_norms=norms, by=self.rank)
+        self.store.put(layout.sparse_ack_key(round, attempt, self.rank), json.dumps(mine.to_json()).encode(),
+                       durable=False)
+        waits = {p: self._pool.submit(self._wait_in_round, round, attempt, layout.sparse_ack_key(round, attempt, p),
+                                      deadline, p) for p in participants if p != self.rank}
+        missing = []
+        for p, fut in waits.items():
+            key = layout.sparse_ack_key(round, attempt, p)
+            try:
+                found = json.loads(bytes(fut.result()))
+            except RoundTimeout as exc:
+                if exc.aborted:
+                    raise
+                missing.append(p)
+                continue
+            except (ChecksumMismatch, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise RejectedPayload(f"{key}: unreadable digest ({exc})", check="reduced", slot=0) from None
+            if (problem := digest_mismatch(mine, found, key=key)) is not None:
+                raise RejectedPayload(f"replica {p} computed another mean ({problem.reason})", check="reduced",
+                                      slot=0)
+        if missing:
+            raise RoundTimeout(round, missing, "sparse digests missing")
 
     def _decode(self, round: int, attempt: int, rank: int, fetch: Future, numel: int,
                 missing: list[int]) -> sparse.SparseUpdate:
@@ -161,4 +195,4 @@ class SparseGatherAllReduce(ObjectStoreAllReduce):
                                   slot=0, excluded=[rank]) from None
 
 
-__all__ = ["SparseGatherAllReduce", "sparse_settings"]
+__all__ = ["SparseGatherAllReduce"]
