@@ -190,3 +190,13 @@ def test_contribution_encoder_state_round_trips_and_refuses_foreign_state():
     assert enc.encode(_dec_delta(1), {}) == again.encode(_dec_delta(1), {})  # same bytes from here on
     with pytest.raises(ValueError, match="codec state"):
         ContributionEncoder(None).load_state_dict(state)
+
+
+def test_the_spec_example_in_docs_is_the_default():
+    import tomllib
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sparse.md").read_text()
+    block = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    spec = spec_from_dict(tomllib.loads(block))
+    assert spec.sync.codec == "sparse" and spec.sync.sparse == spec_from_dict({}).sync.sparse

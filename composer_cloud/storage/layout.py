@@ -22,6 +22,8 @@ object: the bucket is not trusted, so callers skip it).
     rounds/<r>/<a>/quorum.json                          write-once participant set
     rounds/<r>/<a>/grad/<rank>/<slot>                   encoded slot of a participant's pseudo-gradient
     rounds/<r>/<a>/reduced/<slot> (+ .json)             reduced slot, then its write-once digest
+    rounds/<r>/<a>/sparse/<rank mod S>/<rank>           sparse contribution (sync.codec = "sparse")
+    rounds/<r>/<a>/sparse/ack/<rank>.json               digest of the mean a participant computed
     rounds/<r>/<a>/outcome.json                         write-once: committed or aborted
     rounds/<r>/<a>/void.json                            write-once: the commit was abandoned
     checkpoints/<r>/global-a<a>-<i>-of-<n>.safetensors  slice i of the global state of attempt a
