@@ -200,3 +200,21 @@ def test_the_spec_example_in_docs_is_the_default():
     block = text.split("```toml\n", 1)[1].split("```", 1)[0]
     spec = spec_from_dict(tomllib.loads(block))
     assert spec.sync.codec == "sparse" and spec.sync.sparse == spec_from_dict({}).sync.sparse
+
+
+def test_streaming_fragments_keep_one_accumulator_each(store_uri):
+    """torchft syncs fragment ``round % fragments``: each keeps its own residual, whatever its size."""
+    cfg = allreduce_config(2, min_replicas=2, codec="sparse", quorum_timeout_s=30, round_timeout_s=60)
+    ars = [SparseGatherAllReduce(Store(store_uri), r, cfg, settings=SETTINGS, fragments=2) for r in range(2)]
+    sizes = [3000, 2000, 3000]
+    accs: dict[str, torch.Tensor | None] = {"fragment0": None, "fragment1": None}
+    for round, n in enumerate(sizes):
+        deltas = [payload(r + 10 * round, n) for r in range(2)]
+        assert all(res.committed for res in _round(ars, round, [d.clone() for d in deltas]))
+        name = f"fragment{round % 2}"
+        accs[name] = sparse.encode(deltas[0], accs[name], SETTINGS).accumulator
+    state = ars[0].codec_state()
+    assert {k: v.numel() for k, v in state.items()} == {"fragment0": 3000, "fragment1": 2000}
+    assert all(torch.equal(state[k], accs[k]) for k in state)
+    for ar in ars:
+        ar.close()
