@@ -131,7 +131,7 @@ class Config:
     outer_momentum: float = 0.9
     codec: str = "fp32"
     diloco_codec: str = ""  # wire codec of DiLoCo's pseudo-gradients; "" = same as codec
-    # --diloco-codec sparse (sim engine): composer_cloud.sync.sparse settings and its outer step
+    # --diloco-codec sparse: [sync.sparse] settings (composer_cloud.sync.sparse) and its outer step
     sparse_density: float = 1 / 64
     sparse_chunk: int = 4096
     sparse_bits: int = 2
@@ -426,12 +426,19 @@ def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: 
         else:
             w = cfg.replicas
             store = Store(uri, poll=POLL)
+            codec = cfg.codec_of(method)
+            lr, momentum = (cfg.sparse_outer_lr, cfg.sparse_outer_momentum) if codec == "sparse" else \
+                (cfg.outer_lr, cfg.outer_momentum)
+            sync_settings: dict[str, Any] = {
+                "codec": codec, "quorum_timeout_s": cfg.timeout_s, "round_timeout_s": cfg.timeout_s,
+                "heal_timeout_s": cfg.timeout_s, "io_threads": 4}
+            if codec == "sparse":  # the run's [sync.sparse]: what `composer-cloud launch` would run
+                sync_settings["sparse"] = {"density": cfg.sparse_density, "chunk": cfg.sparse_chunk,
+                                           "value_bits": cfg.sparse_bits, "decay": cfg.sparse_decay}
             spec = spec_from_dict({
                 "replicas": w, "min_replicas": w, "inner_steps": 1 if method == "sync" else sync_every(method),
-                "outer_optimizer": {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum,
-                                    "nesterov": cfg.outer_momentum > 0},
-                "sync": {"codec": cfg.codec_of(method), "quorum_timeout_s": cfg.timeout_s,
-                         "round_timeout_s": cfg.timeout_s, "heal_timeout_s": cfg.timeout_s, "io_threads": 4}})
+                "outer_optimizer": {"lr": lr, "momentum": momentum, "nesterov": momentum > 0},
+                "sync": sync_settings})
             ar_config = AllReduceConfig.from_spec(spec)
             ar_bytes, payload = 0, 0
             if method == "sync":
@@ -468,6 +475,7 @@ def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: 
                 out.update(syncs=cfg.steps, allreduce_bytes=ar_bytes, payload_bytes=payload, other_store_bytes=0)
             else:
                 syncs: list[Any] = []
+                n_syncs = 0
                 loop = build_diloco(store=store, rank=rank, model=model, inner_optimizer=trainer.optimizer,
                                     config=LockstepConfig.from_spec(spec), on_sync=syncs.append)
                 with loop:
@@ -478,12 +486,12 @@ def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: 
                             r = syncs.pop()
                             if not r.committed:
                                 raise RuntimeError(f"round {r.round} not committed")
+                            n_syncs += 1
                             ar_bytes += r.result.bytes_read + r.result.bytes_written
                             payload = r.result.payload_bytes
                             sync_s += r.result.wall_s
                             if lead:
                                 rec.maybe(s)
-                n_syncs = len(loop.manager.history)
                 loop.close()
                 total = store.bytes_read + store.bytes_written
                 # Everything else this replica moved: the leader's global-state checkpoints
@@ -667,8 +675,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
     g.add_argument("--codec", choices=["fp32", "bf16", "int8"], default=d.codec, help="wire codec (all methods)")
     g.add_argument("--diloco-codec", choices=["fp32", "bf16", "int8", "sparse"], default=None,
-                   help="wire codec of DiLoCo's pseudo-gradients only (default: --codec; sparse: sim engine)")
-    g = p.add_argument_group("sparse codec (--diloco-codec sparse, sim engine; docs/sparse.md)")
+                   help="wire codec of DiLoCo's pseudo-gradients only (default: --codec)")
+    g = p.add_argument_group("sparse codec (--diloco-codec sparse; docs/sparse.md)")
     g.add_argument("--sparse-density", type=float, default=d.sparse_density, help="top-k per chunk / chunk")
     g.add_argument("--sparse-chunk", type=int, default=d.sparse_chunk)
     g.add_argument("--sparse-bits", type=int, default=d.sparse_bits, help="bits per sent value")
@@ -701,8 +709,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
                  sparse_density=a.sparse_density, sparse_chunk=a.sparse_chunk, sparse_bits=a.sparse_bits,
                  sparse_decay=a.sparse_decay, sparse_warmup_syncs=a.sparse_warmup_syncs,
                  sparse_outer_lr=a.sparse_outer_lr, sparse_outer_momentum=a.sparse_outer_momentum)
-    if "sparse" in (cfg.codec, cfg.diloco_codec) and cfg.engine != "sim":
-        p.error("--diloco-codec sparse runs on --engine sim only (the store engine comes with the exchange)")
+    if cfg.diloco_codec == "sparse" and cfg.engine == "store" and cfg.sparse_warmup_syncs:
+        p.error("--sparse-warmup-syncs is a sim-engine experiment; the store engine runs sync.codec = \"sparse\"")
     for h in cfg.h:
         if h < 1 or cfg.steps % h:
             p.error(f"--steps {cfg.steps} must be a positive multiple of every H (got H={h})")

@@ -9,13 +9,20 @@ The model (``round_cost``) counts, per replica and per round: requests by billin
 POST, COPY and LIST; GET-class: GET and HEAD), bytes up and down, then prices them on S3, R2 and GCS and
 times them at 1/5/25 Gbit/s per replica. Exchanges:
 
-``scatter`` (today's lock-step all-reduce, ``rendezvous/allreduce.py``)
+``scatter`` (the dense codecs' lock-step all-reduce, ``sync/lockstep/allreduce.py``)
     W slot uploads, the reduction of one slot, the gather of W reduced slots. Per replica: W + 5
-    PUT-class, 3W - 1 GETs, each preceded by a HEAD (s3fs), and ``(3 - 1/W) P`` bytes. With the sparse
-    codec only the first hop is sparse: a reduced slot holds the union of W supports (exact sum).
-``gather`` (planned for sparse payloads)
-    every replica uploads its one compressed contribution and reads the W - 1 others: W + 1 GETs,
-    ``W * P`` bytes; no reduced slots, no digests (every reader sums the same bytes in rank order).
+    PUT-class, 3W - 1 GETs and ``(3 - 1/W) P`` bytes. With the sparse codec only the first hop is sparse:
+    a reduced slot holds the union of W supports (exact sum).
+``gather`` (``sync.codec = "sparse"``, ``sync/lockstep/gather.py``)
+    every replica uploads its one compressed contribution and the digest of its mean, and reads the
+    W - 1 others' of each: 5 PUT-class (join, quorum, contribution, digest, outcome), 2W GETs (the others'
+    contributions and digests, quorum, outcome), ``W * P`` bytes (every reader sums the same bytes in
+    rank order).
+
+Reads: since phase B of issue 22 a read is one GET and a poll miss one GET 404 (``storage/backends.py``
+reads s3fs objects in one stream); ``head_before_get=True`` models s3fs's default (a HEAD before every GET,
+a HEAD 404 and a LIST per miss), what was measured before. Poll misses depend on timing: they are
+measured (``--validate``), not modelled.
 ``two_level`` (planned)
     groups of ``g = ceil(sqrt(W))``; a group's aggregator (its first rank) reads its members and publishes
     the group's exact sum (union of supports, gap-coded positions and fp32 values, or dense fp32 if
@@ -32,9 +39,10 @@ a round cannot finish faster than its requests on its busiest prefix allow. Toda
 attempt shares one prefix; ``--prefixes`` spreads keys over more.
 
 Validation (``--validate``): a moto server behind a counting loopback proxy (``tests/storeproxy.py``);
-W = 2, 4, 8 replica processes run lock-step all-reduce rounds (``ObjectStoreAllReduce``, fp32) of a tiny
-model's parameter count through ``s3://``; the proxy's log gives requests by class and bytes per replica
-per round, compared with the model.
+W = 2, 4, 8 replica processes run lock-step all-reduce rounds of a tiny model's parameter count through
+``s3://`` (``--validate-exchange scatter``: ``ObjectStoreAllReduce``, fp32; ``gather``:
+``SparseGatherAllReduce``, the spec's default sparse settings); the proxy's log gives requests by class
+and bytes per replica per round, compared with the model.
 """
 
 from __future__ import annotations
@@ -139,18 +147,18 @@ def round_cost(exchange: str, codec: str, world: int, params: float, *, sparse: 
                head_before_get: bool | None = None, poll_lists: float = 0.0) -> RoundCost:
     """The request/byte model of one round (see the module docstring).
 
-    ``head_before_get`` defaults to True for today's ``scatter`` (s3fs) and False for the planned exchanges;
-    ``poll_lists`` adds LIST requests per replica (the planned exchanges' polls: one listing per wait).
+    ``head_before_get``: s3fs's default reads (a HEAD before every GET), as before issue 22's phase B;
+    ``poll_lists`` adds LIST requests per replica (one listing per wait).
     """
     w = world
     p = payload_bytes(codec, params, sparse)
-    heads = exchange == "scatter" if head_before_get is None else head_before_get
+    heads = bool(head_before_get)
     if exchange == "scatter":
         # A sparse first hop still reduces to a slot of union density 1 - (1 - d)^W (sent losslessly).
         red = sum_bytes(params, 1 - (1 - sparse.density) ** w) if codec == "sparse" else p
         put, get, up, down = w + 5, 3 * w - 1, p + red / w, (p + red) * (w - 1) / w
     elif exchange == "gather":
-        put, get, up, down = 1 + 3, w + 1, p, p * (w - 1)
+        put, get, up, down = 5, 2 * w, p, p * (w - 1)
     elif exchange in ("two_level", "two_level_resparse"):
         g = math.ceil(math.sqrt(w))
         groups = math.ceil(w / g)
@@ -270,20 +278,28 @@ def classify(method: str, path: str) -> str:
     return "get"
 
 
-def _replica(endpoint: str, uri: str, rank: int, world: int, numel: int, rounds: int, q: Any) -> None:
+def _replica(endpoint: str, uri: str, rank: int, world: int, numel: int, rounds: int, exchange: str,
+             q: Any) -> None:
     try:
         os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                            "AWS_DEFAULT_REGION": "us-east-1"})
         import torch
 
-        from composer_cloud.rendezvous.allreduce import AllReduceConfig, ObjectStoreAllReduce
-        from composer_cloud.rendezvous.store import Store
         from composer_cloud.retry import PollPolicy
+        from composer_cloud.spec import spec_from_dict
+        from composer_cloud.storage.store import Store
+        from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+        from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
+        from composer_cloud.sync.sparse import settings_of
 
         torch.set_num_threads(1)
         store = Store(uri, poll=PollPolicy(initial_s=0.02, max_s=0.2))
-        ar = ObjectStoreAllReduce(store, rank, AllReduceConfig(replicas=world, min_replicas=world, codec="fp32",
-                                                               quorum_timeout_s=120, round_timeout_s=120, io_threads=4))
+        spec = spec_from_dict({"replicas": world, "min_replicas": world,
+                               "sync": {"codec": "sparse" if exchange == "gather" else "fp32", "io_threads": 4,
+                                        "quorum_timeout_s": 120, "round_timeout_s": 120}})
+        config = AllReduceConfig.from_spec(spec)
+        ar = SparseGatherAllReduce(store, rank, config, settings=settings_of(spec)) if exchange == "gather" else \
+            ObjectStoreAllReduce(store, rank, config)
         payload = 0
         for r in range(rounds):
             flat = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 1000 + r))
@@ -297,7 +313,7 @@ def _replica(endpoint: str, uri: str, rank: int, world: int, numel: int, rounds:
         q.put((rank, {"error": repr(exc)}))
 
 
-def validate(worlds: list[int], numel: int, rounds: int) -> list[dict[str, Any]]:
+def validate(worlds: list[int], numel: int, rounds: int, exchange: str = "scatter") -> list[dict[str, Any]]:
     import multiprocessing as mp
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -308,10 +324,10 @@ def validate(worlds: list[int], numel: int, rounds: int) -> list[dict[str, Any]]
     ctx = mp.get_context("spawn")
     with moto_s3_server() as server, StoreProxy(upstream=server.endpoint) as proxy:
         for w in worlds:
-            uri = f"s3://{server.bucket}/scale-w{w}-{int(time.time())}"
+            uri = f"s3://{server.bucket}/scale-{exchange}-w{w}-{int(time.time())}"
             proxy.requests.clear()
             q = ctx.Queue()
-            procs = [ctx.Process(target=_replica, args=(proxy.endpoint, uri, r, w, numel, rounds, q))
+            procs = [ctx.Process(target=_replica, args=(proxy.endpoint, uri, r, w, numel, rounds, exchange, q))
                      for r in range(w)]
             t0 = time.monotonic()
             for p in procs:
@@ -331,20 +347,29 @@ def validate(worlds: list[int], numel: int, rounds: int) -> list[dict[str, Any]]
                       for cls in ("get", "head")}
             up = sum(x.bytes_up for x in reqs) / per
             down = sum(x.bytes_down for x in reqs if x.method == "GET" and classify(x.method, x.path) == "get") / per
+            # Payload objects (slots, reduced slots, sparse contributions) vs records (JSON) and 404 bodies.
+            is_payload = lambda x: x.status == 200 and not x.path.split("?")[0].endswith(".json")  # noqa: E731
+            payload_up = sum(x.bytes_up for x in reqs if x.method == "PUT" and is_payload(x)) / per
+            payload_down = sum(x.bytes_down for x in reqs if classify(x.method, x.path) == "get" and is_payload(x)) / per
             payload = reports[0]["payload"]
-            model = round_cost("scatter", "fp32", w, numel)
+            model = round_cost(exchange, "fp32", w, numel)  # requests only: bytes from the measured payload
+            model_bytes = ((3 - 1 / w) if exchange == "scatter" else w) * payload
             object_gets = counts["get"] - misses["get"]
             out.append({
-                "world": w, "rounds": rounds, "numel": numel, "payload_bytes": payload, "wall_s": time.monotonic() - t0,
-                "requests": len(reqs), "measured": counts, "misses_404": misses,
-                "model_put": w + 5, "measured_put_excl_list": counts["put"],
-                "model_get": 3 * w - 1, "measured_get_200": object_gets,
+                "exchange": exchange, "world": w, "rounds": rounds, "numel": numel, "payload_bytes": payload,
+                "wall_s": time.monotonic() - t0, "requests": len(reqs), "measured": counts, "misses_404": misses,
+                "model_put": model.put, "measured_put_excl_list": counts["put"],
+                "model_get": model.get, "measured_get_200": object_gets,
                 "measured_head_200": counts["head"] - misses["head"],
-                "model_bytes": model.up + model.down, "measured_bytes_up": up, "measured_bytes_down": down,
-                "bytes_ratio_measured_vs_model": (up + down) / ((3 - 1 / w) * payload),
-                "put_error_pct": 100 * (counts["put"] / (w + 5) - 1),
-                "get_error_pct": 100 * (object_gets / (3 * w - 1) - 1),
-                "bytes_error_pct": 100 * ((up + down) / ((3 - 1 / w) * payload) - 1),
+                "get_class_per_replica": counts["get"] + counts["head"],
+                "model_bytes": model_bytes, "measured_bytes_up": up, "measured_bytes_down": down,
+                "measured_payload_bytes": payload_up + payload_down,
+                "measured_record_bytes": up + down - payload_up - payload_down,
+                "bytes_ratio_measured_vs_model": (up + down) / model_bytes,
+                "put_error_pct": 100 * (counts["put"] / model.put - 1),
+                "get_error_pct": 100 * (object_gets / model.get - 1),
+                "payload_bytes_error_pct": 100 * ((payload_up + payload_down) / model_bytes - 1),
+                "bytes_error_pct": 100 * ((up + down) / model_bytes - 1),
             })
             print(json.dumps(out[-1], indent=None), flush=True)
     return out
@@ -363,12 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validate-worlds", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--validate-numel", type=int, default=115_968, help="parameters (the tiny benchmark model's)")
     p.add_argument("--validate-rounds", type=int, default=3)
+    p.add_argument("--validate-exchange", choices=["scatter", "gather"], default="scatter",
+                   help="scatter: fp32 ObjectStoreAllReduce; gather: the sparse codec's SparseGatherAllReduce")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "out", "scale.json"))
     a = p.parse_args(argv)
     shape = SparseShape(density=a.density, chunk=a.chunk, value_bits=a.value_bits)
     doc: dict[str, Any] = {"prices": PRICES, "prices_read": "2026-11-24", "sparse": asdict(shape)}
     if a.validate:
-        doc["validation"] = validate(a.validate_worlds, a.validate_numel, a.validate_rounds)
+        doc["validation"] = validate(a.validate_worlds, a.validate_numel, a.validate_rounds, a.validate_exchange)
     rows = model_rows(a.worlds, shape)
     doc["rows"] = rows
     doc["crossovers"] = {m: crossovers(n, shape) for m, n in MODELS.items()}

@@ -143,6 +143,28 @@ class OuterOptimizerSpec(_Strict):
     nesterov: bool = True
 
 
+class SparseSpec(_Strict):
+    """``[sync.sparse]``: the sparse codec (``sync.codec = "sparse"``; SparseLoCo, see ``docs/sparse.md``).
+
+    Defaults are the recipe measured best in ``docs/sparse.md`` at >= 50x fewer bytes: density 3/64
+    (192 of every 4096 values), 2-bit values, error-feedback decay 0.95, chunks of 4096.
+    """
+
+    #: Fraction of each chunk sent (top-k of the error-feedback accumulator, k = density x chunk).
+    density: float = Field(default=3 / 64, gt=0, le=1)
+    #: Bits per sent value: a sign bit and value_bits - 1 bits of per-chunk magnitude level.
+    value_bits: int = Field(default=2, ge=1, le=8)
+    #: Error-feedback decay beta in e <- beta e + delta (0: no memory).
+    decay: float = Field(default=0.95, ge=0, le=1)
+    #: Elements per chunk (positions are Rice-coded within a chunk).
+    chunk: int = Field(default=4096, ge=2, le=1 << 20)
+
+
+#: Most replicas the sparse codec's flat gather serves: beyond ~293 it moves more bytes per replica than
+#: bf16 scatter-reduce (docs/scale.md, crossovers), and its W + 1 reads per replica grow with W.
+SPARSE_MAX_REPLICAS = 256
+
+
 class SyncSpec(_Strict):
     """How replicas exchange pseudo-gradients through the store.
 
@@ -154,7 +176,10 @@ class SyncSpec(_Strict):
     ``docs/store.md``).
     """
 
-    codec: Literal["fp32", "bf16", "int8"] = "fp32"
+    #: ``sparse``: chunk-wise top-k of an error-feedback accumulator, exchanged by a flat gather
+    #: (``[sync.sparse]``; its outer step defaults to plain SGD, lr 1, no momentum: docs/sparse.md).
+    codec: Literal["fp32", "bf16", "int8", "sparse"] = "fp32"
+    sparse: SparseSpec = Field(default_factory=SparseSpec)
     fragments: int = Field(default=1, ge=1)
     fragment_sync_delay: int = Field(default=0, ge=0)
     quorum_timeout_s: float = Field(default=60.0, gt=0, le=7 * 86400)
@@ -334,12 +359,20 @@ class RunSpec(_Strict):
             raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
                             "(it merges whole models); set sync.fragments = 1")
         _check_compute(self)
+        if sync.codec == "sparse" and self.replicas > SPARSE_MAX_REPLICAS:
+            raise SpecError("sync.codec", f"the sparse codec's flat gather serves at most {SPARSE_MAX_REPLICAS} "
+                            f"replicas ({self.replicas} asked); use \"bf16\" or \"int8\" (docs/scale.md)")
         outer = self.outer_optimizer
         if outer.lr is None or outer.momentum is None:  # assigning re-validates once, with both set
             lr, momentum = OUTER_DEFAULTS[sync.mode]
-            self.outer_optimizer = outer.model_copy(update={"lr": outer.lr if outer.lr is not None else lr,
-                                                            "momentum": outer.momentum if outer.momentum is not None
-                                                            else momentum})
+            update: dict[str, Any] = {}
+            if sync.codec == "sparse":  # SparseLoCo: error feedback replaces outer momentum (docs/sparse.md)
+                lr, momentum = 1.0, 0.0
+                if "nesterov" not in outer.model_fields_set and not outer.momentum:
+                    update["nesterov"] = False
+            update |= {"lr": outer.lr if outer.lr is not None else lr,
+                       "momentum": outer.momentum if outer.momentum is not None else momentum}
+            self.outer_optimizer = outer.model_copy(update=update)
             return self
         if outer.nesterov and outer.momentum == 0:
             raise SpecError("outer_optimizer.momentum", "Nesterov needs momentum > 0; set outer_optimizer.nesterov "

@@ -208,13 +208,13 @@ def test_completer_racing_a_live_merger_that_pruned_the_inputs_is_not_an_error(s
     real_load = dc.load_contribution
     raced = []
 
-    def merger_finishes_first(st, c, shapes):
+    def merger_finishes_first(st, c, shapes, **kw):
         if not raced:  # the live merger wins the race and prunes the inputs
             raced.append(True)
             monkeypatch.setattr(dc, "load_contribution", real_load)
             dc.complete_version(st, CFG, rec, SHAPES, rank=0)
             dc.prune(st, CFG, newest=1, record=rec)
-        return real_load(st, c, shapes)
+        return real_load(st, c, shapes, **kw)
 
     monkeypatch.setattr(dc, "load_contribution", merger_finishes_first)
     dc.complete_version(store, CFG, rec, SHAPES, rank=2)

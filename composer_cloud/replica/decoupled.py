@@ -43,6 +43,7 @@ from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, cpu_params, params_replaced
 from composer_cloud.storage import layout
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
+from composer_cloud.sync.decoupled.contributions import ContributionEncoder
 from composer_cloud.sync.decoupled import protocol
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
 
@@ -64,6 +65,7 @@ class DecoupledBoundary:
         self.rank = ctx.rank
         self.cfg = protocol.DecoupledConfig.from_spec(self.spec)
         self.synced = synced_parameters(ctx.model)  # what is published and adopted (a LoRA model: its adapters)
+        self.encoder = ContributionEncoder(self.cfg.sparse)  # the sparse codec's error feedback, if any
         self.shapes = {n: tuple(p.shape) for n, p in self.synced.items()}
         self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)
         self.budget = self.spec.replicas * self.spec.rounds
@@ -83,6 +85,7 @@ class DecoupledBoundary:
         resume = self.replica_states.load_decoupled(self.rank, world_size=self.spec.replicas)
         if resume is not None:
             copy_into(self.ctx.model, restore_replica_state(self.ctx.trainer, resume.tree["inner"]))
+            self.encoder.load_state_dict(resume.tree["inner"].get("codec", {}))
             self.seq, self.adopted = resume.seq, resume.version
             logger.info("replica %d resumed its inner state after contribution %d (version %d)", self.rank,
                         resume.seq, resume.version)
@@ -159,7 +162,8 @@ class DecoupledBoundary:
         read0, written0 = self.store.bytes_read, self.store.bytes_written
         contrib = protocol.publish_contribution(self.store, self.cfg, rank=self.rank, seq=self.seq + 1,
                                                 base_version=self.adopted, tokens=segment.tokens,
-                                                inner_steps=self.spec.inner_steps, delta=delta)
+                                                inner_steps=self.spec.inner_steps, delta=delta,
+                                                encoder=self.encoder)
         self.seq += 1
         outcome = self._merge()
         adopted_before = self.adopted
@@ -184,7 +188,8 @@ class DecoupledBoundary:
         if self.seq % self.spec.checkpoint_every == 0 or self.seq == self.spec.rounds:
             t0 = time.monotonic()
             # The model is unchanged since the base was copied (evaluate() only reads).
-            self.replica_states.write_decoupled(self.rank, self.seq, {"inner": replica_state(trainer, self._base)},
+            inner = replica_state(trainer, self._base, codec=self.encoder.state_dict())
+            self.replica_states.write_decoupled(self.rank, self.seq, {"inner": inner},
                                                 version=self.adopted, world_size=self.spec.replicas,
                                                 keep=KEEP_STATES)
             row["checkpoint_s"] = time.monotonic() - t0

@@ -114,7 +114,9 @@ class LockstepBoundary:
         except CorruptCheckpoint as exc:
             logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
             return
-        copy_into(self.ctx.model, restore_replica_state(self.ctx.trainer, tree))
+        local = restore_replica_state(self.ctx.trainer, tree)
+        self.loop.load_codec_state(tree.get("codec", {}))  # error feedback: training state, restored bitwise
+        copy_into(self.ctx.model, local)
         logger.info("replica %d resumed from checkpoint %d", self.rank, start.round)
 
     # ------------------------------------------------------------ the loop's side
@@ -186,7 +188,7 @@ class LockstepBoundary:
         row["checkpoint_wait_s"] = time.monotonic() - t0
         # Snapshot on the critical path (training mutates optimizer state next step), then upload in the background.
         t0 = time.monotonic()
-        tree = snapshot(replica_state(trainer, local))
+        tree = snapshot(replica_state(trainer, local, codec=self.loop.codec_state()))
         row["checkpoint_snapshot_s"] = time.monotonic() - t0
         self._state_write = self._io.submit(self.replica_states.write, round, self.rank, tree,
                                             world_size=spec.replicas)

@@ -205,6 +205,10 @@ class FsspecBackend(_FsspecListing):
         self.uri = uri
         self.fs, root = _open_fsspec(uri, storage_options)
         self.root = root.rstrip("/")
+        # s3fs's cat_file sends a HEAD before every GET when max_concurrency > 1 (to plan ranged parallel
+        # reads), and on a missing key its HEAD 404 falls back to a LIST: a billed LIST per poll miss.
+        # One stream per read makes a read one GET and a miss one GET 404 (docs/scale.md, measured).
+        self._read_options = {"max_concurrency": 1} if _takes_max_concurrency(self.fs) else {}
 
     @property
     def endpoint(self) -> str | None:
@@ -225,9 +229,23 @@ class FsspecBackend(_FsspecListing):
             raise
         return True
 
+    def exists(self, key: str) -> bool:
+        """One HEAD on S3 (s3fs's ``exists`` follows a HEAD 404 with a LIST, billed as a PUT); callers ask
+        about records and markers, never about directories."""
+        if not self._read_options:
+            return super().exists(key)
+        bucket, path, _ = self.fs.split_path(self.path(key))
+        try:
+            self.fs.call_s3("head_object", Bucket=bucket, Key=path)
+        except FileNotFoundError:
+            return False
+        return True
+
     def read(self, key: str) -> bytes:
         try:
-            return super().read(key)
+            return self.fs.cat_file(self.path(key), **self._read_options)
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
         except Exception as exc:
             # botocore verifies the response's x-amz-checksum-* header when the store sends one.
             if type(exc).__name__ == "FlexibleChecksumError":
@@ -251,6 +269,16 @@ class FsspecBackend(_FsspecListing):
             raise StoreConfigError(
                 f"access to bucket {bucket!r} of store {self.uri}{where} was denied ({exc}); check the "
                 "credentials in the standard AWS_* environment variables or profile") from None
+
+
+def _takes_max_concurrency(fs: Any) -> bool:
+    """Whether ``fs.cat_file`` takes ``max_concurrency`` (s3fs); other filesystems get no extra option."""
+    import inspect
+
+    try:
+        return "max_concurrency" in inspect.signature(fs._cat_file).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _open_fsspec(uri: str, storage_options: dict[str, Any]) -> tuple[Any, str]:

@@ -22,6 +22,8 @@ object: the bucket is not trusted, so callers skip it).
     rounds/<r>/<a>/quorum.json                          write-once participant set
     rounds/<r>/<a>/grad/<rank>/<slot>                   encoded slot of a participant's pseudo-gradient
     rounds/<r>/<a>/reduced/<slot> (+ .json)             reduced slot, then its write-once digest
+    rounds/<r>/<a>/sparse/<rank mod S>/<rank>           sparse contribution (sync.codec = "sparse")
+    rounds/<r>/<a>/sparse/ack/<rank>.json               digest of the mean a participant computed
     rounds/<r>/<a>/outcome.json                         write-once: committed or aborted
     rounds/<r>/<a>/void.json                            write-once: the commit was abandoned
     checkpoints/<r>/global-a<a>-<i>-of-<n>.safetensors  slice i of the global state of attempt a
@@ -237,8 +239,23 @@ def reduced_digest_key(round: int, attempt: int, slot: int) -> str:
     return f"{reduced_key(round, attempt, slot)}.json"
 
 
+#: Replicas per key prefix of a sparse gather's contributions (S3 limits request rates per prefix).
+SPARSE_PER_PREFIX = 32
+
+
+def sparse_key(round: int, attempt: int, rank: int, replicas: int) -> str:
+    """``rank``'s sparse contribution: ``sparse/<rank mod S>/<rank>``, ``S = ceil(replicas / 32)`` prefixes."""
+    shards = -(-replicas // SPARSE_PER_PREFIX)
+    return f"{attempt_prefix(round, attempt)}/sparse/{rank % shards}/{rank}"
+
+
+def sparse_ack_key(round: int, attempt: int, rank: int) -> str:
+    """``rank`` checked every sparse contribution of the attempt: the digest of the mean it computed."""
+    return f"{attempt_prefix(round, attempt)}/sparse/ack/{rank}.json"
+
+
 #: Sub-prefixes of an attempt holding payloads (deleted once a later checkpoint exists); records stay.
-ATTEMPT_PAYLOADS = ("grad", "reduced", "join")
+ATTEMPT_PAYLOADS = ("grad", "reduced", "join", "sparse")
 
 
 # --------------------------------------------------------------------------- checkpoints

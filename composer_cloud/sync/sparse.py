@@ -49,12 +49,16 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy.ctypeslib  # noqa: F401 - safetensors imports it lazily; racing first imports in threads can fail
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+if TYPE_CHECKING:
+    from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -578,6 +582,11 @@ class ErrorFeedback:
             self._acc.pop(name, None)
 
 
+def settings_of(spec: RunSpec) -> SparseSettings | None:
+    """A run's codec settings (``[sync.sparse]``) when ``sync.codec = "sparse"``, else None."""
+    return SparseSettings(**spec.sync.sparse.model_dump()) if spec.sync.codec == CODEC else None
+
+
 def compression_ratio(numel: int, payload_bytes: int) -> float:
     """fp32 bytes of ``numel`` elements over ``payload_bytes``."""
     return 4 * numel / payload_bytes if payload_bytes else math.inf
@@ -585,4 +594,4 @@ def compression_ratio(numel: int, payload_bytes: int) -> float:
 
 __all__ = ["CODEC", "ErrorFeedback", "SUM_CODEC", "SparseEncoding", "SparsePayloadError", "SparseSettings",
            "SparseUpdate", "chunk_layout", "compression_ratio", "decode", "decode_sum", "encode", "encode_sum",
-           "estimate_bytes", "mean", "merge", "nnz_of", "total"]
+           "estimate_bytes", "mean", "merge", "nnz_of", "settings_of", "total"]

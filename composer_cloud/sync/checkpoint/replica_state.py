@@ -39,18 +39,26 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- the state tree
-def replica_state(trainer: Any, local_params: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-    """Everything one replica needs to resume bit-exactly, as a state tree."""
+def replica_state(trainer: Any, local_params: dict[str, torch.Tensor] | None, *,
+                  codec: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Everything one replica needs to resume bit-exactly, as a state tree.
+
+    ``codec``: the wire codec's state (the sparse codec's error-feedback accumulators), stored under
+    ``"codec"`` when there is any.
+    """
     import torch
 
     tensors, meta = trainer.state_dict()
-    return {
+    tree = {
         "trainer": tensors,
         "trainer_meta": _json_safe(meta),
         "torch_rng": torch.get_rng_state(),
         "python_rng": _json_safe(random.getstate()),
         "local_params": local_params or {},
     }
+    if codec:
+        tree["codec"] = codec
+    return tree
 
 
 def restore_replica_state(trainer: Any, tree: dict[str, Any]) -> dict[str, torch.Tensor]:

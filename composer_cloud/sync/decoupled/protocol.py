@@ -52,8 +52,10 @@ from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checks import check_tree, outliers, tree_norm
 from composer_cloud.sync.decoupled import guard
+from composer_cloud.sync.decoupled.contributions import ContributionEncoder, decode_contribution
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY, initial_state, outer_step, token_weights
 from composer_cloud.sync.outer import OuterOptimizerConfig
+from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.trust import create_over_forged, warn_once
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ class DecoupledConfig:
         outer: the outer optimizer of a merge.
         outlier_factor: a contribution whose norm exceeds this many medians is rejected (None: no check).
         keep_checkpoints: global versions kept besides the newest.
+        sparse: the sparse codec's settings when contributions are sparse (``sync.codec = "sparse"``), else None.
     """
 
     run_id: str
@@ -86,6 +89,7 @@ class DecoupledConfig:
     outer: OuterOptimizerConfig
     outlier_factor: float | None
     keep_checkpoints: int
+    sparse: Any = None  # composer_cloud.sync.sparse.SparseSettings | None
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "DecoupledConfig":
@@ -93,7 +97,8 @@ class DecoupledConfig:
         return cls(run_id=spec.run_id, replicas=spec.replicas,
                    min_quorum=s.min_quorum if s.min_quorum is not None else math.ceil(spec.replicas / 2),
                    grace_min_s=s.grace_min_s, grace_max_s=s.grace_max_s, outer=OuterOptimizerConfig.from_spec(spec),
-                   outlier_factor=s.outlier_factor, keep_checkpoints=spec.keep_checkpoints)
+                   outlier_factor=s.outlier_factor, keep_checkpoints=spec.keep_checkpoints,
+                   sparse=settings_of(spec))
 
 
 def _states(store: Store) -> GlobalStateStore:
@@ -110,20 +115,18 @@ def _read_json(store: Store, key: str) -> Any | None:
 
 # ------------------------------------------------------------------ contributions
 def publish_contribution(store: Store, cfg: DecoupledConfig, *, rank: int, seq: int, base_version: int,
-                         tokens: int, inner_steps: int, delta: Mapping[str, torch.Tensor]) -> Contribution:
+                         tokens: int, inner_steps: int, delta: Mapping[str, torch.Tensor],
+                         encoder: ContributionEncoder | None = None) -> Contribution:
     """Write contribution ``seq`` of ``rank``: the blob, then (write-once) its meta. Never waits on anyone.
 
     Ordering: the meta names the blob's sha256 and is created only after the
     blob is complete, so a lister that sees the meta can read the blob. A
     second publisher of the same ``(rank, seq)`` (a zombie) loses the create
-    and raises: seqs are never reused (see :func:`next_seq`).
+    and raises: seqs are never reused (see :func:`next_seq`). ``encoder``: the
+    replica's (holds the sparse codec's error feedback, committed once published).
     """
-    import torch
-
-    from composer_cloud.storage.tensors import save_tensors
-
-    blob = save_tensors({k: v.detach().to("cpu", dtype=torch.float32).contiguous() for k, v in delta.items()},
-                        {"run_id": cfg.run_id, "rank": str(rank), "seq": str(seq)})
+    encoder = encoder or ContributionEncoder(cfg.sparse)
+    blob = encoder.encode(delta, {"run_id": cfg.run_id, "rank": str(rank), "seq": str(seq)})
     c = Contribution(rank=rank, seq=seq, base_version=base_version, tokens=int(tokens), inner_steps=inner_steps,
                      sha256=hashlib.sha256(blob).hexdigest(), time=time.time())
     store.put(layout.contribution_key(rank, seq, "safetensors"), blob)
@@ -133,6 +136,7 @@ def publish_contribution(store: Store, cfg: DecoupledConfig, *, rank: int, seq: 
             o, key=meta_key, run_id=cfg.run_id, rank=rank, seq=seq, replicas=cfg.replicas)):
         raise BadObject(meta_key, f"contribution {seq} of replica {rank} was already published (another process "
                                   "runs this rank?)")
+    encoder.commit()
     return c
 
 
@@ -181,11 +185,12 @@ def _pending_metas(store: Store, cfg: DecoupledConfig, rank: int,
     return valid, bad
 
 
-def load_contribution(store: Store, c: Contribution, shapes: Shapes) -> dict[str, torch.Tensor]:
-    """The verified pseudo-gradient of ``c``: sha256 as in its meta, the model's names/shapes, fp32, finite."""
-    import torch
-    from safetensors.torch import load as st_load
+def load_contribution(store: Store, c: Contribution, shapes: Shapes, *,
+                      settings: Any = None) -> dict[str, torch.Tensor]:
+    """The verified pseudo-gradient of ``c``: sha256 as in its meta, the model's names/shapes, fp32, finite.
 
+    ``settings``: the run's sparse codec settings (``DecoupledConfig.sparse``) when contributions are sparse.
+    """
     key = layout.contribution_key(c.rank, c.seq, "safetensors")
     try:
         raw = bytes(store.get(key))
@@ -195,15 +200,7 @@ def load_contribution(store: Store, c: Contribution, shapes: Shapes) -> dict[str
         raise BadObject(key, exc.reason) from None
     if hashlib.sha256(raw).hexdigest() != c.sha256:
         raise BadObject(key, "sha256 differs from its meta record (replaced or tampered)")
-    try:
-        tensors = st_load(raw)
-    except Exception as exc:  # noqa: BLE001 - any decode failure is a bad object
-        raise BadObject(key, f"not safetensors ({type(exc).__name__})") from None
-    check_tree(tensors, shapes, key)
-    for name, t in tensors.items():
-        if t.dtype != torch.float32:
-            raise BadObject(key, f"tensor {name!r} is {t.dtype}, expected float32")
-    return tensors
+    return decode_contribution(raw, key=key, shapes=shapes, settings=settings)
 
 
 # ------------------------------------------------------------------ merge records
@@ -349,7 +346,7 @@ def _complete_one(store: Store, cfg: DecoupledConfig, record: MergeRecord, shape
     base = load_version(store, v - 1, shapes)
     if deltas is None:
         try:
-            deltas = [load_contribution(store, c, shapes) for c in record.contributions]
+            deltas = [load_contribution(store, c, shapes, settings=cfg.sparse) for c in record.contributions]
         except BadObject:
             # Its merger may have finished meanwhile and pruned the inputs: then there is nothing to do.
             if has_version(store, v):
@@ -435,7 +432,7 @@ def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], s
     deltas: list[dict[str, torch.Tensor]] = []
     for c in pending:
         try:
-            deltas.append(load_contribution(store, c, shapes))
+            deltas.append(load_contribution(store, c, shapes, settings=cfg.sparse))
             accepted.append(c)
         except BadObject as exc:
             logger.warning("replica %d rejects contribution %d of replica %d: %s", rank, c.seq, c.rank, exc)

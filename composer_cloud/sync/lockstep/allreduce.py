@@ -1,7 +1,7 @@
 """Object-store all-reduce: average a flat tensor over the replicas of a round.
 
 Replicas never talk to each other; every step of a round is an object in the
-store (keys: ``storage/layout.py``; records: ``storage/records.py`` and ``rounds.py``;
+store (keys: ``storage/layout.py``; records: ``storage/records/`` and ``rounds.py``;
 payload checks: ``checks.py``).
 
 Protocol for one attempt (``W`` = number of participants, ``i`` = my index):
@@ -24,15 +24,11 @@ Protocol for one attempt (``W`` = number of participants, ``i`` = my index):
    the write-once record makes the decision unique, and nobody applies a
    result whose outcome is not a valid commit.
 
-Retries. An attempt aborted by an integrity check (a bad payload, a reduced
-slot that does not match its digest, an invalid quorum or outcome record) is
-retried at once as attempt ``a + 1`` within the same call, without the ranks
-the check named (``excluded``: their pseudo-gradient of this round is bad;
-they return uncommitted and heal from the committed state at their next
-sync). At most ``max_attempts`` attempts run back to back; the decision
-depends only on write-once records, so every participant takes the same one.
-A round aborted for a missing replica, or after ``max_attempts``, is retried
-at the next sync with fresh payloads and nobody excluded.
+Retries (the abort rule, docs/architecture.md). An attempt aborted by an integrity check is retried at
+once as attempt ``a + 1`` in the same call, by every participant with the payload it sent, without the
+ranks the check named (``excluded``: they heal at their next sync); at most ``max_attempts`` back to back.
+The decision depends only on write-once records, so every participant takes the same one. A round aborted
+for a missing replica, or after ``max_attempts``, is retried at the next sync with fresh payloads.
 
 Traffic per participant: ``P`` up (scatter) + ``P (W-1)/W`` down (reduce) +
 ``P/W`` up + ``P (W-1)/W`` down (gather) = ``(3 - 1/W) P``, plus ``2 W`` tiny
@@ -129,13 +125,14 @@ class _Chain:
 
 
 class ObjectStoreAllReduce:
-    """Runs all-reduce rounds for one replica over a run's store."""
+    """Runs all-reduce rounds for one replica over a run's store (dense codecs: scatter-reduce)."""
 
+    codecs: tuple[str, ...] = wire.CODECS  # the exchange of the sparse codec is a subclass (gather.py)
     def __init__(self, store: Store, rank: int, config: AllReduceConfig, *, hooks: Hooks = NO_HOOKS) -> None:
         if not 0 <= rank < config.replicas:
             raise ValueError(f"rank {rank} out of range for {config.replicas} replicas")
-        if config.codec not in wire.CODECS:
-            raise ValueError(f"sync.codec: unknown codec {config.codec!r}; choose one of {wire.CODECS}")
+        if config.codec not in self.codecs:
+            raise ValueError(f"sync.codec: codec {config.codec!r} is not one of {self.codecs}")
         if not 1 <= config.min_replicas <= config.replicas:
             raise ValueError(f"min_replicas: {config.min_replicas} must be in [1, replicas={config.replicas}]")
         factor = config.outlier_factor
@@ -382,12 +379,15 @@ class ObjectStoreAllReduce:
             final = self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
                                          excluded=exc.excluded, slot=exc.slot, retry=True)
             return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
+        return self._commit(round, attempt, participants, out, flat, result)
 
-        # 4. commit. Only a valid "committed" outcome lets anyone apply the result.
+    def _commit(self, round: int, attempt: int, participants: list[int], out: torch.Tensor, flat: torch.Tensor,
+                result: RoundResult) -> Outcome:
+        """4. commit. Only a valid "committed" outcome lets anyone apply the result (``out`` into ``flat``)."""
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
                          time=time.time())
         self.store.create_json(layout.outcome_key(round, attempt), commit.to_json())
-        final = read_outcome(self.store, round, attempt, replicas=cfg.replicas, participants=participants)
+        final = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         if final is not None and final.committed:
             flat.copy_(out)
             result.committed = True

@@ -34,6 +34,8 @@ from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
+from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
+from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
 from composer_cloud.sync.outer import OuterOptimizerConfig, outer_sgd
 
@@ -118,6 +120,7 @@ class LockstepConfig:
         heal_timeout_s: how long healing may wait for a committed state to become durable.
         takeover_after_s: how long a participant waits for the others' slices of a committed
             state before writing them itself (the quorum timeout: the expected straggler spread).
+        sparse: the sparse codec's settings (``sync.codec = "sparse"``), else None.
     """
 
     allreduce: AllReduceConfig
@@ -127,13 +130,15 @@ class LockstepConfig:
     fragment_sync_delay: int
     heal_timeout_s: float
     takeover_after_s: float
+    sparse: Any = None  # composer_cloud.sync.sparse.SparseSettings | None
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "LockstepConfig":
         return cls(allreduce=AllReduceConfig.from_spec(spec), outer=OuterOptimizerConfig.from_spec(spec),
                    sync_every=spec.inner_steps, fragments=spec.sync.fragments,
                    fragment_sync_delay=spec.sync.fragment_sync_delay, heal_timeout_s=spec.sync.heal_timeout_s,
-                   takeover_after_s=spec.sync.quorum_timeout_s)
+                   takeover_after_s=spec.sync.quorum_timeout_s,
+                   sparse=settings_of(spec))
 
 
 def _restore_parameters(diloco: Any) -> None:
@@ -167,6 +172,19 @@ class OuterLoop:
 
     def __exit__(self, *exc: Any) -> None:
         self.diloco.__exit__(*exc)
+
+    def codec_state(self) -> dict[str, torch.Tensor]:
+        """The wire codec's training state (the sparse codec's error feedback; ``{}`` for the dense codecs)."""
+        exchange = self.manager.exchange
+        return exchange.codec_state() if isinstance(exchange, SparseGatherAllReduce) else {}
+
+    def load_codec_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`codec_state` output from this replica's checkpoint (bitwise)."""
+        exchange = self.manager.exchange
+        if isinstance(exchange, SparseGatherAllReduce):
+            exchange.load_codec_state(dict(state))
+        elif state:
+            raise CorruptCheckpoint("codec", f"codec state {sorted(state)} for a run whose codec keeps none")
 
     def restore(self, tree: Mapping[str, Any]) -> None:
         """Load a stored global state (fragment backups + outer optimizer state) and copy it into the model."""
@@ -228,7 +246,11 @@ def build_diloco(
 
     frags = split_fragments(model, config.fragments) if fragments is None else list(fragments)
     outers = [outer_sgd(f.parameters(), config.outer) for f in frags]
-    ar = ObjectStoreAllReduce(store, rank, config.allreduce, hooks=hooks)
+    if config.sparse is not None:
+        ar: ObjectStoreAllReduce = SparseGatherAllReduce(store, rank, config.allreduce, settings=config.sparse,
+                                                         fragments=len(frags), hooks=hooks)
+    else:
+        ar = ObjectStoreAllReduce(store, rank, config.allreduce, hooks=hooks)
     loop: OuterLoop | None = None
 
     def on_heal(round: int) -> None:

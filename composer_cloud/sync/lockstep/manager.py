@@ -179,6 +179,11 @@ class ObjectStoreManager:
         self.last_sync: SyncRecord | None = None
         self._blocked_s = 0.0  # training-thread seconds inside the current sync
 
+    @property
+    def exchange(self) -> ObjectStoreAllReduce:
+        """The replica's object-store all-reduce (its codec state is checkpointed with the replica)."""
+        return self._ar
+
     # ------------------------------------------------------------ torchft Manager surface
     def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
         self._load_fns[key] = load_fn
