@@ -495,10 +495,13 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
     run = _open(run_uri, store_option)
     if round is not None and round < 1:
         raise _fail(f"--round {round}: rounds are counted from 1")
+    created = not out.exists()
     _writable_dir(out)
     try:
         r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
     except (LookupError, StoreError) as exc:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # a refused export leaves nothing behind
         raise _fail(str(exc), code=1) from None
     if as_json:
         _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})

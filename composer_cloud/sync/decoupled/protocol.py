@@ -52,16 +52,15 @@ from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checks import check_tree, outliers, tree_norm
 from composer_cloud.sync.decoupled import guard
-from composer_cloud.sync.decoupled.contributions import ContributionEncoder, decode_contribution
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY, initial_state, outer_step, token_weights
 from composer_cloud.sync.outer import OuterOptimizerConfig
-from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.trust import create_over_forged, warn_once
 
 if TYPE_CHECKING:
     import torch
 
     from composer_cloud.spec import RunSpec
+    from composer_cloud.sync.decoupled.contributions import ContributionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +92,8 @@ class DecoupledConfig:
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "DecoupledConfig":
+        from composer_cloud.sync.sparse import settings_of  # torch: not for the client's status reads
+
         s = spec.sync
         return cls(run_id=spec.run_id, replicas=spec.replicas,
                    min_quorum=s.min_quorum if s.min_quorum is not None else math.ceil(spec.replicas / 2),
@@ -125,6 +126,8 @@ def publish_contribution(store: Store, cfg: DecoupledConfig, *, rank: int, seq: 
     and raises: seqs are never reused (see :func:`next_seq`). ``encoder``: the
     replica's (holds the sparse codec's error feedback, committed once published).
     """
+    from composer_cloud.sync.decoupled.contributions import ContributionEncoder
+
     encoder = encoder or ContributionEncoder(cfg.sparse)
     blob = encoder.encode(delta, {"run_id": cfg.run_id, "rank": str(rank), "seq": str(seq)})
     c = Contribution(rank=rank, seq=seq, base_version=base_version, tokens=int(tokens), inner_steps=inner_steps,
@@ -200,6 +203,8 @@ def load_contribution(store: Store, c: Contribution, shapes: Shapes, *,
         raise BadObject(key, exc.reason) from None
     if hashlib.sha256(raw).hexdigest() != c.sha256:
         raise BadObject(key, "sha256 differs from its meta record (replaced or tampered)")
+    from composer_cloud.sync.decoupled.contributions import decode_contribution
+
     return decode_contribution(raw, key=key, shapes=shapes, settings=settings)
 
 
