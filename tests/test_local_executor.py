@@ -84,3 +84,19 @@ def test_forged_handle_signals_nothing_and_writes_nothing(tmp_path, victim, forg
         assert _alive(proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def test_a_supervisor_that_died_of_a_full_disk_says_so(tmp_path, monkeypatch):
+    """A full disk kills the supervisor before it can write exit.json: status names the cause, not a vanishing."""
+    import shutil
+
+    from composer_cloud.jobs import local
+
+    (tmp_path / "replica.log").write_text("step 3\nOSError: [Errno 28] No space left on device: 'x'\n")
+    reason = local.vanished_reason(tmp_path)
+    assert reason.startswith("no space left on device") and "resume" in reason and "Errno 28" in reason
+    (tmp_path / "replica.log").write_text("step 3\n")
+    assert local.vanished_reason(tmp_path).startswith("supervisor vanished")  # plenty of space, no ENOSPC
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(local.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    assert "4096 bytes free" in local.vanished_reason(tmp_path)

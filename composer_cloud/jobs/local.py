@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,7 +255,7 @@ class LocalProcessExecutor:
             sup = _read_json(d / "supervisor.json") or {}
             return ReplicaStatus(ReplicaState.RUNNING if sup.get("replica_pid") else ReplicaState.PENDING, None, "",
                                  int(sup.get("restarts", 0) or 0))
-        return ReplicaStatus(ReplicaState.FAILED, None, "supervisor vanished without recording an exit code")
+        return ReplicaStatus(ReplicaState.FAILED, None, vanished_reason(d))
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
         """The replica's output lines (every restart's); with ``follow``, until the job ends."""
@@ -327,6 +328,29 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+#: Below this much free space a supervisor that vanished is taken to have died of a full disk (it could not
+#: even write its exit record).
+DISK_FULL_BYTES = 1 << 20
+
+
+def vanished_reason(d: Path) -> str:
+    """Why the supervisor of job directory ``d`` may have died without its exit record, for ``status``.
+
+    A full disk is the usual cause (the supervisor cannot write ``exit.json``): said as such when the
+    replica's log names ENOSPC or the job directory's filesystem has under :data:`DISK_FULL_BYTES` free.
+    """
+    tail = _tail(d / "replica.log")
+    try:
+        free: int | None = shutil.disk_usage(d).free
+    except OSError:
+        free = None
+    if "No space left on device" in tail or (free is not None and free < DISK_FULL_BYTES):
+        where = f"{free} bytes free" if free is not None else "the replica's log says so"
+        return (f"no space left on device at {d} ({where}): the supervisor could not record the replica's exit; "
+                "free some space, then `composer-cloud resume`" + tail)
+    return "supervisor vanished without recording an exit code" + tail
 
 
 def _tail(path: Path, lines: int = 5) -> str:
