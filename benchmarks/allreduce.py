@@ -50,6 +50,7 @@ wrappers around the library functions; the library itself is not modified.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import math
@@ -182,7 +183,7 @@ def base_tensor(numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=g)
 
 
-class Runner:
+class Runner(abc.ABC):
     """One method, one replica. ``prepare`` is untimed, ``run`` is timed."""
 
     def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
@@ -193,8 +194,9 @@ class Runner:
     def prepare(self, i: int) -> None:
         torch.add(self.base, float(self.rank), out=self.x)
 
+    @abc.abstractmethod
     def run(self, i: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """One timed operation ``i``; what it measured."""
 
     def check(self) -> dict[str, Any]:
         expected = self.base + (self.world - 1) / 2
