@@ -115,12 +115,12 @@ class _PrunedAround(Store):
         super().__init__(uri)
         self.prefix, self.when = f"checkpoints/{round:08d}", when
 
-    def create(self, key, payload):
+    def create(self, key, payload, **kw):
         if key != f"{self.prefix}/manifest.json":
-            return super().create(key, payload)
+            return super().create(key, payload, **kw)
         if self.when == "before":
             self.delete(self.prefix, recursive=True)
-        created = super().create(key, payload)
+        created = super().create(key, payload, **kw)
         if self.when == "after":  # the prune listed the checkpoint before the manifest appeared
             for k in self.list(self.prefix):
                 if not k.endswith("manifest.json"):

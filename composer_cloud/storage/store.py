@@ -174,7 +174,7 @@ class Store:
         self._count(written=len(data))
         return len(data)
 
-    def create(self, key: str, payload: bytes | bytearray | memoryview) -> bool:
+    def create(self, key: str, payload: bytes | bytearray | memoryview, *, settle: bool = True) -> bool:
         """Write-once: store ``payload`` at ``key`` only if ``key`` does not exist.
 
         Returns True if this call created the object, False if it already
@@ -188,6 +188,9 @@ class Store:
         create whose bytes are already stored is this writer's. Records carry their writer's clock
         time (most also its rank), so two writers' records differ; identical bytes are the same
         object (content-addressed code, a replica racing itself for its own slice).
+
+        ``settle=False``: the caller decides from the record it reads next (a quorum, an outcome), not from
+        who created it, so a refused create is not settled by a read (one GET less per refused create).
         """
         data = self._frame(key, payload)
         self.backend.path(key)
@@ -201,7 +204,7 @@ class Store:
             except Exception as exc:  # noqa: BLE001 - classified, then re-raised for the retry policy
                 maybe_ours = maybe_ours or is_transient(exc)
                 raise
-            if not (maybe_ours or self.backend.resends):
+            if not settle or not (maybe_ours or self.backend.resends):
                 return False
             try:
                 return bytes(self.backend.read(key)) == data
@@ -232,8 +235,8 @@ class Store:
     def put_json(self, key: str, obj: Any) -> int:
         return self.put(key, _dumps(obj))
 
-    def create_json(self, key: str, obj: Any) -> bool:
-        return self.create(key, _dumps(obj))
+    def create_json(self, key: str, obj: Any, *, settle: bool = True) -> bool:
+        return self.create(key, _dumps(obj), settle=settle)
 
     # ------------------------------------------------------------ reads
     def get(self, key: str) -> memoryview:

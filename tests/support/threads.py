@@ -54,10 +54,10 @@ class FaultyStore(Store):
             self._until_decided()
         return super().put(key, payload, **kw)
 
-    def create(self, key: str, payload: Any) -> bool:
+    def create(self, key: str, payload: Any, **kw: Any) -> bool:
         if key == self.hold_create:
             self._until_decided()
-        return super().create(key, payload)
+        return super().create(key, payload, **kw)
 
 
 def run_threads(uri: str, stores: dict[int, Store], *, world: int = 2, rounds: int = 3,

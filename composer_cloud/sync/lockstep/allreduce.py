@@ -244,7 +244,7 @@ class ObjectStoreAllReduce:
             record = Quorum(round=round, attempt=attempt, participants=joined, excluded=sorted(excluded),
                             decided_by=self.rank, time=time.time(),
                             reason="all joined" if everyone else "quorum deadline")
-            if self.store.create_json(key, record.to_json()):
+            if self.store.create_json(key, record.to_json(), settle=False):  # decided() reads the winner
                 logger.info("round %d.%d quorum %s (%s)", round, attempt, joined, record.reason)
             return decided()  # whichever record won the race
 
@@ -386,7 +386,7 @@ class ObjectStoreAllReduce:
         """4. commit. Only a valid "committed" outcome lets anyone apply the result (``out`` into ``flat``)."""
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
                          time=time.time())
-        self.store.create_json(layout.outcome_key(round, attempt), commit.to_json())
+        self.store.create_json(layout.outcome_key(round, attempt), commit.to_json(), settle=False)
         final = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         if final is not None and final.committed:
             flat.copy_(out)
@@ -582,7 +582,7 @@ class ObjectStoreAllReduce:
         record = Outcome(round=round, attempt=attempt, committed=False, reason=reason, missing=sorted(missing),
                          excluded=sorted(excluded), check=check, retry=retry, by=self.rank, slot=slot,
                          time=time.time())
-        if self.store.create_json(layout.outcome_key(round, attempt), record.to_json()):
+        if self.store.create_json(layout.outcome_key(round, attempt), record.to_json(), settle=False):
             logger.warning("round %d.%d aborted: %s", round, attempt, reason)
         out = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         return out or Outcome(round=round, attempt=attempt, committed=False, reason=reason, check=check, retry=retry,
