@@ -289,6 +289,13 @@ class RunSpec(_Strict):
     inner_steps: int = Field(default=10, ge=1, le=10_000_000)
     seed: int = Field(default=0, ge=0, lt=2**63)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Local ranks per replica job (one GPU each; CPU processes with gloo on ``device = "cpu"``). Above 1 the
+    #: replica is launched by torch.distributed's elastic agent, each rank syncs its own shard of the
+    #: pseudo-gradient through the store, and the round is still one decision per replica (docs/multi-gpu.md).
+    gpus_per_replica: int = Field(default=1, ge=1, le=8)
+    #: How the local ranks of a replica hold the model: "ddp" replicates it (the default: fastest while one
+    #: GPU holds the model and its optimizer state), "fsdp" shards it with FSDP2's ``fully_shard``.
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
     checkpoint_every: int = Field(default=1, ge=1, le=10_000_000)
     keep_checkpoints: int = Field(default=2, ge=1, le=10_000)
     max_restarts: int = Field(default=0, ge=0, le=1000)
