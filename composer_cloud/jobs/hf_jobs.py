@@ -234,16 +234,19 @@ class HFJobsExecutor(RemoteExecutor):
         fields when they disagree or the family has no such flavor)."""
         return resolve_flavor(self.spec.hf_jobs.flavor, self.spec.gpus_per_replica)
 
+    def _resolution_note(self) -> list[str]:
+        flavor = self.flavor()
+        if flavor == self.spec.hf_jobs.flavor:
+            return []
+        return [f"hf_jobs.flavor {self.spec.hf_jobs.flavor!r} with gpus_per_replica = {self.spec.gpus_per_replica} "
+                f"runs on {flavor!r}"]
+
     def _flavor_notes(self) -> list[str]:
         flavor = self.flavor()
-        notes = []
-        if flavor != self.spec.hf_jobs.flavor:
-            notes.append(f"hf_jobs.flavor {self.spec.hf_jobs.flavor!r} with gpus_per_replica = "
-                         f"{self.spec.gpus_per_replica} runs on {flavor!r}")
         if flavor not in known_flavors():
-            notes.append(f"flavor {flavor!r} is not in huggingface_hub's list ({', '.join(known_flavors())}); "
-                         "the server decides whether it exists")
-        return notes
+            return [f"flavor {flavor!r} is not in huggingface_hub's list ({', '.join(known_flavors())}); "
+                    "the server decides whether it exists"]
+        return []
 
     def _shares_filesystem(self) -> bool:
         return urlparse(self.endpoint).hostname in _LOOPBACK  # a Jobs server on this machine
@@ -366,6 +369,7 @@ class HFJobsExecutor(RemoteExecutor):
             "constraints (torch and the rest, unless the image has them) before the replica starts",
             f"estimated_gpu_hours is an upper bound: {len(ranks)} job(s) x {gpus} GPU(s) x timeout "
             f"{hf.timeout_s / 3600:g} h; jobs are billed until they exit",
+            *self._resolution_note(),
             *self._flavor_notes(),
         ]
         if relaunches(self.spec, self.name):
@@ -403,6 +407,8 @@ class HFJobsExecutor(RemoteExecutor):
         hf = self.spec.hf_jobs
         self.preflight(run_uri, ranks)
         flavor = self.flavor()
+        for note in self._resolution_note():
+            logger.info("hf-jobs: %s", note)
         for note in self._flavor_notes():
             warnings.warn(note, stacklevel=2)
             logger.warning("hf-jobs: %s", note)

@@ -182,9 +182,9 @@ class LocalProcessExecutor:
     name: ClassVar[str] = "local"
 
     def __init__(self, spec: "RunSpec | None" = None, *, run_key: str | None = None,
-                 cuda_devices: Callable[[], int] = cuda_device_count) -> None:
+                 cuda_devices: Callable[[], int] | None = None) -> None:
         self.spec = spec
-        self._cuda_devices = cuda_devices
+        self._cuda_devices = cuda_devices or cuda_device_count
         self._run_key = run_key  # delivered to the replicas in their environment, never stored
         self.max_restarts = relaunches(spec, self.name) if spec is not None else 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
