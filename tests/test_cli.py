@@ -296,4 +296,5 @@ def test_local_cuda_replicas_need_as_many_gpus_as_gpus_per_replica(tmp_path, mon
     monkeypatch.setattr(local_jobs, "cuda_device_count", lambda: 2)
     res = runner.invoke(app, [*args, "--gpus-per-replica", "2", "--json"])
     assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["plans"][0]["gpus_per_replica"] == 2
     assert not (tmp_path / "store").exists()

@@ -206,6 +206,10 @@ class LocalProcessExecutor:
             return None
         return self.spec.store.rstrip("/") + "/" + self.spec.run_id
 
+    def _uses_cuda(self) -> bool:
+        """``device = "cuda"``: each local rank of a replica takes one of this machine's GPUs."""
+        return self.spec is not None and self.spec.device == "cuda"
+
     def _preflight_problems(self, run_uri: str) -> list[str]:
         problems = []
         jobs = job_dir(run_uri, 0).resolve().parent
@@ -214,7 +218,7 @@ class LocalProcessExecutor:
             problems.append(f"the job directory {jobs} cannot be created ({problem}); launch from a directory you "
                             "can write to, or use a file:// store there (jobs then live in the run's directory)")
         spec = self.spec
-        if spec is not None and spec.device == "cuda" and spec.gpus_per_replica > 1:
+        if spec is not None and self._uses_cuda() and spec.gpus_per_replica > 1:
             # One CUDA GPU per local rank; the replicas on this machine share the same GPUs.
             have = self._cuda_devices()
             if have < spec.gpus_per_replica:
@@ -233,8 +237,8 @@ class LocalProcessExecutor:
         return LaunchPlan(executor=self.name, ranks=list(ranks), image="(this machine's Python environment)",
                           command=replica_command(run_uri, ranks[0] if ranks else 0, python=sys.executable),
                           env_names=[env.THREADS], secret_names=sorted(job_secrets(self._run_key)),
-                          gpu="none",
-                          estimated_gpu_hours=0.0,
+                          gpu="none", estimated_gpu_hours=0.0,
+                          gpus_per_replica=self.spec.gpus_per_replica if self._uses_cuda() else 0,
                           notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}",
                                  *(f"launch would fail: {p}" for p in self._preflight_problems(run_uri))])
 
