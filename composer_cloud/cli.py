@@ -192,6 +192,10 @@ def launch(
     seed: Annotated[Optional[int], typer.Option()] = None,
     gpu: Annotated[Optional[str], typer.Option(help="Modal GPU type, e.g. H100")] = None,
     flavor: Annotated[Optional[str], typer.Option(help="HF Jobs flavor, e.g. a10g-large")] = None,
+    gpus_per_replica: Annotated[Optional[int], typer.Option(
+        help="GPUs (local ranks) per replica job, 1-8: Modal GPU:N, the HF Jobs xN flavor")] = None,
+    parallelism: Annotated[Optional[str], typer.Option(
+        help="how a replica's local ranks hold the model: ddp (replicated) | fsdp (sharded)")] = None,
     set_: SetFlag = None,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     dry_run: Annotated[bool, typer.Option(help="print what would be launched; launch nothing")] = False,
@@ -207,7 +211,8 @@ def launch(
         "executor": executor, "replicas": replicas, "min_replicas": min_replicas, "rounds": rounds,
         "inner_steps": inner_steps, "store": store, "run_id": run_id, "trainer.name": trainer,
         "sync.codec": codec, "model.name": model, "max_restarts": max_restarts, "seed": seed,
-        "modal.gpu": gpu, "hf_jobs.flavor": flavor,
+        "modal.gpu": gpu, "hf_jobs.flavor": flavor, "gpus_per_replica": gpus_per_replica,
+        "parallelism": parallelism,
     }
     # Named flags win over --set for the same key (they are the more specific spelling).
     overrides = {**_set_overrides(set_), **{k: v for k, v in flags.items() if v is not None}}

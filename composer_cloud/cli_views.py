@@ -35,9 +35,14 @@ def print_plan(console: Console, spec: RunSpec, plans: list[Any]) -> None:
         table.add_row("env vars", ", ".join(p.env_names) or "-")
         table.add_row("secrets (names)", ", ".join(p.secret_names) or "-")
         table.add_row("gpu", p.gpu)
+        table.add_row("GPUs per replica", f"{p.gpus_per_replica} ({spec.gpus_per_replica} local rank"
+                      f"{'s' if spec.gpus_per_replica != 1 else ''}, {spec.parallelism})")
         table.add_row("est. GPU-hours", "-" if p.estimated_gpu_hours is None else f"{p.estimated_gpu_hours:.2f}")
+        if p.replica_hour_cost_usd is not None:
+            table.add_row("cost per replica-hour", f"${p.replica_hour_cost_usd:,.2f}")
         if p.hourly_cost_usd is not None:
-            table.add_row("cost per hour (all jobs)", f"${p.hourly_cost_usd:,.2f}")
+            table.add_row(f"cost per hour ({len(p.ranks)} replica{'s' if len(p.ranks) != 1 else ''})",
+                          f"${p.hourly_cost_usd:,.2f}")
         if p.estimated_cost_usd is not None:
             table.add_row("cost if every job runs to its timeout", f"${p.estimated_cost_usd:,.2f}")
         if p.max_cost_usd is not None:

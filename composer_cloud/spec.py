@@ -254,7 +254,11 @@ class CodeSpec(_Strict):
 
 
 class ModalSpec(_Strict):
+    #: Modal GPU type of each replica's container ("H100", "A100-80GB", ...; "cpu" for none). Each call gets
+    #: ``gpus_per_replica`` of them (``"H100:8"`` is accepted when the count agrees).
     gpu: str = "H100"
+    #: Deprecated: ``gpus_per_replica`` is the one GPU count of a replica. 1 (the default) follows it; any
+    #: other value must equal it (a launch with both would otherwise pay for GPUs no rank uses).
     gpu_count: int = Field(default=1, ge=1, le=8)
     timeout_s: int = Field(default=24 * 3600, gt=0)
     retries: int = Field(default=0, ge=0, le=10)
@@ -366,6 +370,7 @@ class RunSpec(_Strict):
             raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
                             "(it merges whole models); set sync.fragments = 1")
         _check_compute(self)
+        _check_gpu_count(self)
         if sync.codec == "sparse" and self.replicas > SPARSE_MAX_REPLICAS:
             raise SpecError("sync.codec", f"the sparse codec's flat gather serves at most {SPARSE_MAX_REPLICAS} "
                             f"replicas ({self.replicas} asked); use \"bf16\" or \"int8\" (docs/scale.md)")
@@ -410,6 +415,19 @@ def _check_compute(spec: "RunSpec") -> None:
     rollout = (spec.trainer.model_extra or {}).get("rollout")
     if rollout == "vllm" and spec.device == "cpu":
         raise SpecError("trainer.rollout", '"vllm" generates on a CUDA GPU; use rollout = "hf" with device = "cpu"')
+
+
+def _check_gpu_count(spec: "RunSpec") -> None:
+    """``gpus_per_replica`` is the one GPU count of a replica: the deprecated ``modal.gpu_count`` may only agree.
+
+    Its default 1 means "follow ``gpus_per_replica``", so specs that never set it (and stored specs, which
+    carry the default) stay valid. ``device = "cpu"`` with more than one rank is allowed (gloo processes).
+    """
+    count = spec.modal.gpu_count
+    if count != 1 and count != spec.gpus_per_replica:
+        raise SpecError("modal.gpu_count", f"is deprecated and disagrees with gpus_per_replica ({count} vs "
+                        f"{spec.gpus_per_replica}); remove modal.gpu_count and set gpus_per_replica = {count} "
+                        "(it sets both the GPUs of each replica's job and its local ranks)")
 
 
 def check_device(spec: "RunSpec", *, executors: list[str], local_cuda: bool) -> None:

@@ -91,3 +91,58 @@ def test_dry_run_launches_nothing_and_names_no_secret_values(tmp_path, monkeypat
     assert "a10g-large" in res.stdout and "AWS_SECRET_ACCESS_KEY" in res.stdout
     assert canary not in res.stdout + res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- replicas larger than one GPU (issue 24)
+def _row(output: str, label: str) -> str:
+    """The value of a dry-run table row (rich box drawing: ``│ label │ value │``)."""
+    import re
+
+    m = re.search(rf"│ {re.escape(label)}\s*│ (\S+)", output)
+    assert m, f"no row {label!r} in:\n{output}"
+    return m.group(1)
+
+
+def test_modal_dry_run_shows_n_gpus_per_replica_and_their_price(tmp_path, monkeypatch, s3_server_moto):
+    from composer_cloud.cli import app
+    from composer_cloud.jobs.modal_jobs import MODAL_GPU_PRICE_PER_S
+    from typer.testing import CliRunner
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "250")  # one line per table row
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-not-real")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-not-real")
+    (tmp_path / "spec.toml").write_text(SMALL_RUN_TOML + '[modal]\nsecrets = ["aws"]\ntimeout_s = 3600\n')
+    args = ["launch", "--config", "spec.toml", "--executor", "modal", "--replicas", "2",
+            "--store", f"s3://{s3_server_moto.bucket}/dry-run-modal", "--dry-run"]
+    res = CliRunner().invoke(app, [*args, "--gpus-per-replica", "8", "--gpu", "H100"])
+    assert res.exit_code == 0, res.output
+    per_replica_hour = 8 * MODAL_GPU_PRICE_PER_S["H100"][0] * 3600
+    assert "H100:8" in res.output and "GPUs per replica" in res.output and "8 (8 local ranks, ddp)" in res.output
+    assert _row(res.output, "cost per replica-hour") == f"${per_replica_hour:,.2f}"
+    assert _row(res.output, "cost per hour (2 replicas)") == f"${2 * per_replica_hour:,.2f}"
+    # More GPUs than Modal puts in one container of that type: exit 2, the limit named, nothing launched.
+    res = CliRunner().invoke(app, [*args, "--gpus-per-replica", "5", "--gpu", "A10"])
+    assert res.exit_code == 2 and "at most 4 A10 GPUs" in res.output, res.output
+
+
+def test_hf_jobs_dry_run_shows_the_xn_flavor_and_its_price(hf_env, tmp_path, monkeypatch):
+    from composer_cloud.cli import app
+    from typer.testing import CliRunner
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "250")
+    (tmp_path / "spec.toml").write_text(SPEC.replace('"cpu-basic"', '"a10g-large"') + "timeout_s = 3600\n")
+    args = ["launch", "--config", "spec.toml", "--executor", "hf-jobs", "--replicas", "3", "--store",
+            f"file://{tmp_path}/store", "--dry-run"]
+    res = CliRunner().invoke(app, [*args, "--gpus-per-replica", "2"])
+    assert res.exit_code == 0, res.output
+    # a10g-largex2 is listed at 50000 micro-USD per minute by the test server: $3/h per replica, 3 replicas.
+    assert "a10g-largex2 (2 GPUs)" in res.output and "2 (2 local ranks, ddp)" in res.output
+    assert _row(res.output, "cost per replica-hour") == "$3.00"
+    assert _row(res.output, "cost per hour (3 replicas)") == "$9.00"
+    # A count the family does not offer: exit 2 naming the flavors that have it.
+    res = CliRunner().invoke(app, [*args, "--gpus-per-replica", "8"])
+    assert res.exit_code == 2, res.output
+    assert "no a10g flavor with 8 GPUs" in res.output and "l40sx8, a100x8, h200x8" in res.output
+    assert not (tmp_path / "store").exists()

@@ -103,3 +103,22 @@ def test_every_example_spec_passes_launchs_settings_checks(example):
 
     spec = load_spec(ROOT / "examples" / example, {})
     check_settings(spec.trainer.name, spec.trainer.settings())
+
+
+def test_every_launch_flag_the_docs_show_exists():
+    """Each `composer-cloud launch ...` line in README.md and docs/ uses only flags `launch` has (a renamed or
+    removed flag fails here, not in a user's terminal)."""
+    import typer.main
+
+    from composer_cloud.cli import app
+
+    launch = typer.main.get_command(app).commands["launch"]
+    known = {opt for param in launch.params for opt in (*param.opts, *param.secondary_opts)}
+    shown = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for line in path.read_text().splitlines():
+            for tail in line.split("composer-cloud launch")[1:]:
+                command = re.split(r"composer-cloud |#|`", tail)[0]
+                shown += [(path.name, flag) for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", command)]
+    assert ("README.md", "--gpus-per-replica") in shown and ("modal.md", "--gpus-per-replica") in shown
+    assert [(name, flag) for name, flag in shown if flag not in known] == []

@@ -47,8 +47,9 @@ print(f"probe rank {rank} ok", flush=True)
 """
 
 
-def make_spec(tmp_path, run_id: str, **hf):
-    return executor_spec("hf_jobs", store=f"file://{tmp_path}/store", run_id=run_id, **{"flavor": "cpu-basic", **hf})
+def make_spec(tmp_path, run_id: str, gpus_per_replica: int = 1, **hf):
+    return executor_spec("hf_jobs", store=f"file://{tmp_path}/store", run_id=run_id,
+                         gpus_per_replica=gpus_per_replica, **{"flavor": "cpu-basic", **hf})
 
 
 def run_uri_of(spec) -> str:
@@ -273,11 +274,24 @@ def test_file_store_with_a_remote_endpoint_is_refused_before_any_work(tmp_path, 
 
 
 def test_unknown_flavor_warns_but_launches(hf_env, tmp_path, wheel):
-    spec = make_spec(tmp_path, "run-flavor", namespace=NAMESPACE, flavor="h100x8")
+    spec = make_spec(tmp_path, "run-flavor", gpus_per_replica=8, namespace=NAMESPACE, flavor="h100x8")
     ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("print('x')"))
     with pytest.warns(UserWarning, match="h100x8"):
         (handle,) = ex.launch(run_uri_of(spec), [0])
     assert hf_env.jobs[handle.job_id].body["flavor"] == "h100x8"
+    assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
+    # Its count (from the name) must still agree with gpus_per_replica.
+    with pytest.raises(ExecutorError, match=r"'h100x8' has 8 GPUs but gpus_per_replica = 4"):
+        HFJobsExecutor(make_spec(tmp_path, "run-flavor2", gpus_per_replica=4, flavor="h100x8")).flavor()
+
+
+def test_launch_runs_each_replica_on_the_xn_flavor_of_its_family(hf_env, tmp_path, wheel):
+    """flavor = the family's 1-GPU flavor + gpus_per_replica = N: the job is created with the xN flavor."""
+    spec = make_spec(tmp_path, "run-h200x4", gpus_per_replica=4, namespace=NAMESPACE, flavor="h200")
+    ex = HFJobsExecutor(spec, wheel=wheel, replica_argv=code_argv("print('x')"))
+    (handle,) = ex.launch(run_uri_of(spec), [0])
+    assert hf_env.jobs[handle.job_id].body["flavor"] == "h200x4"
+    assert handle.data["flavor"] == "h200x4"
     assert wait_finished(ex, handle).state is ReplicaState.SUCCEEDED
 
 
@@ -343,7 +357,8 @@ def test_secret_canary_reaches_the_job_only_as_a_secret(hf_env, tmp_path, wheel,
 # ---------------------------------------------------------------------- plan and helpers
 def test_plan_is_a_dry_run(hf_env, tmp_path, monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
-    spec = make_spec(tmp_path, "run-plan", flavor="a10g-largex2", secrets=["AWS_ACCESS_KEY_ID"], timeout_s=7200)
+    spec = make_spec(tmp_path, "run-plan", gpus_per_replica=2, flavor="a10g-largex2", secrets=["AWS_ACCESS_KEY_ID"],
+                     timeout_s=7200)
     spec = spec.model_copy(update={"store_options": {"anon": False}})
     ex = HFJobsExecutor(spec)
     n_requests = len(hf_env.requests)
@@ -374,6 +389,68 @@ def test_flavors():
     assert "a10g-large" in known_flavors() and "h100" not in known_flavors()
     assert [flavor_gpus(f) for f in ("cpu-basic", "t4-small", "a10g-largex4", "h200x8", "l4x1", "rtx-pro-6000")] \
         == [0, 1, 4, 8, 1, 1]
+
+
+def test_the_flavor_table_is_huggingface_hubs_gpu_flavor_list():
+    """GPU_FLAVORS must name exactly the GPU flavors of the installed huggingface_hub (a new one upstream
+    fails here until the table says its family and count); each count agrees with the flavor's name."""
+    from composer_cloud.jobs.hf_flavors import GPU_FLAVORS
+
+    assert set(GPU_FLAVORS) == {f for f in known_flavors() if not f.startswith("cpu")}
+    for name, (family, count) in GPU_FLAVORS.items():
+        assert name.startswith(family) and (name.endswith(f"x{count}") or count == 1), name
+
+
+@pytest.mark.parametrize("flavor,gpus,expected", [
+    ("a10g-small", 1, "a10g-small"), ("a10g-large", 2, "a10g-largex2"), ("a10g-small", 4, "a10g-largex4"),
+    ("a100-large", 4, "a100x4"), ("a100-large", 8, "a100x8"), ("h200", 2, "h200x2"), ("h200", 8, "h200x8"),
+    ("l4x1", 4, "l4x4"), ("l40sx1", 8, "l40sx8"), ("rtx-pro-6000", 2, "rtx-pro-6000x2"),
+    ("a100x4", 4, "a100x4"), ("h200x8", 8, "h200x8"),  # the xN flavor itself, agreeing
+    ("cpu-basic", 4, "cpu-basic"),  # CPU: N gloo processes, no GPU flavor
+])
+def test_flavor_for_gpus_per_replica(flavor, gpus, expected):
+    from composer_cloud.jobs.hf_flavors import resolve_flavor
+
+    assert resolve_flavor(flavor, gpus) == expected
+
+
+@pytest.mark.parametrize("flavor,gpus,needles", [
+    # A count the family does not offer: the family's flavors and every flavor with that count are named.
+    ("a100-large", 2, ["no a100 flavor with 2 GPUs", "a100-large (1), a100x4 (4), a100x8 (8)",
+                       "flavors with 2 GPUs: a10g-largex2, h200x2, rtx-pro-6000x2"]),
+    ("t4-small", 2, ["no t4 flavor with 2 GPUs", "t4-small (1), t4-medium (1)"]),
+    ("l4x1", 8, ["no l4 flavor with 8 GPUs", "l4x1 (1), l4x4 (4)", "l40sx8, a100x8, h200x8"]),
+    # An xN flavor that disagrees with gpus_per_replica: both fields named, and both fixes.
+    ("a100x4", 8, ["hf_jobs.flavor 'a100x4' has 4 GPUs but gpus_per_replica = 8", "set gpus_per_replica = 4",
+                   "'a100-large'"]),
+    ("a10g-largex2", 1, ["'a10g-largex2' has 2 GPUs but gpus_per_replica = 1"]),
+    # An unknown 1-GPU name cannot be mapped to N GPUs.
+    ("b200", 2, ["'b200' is not a flavor this version knows", "write the 2-GPU flavor itself"]),
+])
+def test_a_flavor_that_does_not_fit_gpus_per_replica_is_refused(hf_env, tmp_path, flavor, gpus, needles):
+    spec = make_spec(tmp_path, "run-refuse", gpus_per_replica=gpus, namespace=NAMESPACE, flavor=flavor)
+    ex = HFJobsExecutor(spec)
+    n_requests = len(hf_env.requests)
+    with pytest.raises(ExecutorError) as err:
+        ex.preflight(run_uri_of(spec), [0])
+    for needle in needles:
+        assert needle in str(err.value)
+    with pytest.raises(ExecutorError):  # the dry run refuses it too (runs.plan turns it into exit 2)
+        ex.plan(run_uri_of(spec), [0])
+    assert len(hf_env.requests) == n_requests  # refused before talking to the server
+
+
+def test_dry_run_plan_of_n_gpus_shows_the_flavor_and_its_price_per_replica_hour(hf_env, tmp_path):
+    spec = make_spec(tmp_path, "run-plan-n", gpus_per_replica=2, namespace=NAMESPACE, flavor="a10g-large",
+                     timeout_s=3600)
+    plan = HFJobsExecutor(spec).plan(run_uri_of(spec), [0, 1, 2])
+    assert plan.gpu == "a10g-largex2 (2 GPUs)" and plan.gpus_per_replica == 2
+    assert any("'a10g-large' with gpus_per_replica = 2 runs on 'a10g-largex2'" in n for n in plan.notes)
+    # a10g-largex2 is listed at 50000 micro-USD per minute on the test server: the flavor's price, all GPUs.
+    assert plan.replica_hour_cost_usd == pytest.approx(3.0)
+    assert plan.hourly_cost_usd == pytest.approx(3 * 3.0)
+    assert plan.estimated_gpu_hours == pytest.approx(3 * 2 * 1.0)
+    assert "a10g-largex2 $0.05/minute" in plan.cost_basis
 
 
 def test_wheel_has_the_package_and_its_data(wheel):

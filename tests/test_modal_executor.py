@@ -96,9 +96,9 @@ class FakeSeam:
         self.states[call_id] = CallState("cancelled")
 
 
-def make_spec(store="s3://bucket/runs", **modal):
+def make_spec(store="s3://bucket/runs", gpus_per_replica=1, **modal):
     modal.setdefault("secrets", ["aws-creds"])  # an S3 store needs one (containers get credentials only from secrets)
-    return executor_spec("modal", store=store, run_id="run-m", **modal)
+    return executor_spec("modal", store=store, run_id="run-m", gpus_per_replica=gpus_per_replica, **modal)
 
 
 RUN_URI = "s3://bucket/runs/run-m"
@@ -110,19 +110,67 @@ def argv(code: str):
 
 # ---------------------------------------------------------------------- options
 def test_function_options_from_the_spec():
-    opts = ModalExecutor(make_spec(gpu="H100", gpu_count=2, timeout_s=3600, retries=2,
+    opts = ModalExecutor(make_spec(gpus_per_replica=2, gpu="H100", timeout_s=3600, retries=2,
                                    secrets=["aws-creds", "hf"])).function_options()
     assert opts == FunctionOptions(gpu="H100:2", timeout_s=3600, retries=2, secret_names=("aws-creds", "hf"))
     assert ModalExecutor(make_spec(gpu="A10G")).function_options().gpu == "A10G"
     assert ModalExecutor(make_spec(gpu="cpu")).function_options().gpu is None
-    assert ModalExecutor(make_spec(gpu="H100:4")).function_options().gpu == "H100:4"
-    with pytest.raises(ExecutorError, match="gpu_count"):
-        ModalExecutor(make_spec(gpu="H100:4", gpu_count=2)).function_options()
+    assert ModalExecutor(make_spec(gpus_per_replica=4, gpu="H100:4")).function_options().gpu == "H100:4"
+    # The deprecated modal.gpu_count may only agree with gpus_per_replica.
+    assert ModalExecutor(make_spec(gpus_per_replica=2, gpu="L4", gpu_count=2)).function_options().gpu == "L4:2"
     # max_restarts raises the retry count; Modal allows at most 10.
     spec = make_spec(retries=1).model_copy(update={"max_restarts": 3})
     assert ModalExecutor(spec).function_options().retries == 3
     spec = make_spec(retries=1).model_copy(update={"max_restarts": 50})
     assert ModalExecutor(spec).function_options().retries == 10
+
+
+def test_each_call_asks_for_gpus_per_replica_gpus_and_refuses_what_modal_cannot_give():
+    """gpus_per_replica is the one count: GPU:N in the spawn options, a disagreeing count or one above Modal's
+    per-container limit refused (naming the fields and the limit) before anything is spawned."""
+    seam = FakeSeam()
+    ex = ModalExecutor(make_spec(gpus_per_replica=8, gpu="H100"), seam=seam)
+    ex.launch(RUN_URI, [0, 1])
+    assert seam.spawns[0]["options"].gpu == "H100:8"
+    # A count written in modal.gpu must agree with gpus_per_replica.
+    assert ModalExecutor(make_spec(gpus_per_replica=8, gpu="H100:8")).function_options().gpu == "H100:8"
+    with pytest.raises(ExecutorError, match=r"modal.gpu 'H100:4' asks for 4 GPUs but gpus_per_replica = 8"):
+        ModalExecutor(make_spec(gpus_per_replica=8, gpu="H100:4")).function_options()
+    # A10 containers hold at most 4 GPUs (Modal's GPU guide); the error names the types that hold 8.
+    assert ModalExecutor(make_spec(gpus_per_replica=4, gpu="A10")).function_options().gpu == "A10:4"
+    with pytest.raises(ExecutorError, match=r"at most 4 A10 GPUs.*gpus_per_replica <= 4.*H100") as err:
+        ModalExecutor(make_spec(gpus_per_replica=5, gpu="A10"), seam=seam).launch(RUN_URI, [0])
+    assert "modal.com/docs/guide/gpu" in str(err.value)
+    assert len(seam.spawns) == 1  # the refused launch spawned nothing
+    # Unknown types have no limit here (Modal decides); CPU-only calls run N gloo processes, no GPU.
+    assert ModalExecutor(make_spec(gpus_per_replica=8, gpu="B300")).function_options().gpu == "B300:8"
+    cpu = make_spec(gpus_per_replica=2, gpu="cpu").model_copy(update={"device": "cpu"})
+    assert ModalExecutor(cpu).function_options().gpu is None
+    wasted = make_spec(gpus_per_replica=2, gpu="L4").model_copy(update={"device": "cpu"})
+    assert any('device = "cpu"' in n and "go unused" in n for n in ModalExecutor(wasted).plan(RUN_URI, [0]).notes)
+
+
+def test_the_deprecated_gpu_count_must_agree_with_gpus_per_replica():
+    from composer_cloud.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"modal.gpu_count.*deprecated.*\(2 vs 1\).*gpus_per_replica = 2"):
+        make_spec(gpu="H100", gpu_count=2)
+    with pytest.raises(SpecError, match=r"modal.gpu_count.*\(2 vs 4\)"):
+        make_spec(gpu="H100", gpu_count=2, gpus_per_replica=4)
+    assert make_spec(gpu="H100", gpus_per_replica=4).modal.gpu_count == 1  # its default follows gpus_per_replica
+
+
+def test_dry_run_plan_shows_n_gpus_and_the_price_per_replica_hour():
+    from composer_cloud.jobs.modal_jobs import MODAL_GPU_PRICE_PER_S
+
+    plan = ModalExecutor(make_spec(gpus_per_replica=8, gpu="H100", timeout_s=3600), seam=FakeSeam()).plan(
+        RUN_URI, [0, 1])
+    per_gpu_hour = MODAL_GPU_PRICE_PER_S["H100"][0] * 3600
+    assert plan.gpu == "H100:8" and plan.gpus_per_replica == 8
+    assert plan.replica_hour_cost_usd == pytest.approx(8 * per_gpu_hour)  # one call = 8 GPUs
+    assert plan.hourly_cost_usd == pytest.approx(2 * 8 * per_gpu_hour)  # the run's 2 replicas
+    assert plan.estimated_gpu_hours == pytest.approx(2 * 8 * 1.0)
+    assert "x 8 GPU(s)" in plan.cost_basis
 
 
 # ---------------------------------------------------------------------- launch / poll / logs
@@ -244,7 +292,7 @@ def test_plan():
     from composer_cloud.images import modal_image
 
     seam = FakeSeam()
-    spec = make_spec(gpu="B300", gpu_count=4, timeout_s=1800, secrets=[]).model_copy(
+    spec = make_spec(gpu="B300", gpus_per_replica=4, timeout_s=1800, secrets=[]).model_copy(
         update={"store_options": {"endpoint_url": "http://minio:9000"}})
     ex = get_executor("modal", spec)
     ex.seam = seam
@@ -268,7 +316,8 @@ def test_plan():
 def test_plan_cost_from_the_dated_price_table():
     from composer_cloud.jobs.modal_jobs import MODAL_GPU_PRICE_PER_S, MODAL_GPU_PRICES_TAKEN
 
-    spec = make_spec(gpu="H100", gpu_count=2, timeout_s=1800, retries=1).model_copy(update={"max_restarts": 2})
+    spec = make_spec(gpu="H100", gpus_per_replica=2, timeout_s=1800, retries=1).model_copy(
+        update={"max_restarts": 2})
     plan = ModalExecutor(spec, seam=FakeSeam()).plan(RUN_URI, [0, 1, 2])
     per_s, confirmed = MODAL_GPU_PRICE_PER_S["H100"]
     assert confirmed
@@ -292,8 +341,11 @@ def test_preflight_refuses_a_local_store_and_bad_options_before_anything_is_sent
     seam = FakeSeam()
     with pytest.raises(ExecutorError, match="cannot launch: store file://"):
         ModalExecutor(make_spec(store="file:///tmp/runs"), seam=seam).preflight("file:///tmp/runs/run-m", [0])
-    with pytest.raises(ExecutorError, match="gpu_count"):
-        ModalExecutor(make_spec(gpu="H100:2", gpu_count=2), seam=seam).preflight(RUN_URI, [0])
+    with pytest.raises(ExecutorError, match="gpus_per_replica = 1"):
+        ModalExecutor(make_spec(gpu="H100:2"), seam=seam).preflight(RUN_URI, [0])
+    with pytest.raises(ExecutorError, match="at most 4 A10G"):
+        ModalExecutor(make_spec(gpu="A10G", gpus_per_replica=8), seam=seam).preflight(RUN_URI, [0])
+    assert seam.spawns == []
     with pytest.raises(ExecutorError, match=r"modal.secrets is empty.*modal secret create"):
         ModalExecutor(make_spec(secrets=[]), seam=seam).preflight(RUN_URI, [0])
     public = make_spec(secrets=[]).model_copy(update={"store_options": {"anon": True}})

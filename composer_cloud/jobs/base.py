@@ -54,6 +54,8 @@ class LaunchPlan:
     Costs are US dollars for this executor's ranks, from the backend's prices
     (``cost_basis`` says which and when; ``None`` when no price is known):
 
+    * ``replica_hour_cost_usd``: one replica's job for one hour (all its
+      ``gpus_per_replica`` GPUs: N x the per-GPU price, or the flavor's price),
     * ``hourly_cost_usd``: while all of this plan's jobs run (multiply by a
       run's expected duration for a planned-rounds estimate),
     * ``estimated_cost_usd``: every job running until its timeout once, the
@@ -70,6 +72,9 @@ class LaunchPlan:
     gpu: str
     estimated_gpu_hours: float | None
     notes: list[str] = field(default_factory=list)
+    #: GPUs each replica's job gets (0: CPU only); the replica runs ``spec.gpus_per_replica`` local ranks.
+    gpus_per_replica: int = 0
+    replica_hour_cost_usd: float | None = None
     hourly_cost_usd: float | None = None
     estimated_cost_usd: float | None = None
     max_cost_usd: float | None = None
@@ -81,6 +86,7 @@ class CostEstimate:
     """Dollars for ``jobs`` jobs of one executor (the cost fields of a :class:`LaunchPlan`).
 
     Attributes:
+        per_job_hour_usd: one job (one replica, all its GPUs) running for one hour.
         hourly_usd: all jobs running for one hour.
         estimated_usd: all jobs running until their timeout, once.
         max_usd: all jobs running until their timeout on every attempt.
@@ -91,6 +97,7 @@ class CostEstimate:
     estimated_usd: float | None
     max_usd: float | None
     basis: str
+    per_job_hour_usd: float | None = None
 
     @classmethod
     def of(cls, *, jobs: int, price_per_job_hour_usd: float | None, timeout_s: float, attempts: int,
@@ -99,11 +106,11 @@ class CostEstimate:
             return cls(None, None, None, basis)
         hourly = jobs * price_per_job_hour_usd
         once = hourly * timeout_s / 3600
-        return cls(hourly, once, once * max(1, attempts), basis)
+        return cls(hourly, once, once * max(1, attempts), basis, price_per_job_hour_usd)
 
     def plan_fields(self) -> dict[str, Any]:
         """Keyword arguments for :class:`LaunchPlan`."""
-        return {"hourly_cost_usd": self.hourly_usd, "estimated_cost_usd": self.estimated_usd,
+        return {"replica_hour_cost_usd": self.per_job_hour_usd, "hourly_cost_usd": self.hourly_usd, "estimated_cost_usd": self.estimated_usd,
                 "max_cost_usd": self.max_usd, "cost_basis": self.basis}
 
 

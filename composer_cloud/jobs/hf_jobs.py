@@ -72,6 +72,7 @@ from composer_cloud.jobs.base import (
     replica_command,
     run_id_of,
 )
+from composer_cloud.jobs.hf_flavors import flavor_gpus, resolve_flavor  # noqa: F401 - flavor_gpus re-exported
 from composer_cloud.jobs.remote import RemoteExecutor, parse_exit_code
 from composer_cloud.jobs.restarts import attempts as attempts_of
 from composer_cloud.jobs.restarts import relaunches
@@ -116,14 +117,6 @@ def known_flavors() -> list[str]:
     from huggingface_hub import JobHardware
 
     return [f.value for f in JobHardware]
-
-
-def flavor_gpus(flavor: str) -> int:
-    """GPUs in a flavor, from its name: ``cpu-*`` -> 0, ``a10g-largex4`` -> 4, ``a100-large`` -> 1."""
-    if flavor.startswith("cpu"):
-        return 0
-    m = re.search(r"x(\d+)$", flavor)
-    return int(m.group(1)) if m else 1
 
 
 def constraints_text() -> str:
@@ -235,8 +228,21 @@ class HFJobsExecutor(RemoteExecutor):
         return ExecutorError(f"hf-jobs: {what} failed: {_describe(exc)}; {hint}")
 
     # ------------------------------------------------------------------ launch
+    def flavor(self) -> str:
+        """The flavor each job runs on: ``[hf_jobs] flavor`` for ``gpus_per_replica`` GPUs
+        (:func:`~composer_cloud.jobs.hf_flavors.resolve_flavor`; raises :class:`ExecutorError` naming both
+        fields when they disagree or the family has no such flavor)."""
+        return resolve_flavor(self.spec.hf_jobs.flavor, self.spec.gpus_per_replica)
+
+    def _resolution_note(self) -> list[str]:
+        flavor = self.flavor()
+        if flavor == self.spec.hf_jobs.flavor:
+            return []
+        return [f"hf_jobs.flavor {self.spec.hf_jobs.flavor!r} with gpus_per_replica = {self.spec.gpus_per_replica} "
+                f"runs on {flavor!r}"]
+
     def _flavor_notes(self) -> list[str]:
-        flavor = self.spec.hf_jobs.flavor
+        flavor = self.flavor()
         if flavor not in known_flavors():
             return [f"flavor {flavor!r} is not in huggingface_hub's list ({', '.join(known_flavors())}); "
                     "the server decides whether it exists"]
@@ -289,9 +295,11 @@ class HFJobsExecutor(RemoteExecutor):
 
         Checks what the launcher can see without talking to anyone: the jobs
         can reach the store, an S3 store's credentials are among the secrets,
-        every secret named in the spec has a value here. Raises
-        :class:`ExecutorError` naming each missing setting.
+        every secret named in the spec has a value here, the flavor offers
+        ``gpus_per_replica`` GPUs. Raises :class:`ExecutorError` naming each
+        missing setting.
         """
+        self.flavor()  # raises on a flavor that does not fit gpus_per_replica
         super().preflight(run_uri, ranks)
 
     def _secret_values(self) -> dict[str, str]:
@@ -316,28 +324,30 @@ class HFJobsExecutor(RemoteExecutor):
         return self._hardware
 
     def cost_estimate(self, jobs: int) -> CostEstimate:
-        """Dollars for ``jobs`` jobs of ``spec.hf_jobs.flavor`` from the server's ``unit_cost_usd``.
+        """Dollars for ``jobs`` jobs of :meth:`flavor` from the server's ``unit_cost_usd`` (the flavor's
+        listed price covers all its GPUs).
 
-        Never raises: without a price the estimate is empty and its basis says why.
+        Never raises on a price it cannot read: without one the estimate is empty and its basis says why.
         """
         hf = self.spec.hf_jobs
+        flavor = self.flavor()
         attempts = attempts_of(self.spec, self.name)
         source = f"{self.endpoint}/api/jobs/hardware"
         try:
-            info = self.hardware_prices().get(hf.flavor)
+            info = self.hardware_prices().get(flavor)
         except ExecutorError as err:
             return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=hf.timeout_s,
                                    attempts=attempts, basis=f"no price: {err}")
         unit_s = _UNIT_SECONDS.get(str(getattr(info, "unit_label", "")).lower()) if info is not None else None
         if info is None or unit_s is None or info.unit_cost_usd is None:
-            why = (f"flavor {hf.flavor!r} is not listed" if info is None
-                   else f"unknown price unit {info.unit_label!r} for {hf.flavor}")
+            why = (f"flavor {flavor!r} is not listed" if info is None
+                   else f"unknown price unit {info.unit_label!r} for {flavor}")
             return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=hf.timeout_s,
                                    attempts=attempts, basis=f"no price: {why} at {source}")
         per_hour = float(info.unit_cost_usd) * 3600 / unit_s
         return CostEstimate.of(
             jobs=jobs, price_per_job_hour_usd=per_hour, timeout_s=hf.timeout_s, attempts=attempts,
-            basis=(f"{source} (read at plan time): {hf.flavor} ${float(info.unit_cost_usd):g}/{info.unit_label} "
+            basis=(f"{source} (read at plan time): {flavor} ${float(info.unit_cost_usd):g}/{info.unit_label} "
                    f"= ${per_hour:.2f}/h per job; estimate = {jobs} job(s) x timeout {hf.timeout_s / 3600:g} h, "
                    f"max x {attempts} attempt(s)"))
 
@@ -349,7 +359,8 @@ class HFJobsExecutor(RemoteExecutor):
         """
         hf = self.spec.hf_jobs
         ranks = list(ranks)
-        gpus = flavor_gpus(hf.flavor)
+        flavor = self.flavor()
+        gpus = flavor_gpus(flavor)
         notes = [
             f"one HF Job per rank on {self.endpoint} in namespace "
             f"{hf.namespace or '<your user, from the token>'} (command shown for rank {ranks[0] if ranks else 0})",
@@ -358,6 +369,7 @@ class HFJobsExecutor(RemoteExecutor):
             "constraints (torch and the rest, unless the image has them) before the replica starts",
             f"estimated_gpu_hours is an upper bound: {len(ranks)} job(s) x {gpus} GPU(s) x timeout "
             f"{hf.timeout_s / 3600:g} h; jobs are billed until they exit",
+            *self._resolution_note(),
             *self._flavor_notes(),
         ]
         if relaunches(self.spec, self.name):
@@ -371,7 +383,8 @@ class HFJobsExecutor(RemoteExecutor):
             command=self._command(run_uri, ranks[0] if ranks else 0, bootstrap=BOOTSTRAP_PLACEHOLDER),
             env_names=sorted(self._job_env(None)),
             secret_names=[*hf.secrets, *self.job_secrets()],
-            gpu=f"{hf.flavor} ({gpus} GPU{'s' if gpus != 1 else ''})",
+            gpu=f"{flavor} ({gpus} GPU{'s' if gpus != 1 else ''})",
+            gpus_per_replica=gpus,
             estimated_gpu_hours=len(ranks) * gpus * hf.timeout_s / 3600,
             notes=notes,
             **cost.plan_fields(),
@@ -393,6 +406,9 @@ class HFJobsExecutor(RemoteExecutor):
         """
         hf = self.spec.hf_jobs
         self.preflight(run_uri, ranks)
+        flavor = self.flavor()
+        for note in self._resolution_note():
+            logger.info("hf-jobs: %s", note)
         for note in self._flavor_notes():
             warnings.warn(note, stacklevel=2)
             logger.warning("hf-jobs: %s", note)
@@ -413,7 +429,7 @@ class HFJobsExecutor(RemoteExecutor):
                     command=self._command(run_uri, rank, bootstrap=bootstrap),
                     env=env,
                     secrets=secrets or None,
-                    flavor=hf.flavor,
+                    flavor=flavor,
                     timeout=hf.timeout_s,
                     attempts=attempts,
                     name=job_name,
@@ -432,7 +448,7 @@ class HFJobsExecutor(RemoteExecutor):
                     "namespace": namespace,
                     "url": getattr(info, "url", ""),
                     "name": job_name,
-                    "flavor": hf.flavor,
+                    "flavor": flavor,
                     "image": hf.image,
                     "secret_names": list(hf.secrets),
                     "wheel_sha256": staged.sha256,

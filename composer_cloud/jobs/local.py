@@ -47,7 +47,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -165,13 +165,26 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def cuda_device_count() -> int:
+    """CUDA GPUs this machine's replicas can see (``torch.cuda.device_count()``; imports torch)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class LocalProcessExecutor:
-    """Runs replicas as local processes (the default, and what CI uses)."""
+    """Runs replicas as local processes (the default, and what CI uses).
+
+    ``cuda_devices``: how many CUDA GPUs this machine has (default :func:`cuda_device_count`; tests pass
+    their own), asked only for ``device = "cuda"`` with ``gpus_per_replica`` above 1.
+    """
 
     name: ClassVar[str] = "local"
 
-    def __init__(self, spec: "RunSpec | None" = None, *, run_key: str | None = None) -> None:
+    def __init__(self, spec: "RunSpec | None" = None, *, run_key: str | None = None,
+                 cuda_devices: Callable[[], int] | None = None) -> None:
         self.spec = spec
+        self._cuda_devices = cuda_devices or cuda_device_count
         self._run_key = run_key  # delivered to the replicas in their environment, never stored
         self.max_restarts = relaunches(spec, self.name) if spec is not None else 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
@@ -193,13 +206,26 @@ class LocalProcessExecutor:
             return None
         return self.spec.store.rstrip("/") + "/" + self.spec.run_id
 
+    def _uses_cuda(self) -> bool:
+        """``device = "cuda"``: each local rank of a replica takes one of this machine's GPUs."""
+        return self.spec is not None and self.spec.device == "cuda"
+
     def _preflight_problems(self, run_uri: str) -> list[str]:
+        problems = []
         jobs = job_dir(run_uri, 0).resolve().parent
         problem = _creatable_dir_problem(jobs)
-        if problem is None:
-            return []
-        return [f"the job directory {jobs} cannot be created ({problem}); launch from a directory you can write "
-                "to, or use a file:// store there (jobs then live in the run's directory)"]
+        if problem is not None:
+            problems.append(f"the job directory {jobs} cannot be created ({problem}); launch from a directory you "
+                            "can write to, or use a file:// store there (jobs then live in the run's directory)")
+        spec = self.spec
+        if spec is not None and self._uses_cuda() and spec.gpus_per_replica > 1:
+            # One CUDA GPU per local rank; the replicas on this machine share the same GPUs.
+            have = self._cuda_devices()
+            if have < spec.gpus_per_replica:
+                problems.append(f"gpus_per_replica = {spec.gpus_per_replica} with device = \"cuda\" needs "
+                                f"{spec.gpus_per_replica} CUDA GPUs, but this machine has {have}; lower "
+                                "gpus_per_replica, use device = \"cpu\" (gloo processes) or a GPU executor")
+        return problems
 
     def preflight(self, run_uri: str, ranks: Sequence[int]) -> None:
         """Refuse a launch whose job directories (logs, exit codes) cannot be created here. Creates nothing."""
@@ -211,8 +237,8 @@ class LocalProcessExecutor:
         return LaunchPlan(executor=self.name, ranks=list(ranks), image="(this machine's Python environment)",
                           command=replica_command(run_uri, ranks[0] if ranks else 0, python=sys.executable),
                           env_names=[env.THREADS], secret_names=sorted(job_secrets(self._run_key)),
-                          gpu="none",
-                          estimated_gpu_hours=0.0,
+                          gpu="none", estimated_gpu_hours=0.0,
+                          gpus_per_replica=self.spec.gpus_per_replica if self._uses_cuda() else 0,
                           notes=[f"max_restarts={self.max_restarts}", f"logs in {job_dir(run_uri, 0).parent}",
                                  *(f"launch would fail: {p}" for p in self._preflight_problems(run_uri))])
 

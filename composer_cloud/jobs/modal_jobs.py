@@ -88,6 +88,13 @@ MODAL_GPU_PRICE_PER_S: dict[str, tuple[float, bool]] = {
     "B200": (0.001736, False),
 }
 _GPU_ALIASES = {"A100": "A100-40GB", "A10G": "A10", "H100!": "H100", "B200+": "B200"}
+#: Most GPUs of one type in one Modal container (after :data:`_GPU_ALIASES`). Source: Modal's GPU guide,
+#: modal.com/docs/guide/gpu ("Specifying GPU count"), read 2026-11-24: "B200, H200, H100, A100, L4, T4 and
+#: L40S instances support up to 8 GPUs ... and A10 instances support up to 4 GPUs". Types it does not name
+#: (RTX-PRO-6000, new ones) have no limit here: Modal decides.
+MODAL_MAX_GPUS_PER_CONTAINER: dict[str, int] = {
+    "B200": 8, "H200": 8, "H100": 8, "A100-40GB": 8, "A100-80GB": 8, "L4": 8, "T4": 8, "L40S": 8, "A10": 4,
+}
 
 
 # ---------------------------------------------------------------------- seam types
@@ -307,29 +314,40 @@ class ModalExecutor(RemoteExecutor):
 
     # ------------------------------------------------------------------ options
     def function_options(self) -> FunctionOptions:
-        """GPU ``TYPE[:COUNT]``, timeout, retries and secret names from the spec.
+        """GPU ``TYPE[:N]`` (N = ``gpus_per_replica``), timeout, retries and secret names from the spec.
 
         Retries are :func:`~composer_cloud.jobs.restarts.relaunches` (``max(modal.retries, max_restarts)``,
         at most 10).
         """
         m = self.spec.modal
-        gpu_type = m.gpu.strip()
-        if gpu_type.lower() in _NO_GPU:
-            gpu = None
-        elif ":" in gpu_type:
-            if m.gpu_count != 1:
-                raise ExecutorError(f"modal.gpu {m.gpu!r} already has a count; drop modal.gpu_count "
-                                    f"({m.gpu_count}) or write modal.gpu = {gpu_type.split(':')[0]!r}")
-            gpu = gpu_type
-        else:
-            gpu = gpu_type if m.gpu_count == 1 else f"{gpu_type}:{m.gpu_count}"
         empty = [n for n in m.secrets if not n.strip()]
         if empty:
             raise ExecutorError("modal.secrets has an empty name; list Modal secret names "
                                 "(see `modal secret list`)")
-        return FunctionOptions(gpu=gpu, timeout_s=m.timeout_s,
+        return FunctionOptions(gpu=self._gpu(), timeout_s=m.timeout_s,
                                retries=relaunches(self.spec, self.name),
                                secret_names=tuple(m.secrets), secret_values=self.job_secrets())
+
+    def _gpu(self) -> str | None:
+        """``modal.gpu``'s type with ``gpus_per_replica`` GPUs (None: CPU only). A count written in
+        ``modal.gpu`` must agree; a count above what Modal puts in one container is refused."""
+        m = self.spec.modal
+        n = self.spec.gpus_per_replica
+        gpu_type, sep, written = m.gpu.strip().partition(":")
+        if gpu_type.lower() in _NO_GPU:
+            return None  # gpus_per_replica CPU processes (gloo)
+        if sep and written.strip() != str(n):
+            raise ExecutorError(f"modal.gpu {m.gpu!r} asks for {written.strip() or 'no'} GPUs but gpus_per_replica "
+                                f"= {n}; write modal.gpu = {gpu_type!r} and set gpus_per_replica (it sets both "
+                                "the GPUs of each call and the replica's local ranks)")
+        key = _GPU_ALIASES.get(gpu_type.upper(), gpu_type.upper())
+        limit = MODAL_MAX_GPUS_PER_CONTAINER.get(key)
+        if limit is not None and n > limit:
+            allowed = ", ".join(t for t, most in MODAL_MAX_GPUS_PER_CONTAINER.items() if most >= n)
+            raise ExecutorError(f"gpus_per_replica = {n}: Modal puts at most {limit} {gpu_type} GPUs in one "
+                                f"container (modal.com/docs/guide/gpu); use gpus_per_replica <= {limit} or a "
+                                f"modal.gpu type with {n}: {allowed}")
+        return gpu_type if n == 1 else f"{gpu_type}:{n}"
 
     def gpus_per_replica(self) -> int:
         opts = self.function_options()
@@ -339,9 +357,15 @@ class ModalExecutor(RemoteExecutor):
 
     def _gpu_notes(self) -> list[str]:
         gpu = self.spec.modal.gpu.split(":", 1)[0].strip()
-        if gpu.lower() not in _NO_GPU and gpu.upper() not in KNOWN_GPUS:
-            return [f"GPU type {gpu!r} is not one Modal documents ({', '.join(KNOWN_GPUS)}); Modal decides"]
-        return []
+        if gpu.lower() in _NO_GPU:
+            return []
+        notes = []
+        if gpu.upper() not in KNOWN_GPUS:
+            notes.append(f"GPU type {gpu!r} is not one Modal documents ({', '.join(KNOWN_GPUS)}); Modal decides")
+        if self.spec.device == "cpu":
+            notes.append(f'device = "cpu": the {self.spec.gpus_per_replica} {gpu} GPU(s) of each call go unused; '
+                         'set modal.gpu = "cpu" for CPU-only calls')
+        return notes
 
     def _remote_readers(self) -> str:
         return "Modal containers"
@@ -367,11 +391,12 @@ class ModalExecutor(RemoteExecutor):
         Modal alone, and a missing secret fails the launch by name. Raises
         :class:`ExecutorError`.
         """
-        self.function_options()  # raises on a bad GPU count or an empty secret name
+        self.function_options()  # raises on a GPU count Modal cannot give or an empty secret name
         super().preflight(run_uri, ranks)
 
     def cost_estimate(self, jobs: int) -> CostEstimate:
-        """Dollars for ``jobs`` calls from :data:`MODAL_GPU_PRICE_PER_S` (GPU time only). Never raises."""
+        """Dollars for ``jobs`` calls from :data:`MODAL_GPU_PRICE_PER_S` (GPU time only): a call costs
+        ``gpus_per_replica`` x the per-GPU price. Raises only on options :meth:`function_options` refuses."""
         opts = self.function_options()
         attempts = attempts_of(self.spec, self.name)
         if opts.gpu is None:
@@ -425,6 +450,7 @@ class ModalExecutor(RemoteExecutor):
             env_names=sorted(self.job_env()),
             secret_names=list(opts.secret_names),
             gpu=opts.gpu or "none (CPU)",
+            gpus_per_replica=gpus,
             estimated_gpu_hours=len(ranks) * gpus * opts.timeout_s / 3600,
             notes=notes,
             **cost.plan_fields(),

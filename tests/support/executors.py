@@ -10,9 +10,11 @@ from composer_cloud.jobs.base import JobHandle, ReplicaState, ReplicaStatus, Ser
 from composer_cloud.spec import RunSpec, spec_from_dict
 
 
-def executor_spec(section: str, *, store: str, run_id: str, replicas: int = 2, **options: Any) -> RunSpec:
+def executor_spec(section: str, *, store: str, run_id: str, replicas: int = 2, gpus_per_replica: int = 1,
+                  **options: Any) -> RunSpec:
     """A spec whose ``[section]`` (``modal``, ``hf_jobs``) holds ``options``."""
-    return spec_from_dict({"run_id": run_id, "store": store, "replicas": replicas, section: options})
+    return spec_from_dict({"run_id": run_id, "store": store, "replicas": replicas,
+                           "gpus_per_replica": gpus_per_replica, section: options})
 
 
 def code_argv(code: str, *, python: str = "python") -> Callable[[str, int], list[str]]:
