@@ -1,0 +1,75 @@
+"""The local ranks of a multi-GPU replica: started by torch.distributed's elastic agent, one owner.
+
+When ``spec.gpus_per_replica = N > 1`` the replica's entry point does not train itself: it starts ``N``
+local ranks with :func:`torch.distributed.launcher.api.elastic_launch` (the agent behind ``torchrun``), each
+``python -m composer_cloud.replica --run RUN --rank R --local-ranks N`` with torch's ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a rendezvous on the job's loopback: nothing leaves the
+job), so no executor builds a ``torchrun`` command.
+
+Failure semantics (docs/multi-gpu.md): ``max_restarts = 0`` inside the job. A local rank that dies (a crash,
+``kill -9``, an OOM) makes the agent stop the others and :func:`launch_local_ranks` return 1, so the job
+fails as a whole and the executor's ``max_restarts`` restarts the whole replica, which resumes like any
+restarted replica. A rank never outlives its replica, and a replica never commits a round without all its
+shards (:mod:`composer_cloud.sync.lockstep.sharded`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalRanks:
+    """This process's place in its replica: local rank ``index`` of ``count`` (``count = 1``: no local ranks)."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def leader(self) -> bool:
+        """Local rank 0 writes what belongs to the replica (heartbeats, metrics, checkpoints, summaries)."""
+        return self.index == 0
+
+
+def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_s: float = 0.2) -> int:
+    """Run ``count`` local ranks of replica ``rank`` under the elastic agent; 0 if all finished, else 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=f"replica-{rank}-{uuid.uuid4().hex}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=monitor_interval_s, start_method="spawn")
+    argv = ["-m", "composer_cloud.replica", "--run", run_uri, "--rank", str(rank), "--local-ranks", str(count)]
+    logger.info("replica %d: starting %d local ranks", rank, count)
+    try:
+        elastic_launch(config, sys.executable)(*argv)
+    except ChildFailedError as exc:
+        logger.error("replica %d: a local rank failed, so the replica stops (the executor may restart it): %s",
+                     rank, exc.get_first_failure()[1].message if exc.failures else exc)
+        return 1
+    return 0
+
+
+def init_local_group(local: LocalRanks, *, device_type: str, timeout_s: float) -> object:
+    """Join the replica's process group (NCCL on GPUs, gloo on CPU); returns the gloo group the sync uses.
+
+    ``timeout_s`` bounds every collective: a rank that stops answering fails its peers' next collective
+    instead of hanging them (the agent stops the job first when the rank died).
+    """
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() != local.count or dist.get_rank() != local.index:
+        raise RuntimeError(f"local rank {local.index} of {local.count}: the process group says rank "
+                           f"{dist.get_rank()} of {dist.get_world_size()}")
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+__all__ = ["LocalRanks", "init_local_group", "launch_local_ranks"]
