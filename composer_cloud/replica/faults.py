@@ -44,8 +44,7 @@ def parse_stall(value: str) -> tuple[str, int, int] | tuple[str, int, int, int]:
 
 
 def parse_slow(value: str) -> dict[int, float]:
-    """``phase:round:rank[:local_rank]`` -> its parts; a malformed value names
-    :data:`~composer_cloud.env.STALL_AT`."""
+    """``rank:factor[,rank:factor...]`` -> ``{rank: factor}``; a malformed value names :data:`~composer_cloud.env.SLOW`."""
     out: dict[int, float] = {}
     for part in value.split(","):
         try:
