@@ -32,10 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", required=True, type=int)
     parser.add_argument("--local-ranks", type=int, default=None,
                         help="set by the replica itself for its local ranks (gpus_per_replica > 1)")
+    parser.add_argument("--agent-pid", type=int, default=None, help="set with --local-ranks: the agent's pid")
     args = parser.parse_args(argv)
     from composer_cloud.env import JobEnv
-    from composer_cloud.replica.launch import LocalRanks
+    from composer_cloud.replica.launch import LocalRanks, die_with_agent
 
+    if args.local_ranks is not None and args.agent_pid is not None:
+        die_with_agent(args.agent_pid)
     job_env = JobEnv.from_environ(os.environ)
     local = LocalRanks(index=int(os.environ["LOCAL_RANK"]), count=args.local_ranks) if args.local_ranks else \
         LocalRanks()

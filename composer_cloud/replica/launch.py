@@ -2,7 +2,7 @@
 
 When ``spec.gpus_per_replica = N > 1`` the replica's entry point does not train itself: it starts ``N``
 local ranks with :func:`torch.distributed.launcher.api.elastic_launch` (the agent behind ``torchrun``), each
-``python -m composer_cloud.replica --run RUN --rank R --local-ranks N`` with torch's ``LOCAL_RANK``,
+``python -m composer_cloud.replica --run RUN --rank R --local-ranks N --agent-pid P`` with torch's ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a rendezvous on the job's loopback: nothing leaves the
 job), so no executor builds a ``torchrun`` command.
 
@@ -16,6 +16,7 @@ shards (:mod:`composer_cloud.sync.lockstep.sharded`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import uuid
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=f"replica-{rank}-{uuid.uuid4().hex}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=monitor_interval_s, start_method="spawn")
-    argv = ["-m", "composer_cloud.replica", "--run", run_uri, "--rank", str(rank), "--local-ranks", str(count)]
+    argv = ["-m", "composer_cloud.replica", "--run", run_uri, "--rank", str(rank), "--local-ranks", str(count),
+            "--agent-pid", str(os.getpid())]
     logger.info("replica %d: starting %d local ranks", rank, count)
     try:
         elastic_launch(config, sys.executable)(*argv)
@@ -54,6 +56,32 @@ def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_
                      rank, exc.get_first_failure()[1].message if exc.failures else exc)
         return 1
     return 0
+
+
+def die_with_agent(agent_pid: int) -> None:
+    """Make this local rank die with the agent that started it (the agent starts each rank in its own session).
+
+    A replica's job that is killed as a whole (a lost machine, ``cancel``, ``kill -9`` of its process group)
+    then leaves no rank behind that could go on writing to the store. Linux: ``PR_SET_PDEATHSIG``; elsewhere a
+    thread that exits the process once the parent is gone.
+    """
+    import signal
+    import threading
+    import time
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    else:
+        def watch() -> None:
+            while os.getppid() == agent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="die-with-agent", daemon=True).start()
+    if os.getppid() != agent_pid:  # the agent died before the signal was armed
+        os._exit(1)
 
 
 def init_local_group(local: LocalRanks, *, device_type: str, timeout_s: float) -> object:
@@ -72,4 +100,4 @@ def init_local_group(local: LocalRanks, *, device_type: str, timeout_s: float) -
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-__all__ = ["LocalRanks", "init_local_group", "launch_local_ranks"]
+__all__ = ["LocalRanks", "die_with_agent", "init_local_group", "launch_local_ranks"]

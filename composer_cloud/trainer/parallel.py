@@ -42,6 +42,9 @@ def check_local_ranks(spec: RunSpec) -> None:
                         f"with {where}: use a dense codec (fp32, bf16, int8) and fragments = 1")
     if spec.model.lora is not None:
         raise SpecError("model.lora", f"LoRA is not supported with {where} yet")
+    if spec.trainer.batch_size < n:
+        raise SpecError("trainer.batch_size", f"{spec.trainer.batch_size} rows cannot be split over {where}: "
+                        f"use at least {n} (each local rank trains on its share of the replica's batch)")
     if spec.trainer.name not in LOCAL_RANK_TRAINERS:
         raise SpecError("trainer.name", f"{spec.trainer.name!r} does not split its batch over local ranks; with "
                         f"{where} use one of {LOCAL_RANK_TRAINERS}")
