@@ -91,3 +91,18 @@ def test_a_stall_names_one_local_rank(tmp_path):
     stalled.join(timeout=2)
     assert stalled.is_alive() and marker.read_text().splitlines()[0] == "upload:1:0"
     assert marker.read_text().splitlines()[1].startswith("pid ")
+
+
+def test_the_documented_multi_gpu_spec_is_one_a_multi_gpu_replica_runs(tmp_path):
+    """docs/multi-gpu.md's spec passes launch's checks (test_docs.py) and the multi-GPU replica's own."""
+    import re
+    from pathlib import Path
+
+    from composer_cloud.spec import load_spec
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "multi-gpu.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
+    (tmp_path / "spec.toml").write_text(block)
+    spec = load_spec(tmp_path / "spec.toml", {})
+    assert spec.gpus_per_replica == 2 and spec.parallelism == "ddp" and spec.max_restarts == 1
+    check_local_ranks(spec)
