@@ -26,29 +26,10 @@ from support.cli import cli
 from support.faults import stalled_pid
 from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, launch_run, same_weights
-from support.specs import SMALL_RUN_TOML
+from support.specs import multi_gpu_spec
 from support.stores import store_uri_for
 
 pytestmark = pytest.mark.slow
-
-#: 2 replicas, 3 lock-step rounds of 2 inner steps, every checkpoint kept; a replica batch of 4 rows.
-SPEC = """
-replicas = 2
-min_replicas = 2
-rounds = 3
-inner_steps = 2
-keep_checkpoints = 10
-gpus_per_replica = {n}
-{extra}
-[sync]
-quorum_timeout_s = 60
-round_timeout_s = 20
-heal_timeout_s = 60
-""" + SMALL_RUN_TOML
-
-
-def _spec(n: int, extra: str = "") -> str:
-    return SPEC.format(n=n, extra=extra)
 
 
 def _round_bytes(run_uri: str) -> float:
@@ -63,7 +44,7 @@ def two_by_two(tmp_path_factory) -> tuple[Path, str]:
     """An uninterrupted 2 x 2 run (the baseline of the resume test too)."""
     cwd = tmp_path_factory.mktemp("two-by-two")
     store = store_uri_for("file", cwd)
-    res = launch_run(cwd, store, "sharded", _spec(2))
+    res = launch_run(cwd, store, "sharded", multi_gpu_spec(2))
     assert res.returncode == 0, res.stdout + res.stderr
     return cwd, f"{store}/sharded"
 
@@ -71,7 +52,7 @@ def two_by_two(tmp_path_factory) -> tuple[Path, str]:
 def test_two_local_ranks_match_one_and_halve_the_bytes_per_rank(two_by_two, tmp_path):
     cwd, sharded = two_by_two
     store = store_uri_for("file", tmp_path)
-    res = launch_run(tmp_path, store, "whole", _spec(1))
+    res = launch_run(tmp_path, store, "whole", multi_gpu_spec(1))
     assert res.returncode == 0, res.stdout + res.stderr
     got = export_weights(cwd, sharded, "sharded-model")
     want = export_weights(tmp_path, f"{store}/whole", "whole-model")
@@ -107,7 +88,7 @@ def test_a_local_rank_killed_mid_round_costs_its_replica_a_restart_never_a_parti
         request.getfixturevalue("s3_endpoint")
     store = store_uri_for(kind, tmp_path)
     cfg = tmp_path / "spec.toml"
-    cfg.write_text(_spec(2, "max_restarts = 1"))
+    cfg.write_text(multi_gpu_spec(2, "max_restarts = 1"))
     # Local rank 1 of replica 0 stalls after part of its shard's pseudo-gradient of round 1 is uploaded.
     launcher = launch_stalled(tmp_path, cfg, store, "killed", phase="upload", round=1, rank=0, local_rank=1)
     os.kill(stalled_pid(tmp_path / "stalled-killed"), signal.SIGKILL)
@@ -130,7 +111,7 @@ def test_kill_everything_then_resume_is_bitwise(two_by_two, tmp_path):
     expected = export_weights(cwd, sharded, "baseline")
     store = store_uri_for("file", tmp_path)
     cfg = tmp_path / "spec.toml"
-    cfg.write_text(_spec(2))
+    cfg.write_text(multi_gpu_spec(2))
     launcher = launch_stalled(tmp_path, cfg, store, "resumed", phase="upload", round=1, rank=0, local_rank=1,
                               capture=False)
     kill_run(f"{store}/resumed", launcher)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from composer_cloud.replica.faults import EnvFaults
-    from composer_cloud.replica.runtime import Replica, local_ranks_of
+    from composer_cloud.replica.runtime import Replica, local_ranks_of, report_local_failure
 
     torch.set_num_threads(job_env.threads)
     replica = None
@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.local_ranks is None and (count := local_ranks_of(args.run, job_env=job_env)) > 1:
             from composer_cloud.replica.launch import launch_local_ranks
 
-            return launch_local_ranks(args.run, args.rank, count)
+            failed = launch_local_ranks(args.run, args.rank, count)
+            if failed is not None:
+                report_local_failure(args.run, args.rank, job_env=job_env, error=failed)
+            return 0 if failed is None else 1
         replica = Replica(args.run, args.rank, job_env=job_env, local=local,
                           hooks=EnvFaults.from_env(job_env, local_rank=local.index))
         replica.run()

@@ -38,8 +38,11 @@ class LocalRanks:
         return self.index == 0
 
 
-def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_s: float = 0.2) -> int:
-    """Run ``count`` local ranks of replica ``rank`` under the elastic agent; 0 if all finished, else 1."""
+def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_s: float = 0.2) -> str | None:
+    """Run ``count`` local ranks of replica ``rank`` under the elastic agent.
+
+    Returns None when every rank finished, else what failed first (``"local rank 1 exited with -9 ..."``).
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -52,10 +55,12 @@ def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_
     try:
         elastic_launch(config, sys.executable)(*argv)
     except ChildFailedError as exc:
-        logger.error("replica %d: a local rank failed, so the replica stops (the executor may restart it): %s",
-                     rank, exc.get_first_failure()[1].message if exc.failures else exc)
-        return 1
-    return 0
+        local, failure = exc.get_first_failure()
+        what = f"local rank {local} exited with {failure.exitcode} ({failure.message or 'no message'})"
+        logger.error("replica %d: %s; its other ranks were stopped (the executor may restart the replica)",
+                     rank, what)
+        return what
+    return None
 
 
 def die_with_agent(agent_pid: int) -> None:

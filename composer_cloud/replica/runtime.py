@@ -151,6 +151,13 @@ def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
     return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
 
 
+def report_local_failure(run_uri: str, rank: int, *, job_env: JobEnv, error: str) -> None:
+    """The agent of a multi-GPU replica: a failed heartbeat naming the local rank that took the job down."""
+    run = open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env)
+    Telemetry(run.store, rank, rounds=run.spec.rounds, inner_steps=run.spec.inner_steps,
+              progress_every_s=run.spec.progress_every_s).heartbeat(HeartbeatState.FAILED, error=error)
+
+
 class QuietTelemetry(Telemetry):
     """The reports of local ranks ``k > 0`` of a multi-GPU replica: none (local rank 0 reports for it)."""
 
@@ -212,4 +219,4 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
     return steps
 
 
-__all__ = ["QuietTelemetry", "Replica", "local_ranks_of"]
+__all__ = ["QuietTelemetry", "Replica", "local_ranks_of", "report_local_failure"]
