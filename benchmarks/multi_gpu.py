@@ -102,7 +102,8 @@ def fault_case(root: Path, phase: str, local_rank: int) -> dict:
     digests = {run.store.get_json(layout.heartbeat_key(r)).get("params_sha256") for r in range(2)}
     ok = launcher.returncode == 0 and not partial and len(digests) == 1 and None not in digests
     return {"phase": phase, "local_rank": local_rank, "result": "survived" if ok else "failed",
-            "attempts_round_1": [("commit" if o.committed else f"abort {o.missing}") for o in outcomes],
+            "attempts_round_1": [("commit" if o.committed else f"abort {o.missing} ({o.reason[:70]})")
+                                 for o in outcomes],
             "wall_s": time.monotonic() - t0}
 
 

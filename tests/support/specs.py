@@ -60,8 +60,8 @@ keep_checkpoints = 10
 gpus_per_replica = {n}
 {extra}
 [sync]
-quorum_timeout_s = 60
-round_timeout_s = 20
+quorum_timeout_s = 15
+round_timeout_s = 30
 heal_timeout_s = 60
 """ + SMALL_RUN_TOML
 

@@ -22,7 +22,8 @@ Protocol for one attempt (``W`` = number of participants, ``i`` = my index):
 5. Commit: create ``outcome.json`` ``{"committed": true}``. A missing payload
    or a failed check creates ``{"committed": false, "reason": ...}`` instead;
    the write-once record makes the decision unique, and nobody applies a
-   result whose outcome is not a valid commit.
+   result whose outcome is not a valid commit. (A multi-GPU replica creates
+   the commit only once every shard verified its part: ``_agree``, sharded.py.)
 
 Retries (the abort rule, docs/architecture.md). An attempt aborted by an integrity check is retried at
 once as attempt ``a + 1`` in the same call, by every participant with the payload it sent, without the
