@@ -2,7 +2,7 @@
 """Multi-GPU replicas on CPU (gloo): equivalence, bytes and step time per local rank, and kill -9 faults.
 
     python benchmarks/multi_gpu.py                  # 2 replicas x 2 local ranks vs x 1 (~1.5 min)
-    python benchmarks/multi_gpu.py --faults         # + kill -9 of one local rank at every phase (~8 min)
+    python benchmarks/multi_gpu.py --faults         # + kill -9 of one local rank at every phase (~5 min)
     python benchmarks/multi_gpu.py --json out.json
 
 The runs are the spec of ``tests/test_multi_gpu_e2e.py`` (the tiny model, 3 lock-step rounds of 2 inner
