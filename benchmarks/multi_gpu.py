@@ -3,6 +3,7 @@
 
     python benchmarks/multi_gpu.py                  # 2 replicas x 2 local ranks vs x 1 (~1.5 min)
     python benchmarks/multi_gpu.py --faults         # + kill -9 of one local rank at every phase (~5 min)
+    python benchmarks/multi_gpu.py --bf16           # the same under bf16 autocast
     python benchmarks/multi_gpu.py --json out.json
 
 The runs are the spec of ``tests/test_multi_gpu_e2e.py`` (the tiny model, 3 lock-step rounds of 2 inner
@@ -54,7 +55,7 @@ def _rows(run_uri: str) -> list[dict]:
     return read_metrics(open_run(run_uri).store, kind="round")
 
 
-def measure(root: Path, n: int) -> dict:
+def measure(root: Path, n: int, *, bf16: bool = False) -> dict:
     """The one-rank run and the ``n``-rank run: diff, bytes per rank, step time per rank."""
     out: dict = {}
     weights = {}
@@ -63,7 +64,10 @@ def measure(root: Path, n: int) -> dict:
         cwd.mkdir()
         store = f"file://{cwd}/store"
         t0 = time.monotonic()
-        res = launch_run(cwd, store, "run", multi_gpu_spec(ranks))
+        spec = multi_gpu_spec(ranks)
+        if bf16:
+            spec = spec.replace("[model]\n", '[model]\nprecision = "bf16"\n')
+        res = launch_run(cwd, store, "run", spec)
         if res.returncode != 0:
             raise SystemExit(res.stdout + res.stderr)
         rows = _rows(f"{store}/run")
@@ -111,11 +115,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--faults", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help='model.precision = "bf16" (autocast) in both runs')
     parser.add_argument("--json", default="benchmarks/out/multi_gpu.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        result = measure(root, args.ranks)
+        result = measure(root, args.ranks, bf16=args.bf16)
         n = args.ranks
         print(f"{'':24}{'1 rank':>14}{f'{n} ranks':>14}")
         for key in ("bytes_per_rank", "step_s", "wall_s"):
