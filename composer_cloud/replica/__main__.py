@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from composer_cloud.replica.faults import EnvFaults
     from composer_cloud.replica.runtime import Replica, local_ranks_of, report_local_failure
 
-    torch.set_num_threads(job_env.threads)
+    torch.set_num_threads(max(1, job_env.threads // local.count))  # the job's threads, shared by its local ranks
     replica = None
     try:
         if args.local_ranks is None and (count := local_ranks_of(args.run, job_env=job_env)) > 1:
