@@ -7,6 +7,11 @@ asks for them (:mod:`~composer_cloud.replica.faults`; crash tests), and runs
 one :class:`~composer_cloud.replica.runtime.Replica`. Exit code 0: this replica
 finished; 1: it failed (the error is logged, and written to its heartbeat when
 the run could be opened: a replica that may not open the run writes nothing).
+
+A run with ``gpus_per_replica = N > 1``: this process starts the replica's ``N``
+local ranks under torch's elastic agent (:mod:`~composer_cloud.replica.launch`)
+and exits with their verdict; each local rank is this entry point again, with
+``--local-ranks N`` and torch's ``LOCAL_RANK`` in its environment.
 """
 
 from __future__ import annotations
@@ -25,23 +30,40 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer_cloud.replica", description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="run URI, <store>/<run_id>")
     parser.add_argument("--rank", required=True, type=int)
+    parser.add_argument("--local-ranks", type=int, default=None,
+                        help="set by the replica itself for its local ranks (gpus_per_replica > 1)")
+    parser.add_argument("--agent-pid", type=int, default=None, help="set with --local-ranks: the agent's pid")
     args = parser.parse_args(argv)
     from composer_cloud.env import JobEnv
+    from composer_cloud.replica.launch import LocalRanks, die_with_agent
 
+    if args.local_ranks is not None and args.agent_pid is not None:
+        die_with_agent(args.agent_pid)
     job_env = JobEnv.from_environ(os.environ)
+    local = LocalRanks(index=int(os.environ["LOCAL_RANK"]), count=args.local_ranks) if args.local_ranks else \
+        LocalRanks()
+    name = f"r{args.rank}" if args.local_ranks is None else f"r{args.rank}.{local.index}"
     logging.Formatter.converter = time.gmtime  # UTC, as runs/logs.py parses it
     logging.basicConfig(level=job_env.log_level, datefmt="%Y-%m-%dT%H:%M:%S",
-                        format=f"%(asctime)s.%(msecs)03dZ r{args.rank} %(levelname)s %(name)s: %(message)s",
+                        format=f"%(asctime)s.%(msecs)03dZ {name} %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
     import torch
 
     from composer_cloud.replica.faults import EnvFaults
-    from composer_cloud.replica.runtime import Replica
+    from composer_cloud.replica.runtime import Replica, local_ranks_of, report_local_failure
 
-    torch.set_num_threads(job_env.threads)
+    torch.set_num_threads(max(1, job_env.threads // local.count))  # the job's threads, shared by its local ranks
     replica = None
     try:
-        replica = Replica(args.run, args.rank, job_env=job_env, hooks=EnvFaults.from_env(job_env))
+        if args.local_ranks is None and (count := local_ranks_of(args.run, job_env=job_env)) > 1:
+            from composer_cloud.replica.launch import launch_local_ranks
+
+            failed = launch_local_ranks(args.run, args.rank, count)
+            if failed is not None:
+                report_local_failure(args.run, args.rank, job_env=job_env, error=failed)
+            return 0 if failed is None else 1
+        replica = Replica(args.run, args.rank, job_env=job_env, local=local,
+                          hooks=EnvFaults.from_env(job_env, local_rank=local.index))
         replica.run()
         return 0
     except Exception as exc:

@@ -25,6 +25,7 @@ from composer_cloud.hooks import Hooks
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.storage.run import Run
+from composer_cloud.sync.lockstep.sharded import LocalShard
 
 
 def params_replaced(trainer: Any) -> None:
@@ -73,6 +74,13 @@ class ReplicaContext:
     device: torch.device
     hooks: Hooks
     telemetry: Telemetry
+    #: This process's place in a multi-GPU replica (``spec.gpus_per_replica > 1``), else None.
+    shard: LocalShard | None = None
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process writes what belongs to the replica (always, but local ranks ``k > 0``)."""
+        return self.shard is None or self.shard.index == 0
 
     @property
     def spec(self) -> Any:

@@ -31,6 +31,7 @@ from composer_cloud.errors import CorruptCheckpoint
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, params_replaced, snapshot
 from composer_cloud.retry import PollPolicy, wait_until
+from composer_cloud.storage import layout
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import (
@@ -65,7 +66,8 @@ class LockstepBoundary:
         self._start_round = self._resume.round + 1 if self._resume else 0
         self.loop = build_diloco(store=self.store, rank=self.rank, model=ctx.model,
                                  inner_optimizer=ctx.trainer.optimizer, config=LockstepConfig.from_spec(self.spec),
-                                 hooks=ctx.hooks, start_round=self._start_round, on_sync=self._syncs.append)
+                                 hooks=ctx.hooks, start_round=self._start_round, on_sync=self._syncs.append,
+                                 shard=ctx.shard)
 
     @property
     def position(self) -> int:
@@ -99,7 +101,10 @@ class LockstepBoundary:
                 logger.warning("replica %d: round %d's global state did not become durable within "
                                "round_timeout_s; resuming from an earlier round", self.rank, committed)
         durable = self.global_states.durable_rounds(rounds.attempt_of(self.store))
-        return self.replica_states.resume_point(self.rank, world_size=self.spec.replicas, durable_rounds=durable)
+        point = self.replica_states.resume_point(self.rank, world_size=self.spec.replicas, durable_rounds=durable)
+        if self.ctx.shard is not None:
+            _same_on_every_local_rank(point, self.ctx.shard.group)
+        return point
 
     def _restore(self, start: ResumePoint) -> None:
         """Load global state into DiLoCo and the model, and this replica's inner state if present."""
@@ -145,10 +150,12 @@ class LockstepBoundary:
             "participants": res.participants if res else [], "sync_s": res.wall_s if res else 0.0,
             "quorum_wait_s": res.quorum_wait_s if res else 0.0, "bytes_read": res.bytes_read if res else 0,
             "bytes_written": res.bytes_written if res else 0}
+        # A multi-GPU replica's ranks each synced one shard: now each gets every shard's global state.
+        self.loop.share_shards()
         # Every sync replaced the synced parameters: torchft's DiLoCo restores the global backup before it
         # knows the outcome (then an outer step, or a heal, or nothing more if the round was not committed).
         params_replaced(self.ctx.trainer)
-        if rec.committed and res is not None:
+        if rec.committed and res is not None and self.ctx.leader:  # local rank 0 checkpoints the replica
             self._after_commit(rec.round, res.attempt, res.participants, row)
         self._reap_io()
         return row
@@ -211,12 +218,26 @@ class LockstepBoundary:
         manager.flush_state()
         for fut in self._pending_io:
             fut.result()
-        if manager.current_step() > 0:
+        if manager.current_step() > 0 and self.ctx.leader:  # the leader's state covers every shard
             self.loop.verify_durable(manager.current_step() - 1)
         self.loop.close()
         self._io.shutdown(wait=True)
         self._manifest_io.shutdown(wait=True)
         return {"round": manager.current_step(), "params_sha256": params_digest(self.ctx.model)}
+
+
+def _same_on_every_local_rank(point: ResumePoint | None, group: Any) -> None:
+    """The local ranks of a replica resume the same round from the same inner state, or the replica stops."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [-1, -1] if point is None else [point.round, -1 if point.replica_crc32 is None else point.replica_crc32]
+    lo, hi = torch.tensor(mine, dtype=torch.int64), torch.tensor([-x for x in mine], dtype=torch.int64)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MIN, group=group)
+    if lo.tolist() != [-x for x in hi.tolist()]:
+        raise CorruptCheckpoint(layout.CHECKPOINTS, "the local ranks of this replica found different resume points "
+                                "(the store changed while they looked); restart the replica")
 
 
 __all__ = ["LockstepBoundary"]

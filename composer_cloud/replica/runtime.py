@@ -36,6 +36,7 @@ from composer_cloud.hooks import Hooks
 from composer_cloud.lora import sync_footprint
 from composer_cloud.replica.boundary import Boundary, ReplicaContext, Segment
 from composer_cloud.replica.decoupled import DecoupledBoundary
+from composer_cloud.replica.launch import LocalRanks, init_local_group
 from composer_cloud.replica.lockstep import LockstepBoundary
 from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.replica.usercode import install_code, localize_spec
@@ -43,6 +44,8 @@ from composer_cloud.spec import SyncSpec
 from composer_cloud.stack import runtime_versions
 from composer_cloud.storage.records import CodeRef, HeartbeatState
 from composer_cloud.storage.run import Run, open_run
+from composer_cloud.sync.lockstep.sharded import LocalShard
+from composer_cloud.trainer.parallel import check_local_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class Replica:
     key (or an unsigned one with it) is refused there, before anything is written.
     """
 
-    def __init__(self, run_uri: str, rank: int, *, job_env: JobEnv, hooks: Hooks) -> None:
+    def __init__(self, run_uri: str, rank: int, *, job_env: JobEnv, hooks: Hooks,
+                 local: LocalRanks = LocalRanks()) -> None:
         # Every store access rides out an outage, the first one too: a replica that starts (or restarts)
         # while the store is down must not burn its restarts in a second. Until the spec is read, the
         # budget is the spec's default; then the run's own.
@@ -63,11 +67,18 @@ class Replica:
         spec = self.opened.spec
         if not 0 <= rank < spec.replicas:
             raise ValueError(f"--rank {rank} out of range: the run has {spec.replicas} replicas")
+        if local.count != spec.gpus_per_replica:
+            raise ValueError(f"--local-ranks {local.count}: the run has gpus_per_replica = {spec.gpus_per_replica}")
+        check_local_ranks(spec)
         self.rank = rank
+        self.local = local
         self.job_env = job_env
         self.hooks = hooks
-        self.telemetry = Telemetry(self.opened.store, rank, rounds=spec.rounds, inner_steps=spec.inner_steps,
-                                   progress_every_s=spec.progress_every_s)
+        # Local rank 0 reports for the replica (heartbeats, metrics); the other ranks of a multi-GPU replica
+        # write only their shard's objects.
+        self.telemetry = (Telemetry if local.leader else QuietTelemetry)(
+            self.opened.store, rank, rounds=spec.rounds, inner_steps=spec.inner_steps,
+            progress_every_s=spec.progress_every_s)
 
     def install_user_code(self) -> None:
         """Local copies of the files the spec names, and the run's user code on ``sys.path``, both verified.
@@ -90,14 +101,23 @@ class Replica:
         spec = self.opened.spec
         device = torch.device("cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
                               else "cpu")
+        shard = None
+        if self.local.count > 1:
+            if device.type == "cuda":
+                torch.cuda.set_device(self.local.index)
+                device = torch.device("cuda", self.local.index)
+            group = init_local_group(self.local, device_type=device.type,
+                                     timeout_s=spec.sync.quorum_timeout_s + 2 * spec.sync.round_timeout_s)
+            shard = LocalShard(index=self.local.index, count=self.local.count, group=group)
         torch.manual_seed(spec.seed)
         model, tokenizer = load_spec_model(spec.model, seed=spec.seed, device=device)
         trainer = build_trainer(spec.trainer.name, TrainerContext(
             model=model, tokenizer=tokenizer, rank=self.rank, world_size=spec.replicas, seed=spec.seed,
             device=device, settings=spec.trainer.settings(),
-            inner_optimizer=spec.inner_optimizer.model_dump(mode="json")))
+            inner_optimizer=spec.inner_optimizer.model_dump(mode="json"), local_rank=self.local.index,
+            local_world=self.local.count))
         return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
-                              hooks=self.hooks, telemetry=self.telemetry)
+                              hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 
     def run(self) -> None:
         self.install_user_code()
@@ -115,11 +135,46 @@ class Replica:
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
         logger.info("replica %d completed at round %d", self.rank, final.get("round", boundary.position))
+        if ctx.shard is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
     def report_failure(self, exc: BaseException) -> None:
         """Best effort: the steps of the unfinished round, and a failed heartbeat naming the error."""
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.FAILED, error=f"{type(exc).__name__}: {exc}")
+
+
+def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
+    """The run's ``gpus_per_replica``: how many local ranks the replica's entry point starts."""
+    return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
+
+
+def report_local_failure(run_uri: str, rank: int, *, job_env: JobEnv, error: str) -> None:
+    """The agent of a multi-GPU replica: a failed heartbeat naming the local rank that took the job down."""
+    run = open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env)
+    Telemetry(run.store, rank, rounds=run.spec.rounds, inner_steps=run.spec.inner_steps,
+              progress_every_s=run.spec.progress_every_s).heartbeat(HeartbeatState.FAILED, error=error)
+
+
+class QuietTelemetry(Telemetry):
+    """The reports of local ranks ``k > 0`` of a multi-GPU replica: none (local rank 0 reports for it)."""
+
+    def start(self, versions: dict[str, str]) -> None:
+        return None
+
+    def heartbeat(self, state: HeartbeatState, **fields: Any) -> None:
+        return None
+
+    def step(self, round: int, step: int, out: dict[str, Any], dt: float) -> None:
+        return None
+
+    def round(self, row: dict[str, Any]) -> str:
+        return ""
+
+    def flush(self) -> None:
+        return None
 
 
 def sync_fields(model: torch.nn.Module) -> dict[str, Any]:
@@ -164,4 +219,4 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
     return steps
 
 
-__all__ = ["Replica"]
+__all__ = ["QuietTelemetry", "Replica", "local_ranks_of", "report_local_failure"]

@@ -149,7 +149,8 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
         raise LookupError(f"run {store.uri} has no checkpoint to export yet (the first is written when round 1 "
                           "commits); see `composer-cloud status`")
     model, tokenizer = _model_for(run)
-    fragments = split_fragments(model, spec.sync.fragments)
+    # A multi-GPU replica's global state is one fragment per shard (sync/lockstep/sharded.py; fragments = 1).
+    fragments = split_fragments(model, spec.sync.fragments * spec.gpus_per_replica)
     if round is not None:
         attempt = attempt_of(round)
         if attempt is None or not states.durable(round, attempt):

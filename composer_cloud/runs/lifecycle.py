@@ -206,8 +206,10 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """
     from composer_cloud.runs.packaging import UserCodeError, collect_code
     from composer_cloud.trainer import check_settings
+    from composer_cloud.trainer.parallel import check_local_ranks
 
     _check_device(spec)
+    check_local_ranks(spec)  # what a multi-GPU replica cannot run yet (the replica checks again)
     from composer_cloud.runs.doctor import missing_sdks
 
     missing = missing_sdks([name for name, _ in assign_ranks(spec.executor, spec.replicas)], spec.store)

@@ -22,6 +22,7 @@ object: the bucket is not trusted, so callers skip it).
     rounds/<r>/<a>/quorum.json                          write-once participant set
     rounds/<r>/<a>/grad/<rank>/<slot>                   encoded slot of a participant's pseudo-gradient
     rounds/<r>/<a>/reduced/<slot> (+ .json)             reduced slot, then its write-once digest
+    rounds/<r>/<a>/shard/<k>/grad|reduced/...           the same, for shard k of multi-GPU replicas
     rounds/<r>/<a>/sparse/<rank mod S>/<rank>           sparse contribution (sync.codec = "sparse")
     rounds/<r>/<a>/sparse/ack/<rank>.json               digest of the mean a participant computed
     rounds/<r>/<a>/outcome.json                         write-once: committed or aborted
@@ -43,6 +44,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
+from dataclasses import dataclass
 
 #: Digits of the zero-padded numbers that order objects (a run of 10^8 rounds still sorts).
 NUM_WIDTH = 8
@@ -227,16 +229,39 @@ def void_key(round: int, attempt: int) -> str:
     return f"{attempt_prefix(round, attempt)}/void.json"
 
 
-def grad_key(round: int, attempt: int, rank: int, slot: int) -> str:
-    return f"{attempt_prefix(round, attempt)}/grad/{rank}/{slot}"
+def _payload_prefix(round: int, attempt: int, shard: int | None) -> str:
+    base = attempt_prefix(round, attempt)
+    return base if shard is None else f"{base}/shard/{shard}"
 
 
-def reduced_key(round: int, attempt: int, slot: int) -> str:
-    return f"{attempt_prefix(round, attempt)}/reduced/{slot}"
+def grad_key(round: int, attempt: int, rank: int, slot: int, *, shard: int | None = None) -> str:
+    return f"{_payload_prefix(round, attempt, shard)}/grad/{rank}/{slot}"
 
 
-def reduced_digest_key(round: int, attempt: int, slot: int) -> str:
-    return f"{reduced_key(round, attempt, slot)}.json"
+def reduced_key(round: int, attempt: int, slot: int, *, shard: int | None = None) -> str:
+    return f"{_payload_prefix(round, attempt, shard)}/reduced/{slot}"
+
+
+def reduced_digest_key(round: int, attempt: int, slot: int, *, shard: int | None = None) -> str:
+    return f"{reduced_key(round, attempt, slot, shard=shard)}.json"
+
+
+@dataclass(frozen=True)
+class SlotKeys:
+    """The payload keys of a dense exchange: the replica's (``shard=None``) or one shard's of a multi-GPU
+    replica (``rounds/<r>/<a>/shard/<k>/...``, exchanged by local rank ``k`` with rank ``k`` of every replica).
+    The round's records (join, quorum, outcome) are the replica's whatever the shard."""
+
+    shard: int | None = None
+
+    def grad(self, round: int, attempt: int, rank: int, slot: int) -> str:
+        return grad_key(round, attempt, rank, slot, shard=self.shard)
+
+    def reduced(self, round: int, attempt: int, slot: int) -> str:
+        return reduced_key(round, attempt, slot, shard=self.shard)
+
+    def reduced_digest(self, round: int, attempt: int, slot: int) -> str:
+        return reduced_digest_key(round, attempt, slot, shard=self.shard)
 
 
 #: Replicas per key prefix of a sparse gather's contributions (S3 limits request rates per prefix).
@@ -255,7 +280,7 @@ def sparse_ack_key(round: int, attempt: int, rank: int) -> str:
 
 
 #: Sub-prefixes of an attempt holding payloads (deleted once a later checkpoint exists); records stay.
-ATTEMPT_PAYLOADS = ("grad", "reduced", "join", "sparse")
+ATTEMPT_PAYLOADS = ("grad", "reduced", "join", "sparse", "shard")
 
 
 # --------------------------------------------------------------------------- checkpoints

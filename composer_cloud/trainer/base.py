@@ -29,6 +29,9 @@ class TrainerContext:
         device: torch device the model lives on.
         settings: the ``[trainer]`` table of the run spec (trainer-specific keys).
         inner_optimizer: keyword arguments for AdamW (``lr``, ``weight_decay``, ``betas``).
+        local_rank: this process's rank inside a multi-GPU replica (``spec.gpus_per_replica``).
+        local_world: the replica's local ranks; > 1: the trainer splits each batch over them and averages
+            the gradients (:mod:`composer_cloud.trainer.parallel`), so a step equals the one-rank step.
     """
 
     model: torch.nn.Module
@@ -39,6 +42,8 @@ class TrainerContext:
     device: torch.device
     settings: dict[str, Any] = field(default_factory=dict)
     inner_optimizer: dict[str, Any] = field(default_factory=dict)
+    local_rank: int = 0
+    local_world: int = 1
 
 
 @runtime_checkable

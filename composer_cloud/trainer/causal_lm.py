@@ -21,6 +21,7 @@ import torch
 from composer_cloud.corpus import heldout_corpus, train_corpus
 from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
+from composer_cloud.trainer.parallel import data_parallel, local_rows, loss_weight
 from composer_cloud.trainer.optim import build_inner_optimizer, load_optimizer_state, optimizer_state
 from composer_cloud.trainer.settings import CausalLMSettings
 
@@ -107,6 +108,9 @@ class CausalLMTrainer:
             self.heldout = _pack(ctx.tokenizer, heldout_corpus(), settings.seq_len)[: settings.eval_rows]
         self.rows = rows[ctx.rank :: ctx.world_size]
         self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
+        # A multi-GPU replica: every local rank draws the replica's batch, trains on its rows (trainer/parallel.py).
+        self.local_rank, self.local_world = ctx.local_rank, ctx.local_world
+        self.forward_model = data_parallel(self.model, ctx.local_world)
         self.bf16 = compute_precision(self.model) == "bf16"
         self.grad_clip = float(ctx.inner_optimizer.get("grad_clip", 1.0))
         self.generator = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)
@@ -132,13 +136,15 @@ class CausalLMTrainer:
     def step(self) -> dict[str, float]:
         self.model.train()
         batch = self._next_batch()
+        mine = batch[local_rows(len(batch), self.local_rank, self.local_world)]
         with self._autocast():
-            loss = self.model(input_ids=batch, labels=batch).loss
-        loss.backward()
+            loss = self.forward_model(input_ids=mine, labels=mine).loss
+        # Rows are full (no padding): a rank's share of the predicted tokens is its share of the rows.
+        (loss * loss_weight(len(mine), len(batch), self.local_world) if self.local_world > 1 else loss).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip) if self.grad_clip else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": float(loss.detach()), "tokens": int(batch.numel())}
+        out = {"loss": float(loss.detach()), "tokens": int(batch.numel())}  # this rank's rows' loss
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         return out

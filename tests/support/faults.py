@@ -15,11 +15,24 @@ from composer_cloud.hooks import PHASES
 STALL_PHASES = PHASES
 
 
-def stall_env(phase: str, round: int, rank: int, marker: Path) -> dict[str, str]:
-    """Variables that stall replica ``rank`` at ``phase`` of ``round`` once, creating ``marker`` when it does."""
+def stall_env(phase: str, round: int, rank: int, marker: Path, *, local_rank: int | None = None) -> dict[str, str]:
+    """Variables that stall replica ``rank`` (its local rank ``local_rank`` in a multi-GPU replica) at ``phase``
+    of ``round`` once, creating ``marker`` (with the stalled process's ``pid`` line) when it does."""
     if phase not in PHASES:
         raise ValueError(f"unknown stall phase {phase!r}; choose one of {PHASES}")
-    return {env.STALL_AT: f"{phase}:{round}:{rank}", env.STALL_MARKER: str(marker)}
+    where = f"{phase}:{round}:{rank}" + ("" if local_rank is None else f":{local_rank}")
+    return {env.STALL_AT: where, env.STALL_MARKER: str(marker)}
+
+
+def stalled_pid(marker: Path, *, timeout: float = 10) -> int:
+    """The pid a stall marker names (the marker is created, then written: wait for its pid line)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in marker.read_text().splitlines() if line.startswith("pid ")]
+        if lines:
+            return int(lines[0].split()[1])
+        assert time.monotonic() < deadline, f"{marker} names no pid"
+        time.sleep(0.05)
 
 
 def slow_env(factors: Mapping[int, float]) -> dict[str, str]:

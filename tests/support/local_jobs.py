@@ -23,10 +23,11 @@ from support.faults import stall_env, wait_for_marker, with_faults
 
 def launch_stalled(cwd: Path, config: Path, store: str, run_id: str, *, phase: str, round: int, rank: int,
                    extra_env: Mapping[str, str] | None = None, capture: bool = True,
-                   timeout: float = 180) -> subprocess.Popen:
-    """Launch attached (own session); return once replica ``rank`` stalls at ``phase`` of ``round``."""
+                   timeout: float = 180, local_rank: int | None = None) -> subprocess.Popen:
+    """Launch attached (own session); return once replica ``rank`` (its local rank ``local_rank``) stalls at
+    ``phase`` of ``round``. The marker, ``cwd/stalled-<run_id>``, names the stalled process's pid."""
     marker = cwd / f"stalled-{run_id}"
-    env = with_faults(stall_env(phase, round, rank, marker), extra_env or {})
+    env = with_faults(stall_env(phase, round, rank, marker, local_rank=local_rank), extra_env or {})
     launcher = start_cli("launch", "--config", str(config), "--store", store, "--run-id", run_id, cwd=cwd, env=env,
                          capture=capture)
     wait_for_marker(marker, launcher, timeout=timeout, what=f"{phase}:{round}:{rank}")

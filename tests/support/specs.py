@@ -47,3 +47,25 @@ def _toml(value: object) -> str:
     if isinstance(value, str):
         return f'"{value}"'
     return str(value)
+
+
+#: The multi-GPU runs (tests/test_multi_gpu_e2e.py, benchmarks/multi_gpu.py): 2 replicas, 3 lock-step rounds of
+#: 2 inner steps, every checkpoint kept, ``gpus_per_replica = {n}`` and ``{extra}`` top-level settings.
+MULTI_GPU_SPEC = """
+replicas = 2
+min_replicas = 2
+rounds = 3
+inner_steps = 2
+keep_checkpoints = 10
+gpus_per_replica = {n}
+{extra}
+[sync]
+quorum_timeout_s = 15
+round_timeout_s = 30
+heal_timeout_s = 60
+""" + SMALL_RUN_TOML
+
+
+def multi_gpu_spec(n: int, extra: str = "") -> str:
+    """:data:`MULTI_GPU_SPEC` with ``n`` local ranks per replica and ``extra`` settings (e.g. ``max_restarts``)."""
+    return MULTI_GPU_SPEC.format(n=n, extra=extra)

@@ -22,7 +22,8 @@ Protocol for one attempt (``W`` = number of participants, ``i`` = my index):
 5. Commit: create ``outcome.json`` ``{"committed": true}``. A missing payload
    or a failed check creates ``{"committed": false, "reason": ...}`` instead;
    the write-once record makes the decision unique, and nobody applies a
-   result whose outcome is not a valid commit.
+   result whose outcome is not a valid commit. (A multi-GPU replica creates
+   the commit only once every shard verified its part: ``_agree``, sharded.py.)
 
 Retries (the abort rule, docs/architecture.md). An attempt aborted by an integrity check is retried at
 once as attempt ``a + 1`` in the same call, by every participant with the payload it sent, without the
@@ -44,12 +45,12 @@ import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreTimeout, SyncError
+from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreTimeout
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import poll_until
 from composer_cloud.storage import layout
@@ -59,60 +60,10 @@ from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_out
                                         verify_reduced)
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.lockstep.config import AllReduceConfig
+from composer_cloud.sync.lockstep.results import BehindError, RoundResult, RoundTimeout, _Immediate
 from composer_cloud.sync.lockstep.rounds import join_rank, read_outcome, read_quorum
 
 logger = logging.getLogger(__name__)
-
-
-class RoundTimeout(SyncError):
-    """A round could not proceed before its deadline; names the missing ranks."""
-
-    def __init__(self, round: int, missing_ranks: Sequence[int], what: str) -> None:
-        self.round = round
-        self.missing_ranks = sorted(missing_ranks)
-        self.aborted = False
-        super().__init__(f"round {round}: {what}; missing replicas: {self.missing_ranks}")
-
-
-class _Immediate:
-    """A future-like that runs its function when asked for the result (inline fetches)."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self._fn, self._args = fn, args
-
-    def result(self) -> Any:
-        return self._fn(*self._args)
-
-
-class BehindError(SyncError):
-    """The round this replica tried to join is already committed: it must heal first."""
-
-    def __init__(self, round: int) -> None:
-        self.round = round
-        super().__init__(f"round {round} is already committed; heal from the committed state")
-
-
-@dataclass
-class RoundResult:
-    """What happened in a round, from one replica's view (its last attempt, and how many it ran)."""
-
-    round: int
-    attempt: int
-    participants: list[int]
-    participated: bool
-    committed: bool
-    reason: str = ""
-    wall_s: float = 0.0
-    quorum_wait_s: float = 0.0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    payload_bytes: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    attempts: int = 1
-    excluded: list[int] = field(default_factory=list)
-    #: The round committed, but this participant could not verify the committed result: it must heal
-    #: from the round's committed global state (never retry the round, never apply unverified bytes).
-    heal: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +95,7 @@ class ObjectStoreAllReduce:
         self.rank = rank
         self.config = config
         self.hooks = hooks
+        self.keys = layout.SlotKeys()  # the sharded exchange of a multi-GPU replica names its shard's keys
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix=f"allreduce-r{rank}")
 
     def close(self) -> None:
@@ -349,7 +301,7 @@ class ObjectStoreAllReduce:
             encoded = list(self._pool.map(lambda se: wire.encode(cfg.codec, flat[se[0]:se[1]]), slots))
             result.payload_bytes = sum(len(e) for e in encoded)
             own_slot = encoded[me]
-            uploads = [self._pool.submit(self.store.put, layout.grad_key(round, attempt, self.rank, j), encoded[j],
+            uploads = [self._pool.submit(self.store.put, self.keys.grad(round, attempt, self.rank, j), encoded[j],
                                          durable=False) for j in range(w)]
             del encoded
             uploads[0].result()
@@ -374,10 +326,12 @@ class ObjectStoreAllReduce:
             timings["gather_s"] = time.monotonic() - t
         except RoundTimeout as exc:
             final = self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
+            self._agree(False)
             return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
         except RejectedPayload as exc:
             final = self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
                                          excluded=exc.excluded, slot=exc.slot, retry=True)
+            self._agree(False)
             return self._settle_after_commit(round, attempt, participants, flat, result, final, slots, my_norms)
         return self._commit(round, attempt, participants, out, flat, result)
 
@@ -386,7 +340,8 @@ class ObjectStoreAllReduce:
         """4. commit. Only a valid "committed" outcome lets anyone apply the result (``out`` into ``flat``)."""
         commit = Outcome(round=round, attempt=attempt, committed=True, participants=participants, by=self.rank,
                          time=time.time())
-        self.store.create_json(layout.outcome_key(round, attempt), commit.to_json(), settle=False)
+        if self._agree(True):  # a multi-GPU replica commits only once every shard verified (sharded.py)
+            self.store.create_json(layout.outcome_key(round, attempt), commit.to_json(), settle=False)
         final = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         if final is not None and final.committed:
             flat.copy_(out)
@@ -396,6 +351,10 @@ class ObjectStoreAllReduce:
                                  check="outcome", retry=True)
         result.reason = f"aborted by replica {final.by}: {final.reason}"
         return final
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every local rank of this replica verified its part of the attempt (one rank: ``ok``)."""
+        return ok
 
     def _gather(self, round: int, attempt: int, participants: list[int], slots: list[tuple[int, int]],
                 my_norms: list[float], deadline: float, *, mine: tuple[int, bytes] | None = None) -> torch.Tensor:
@@ -413,7 +372,7 @@ class ObjectStoreAllReduce:
             if gathered[j] is None:
                 out[s:e] = wire.decode(cfg.codec, mine[1], numel=e - s)
                 continue
-            key = layout.reduced_key(round, attempt, j)
+            key = self.keys.reduced(round, attempt, j)
             record, data = gathered[j].result()
             try:
                 decoded = wire.decode(cfg.codec, data, key=key, numel=e - s)
@@ -474,7 +433,7 @@ class ObjectStoreAllReduce:
         def fetch(rank: int) -> bytes | memoryview:
             if own is not None and rank == own[0]:
                 return own[1]
-            return self._wait_in_round(round, attempt, layout.grad_key(round, attempt, rank, slot), deadline, rank)
+            return self._wait_in_round(round, attempt, self.keys.grad(round, attempt, rank, slot), deadline, rank)
 
         if parallel:
             futures = [self._pool.submit(fetch, p) for p in participants]
@@ -484,7 +443,7 @@ class ObjectStoreAllReduce:
         missing: list[int] = []
         norms: list[float] = []
         for p, fut in zip(participants, futures):
-            key = layout.grad_key(round, attempt, p, slot)
+            key = self.keys.grad(round, attempt, p, slot)
             try:
                 part = wire.decode(cfg.codec, fut.result(), key=key, numel=numel)
             except RoundTimeout as exc:
@@ -514,8 +473,8 @@ class ObjectStoreAllReduce:
     def _publish_reduced(self, round: int, attempt: int, slot: int, data: bytes, numel: int,
                          norms: list[float]) -> dict[str, Any]:
         """Upload a reduced slot, then its write-once digest (readers wait for the digest)."""
-        self.store.put(layout.reduced_key(round, attempt, slot), data, durable=False)
-        digest_key = layout.reduced_digest_key(round, attempt, slot)
+        self.store.put(self.keys.reduced(round, attempt, slot), data, durable=False)
+        digest_key = self.keys.reduced_digest(round, attempt, slot)
         digest = SlotDigest(round=round, attempt=attempt, slot=slot, numel=numel, crc32=zlib.crc32(data),
                             input_norms=list(norms), by=self.rank)
         if not self.store.create_json(digest_key, digest.to_json()):
@@ -532,11 +491,11 @@ class ObjectStoreAllReduce:
     def _fetch_reduced(self, round: int, attempt: int, participants: list[int], slot: int, numel: int,
                        deadline: float) -> tuple[Any, bytes | memoryview]:
         """Wait for reduced slot ``slot`` and its digest; returns ``(digest record, slot bytes)``."""
-        key = layout.reduced_key(round, attempt, slot)
+        key = self.keys.reduced(round, attempt, slot)
         # Wait for the reducer for half the round's remaining time, then take over its slot.
         takeover_at = time.monotonic() + 0.5 * max(0.0, deadline - time.monotonic())
         try:
-            digest = self._wait_in_round(round, attempt, layout.reduced_digest_key(round, attempt, slot),
+            digest = self._wait_in_round(round, attempt, self.keys.reduced_digest(round, attempt, slot),
                                          takeover_at, participants[slot])
             record = json.loads(bytes(digest))
         except RoundTimeout as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,7 @@ from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreA
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
 from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
+from composer_cloud.sync.lockstep.sharded import LocalShard, ShardedAllReduce, ShardedManager, share_shards
 from composer_cloud.sync.outer import OuterOptimizerConfig, outer_sgd
 
 if TYPE_CHECKING:
@@ -165,6 +166,8 @@ class OuterLoop:
     manager: ObjectStoreManager
     fragments: list[torch.nn.Module]
     outer_optimizers: list[torch.optim.Optimizer]
+    #: A multi-GPU replica's shards, in order (``fragments`` is this rank's one); empty for a one-rank replica.
+    shards: list[torch.nn.Module] = field(default_factory=list)
 
     def __enter__(self) -> "OuterLoop":
         self.diloco.__enter__()
@@ -190,6 +193,14 @@ class OuterLoop:
         """Load a stored global state (fragment backups + outer optimizer state) and copy it into the model."""
         self.manager.load_state(dict(tree))
         _restore_parameters(self.diloco)
+        if isinstance(self.manager, ShardedManager):  # every shard's global parameters, on every local rank
+            load_global_parameters(self.shards, tree)
+            self.manager.adopt(dict(tree))
+
+    def share_shards(self) -> None:
+        """After a sync of a multi-GPU replica (a collective): every local rank gets every shard's global state."""
+        if isinstance(self.manager, ShardedManager):
+            share_shards(self.manager, self.shards)
 
     def verify_durable(self, round: int) -> None:
         """Read round ``round``'s stored global state back and check it equals this replica's, bitwise.
@@ -230,6 +241,7 @@ def build_diloco(
     use_bucketization: bool = False,
     start_round: int = 0,
     on_sync: Callable[[SyncRecord], None] | None = None,
+    shard: LocalShard | None = None,
 ) -> OuterLoop:
     """Build torchft's DiLoCo over an :class:`ObjectStoreManager` for replica ``rank``.
 
@@ -241,13 +253,23 @@ def build_diloco(
         use_bucketization: torchft's option: one ``allreduce`` per bucket instead of per parameter.
         start_round: the first round this replica syncs (checkpoint round + 1 on resume).
         on_sync: called with every :class:`SyncRecord` (see the manager).
+        shard: this process's place in a multi-GPU replica: DiLoCo then runs over shard ``shard.index`` of
+            ``shard.count`` (:mod:`~composer_cloud.sync.lockstep.sharded`); None: a one-rank replica.
     """
     from torchft.local_sgd import DiLoCo
 
     frags = split_fragments(model, config.fragments) if fragments is None else list(fragments)
+    shards: list[torch.nn.Module] = []
+    if shard is not None:
+        if config.sparse is not None or config.fragments != 1:
+            raise ValueError("gpus_per_replica > 1 runs with the dense codecs and sync.fragments = 1")
+        shards = split_fragments(model, shard.count)
+        frags = [shards[shard.index]]
     outers = [outer_sgd(f.parameters(), config.outer) for f in frags]
-    if config.sparse is not None:
-        ar: ObjectStoreAllReduce = SparseGatherAllReduce(store, rank, config.allreduce, settings=config.sparse,
+    if shard is not None:
+        ar: ObjectStoreAllReduce = ShardedAllReduce(store, rank, config.allreduce, shard=shard, hooks=hooks)
+    elif config.sparse is not None:
+        ar = SparseGatherAllReduce(store, rank, config.allreduce, settings=config.sparse,
                                                          fragments=len(frags), hooks=hooks)
     else:
         ar = ObjectStoreAllReduce(store, rank, config.allreduce, hooks=hooks)
@@ -258,7 +280,7 @@ def build_diloco(
         assert loop is not None
         _restore_parameters(loop.diloco)
 
-    manager = ObjectStoreManager(
+    manager = (ObjectStoreManager if shard is None else ShardedManager)(
         ar, GlobalStateStore(store, hooks=hooks), heal_timeout_s=config.heal_timeout_s, start_step=start_round,
         on_heal=on_heal, on_sync=on_sync, takeover_after_s=config.takeover_after_s,
         # A committed round nobody can finish is voided after the round deadline (within the heal budget).
@@ -266,5 +288,5 @@ def build_diloco(
     diloco = DiLoCo(manager, frags, inner_optimizer, outers, sync_every=config.sync_every,
                     fragment_sync_delay=config.fragment_sync_delay, use_bucketization=use_bucketization,
                     pin_memory=False)
-    loop = OuterLoop(diloco=diloco, manager=manager, fragments=frags, outer_optimizers=outers)
+    loop = OuterLoop(diloco=diloco, manager=manager, fragments=frags, outer_optimizers=outers, shards=shards)
     return loop

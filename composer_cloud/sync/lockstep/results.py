@@ -1,0 +1,67 @@
+"""What a lock-step round reports: its result, and the errors that end it early.
+
+Split from :mod:`~composer_cloud.sync.lockstep.allreduce` (which re-exports them) so that the exchanges
+built on it (the sparse gather, the sharded exchange of multi-GPU replicas) share one definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer_cloud.errors import SyncError
+
+
+class RoundTimeout(SyncError):
+    """A round could not proceed before its deadline; names the missing ranks."""
+
+    def __init__(self, round: int, missing_ranks: Sequence[int], what: str) -> None:
+        self.round = round
+        self.missing_ranks = sorted(missing_ranks)
+        self.aborted = False
+        super().__init__(f"round {round}: {what}; missing replicas: {self.missing_ranks}")
+
+
+class _Immediate:
+    """A future-like that runs its function when asked for the result (inline fetches)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._fn, self._args = fn, args
+
+    def result(self) -> Any:
+        return self._fn(*self._args)
+
+
+class BehindError(SyncError):
+    """The round this replica tried to join is already committed: it must heal first."""
+
+    def __init__(self, round: int) -> None:
+        self.round = round
+        super().__init__(f"round {round} is already committed; heal from the committed state")
+
+
+@dataclass
+class RoundResult:
+    """What happened in a round, from one replica's view (its last attempt, and how many it ran)."""
+
+    round: int
+    attempt: int
+    participants: list[int]
+    participated: bool
+    committed: bool
+    reason: str = ""
+    wall_s: float = 0.0
+    quorum_wait_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    payload_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    attempts: int = 1
+    excluded: list[int] = field(default_factory=list)
+    #: The round committed, but this participant could not verify the committed result: it must heal
+    #: from the round's committed global state (never retry the round, never apply unverified bytes).
+    heal: bool = False
+
+
+__all__ = ["BehindError", "RoundResult", "RoundTimeout"]

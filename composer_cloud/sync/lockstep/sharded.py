@@ -1,0 +1,197 @@
+"""Multi-GPU replicas: local rank ``k`` exchanges shard ``k`` only; the round stays one decision per replica.
+
+A replica of ``N = spec.gpus_per_replica`` local ranks keeps a full copy of the model on every rank (DDP).
+Its synced parameters are cut into ``N`` contiguous shards (:func:`~composer_cloud.sync.lockstep.diloco.
+split_fragments`: by numel, in model order, the same on every replica and in ``export``). Local rank ``k``
+runs torchft's DiLoCo over shard ``k`` alone and exchanges that shard's pseudo-gradient through the store
+(``rounds/<r>/<a>/shard/<k>/...``) with rank ``k`` of the other replicas: per-rank traffic is ~P/N.
+
+Invariants (one decision per replica, DESIGN.md 14):
+
+* **One quorum.** Only local rank 0 joins a round; ranks ``k > 0`` read the participant set from the same
+  write-once quorum record, so every shard of every replica reduces over the same participants.
+* **One outcome, created after a local vote.** A rank that gathered and verified its shard votes yes, a rank
+  whose attempt failed creates the abort record first and then votes no (a gloo/NCCL all-reduce over the
+  replica's ranks, :meth:`ShardedAllReduce._agree`); the commit record is created only when every shard voted
+  yes. The outcome is write-once and shared by all shards, so no replica commits with some shards and not
+  others; a shard whose check failed after a peer replica committed heals from the committed global state, as
+  a single-rank replica does. A dead local rank never votes: its peers' vote fails, the elastic agent stops
+  the job, and the round is aborted (or committed without this replica) by the other replicas.
+* **One global state.** After every sync each rank broadcasts its shard's DiLoCo state (global parameters and
+  outer optimizer state) to the replica's other ranks (:func:`share_shards`): every rank then holds the full
+  global parameters, and local rank 0 publishes the union, keyed ``StreamingDiLoCoFragment_<k>``: a single-rank
+  run with ``N`` fragments has the same checkpoint layout, so resume, heal and ``export`` read it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from composer_cloud.errors import BadObject, SyncError
+from composer_cloud.hooks import NO_HOOKS, Hooks
+from composer_cloud.retry import poll_until
+from composer_cloud.storage import layout
+from composer_cloud.storage.store import Store
+from composer_cloud.storage.tensors import decode_state, encode_state
+from composer_cloud.sync.lockstep.allreduce import ObjectStoreAllReduce
+from composer_cloud.sync.lockstep.config import AllReduceConfig
+from composer_cloud.sync.lockstep.manager import ObjectStoreManager
+from composer_cloud.sync.lockstep.results import RoundTimeout
+from composer_cloud.sync.lockstep.rounds import read_quorum
+
+logger = logging.getLogger(__name__)
+
+#: torchft's state-dict key of a DiLoCo that syncs a single fragment (what each local rank's DiLoCo registers).
+_OWN_FRAGMENT = "StreamingDiLoCoFragment_0"
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This process's place in its replica: local rank ``index`` of ``count``.
+
+    Attributes:
+        index: the local rank, and the shard of the synced parameters it exchanges.
+        count: local ranks of the replica (``spec.gpus_per_replica``).
+        group: the gloo group of the replica's ranks for the sync's collectives (the exchange thread's vote,
+            then :func:`share_shards` on the training thread, never at the same time); DDP's gradients use the
+            default group (gloo on CPU, NCCL on GPUs).
+    """
+
+    index: int
+    count: int
+    group: Any = None
+
+
+def shard_key(index: int) -> str:
+    """The global-state key of shard ``index`` (torchft's key of fragment ``index``)."""
+    return f"StreamingDiLoCoFragment_{index}"
+
+
+class ShardedAllReduce(ObjectStoreAllReduce):
+    """The dense exchange of one shard: its own payload keys, the replica's quorum and one outcome per attempt."""
+
+    def __init__(self, store: Store, rank: int, config: AllReduceConfig, *, shard: LocalShard,
+                 hooks: Hooks = NO_HOOKS) -> None:
+        super().__init__(store, rank, config, hooks=hooks)
+        self.shard = shard
+        self.keys = layout.SlotKeys(shard=shard.index)
+        self._attempt_at: tuple[int, int] = (-1, -1)
+
+    def join_and_decide_quorum(self, round: int, attempt: int, *, excluded: frozenset[int] = frozenset(),
+                               expected: frozenset[int] | None = None) -> tuple[list[int], float]:
+        """Local rank 0 joins for the replica; ranks ``k > 0`` wait for the record it (or a peer) decided."""
+        self._attempt_at = (round, attempt)
+        if self.shard.index == 0:
+            return super().join_and_decide_quorum(round, attempt, excluded=excluded, expected=expected)
+        cfg = self.config
+        t0 = time.monotonic()
+
+        def decided() -> list[int] | None:
+            quorum = read_quorum(self.store, round, attempt, replicas=cfg.replicas, min_replicas=cfg.min_replicas)
+            if quorum is None:
+                return None
+            if set(quorum.participants) & excluded:
+                raise BadObject(layout.quorum_key(round, attempt), "participants include ranks that this round's "
+                                                                   "earlier attempts excluded")
+            return quorum.participants
+
+        participants = poll_until(
+            decided, deadline=t0 + cfg.quorum_timeout_s + cfg.round_timeout_s, policy=self.store.poll,
+            on_timeout=lambda waited: RoundTimeout(round, sorted(expected or ()), f"no quorum after {waited:.1f}s"))
+        return participants, time.monotonic() - t0
+
+    def _agree(self, ok: bool) -> bool:
+        """All-reduce (MIN) of every local rank's verdict on this attempt, and of the attempt it is in.
+
+        Ranks that disagree on the attempt (a race with an outcome record) count as a "no": the commit is
+        never created from a vote that did not cover the same attempt on every shard.
+        """
+        round, attempt = self._attempt_at
+        vote = torch.tensor([int(ok), round, attempt, -round, -attempt], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.shard.group)
+        same = int(vote[1]) == -int(vote[3]) and int(vote[2]) == -int(vote[4])
+        if not same:
+            logger.warning("shard %d: the replica's ranks voted on different attempts of round %d; not committing",
+                           self.shard.index, round)
+        return bool(vote[0]) and same
+
+
+class ShardedManager(ObjectStoreManager):
+    """The manager of one local rank: its DiLoCo's state is shard ``k``'s; local rank 0 publishes them all.
+
+    ``mirror`` holds the other shards' global state (filled by :func:`share_shards` after every sync), so
+    :meth:`state` on local rank 0 is the replica's whole global state.
+    """
+
+    def __init__(self, allreduce: ShardedAllReduce, global_state: Any, **kwargs: Any) -> None:
+        super().__init__(allreduce, global_state, **kwargs)
+        self.shard = allreduce.shard
+        self.mirror: dict[str, Any] = {}
+
+    def register_state_dict_fn(self, key: str, load_fn: Any, save_fn: Any) -> None:
+        if key != _OWN_FRAGMENT:
+            raise SyncError(f"a multi-GPU replica's rank syncs one fragment; DiLoCo registered {key!r}")
+        super().register_state_dict_fn(shard_key(self.shard.index), load_fn, save_fn)
+
+    def own_state(self) -> dict[str, Any]:
+        """This rank's shard of the global state (views: valid until the next sync)."""
+        return super().state()
+
+    def state(self) -> dict[str, Any]:
+        own = self.own_state()
+        if self.shard.index != 0:
+            return own
+        return {shard_key(j): own[shard_key(j)] if j == 0 else self.mirror[shard_key(j)]
+                for j in range(self.shard.count)}
+
+    def _maybe_publish_state(self, after: Any = None) -> None:
+        if self.shard.index != 0:  # local rank 0 publishes the whole replica's state
+            self._publish_round = None
+            return
+        super()._maybe_publish_state(after)
+
+    def adopt(self, tree: dict[str, Any]) -> None:
+        """The other shards' entries of a loaded global state become the mirror (resume)."""
+        self.mirror = {k: v for k, v in tree.items() if k != shard_key(self.shard.index)}
+
+
+def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
+    """``data`` of local rank ``src``, on every local rank (length first, then the bytes)."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else \
+        torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return buf.numpy().tobytes()
+
+
+def share_shards(manager: ShardedManager, shards: list[torch.nn.Module]) -> None:
+    """After every sync, on every local rank (a collective): each rank broadcasts its shard's global state.
+
+    Every rank copies the other shards' global parameters into its model (after a sync each shard's
+    parameters equal its DiLoCo backup: committed, aborted or healed), and keeps their state as the
+    manager's mirror. ``shards``: the replica's shard modules, in order (:func:`split_fragments`).
+    """
+    me = manager.shard.index
+    mirror: dict[str, Any] = {}
+    for j, module in enumerate(shards):
+        data = _broadcast_bytes(encode_state(manager.own_state()) if j == me else None, src=j,
+                                group=manager.shard.group)
+        if j == me:
+            continue
+        tree = decode_state(data)
+        params = tree[shard_key(j)]["original_parameters"]
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(params[name])
+        mirror.update(tree)
+    manager.mirror = mirror
+
+
+__all__ = ["LocalShard", "ShardedAllReduce", "ShardedManager", "share_shards", "shard_key"]
