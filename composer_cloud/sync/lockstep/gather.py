@@ -13,7 +13,8 @@ Why a gather, not the scatter-reduce: the sum of W sparse contributions is W tim
 scatter-reduce of sparse payloads must send dense reduced slots back; the gather moves ``P`` up and
 ``(W - 1) P`` down per replica (``P`` = one contribution, ~1/80 of fp32 at the defaults) and costs
 ``2W`` reads (contributions and digests of the others, quorum, outcome). It moves fewer bytes than bf16 scatter-reduce up to W ~ 290 at 1.56 % density (measured
-crossovers: ``docs/scale.md``); the spec refuses the sparse codec above ``SPARSE_MAX_REPLICAS``. The
+crossovers: ``docs/scale.md``); above ``spec.GATHER_MAX_REPLICAS`` the
+spec refuses it (``grouped.py``'s two-level exchange serves larger runs). The
 contributions of a round spread over ``ceil(W / 32)`` key prefixes (``layout.sparse_key``).
 
 Error feedback is training state (DESIGN invariant 13). ``encode`` is pure: the new accumulator is kept
@@ -84,9 +85,13 @@ class SparseGatherAllReduce(ObjectStoreAllReduce):
         result = super().allreduce(round, flat)
         if result.committed and result.participated and self._encoded is not None:
             name, enc = self._encoded
-            self._acc[name] = enc.accumulator
+            self._acc[name] = self._committed_accumulator(enc)
         self._encoded = None
         return result
+
+    def _committed_accumulator(self, enc: sparse.SparseEncoding) -> torch.Tensor:
+        """The accumulator kept once this replica's round committed (two-level adds its returned residual)."""
+        return enc.accumulator
 
     def _encode(self, round: int, flat: torch.Tensor) -> sparse.SparseEncoding:
         """This sync's contribution, encoded once from the committed accumulator (every attempt sends it)."""
