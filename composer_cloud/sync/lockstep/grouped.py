@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 #: ``sync.sparse.exchange = "auto"`` uses the two-level exchange from this many replicas on: the first W
 #: where it moves at most half the flat gather's bytes per replica at the default settings
 #: (``benchmarks/scale.py``, crossover ``two_level_halves_gather``); below, the gather is exact and cheap.
-TWO_LEVEL_FROM = 16
+TWO_LEVEL_FROM = 10
 
 
 def groups_of(participants: list[int], group_size: int | None = None) -> list[list[int]]:
