@@ -52,7 +52,7 @@ import torch
 from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.storage import layout
-from composer_cloud.storage.records import Outcome, SlotDigest
+from composer_cloud.storage.records import SlotDigest
 from composer_cloud.sync import sparse
 from composer_cloud.sync.checks import RejectedPayload, check_outliers, digest_mismatch
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, RoundResult, RoundTimeout, _Immediate
@@ -121,54 +121,44 @@ class GroupedSparseAllReduce(SparseGatherAllReduce):
         return enc.accumulator if returned is None else enc.accumulator + returned
 
     # ------------------------------------------------------------ the round
-    def _exchange(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
-                  result: RoundResult) -> Outcome:
-        """Upload, aggregate my group (its first member), gather every group's sum, commit."""
+    def _mean(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
+              result: RoundResult) -> torch.Tensor:
+        """Upload, aggregate my group (its first member), gather and check every group's sum, average.
+
+        Raises :class:`RoundTimeout` or :class:`RejectedPayload` (the base's ``_exchange`` aborts on them).
+        """
         cfg = self.config
         numel = flat.numel()
         deadline = time.monotonic() + cfg.round_timeout_s
         groups = groups_of(participants, self.group_size)
         mine = next(i for i, g in enumerate(groups) if self.rank in g)
-        timings = result.timings
         self._returned = None
-        try:
-            t = time.monotonic()
-            enc = self._encode(round, flat)
-            result.payload_bytes = len(enc.payload)
-            self.store.put(layout.sparse_key(round, attempt, self.rank, cfg.replicas), enc.payload, durable=False)
-            self.hooks.at("upload", round, self.rank)
-            timings["scatter_s"] = time.monotonic() - t
+        enc = self._upload(round, attempt, flat, result)
+        t = time.monotonic()
+        exact: torch.Tensor | None = None
+        if groups[mine][0] == self.rank:
+            data, norms, exact = self._aggregate(round, attempt, groups[mine], numel, deadline, own=enc)
+            self._publish_group(round, attempt, mine, data, numel, norms)
+        self.hooks.at("reduce", round, self.rank)
+        result.timings["reduce_s"] = time.monotonic() - t
 
-            t = time.monotonic()
-            exact: torch.Tensor | None = None
-            if groups[mine][0] == self.rank:
-                data, norms, exact = self._aggregate(round, attempt, groups[mine], numel, deadline, own=enc)
-                self._publish_group(round, attempt, mine, data, numel, norms)
-            self.hooks.at("reduce", round, self.rank)
-            timings["reduce_s"] = time.monotonic() - t
-
-            # The aggregator reads its group's sum back like everyone (two GETs): all use the stored bytes.
-            t = time.monotonic()
-            fetches = [self._pool.submit(self._fetch_group, round, attempt, i, group, numel, deadline)
-                       for i, group in enumerate(groups)]
-            sums, norms = [], []
-            for i, (group, fut) in enumerate(zip(groups, fetches)):
-                record, data = fut.result()
-                sums.append(self._check_group(round, attempt, i, group, record, data, numel,
-                                              own=enc.sent.norm() if i == mine else None))
-                norms.extend(record["input_norms"])
-            check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
-            mean = sparse.total(sums, numel=numel).div_(len(participants))
-            if not bool(torch.isfinite(mean).all()):  # finite sums can still overflow float32 when added
-                raise RejectedPayload("sparse group sums: their total overflows float32", check="nonfinite", slot=0)
-            self._returned = self._residual(enc.sent, sums[mine], exact)
-            timings["gather_s"] = time.monotonic() - t
-        except RoundTimeout as exc:
-            return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
-        except RejectedPayload as exc:
-            return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
-                                        excluded=exc.excluded, slot=exc.slot, retry=True)
-        return self._commit(round, attempt, participants, mean, flat, result)
+        # The aggregator reads its group's sum back like everyone (two GETs): all use the stored bytes.
+        t = time.monotonic()
+        fetches = [self._pool.submit(self._fetch_group, round, attempt, i, group, numel, deadline)
+                   for i, group in enumerate(groups)]
+        sums, norms = [], []
+        for i, (group, fut) in enumerate(zip(groups, fetches)):
+            record, data = fut.result()
+            sums.append(self._check_group(round, attempt, i, group, record, data, numel,
+                                          own=enc.sent.norm() if i == mine else None))
+            norms.extend(record["input_norms"])
+        check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
+        mean = sparse.total(sums, numel=numel).div_(len(participants))
+        if not bool(torch.isfinite(mean).all()):  # finite sums can still overflow float32 when added
+            raise RejectedPayload("sparse group sums: their total overflows float32", check="nonfinite", slot=0)
+        self._returned = self._residual(enc.sent, sums[mine], exact)
+        result.timings["gather_s"] = time.monotonic() - t
+        return mean
 
     @staticmethod
     def _residual(sent: sparse.SparseUpdate, group_sum: sparse.SparseUpdate,
