@@ -106,3 +106,18 @@ def test_sparse_sim_exchange_is_the_codec_mean_and_counts_the_flat_gather() -> N
     assert torch.equal(got, expected)
     assert ex.bytes_per_replica == 1000.0 + sum(ex.payload_bytes)  # 3 replicas x (1 up + 2 down) / 3
     assert ex.summary(500)["density"] == sp.nnz_of(500, settings) / 500
+
+
+def test_sparse_sim_two_level_feeds_the_residual_back_and_counts_m_plus_2_payloads() -> None:
+    """sparse_sim.py --sparse-group-size: grouped.py's math; what is not delivered stays in the accumulators."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sparse_sim import SparseExchange
+
+    settings = sp.SparseSettings(density=4 / 64, chunk=64)
+    ex = SparseExchange(settings, world=4, group_size=2)
+    flats = [torch.randn(500, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    got = ex.mean(flats, lambda f: None, dense_round_bytes=0.0)
+    kept = sum(ef.state_dict()["flat"] for ef in ex.replicas)
+    assert torch.allclose(kept + 4 * got, sum(flats), atol=1e-5)
+    assert not torch.equal(got, sp.mean([sp.encode(f, None, settings).sent for f in flats]))  # not the gather's
+    assert ex.bytes_per_replica == pytest.approx((2 + 2) * sum(ex.payload_bytes) / 4)  # m = 2 groups
