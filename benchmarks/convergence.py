@@ -137,6 +137,7 @@ class Config:
     sparse_bits: int = 2
     sparse_decay: float = 0.95
     sparse_warmup_syncs: int = 0  # dense fp32 syncs before the first sparse one
+    sparse_group_size: int = 0  # > 0: the two-level exchange with groups of this size (0: flat gather)
     sparse_outer_lr: float = 1.0
     sparse_outer_momentum: float = 0.0
     # evaluation and runtime
@@ -348,7 +349,7 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
 
         exchange = SparseExchange(SparseSettings(density=cfg.sparse_density, chunk=cfg.sparse_chunk,
                                                  value_bits=cfg.sparse_bits, decay=cfg.sparse_decay),
-                                  world=w, warmup_syncs=cfg.sparse_warmup_syncs)
+                                  world=w, warmup_syncs=cfg.sparse_warmup_syncs, group_size=cfg.sparse_group_size)
     rec = Recorder(cfg, method, reps[0][1])
     rec.maybe(0)
     train, syncs = [], 0
@@ -434,7 +435,9 @@ def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: 
                 "heal_timeout_s": cfg.timeout_s, "io_threads": 4}
             if codec == "sparse":  # the run's [sync.sparse]: what `composer-cloud launch` would run
                 sync_settings["sparse"] = {"density": cfg.sparse_density, "chunk": cfg.sparse_chunk,
-                                           "value_bits": cfg.sparse_bits, "decay": cfg.sparse_decay}
+                                           "value_bits": cfg.sparse_bits, "decay": cfg.sparse_decay,
+                                           "exchange": "two_level" if cfg.sparse_group_size else "gather",
+                                           "group_size": cfg.sparse_group_size or None}
             spec = spec_from_dict({
                 "replicas": w, "min_replicas": w, "inner_steps": 1 if method == "sync" else sync_every(method),
                 "outer_optimizer": {"lr": lr, "momentum": momentum, "nesterov": momentum > 0},
@@ -683,6 +686,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     g.add_argument("--sparse-decay", type=float, default=d.sparse_decay, help="error-feedback decay")
     g.add_argument("--sparse-warmup-syncs", type=int, default=d.sparse_warmup_syncs,
                    help="dense fp32 syncs before the first sparse one")
+    g.add_argument("--sparse-group-size", type=int, default=d.sparse_group_size,
+                   help="the two-level exchange with groups of this size (0: the flat gather)")
     g.add_argument("--sparse-outer-lr", type=float, default=d.sparse_outer_lr)
     g.add_argument("--sparse-outer-momentum", type=float, default=d.sparse_outer_momentum,
                    help="outer Nesterov momentum on top of error feedback (0: plain SGD, SparseLoCo's)")
@@ -708,6 +713,7 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
                  corpus_bytes=a.corpus_bytes, vocab=a.vocab or d.vocab, eval_rows=a.eval_rows,
                  sparse_density=a.sparse_density, sparse_chunk=a.sparse_chunk, sparse_bits=a.sparse_bits,
                  sparse_decay=a.sparse_decay, sparse_warmup_syncs=a.sparse_warmup_syncs,
+                 sparse_group_size=a.sparse_group_size,
                  sparse_outer_lr=a.sparse_outer_lr, sparse_outer_momentum=a.sparse_outer_momentum)
     if cfg.diloco_codec == "sparse" and cfg.engine == "store" and cfg.sparse_warmup_syncs:
         p.error("--sparse-warmup-syncs is a sim-engine experiment; the store engine runs sync.codec = \"sparse\"")

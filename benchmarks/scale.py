@@ -23,26 +23,32 @@ Reads: since phase B of issue 22 a read is one GET and a poll miss one GET 404 (
 reads s3fs objects in one stream); ``head_before_get=True`` models s3fs's default (a HEAD before every GET,
 a HEAD 404 and a LIST per miss), what was measured before. Poll misses depend on timing: they are
 measured (``--validate``), not modelled.
-``two_level`` (planned)
-    groups of ``g = ceil(sqrt(W))``; a group's aggregator (its first rank) reads its members and publishes
-    the group's exact sum (union of supports, gap-coded positions and fp32 values, or dense fp32 if
-    smaller); every replica reads the ``ceil(W / g)`` group sums.
-``two_level_resparse`` (planned, changes the math: its loss is to be measured)
-    as ``two_level`` but the group sum is re-encoded with the sparse codec at the contributions' density
-    (the aggregator keeps an error-feedback accumulator for its group).
+``two_level`` (``sync.sparse.exchange = "two_level"``, ``sync/lockstep/grouped.py``)
+    groups of ``g = ceil(sqrt(W))`` (``m = max(1, W // g)`` groups); a group's first member reads its
+    members' contributions, re-encodes their sum with the sparse codec (same size ``P``, the residual fed
+    back into error feedback) and publishes it and its digest; everyone reads the ``m`` sums and digests.
+    Per replica: 4 + 2m/W PUT-class (join, quorum, contribution, outcome; sum and digest for aggregators),
+    2 + 2m + (W - m)/W GETs, ``P (1 + m/W)`` up and ``P (m + (W - m)/W)`` down.
+``two_level_exact`` (modelled only, to show why the built one re-sparsifies)
+    as ``two_level`` but the group sum is sent exactly (union of g supports: gap-coded positions and fp32
+    values, or dense fp32 if smaller).
 
 The union density of k sparse contributions is modelled as independent supports, ``1 - (1 - d)^k``, an
 upper bound (replicas' top-k overlap; docs/sparse.md has the measured ratio).
 
 Per-prefix request-rate floors (S3: 3,500 PUT-class and 5,500 GET-class requests per second per prefix):
-a round cannot finish faster than its requests on its busiest prefix allow. Today every object of an
-attempt shares one prefix; ``--prefixes`` spreads keys over more.
+a round cannot finish faster than its requests on its busiest prefix allow. ``prefix_floor_s(1)`` puts
+every request of a round on one prefix (the issue's measure); ``layout_floor_s`` takes the busiest prefix
+of the keys as ``storage/layout.py`` spells them (``prefix_loads``).
 
 Validation (``--validate``): a moto server behind a counting loopback proxy (``tests/storeproxy.py``);
 W = 2, 4, 8 replica processes run lock-step all-reduce rounds of a tiny model's parameter count through
 ``s3://`` (``--validate-exchange scatter``: ``ObjectStoreAllReduce``, fp32; ``gather``:
-``SparseGatherAllReduce``, the spec's default sparse settings); the proxy's log gives requests by class
-and bytes per replica per round, compared with the model.
+``SparseGatherAllReduce``; ``two_level``: ``GroupedSparseAllReduce`` with ``--validate-group-size``; both
+with the spec's default sparse settings); the proxy's log gives requests by class and bytes per replica
+per round, compared with the model. Quorum creates are counted apart: a replica that finds the quorum
+decided does not try to create it, so their number (1 to W a round) depends on timing; the model counts
+one per replica (an upper bound) and the check compares every other PUT exactly.
 """
 
 from __future__ import annotations
@@ -127,6 +133,7 @@ class RoundCost:
     down: float
     round_puts: float  # PUT-class requests of the whole round (all replicas)
     round_gets: float
+    layout_floor_s: float = 0.0  # the busiest prefix's floor with the keys as laid out (prefix_loads)
 
     def dollars(self, store: str, *, egress: bool) -> float:
         """The whole round's bill (all replicas)."""
@@ -143,8 +150,42 @@ class RoundCost:
         return (self.round_puts / S3_PUT_PER_PREFIX_S + self.round_gets / S3_GET_PER_PREFIX_S) / prefixes
 
 
+def groups_of(world: int, group_size: int | None = None) -> int:
+    """Groups of the two-level exchange (``grouped.groups_of``): ``max(1, W // g)``, ``g = ceil(sqrt(W))``."""
+    return max(1, world // (group_size or math.ceil(math.sqrt(world))))
+
+
+def prefix_loads(exchange: str, world: int, *, group_size: int | None = None) -> list[tuple[str, float, float]]:
+    """``(prefix, PUT-class, GET-class)`` of a round's busiest prefix of each kind (the keys of layout.py).
+
+    Every exchange: ``join/`` (W joins), the attempt's root (quorum and outcome: W creates and W reads
+    each). ``scatter``: ``reduced/`` holds W slots and W digests, each read by W - 1 replicas.
+    ``gather``: contributions over ``S = ceil(W / 32)`` prefixes, each read by W - 1 replicas;
+    ``sparse/ack/``: W digests, each read by W - 1. ``two_level``: contributions over S prefixes, each
+    read once (by its aggregator); one ``sparse/g<i>/`` per group: its sum and digest, read by all W.
+    """
+    w = world
+    common = [("join/", w, 0.0), ("<attempt>/", 2 * w, 2 * w)]
+    shards = math.ceil(w / 32)
+    if exchange == "scatter":
+        return common + [("reduced/", 2 * w, 2 * w * (w - 1)), ("grad/<rank>/", w, w - 1)]
+    if exchange == "gather":
+        return common + [("sparse/<s>/", math.ceil(w / shards), math.ceil(w / shards) * (w - 1)),
+                         ("sparse/ack/", w, w * (w - 1))]
+    if exchange in ("two_level", "two_level_exact"):
+        return common + [("sparse/<s>/", math.ceil(w / shards), math.ceil(w / shards)), ("sparse/g<i>/", 2, 2 * w)]
+    raise ValueError(f"unknown exchange {exchange!r}")
+
+
+def layout_floor(exchange: str, world: int, *, group_size: int | None = None, heads: bool = False) -> float:
+    """Seconds of the busiest prefix's requests at S3's per-prefix rates (``prefix_loads``)."""
+    return max(put / S3_PUT_PER_PREFIX_S + get * (2 if heads else 1) / S3_GET_PER_PREFIX_S
+               for _, put, get in prefix_loads(exchange, world, group_size=group_size))
+
+
 def round_cost(exchange: str, codec: str, world: int, params: float, *, sparse: SparseShape = SparseShape(),
-               head_before_get: bool | None = None, poll_lists: float = 0.0) -> RoundCost:
+               head_before_get: bool | None = None, poll_lists: float = 0.0,
+               group_size: int | None = None) -> RoundCost:
     """The request/byte model of one round (see the module docstring).
 
     ``head_before_get``: s3fs's default reads (a HEAD before every GET), as before issue 22's phase B;
@@ -159,30 +200,31 @@ def round_cost(exchange: str, codec: str, world: int, params: float, *, sparse: 
         put, get, up, down = w + 5, 3 * w - 1, p + red / w, (p + red) * (w - 1) / w
     elif exchange == "gather":
         put, get, up, down = 5, 2 * w, p, p * (w - 1)
-    elif exchange in ("two_level", "two_level_resparse"):
-        g = math.ceil(math.sqrt(w))
-        groups = math.ceil(w / g)
-        if exchange == "two_level":
+    elif exchange in ("two_level", "two_level_exact"):
+        m = groups_of(w, group_size)
+        if exchange == "two_level_exact":
+            g = w / m
             s = sum_bytes(params, 1 - (1 - sparse.density) ** g) if codec == "sparse" else payload_bytes("fp32", params)
         else:
-            s = p
-        aggregators = groups / w  # fraction of replicas that aggregate a group
-        put = 1 + 3 + aggregators
-        get = 2 + groups - aggregators + aggregators * (g - 1)
+            s = p  # the group sum is re-encoded by the codec: one payload's size
+        aggregators = m / w  # fraction of replicas that aggregate a group
+        put = 4 + 2 * aggregators  # join, quorum, contribution, outcome; the sum and its digest
+        get = 2 + 2 * m + (w - m) / w  # quorum, outcome, m sums and digests; aggregators read their members
         up = p + aggregators * s
-        down = (groups - aggregators) * s + aggregators * (g - 1) * p
+        down = m * s + (w - m) / w * p
     else:
         raise ValueError(f"unknown exchange {exchange!r}")
     get_total = get * (2 if heads else 1)
     put += poll_lists
-    return RoundCost(exchange, codec, w, params, put, get_total, up, down, put * w, get_total * w)
+    return RoundCost(exchange, codec, w, params, put, get_total, up, down, put * w, get_total * w,
+                     layout_floor(exchange, w, group_size=group_size, heads=heads))
 
 
 # --------------------------------------------------------------------------- tables
 def model_rows(worlds: list[int], sparse: SparseShape) -> list[dict[str, Any]]:
     rows = []
     plans = [("scatter", c) for c in ("fp32", "bf16", "int8", "sparse")] + \
-            [(x, "sparse") for x in ("gather", "two_level", "two_level_resparse")]
+            [(x, "sparse") for x in ("gather", "two_level_exact", "two_level")]
     for model, n in MODELS.items():
         for w in worlds:
             for exchange, codec in plans:
@@ -191,31 +233,40 @@ def model_rows(worlds: list[int], sparse: SparseShape) -> list[dict[str, Any]]:
                              **{f"usd_{s}": c.dollars(s, egress=True) for s in PRICES},
                              "usd_s3_no_egress": c.dollars("s3", egress=False),
                              **{f"t_{int(b)}gbit_s": c.seconds(b) for b in BANDWIDTHS_GBIT},
-                             "prefix_floor_s": c.prefix_floor_s(1)})
+                             "prefix_floor_s": c.prefix_floor_s(1), "layout_floor_s": c.layout_floor_s})
     return rows
 
 
 def crossovers(n: float, sparse: SparseShape) -> dict[str, Any]:
-    """Smallest W (2..4096) where one exchange stops beating another on bytes per replica."""
+    """Smallest W (2..4096) where one exchange stops beating another (bytes per replica unless named)."""
     def first(pred) -> int | None:
         return next((w for w in range(2, 4097) if pred(w)), None)
 
+    def cost(ex: str, codec: str, w: int) -> RoundCost:
+        return round_cost(ex, codec, w, n, sparse=sparse)
+
     def total(ex: str, codec: str, w: int) -> float:
-        c = round_cost(ex, codec, w, n, sparse=sparse)
+        c = cost(ex, codec, w)
         return c.up + c.down
 
-    def flips(a: tuple[str, str], cmp: str, b: tuple[str, str]) -> int | None:
+    def flips(a: tuple[str, str], cmp: str, b: tuple[str, str], factor: float = 1.0) -> int | None:
         if cmp == ">":
-            return first(lambda w: total(*a, w) > total(*b, w))
-        return first(lambda w: total(*a, w) < total(*b, w))
+            return first(lambda w: total(*a, w) > factor * total(*b, w))
+        return first(lambda w: total(*a, w) < factor * total(*b, w))
 
-    gather, two, resparse = ("gather", "sparse"), ("two_level", "sparse"), ("two_level_resparse", "sparse")
+    gather, two, exact = ("gather", "sparse"), ("two_level", "sparse"), ("two_level_exact", "sparse")
     return {
         "gather_sparse_worse_than_scatter_bf16": flips(gather, ">", ("scatter", "bf16")),
         "gather_sparse_worse_than_scatter_fp32": flips(gather, ">", ("scatter", "fp32")),
         "two_level_beats_gather": flips(two, "<", gather),
+        "two_level_halves_gather": flips(two, "<", gather, 0.5),  # sync.sparse.exchange = "auto" from here
+        "two_level_cheaper_on_s3_with_egress": first(
+            lambda w: cost(*two, w).dollars("s3", egress=True) < cost(*gather, w).dollars("s3", egress=True)),
         "two_level_worse_than_scatter_bf16": flips(two, ">", ("scatter", "bf16")),
-        "resparse_beats_gather": flips(resparse, "<", gather),
+        "two_level_exact_worse_than_scatter_bf16": flips(exact, ">", ("scatter", "bf16")),
+        "two_level_exact_beats_gather": flips(exact, "<", gather),
+        "gather_layout_floor_over_10s": first(lambda w: cost(*gather, w).layout_floor_s > 10),
+        "two_level_layout_floor_over_10s": first(lambda w: cost(*two, w).layout_floor_s > 10),
     }
 
 
@@ -224,20 +275,32 @@ def prefixes_for(c: RoundCost, budget_s: float) -> int:
     return max(1, math.ceil(c.prefix_floor_s(1) / budget_s))
 
 
+def targets(sparse: SparseShape) -> dict[str, float]:
+    """Issue 22's targets: S3 $ (with egress) of the sparse exchange vs bf16 scatter at W = 64 and 1.5B
+    (<= 1/20), and the largest prefix floor at W = 1024 with the keys as laid out (<= 10 s)."""
+    n = MODELS["1.5B"]
+    bf16 = round_cost("scatter", "bf16", 64, n).dollars("s3", egress=True)
+    return {"w64_1.5B_two_level_over_bf16_scatter_s3_egress":
+            round_cost("two_level", "sparse", 64, n, sparse=sparse).dollars("s3", egress=True) / bf16,
+            "w64_1.5B_gather_over_bf16_scatter_s3_egress":
+            round_cost("gather", "sparse", 64, n, sparse=sparse).dollars("s3", egress=True) / bf16,
+            "w1024_two_level_layout_floor_s": round_cost("two_level", "sparse", 1024, n, sparse=sparse).layout_floor_s}
+
+
 def print_model(rows: list[dict[str, Any]], models: list[str], worlds: list[int]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="one round, per replica (requests, bytes) and for the whole round ($, prefix floor)")
     for col in ("model", "W", "exchange", "codec", "PUT-cl", "GET-cl", "up", "down", "S3 $", "S3 $ no egr",
-                "R2 $", "GCS $", "t@1G", "t@5G", "t@25G", "floor 1 prefix"):
+                "R2 $", "GCS $", "t@1G", "t@5G", "t@25G", "floor 1 prefix", "floor layout"):
         t.add_column(col, justify="left" if col in ("model", "exchange", "codec") else "right")
     for r in rows:
         if r["model"] in models and r["world"] in worlds:
             t.add_row(r["model"], str(r["world"]), r["exchange"], r["codec"], f"{r['put']:.0f}", f"{r['get']:.0f}",
                       _b(r["up"]), _b(r["down"]), f"{r['usd_s3']:.3g}", f"{r['usd_s3_no_egress']:.3g}",
                       f"{r['usd_r2']:.3g}", f"{r['usd_gcs']:.3g}", f"{r['t_1gbit_s']:.3g}", f"{r['t_5gbit_s']:.3g}",
-                      f"{r['t_25gbit_s']:.3g}", f"{r['prefix_floor_s']:.3g}")
+                      f"{r['t_25gbit_s']:.3g}", f"{r['prefix_floor_s']:.3g}", f"{r['layout_floor_s']:.3g}")
     Console(width=200).print(t)
 
 
@@ -252,14 +315,14 @@ def _b(n: float) -> str:
 def markdown(rows: list[dict[str, Any]], models: list[str], worlds: list[int]) -> str:
     """The docs/scale.md table: one line per (model, W, exchange, codec)."""
     out = ["| model | W | exchange | codec | PUT-class | GET-class | up | down | S3 $ | S3 $ in-region | R2 $ | "
-           "GCS $ | t @ 1 / 5 / 25 Gbit/s | prefix floor |", "|" + "---|" * 14]
+           "GCS $ | t @ 1 / 5 / 25 Gbit/s | prefix floor: 1 prefix / as laid out |", "|" + "---|" * 14]
     for r in rows:
         if r["model"] in models and r["world"] in worlds:
             out.append(f"| {r['model']} | {r['world']} | {r['exchange']} | {r['codec']} | {r['put']:.0f} | "
                        f"{r['get']:.0f} | {_b(r['up'])} | {_b(r['down'])} | {r['usd_s3']:.3g} | "
                        f"{r['usd_s3_no_egress']:.3g} | {r['usd_r2']:.3g} | {r['usd_gcs']:.3g} | "
                        f"{r['t_1gbit_s']:.3g} / {r['t_5gbit_s']:.3g} / {r['t_25gbit_s']:.3g} s | "
-                       f"{r['prefix_floor_s']:.3g} s |")
+                       f"{r['prefix_floor_s']:.3g} / {r['layout_floor_s']:.3g} s |")
     return "\n".join(out)
 
 
@@ -279,7 +342,7 @@ def classify(method: str, path: str) -> str:
 
 
 def _replica(endpoint: str, uri: str, rank: int, world: int, numel: int, rounds: int, exchange: str,
-             q: Any) -> None:
+             q: Any, group_size: int | None = None) -> None:
     try:
         os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                            "AWS_DEFAULT_REGION": "us-east-1"})
@@ -289,17 +352,17 @@ def _replica(endpoint: str, uri: str, rank: int, world: int, numel: int, rounds:
         from composer_cloud.spec import spec_from_dict
         from composer_cloud.storage.store import Store
         from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
-        from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
+        from composer_cloud.sync.lockstep.grouped import sparse_allreduce
         from composer_cloud.sync.sparse import settings_of
 
         torch.set_num_threads(1)
         store = Store(uri, poll=PollPolicy(initial_s=0.02, max_s=0.2))
         spec = spec_from_dict({"replicas": world, "min_replicas": world,
-                               "sync": {"codec": "sparse" if exchange == "gather" else "fp32", "io_threads": 4,
+                               "sync": {"codec": "fp32" if exchange == "scatter" else "sparse", "io_threads": 4,
                                         "quorum_timeout_s": 120, "round_timeout_s": 120}})
         config = AllReduceConfig.from_spec(spec)
-        ar = SparseGatherAllReduce(store, rank, config, settings=settings_of(spec)) if exchange == "gather" else \
-            ObjectStoreAllReduce(store, rank, config)
+        ar = ObjectStoreAllReduce(store, rank, config) if exchange == "scatter" else \
+            sparse_allreduce(store, rank, config, settings=settings_of(spec), exchange=exchange, group_size=group_size)
         payload = 0
         for r in range(rounds):
             flat = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 1000 + r))
@@ -313,7 +376,8 @@ def _replica(endpoint: str, uri: str, rank: int, world: int, numel: int, rounds:
         q.put((rank, {"error": repr(exc)}))
 
 
-def validate(worlds: list[int], numel: int, rounds: int, exchange: str = "scatter") -> list[dict[str, Any]]:
+def validate(worlds: list[int], numel: int, rounds: int, exchange: str = "scatter",
+             group_size: int | None = None) -> list[dict[str, Any]]:
     import multiprocessing as mp
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -327,8 +391,8 @@ def validate(worlds: list[int], numel: int, rounds: int, exchange: str = "scatte
             uri = f"s3://{server.bucket}/scale-{exchange}-w{w}-{int(time.time())}"
             proxy.requests.clear()
             q = ctx.Queue()
-            procs = [ctx.Process(target=_replica, args=(proxy.endpoint, uri, r, w, numel, rounds, exchange, q))
-                     for r in range(w)]
+            procs = [ctx.Process(target=_replica, args=(proxy.endpoint, uri, r, w, numel, rounds, exchange, q,
+                                                        group_size)) for r in range(w)]
             t0 = time.monotonic()
             for p in procs:
                 p.start()
@@ -352,9 +416,15 @@ def validate(worlds: list[int], numel: int, rounds: int, exchange: str = "scatte
             payload_up = sum(x.bytes_up for x in reqs if x.method == "PUT" and is_payload(x)) / per
             payload_down = sum(x.bytes_down for x in reqs if classify(x.method, x.path) == "get" and is_payload(x)) / per
             payload = reports[0]["payload"]
-            model = round_cost(exchange, "fp32", w, numel)  # requests only: bytes from the measured payload
-            model_bytes = ((3 - 1 / w) if exchange == "scatter" else w) * payload
+            # Requests only (bytes from the measured payload; a group sum is one payload's size too).
+            model = round_cost(exchange, "fp32", w, numel, group_size=group_size)
+            m = groups_of(w, group_size)
+            # two_level: P + (m/W) P up, m P + (W - m)/W P down, per replica: (m + 2) P.
+            model_bytes = {"scatter": 3 - 1 / w, "gather": w}.get(exchange, m + 2) * payload
             object_gets = counts["get"] - misses["get"]
+            # Quorum creates depend on timing (1 to W a round): counted apart; every other PUT is modelled exactly.
+            quorum_puts = sum(1 for x in reqs if x.method == "PUT" and x.path.split("?")[0].endswith("quorum.json"))
+            puts_excl_quorum = counts["put"] - quorum_puts / per
             out.append({
                 "exchange": exchange, "world": w, "rounds": rounds, "numel": numel, "payload_bytes": payload,
                 "wall_s": time.monotonic() - t0, "requests": len(reqs), "measured": counts, "misses_404": misses,
@@ -366,7 +436,10 @@ def validate(worlds: list[int], numel: int, rounds: int, exchange: str = "scatte
                 "measured_payload_bytes": payload_up + payload_down,
                 "measured_record_bytes": up + down - payload_up - payload_down,
                 "bytes_ratio_measured_vs_model": (up + down) / model_bytes,
+                "measured_quorum_creates_per_round": quorum_puts / rounds,
+                "model_put_excl_quorum": model.put - 1, "measured_put_excl_quorum": puts_excl_quorum,
                 "put_error_pct": 100 * (counts["put"] / model.put - 1),
+                "put_excl_quorum_error_pct": 100 * (puts_excl_quorum / (model.put - 1) - 1),
                 "get_error_pct": 100 * (object_gets / model.get - 1),
                 "payload_bytes_error_pct": 100 * ((payload_up + payload_down) / model_bytes - 1),
                 "bytes_error_pct": 100 * ((up + down) / model_bytes - 1),
@@ -388,25 +461,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validate-worlds", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--validate-numel", type=int, default=115_968, help="parameters (the tiny benchmark model's)")
     p.add_argument("--validate-rounds", type=int, default=3)
-    p.add_argument("--validate-exchange", choices=["scatter", "gather"], default="scatter",
-                   help="scatter: fp32 ObjectStoreAllReduce; gather: the sparse codec's SparseGatherAllReduce")
+    p.add_argument("--validate-exchange", choices=["scatter", "gather", "two_level"], default="scatter",
+                   help="scatter: fp32 ObjectStoreAllReduce; gather / two_level: the sparse codec's exchanges")
+    p.add_argument("--validate-group-size", type=int, default=None, help="two_level: members per group")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "out", "scale.json"))
     a = p.parse_args(argv)
     shape = SparseShape(density=a.density, chunk=a.chunk, value_bits=a.value_bits)
     doc: dict[str, Any] = {"prices": PRICES, "prices_read": "2026-11-24", "sparse": asdict(shape)}
     if a.validate:
-        doc["validation"] = validate(a.validate_worlds, a.validate_numel, a.validate_rounds, a.validate_exchange)
+        doc["validation"] = validate(a.validate_worlds, a.validate_numel, a.validate_rounds, a.validate_exchange,
+                                     a.validate_group_size)
     rows = model_rows(a.worlds, shape)
     doc["rows"] = rows
     doc["crossovers"] = {m: crossovers(n, shape) for m, n in MODELS.items()}
+    doc["targets"] = targets(shape)
     doc["prefixes_for_10s"] = {f"{m}/W={w}/{ex}": prefixes_for(round_cost(ex, "sparse", w, n, sparse=shape), 10.0)
                                for m, n in MODELS.items() for w in a.worlds
-                               for ex in ("gather", "two_level", "two_level_resparse")}
+                               for ex in ("gather", "two_level_exact", "two_level")}
     if a.markdown:
         print(markdown(rows, a.print_models, a.worlds))
     else:
         print_model(rows, a.print_models, a.worlds)
-    print(json.dumps(doc["crossovers"], indent=1))
+    print(json.dumps({"crossovers (1.5B)": doc["crossovers"]["1.5B"], "targets": doc["targets"]}, indent=1))
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(doc, f, indent=1)

@@ -30,6 +30,7 @@ class SparseExchange:
     settings: sparse.SparseSettings
     world: int
     warmup_syncs: int = 0
+    group_size: int = 0  # > 0: the two-level exchange (sync/lockstep/grouped.py) with groups of this size
     syncs: int = 0
     payload_bytes: list[int] = field(default_factory=list)
     bytes_per_replica: float = 0.0
@@ -53,7 +54,28 @@ class SparseExchange:
         self.residual_norms.append(sum(float(ef.state_dict()["flat"].norm()) for ef in self.replicas) / self.world)
         self.bytes_per_replica += self.world * sum(self.payload_bytes[-self.world:]) / self.world
         self.union_density.append(sparse.merge(updates).indices.numel() / flats[0].numel())
+        if self.group_size:
+            return self._two_level(updates)
         return sparse.mean(updates)
+
+    def _two_level(self, updates: list[sparse.SparseUpdate]) -> torch.Tensor:
+        """What ``GroupedSparseAllReduce`` computes: re-sparsified group sums, their residual fed back."""
+        from composer_cloud.sync.lockstep.grouped import GroupedSparseAllReduce, groups_of
+
+        groups = groups_of(list(range(self.world)), self.group_size)
+        sums = []
+        for group in groups:
+            exact = sparse.total([updates[p] for p in group])
+            enc = sparse.encode(exact, None, self.settings)
+            sums.append(sparse.decode(enc.payload, numel=exact.numel(), settings=self.settings))
+            for p in group:
+                back = GroupedSparseAllReduce._residual(updates[p], sums[-1], exact if p == group[0] else None)
+                ef = self.replicas[p]
+                ef.load_state_dict({"flat": ef.state_dict()["flat"] + back})
+        # Bytes: (m + 2) payloads per replica instead of the gather's W (both already counted as W above).
+        p = sum(self.payload_bytes[-self.world:]) / self.world
+        self.bytes_per_replica -= (self.world - (len(groups) + 2)) * p
+        return sparse.total(sums).div_(self.world)
 
     def summary(self, numel: int) -> dict[str, float]:
         p = sum(self.payload_bytes) / max(1, len(self.payload_bytes))

@@ -158,11 +158,18 @@ class SparseSpec(_Strict):
     decay: float = Field(default=0.95, ge=0, le=1)
     #: Elements per chunk (positions are Rice-coded within a chunk).
     chunk: int = Field(default=4096, ge=2, le=1 << 20)
+    #: The exchange: "gather" (flat: every replica reads every contribution, exact), "two_level" (groups
+    #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 10
+    #: replicas on, where it moves half the gather's bytes or less: docs/scale.md).
+    exchange: Literal["auto", "gather", "two_level"] = "auto"
+    #: Members per group of the two-level exchange (null: ceil(sqrt(participants))).
+    group_size: int | None = Field(default=None, ge=2)
 
 
 #: Most replicas the sparse codec's flat gather serves: beyond ~293 it moves more bytes per replica than
-#: bf16 scatter-reduce (docs/scale.md, crossovers), and its W + 1 reads per replica grow with W.
-SPARSE_MAX_REPLICAS = 256
+#: bf16 scatter-reduce (docs/scale.md, crossovers), and its 2W reads per replica grow with W. The
+#: two-level exchange (``sync.sparse.exchange``) serves every run size (about 2 sqrt(W) reads per replica).
+GATHER_MAX_REPLICAS = 256
 
 
 class SyncSpec(_Strict):
@@ -371,9 +378,9 @@ class RunSpec(_Strict):
                             "(it merges whole models); set sync.fragments = 1")
         _check_compute(self)
         _check_gpu_count(self)
-        if sync.codec == "sparse" and self.replicas > SPARSE_MAX_REPLICAS:
-            raise SpecError("sync.codec", f"the sparse codec's flat gather serves at most {SPARSE_MAX_REPLICAS} "
-                            f"replicas ({self.replicas} asked); use \"bf16\" or \"int8\" (docs/scale.md)")
+        if sync.codec == "sparse" and sync.sparse.exchange == "gather" and self.replicas > GATHER_MAX_REPLICAS:
+            raise SpecError("sync.sparse.exchange", f"the flat gather serves at most {GATHER_MAX_REPLICAS} "
+                            f"replicas ({self.replicas} asked); use \"two_level\" or \"auto\" (docs/scale.md)")
         outer = self.outer_optimizer
         if outer.lr is None or outer.momentum is None:  # assigning re-validates once, with both set
             lr, momentum = OUTER_DEFAULTS[sync.mode]

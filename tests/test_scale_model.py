@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from composer_cloud.sync import sparse as sp
+from composer_cloud.sync.lockstep.grouped import TWO_LEVEL_FROM, groups_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +49,9 @@ def test_planned_exchanges_drop_heads_and_count_per_class(scale) -> None:
     g = scale.round_cost("gather", "sparse", 8, 1e6)
     assert g.get == 16 and g.put == 5  # W - 1 contributions + W - 1 digests + quorum + outcome; no HEAD
     assert g.down == pytest.approx(7 * g.up)
-    two = scale.round_cost("two_level_resparse", "sparse", 64, 1e6)
-    assert two.get < g.get + 3 and two.down < 16 * two.up  # 8 group sums (+ 7 members for aggregators)
+    two = scale.round_cost("two_level", "sparse", 64, 1e6)
+    assert two.get == 2 + 2 * 8 + 56 / 64 and two.put == 4 + 2 * 8 / 64  # 8 sums and digests; aggregators
+    assert two.down == pytest.approx((8 + 56 / 64) * scale.payload_bytes("sparse", 1e6))
     assert scale.classify("GET", "/b/k?list-type=2&prefix=x") == "list"
     assert scale.classify("GET", "/b/rounds/1/grad/0/1") == "get"
     assert scale.classify("HEAD", "/b/k") == "head" and scale.classify("PUT", "/b/k") == "put"
@@ -72,8 +74,21 @@ def test_cli_writes_the_model_json(scale, tmp_path: Path, capsys) -> None:
     assert scale.main(["--worlds", "8", "64", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["prices_read"] and {"s3", "r2", "gcs"} <= set(doc["prices"])
-    assert {r["exchange"] for r in doc["rows"]} == {"scatter", "gather", "two_level", "two_level_resparse"}
+    assert {r["exchange"] for r in doc["rows"]} == {"scatter", "gather", "two_level", "two_level_exact"}
     assert doc["crossovers"]["1.5B"]["gather_sparse_worse_than_scatter_bf16"] > 64
+
+
+def test_two_level_meets_the_issue_targets_and_sets_the_auto_crossover(scale) -> None:
+    """At 1.56 % density: W = 64, 1.5B costs <= 1/20 of bf16 scatter on S3 with egress; no prefix floor over 10 s
+    at W = 1024 with the keys as laid out; ``sync.sparse.exchange = "auto"`` switches where bytes halve."""
+    t = scale.targets(scale.SparseShape())
+    assert t["w64_1.5B_two_level_over_bf16_scatter_s3_egress"] <= 1 / 20
+    assert t["w1024_two_level_layout_floor_s"] <= 10
+    assert scale.round_cost("two_level", "sparse", 1024, 1.5e9).prefix_floor_s(1) > 10  # one prefix would not do
+    cross = scale.crossovers(1.5e9, scale.SparseShape())
+    assert cross["two_level_halves_gather"] == TWO_LEVEL_FROM
+    assert cross["two_level_layout_floor_over_10s"] is None and cross["gather_layout_floor_over_10s"] > 64
+    assert [scale.groups_of(w) for w in (4, 8, 64, 1024)] == [len(groups_of(list(range(w)))) for w in (4, 8, 64, 1024)]
 
 
 def test_sparse_sim_exchange_is_the_codec_mean_and_counts_the_flat_gather() -> None:
@@ -91,3 +106,18 @@ def test_sparse_sim_exchange_is_the_codec_mean_and_counts_the_flat_gather() -> N
     assert torch.equal(got, expected)
     assert ex.bytes_per_replica == 1000.0 + sum(ex.payload_bytes)  # 3 replicas x (1 up + 2 down) / 3
     assert ex.summary(500)["density"] == sp.nnz_of(500, settings) / 500
+
+
+def test_sparse_sim_two_level_feeds_the_residual_back_and_counts_m_plus_2_payloads() -> None:
+    """sparse_sim.py --sparse-group-size: grouped.py's math; what is not delivered stays in the accumulators."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sparse_sim import SparseExchange
+
+    settings = sp.SparseSettings(density=4 / 64, chunk=64)
+    ex = SparseExchange(settings, world=4, group_size=2)
+    flats = [torch.randn(500, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    got = ex.mean(flats, lambda f: None, dense_round_bytes=0.0)
+    kept = sum(ef.state_dict()["flat"] for ef in ex.replicas)
+    assert torch.allclose(kept + 4 * got, sum(flats), atol=1e-5)
+    assert not torch.equal(got, sp.mean([sp.encode(f, None, settings).sent for f in flats]))  # not the gather's
+    assert ex.bytes_per_replica == pytest.approx((2 + 2) * sum(ex.payload_bytes) / 4)  # m = 2 groups

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load, save
 
 from composer_cloud.errors import SpecError
-from composer_cloud.spec import SPARSE_MAX_REPLICAS, spec_from_dict
+from composer_cloud.spec import GATHER_MAX_REPLICAS, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync import sparse
@@ -120,8 +120,9 @@ def test_spec_sparse_defaults_and_bounds():
         spec_from_dict({"sync": {"codec": "sparse", "sparse": {"densty": 0.1}}})
     with pytest.raises(SpecError, match="sync.sparse.density"):
         spec_from_dict({"sync": {"codec": "sparse", "sparse": {"density": 0}}})
-    with pytest.raises(SpecError, match="sync.codec"):
-        spec_from_dict({"replicas": SPARSE_MAX_REPLICAS + 1, "sync": {"codec": "sparse"}})
+    with pytest.raises(SpecError, match="sync.sparse.exchange"):
+        spec_from_dict({"replicas": GATHER_MAX_REPLICAS + 1,
+                        "sync": {"codec": "sparse", "sparse": {"exchange": "gather"}}})
 
 
 # ------------------------------------------------------------------ decoupled contributions

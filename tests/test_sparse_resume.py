@@ -19,17 +19,19 @@ from support.specs import RESUME_SPEC, SMALL_RUN_TOML, with_sync
 from support.stores import store_uri_for
 
 SPARSE_SPEC = with_sync(RESUME_SPEC, codec="sparse") + "[sync.sparse]\ndensity = 0.0625\nchunk = 1024\n"
+#: The two-level exchange forced on two replicas (one group of 2: re-sparsified sum, residual fed back).
+TWO_LEVEL_SPEC = SPARSE_SPEC + "exchange = \"two_level\"\ngroup_size = 2\n"
 
 
-def _resume_matches_uninterrupted(kind: str, phase: str, tmp_path) -> None:
+def _resume_matches_uninterrupted(kind: str, phase: str, tmp_path, spec: str = SPARSE_SPEC) -> None:
     store = store_uri_for(kind, tmp_path)
     base = tmp_path / "base"
     base.mkdir()
-    res = launch_run(base, store, "uninterrupted", SPARSE_SPEC)
+    res = launch_run(base, store, "uninterrupted", spec)
     assert res.returncode == 0, res.stdout + res.stderr
     expected = export_weights(base, f"{store}/uninterrupted", "model")
 
-    kill_run_at(tmp_path, store, "killed", phase, spec=SPARSE_SPEC)
+    kill_run_at(tmp_path, store, "killed", phase, spec=spec)
     run = Store(f"{store}/killed")
     assert not run.exists(layout.outcome_key(3, 0))  # killed before the end
     # The replica checkpoints hold the error feedback (non-zero: the unsent residual).
@@ -46,6 +48,13 @@ def _resume_matches_uninterrupted(kind: str, phase: str, tmp_path) -> None:
 @pytest.mark.parametrize("phase", ["inner_step", "upload"])
 def test_sparse_run_killed_in_round_2_resumes_bitwise(phase, tmp_path):
     _resume_matches_uninterrupted("file", phase, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_level_sparse_run_killed_in_round_2_resumes_bitwise(tmp_path):
+    _resume_matches_uninterrupted("file", "reduce", tmp_path, TWO_LEVEL_SPEC)
+    run = Store(f"{store_uri_for('file', tmp_path)}/killed")
+    assert run.exists(layout.sparse_group_digest_key(3, 0, 0))  # the last round went through a group sum
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ object: the bucket is not trusted, so callers skip it).
     rounds/<r>/<a>/shard/<k>/grad|reduced/...           the same, for shard k of multi-GPU replicas
     rounds/<r>/<a>/sparse/<rank mod S>/<rank>           sparse contribution (sync.codec = "sparse")
     rounds/<r>/<a>/sparse/ack/<rank>.json               digest of the mean a participant computed
+    rounds/<r>/<a>/sparse/g<i>/sum (+ .json)            group i's re-sparsified sum (two-level), then its digest
     rounds/<r>/<a>/outcome.json                         write-once: committed or aborted
     rounds/<r>/<a>/void.json                            write-once: the commit was abandoned
     checkpoints/<r>/global-a<a>-<i>-of-<n>.safetensors  slice i of the global state of attempt a
@@ -272,6 +273,20 @@ def sparse_key(round: int, attempt: int, rank: int, replicas: int) -> str:
     """``rank``'s sparse contribution: ``sparse/<rank mod S>/<rank>``, ``S = ceil(replicas / 32)`` prefixes."""
     shards = -(-replicas // SPARSE_PER_PREFIX)
     return f"{attempt_prefix(round, attempt)}/sparse/{rank % shards}/{rank}"
+
+
+def sparse_group_key(round: int, attempt: int, group: int) -> str:
+    """Group ``group``'s re-sparsified sum (two-level exchange): one prefix per group, ``sparse/g<i>/``.
+
+    Every participant reads every group's sum and digest, so these are a round's most-read keys; one
+    prefix each spreads them over ``groups`` prefixes (S3 rate-limits requests per prefix).
+    """
+    return f"{attempt_prefix(round, attempt)}/sparse/g{group}/sum"
+
+
+def sparse_group_digest_key(round: int, attempt: int, group: int) -> str:
+    """The write-once digest of :func:`sparse_group_key` (crc32, input norms, numel)."""
+    return f"{sparse_group_key(round, attempt, group)}.json"
 
 
 def sparse_ack_key(round: int, attempt: int, rank: int) -> str:

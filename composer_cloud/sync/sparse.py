@@ -584,7 +584,8 @@ class ErrorFeedback:
 
 def settings_of(spec: RunSpec) -> SparseSettings | None:
     """A run's codec settings (``[sync.sparse]``) when ``sync.codec = "sparse"``, else None."""
-    return SparseSettings(**spec.sync.sparse.model_dump()) if spec.sync.codec == CODEC else None
+    exchange_keys = {"exchange", "group_size"}  # [sync.sparse] keys that pick the exchange (grouped.py)
+    return SparseSettings(**spec.sync.sparse.model_dump(exclude=exchange_keys)) if spec.sync.codec == CODEC else None
 
 
 def compression_ratio(numel: int, payload_bytes: int) -> float:

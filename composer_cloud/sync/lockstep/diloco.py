@@ -35,6 +35,7 @@ from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
+from composer_cloud.sync.lockstep.grouped import sparse_allreduce
 from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
 from composer_cloud.sync.lockstep.sharded import LocalShard, ShardedAllReduce, ShardedManager, share_shards
@@ -122,6 +123,7 @@ class LockstepConfig:
         takeover_after_s: how long a participant waits for the others' slices of a committed
             state before writing them itself (the quorum timeout: the expected straggler spread).
         sparse: the sparse codec's settings (``sync.codec = "sparse"``), else None.
+        sparse_exchange, sparse_group_size: ``sync.sparse.exchange`` / ``group_size`` (``grouped.py``).
     """
 
     allreduce: AllReduceConfig
@@ -132,6 +134,8 @@ class LockstepConfig:
     heal_timeout_s: float
     takeover_after_s: float
     sparse: Any = None  # composer_cloud.sync.sparse.SparseSettings | None
+    sparse_exchange: str = "auto"
+    sparse_group_size: int | None = None
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "LockstepConfig":
@@ -139,7 +143,8 @@ class LockstepConfig:
                    sync_every=spec.inner_steps, fragments=spec.sync.fragments,
                    fragment_sync_delay=spec.sync.fragment_sync_delay, heal_timeout_s=spec.sync.heal_timeout_s,
                    takeover_after_s=spec.sync.quorum_timeout_s,
-                   sparse=settings_of(spec))
+                   sparse=settings_of(spec), sparse_exchange=spec.sync.sparse.exchange,
+                   sparse_group_size=spec.sync.sparse.group_size)
 
 
 def _restore_parameters(diloco: Any) -> None:
@@ -269,8 +274,9 @@ def build_diloco(
     if shard is not None:
         ar: ObjectStoreAllReduce = ShardedAllReduce(store, rank, config.allreduce, shard=shard, hooks=hooks)
     elif config.sparse is not None:
-        ar = SparseGatherAllReduce(store, rank, config.allreduce, settings=config.sparse,
-                                                         fragments=len(frags), hooks=hooks)
+        ar = sparse_allreduce(store, rank, config.allreduce, settings=config.sparse,
+                              exchange=config.sparse_exchange, group_size=config.sparse_group_size,
+                              fragments=len(frags), hooks=hooks)
     else:
         ar = ObjectStoreAllReduce(store, rank, config.allreduce, hooks=hooks)
     loop: OuterLoop | None = None

@@ -13,7 +13,8 @@ Why a gather, not the scatter-reduce: the sum of W sparse contributions is W tim
 scatter-reduce of sparse payloads must send dense reduced slots back; the gather moves ``P`` up and
 ``(W - 1) P`` down per replica (``P`` = one contribution, ~1/80 of fp32 at the defaults) and costs
 ``2W`` reads (contributions and digests of the others, quorum, outcome). It moves fewer bytes than bf16 scatter-reduce up to W ~ 290 at 1.56 % density (measured
-crossovers: ``docs/scale.md``); the spec refuses the sparse codec above ``SPARSE_MAX_REPLICAS``. The
+crossovers: ``docs/scale.md``); above ``spec.GATHER_MAX_REPLICAS`` the
+spec refuses it (``grouped.py``'s two-level exchange serves larger runs). The
 contributions of a round spread over ``ceil(W / 32)`` key prefixes (``layout.sparse_key``).
 
 Error feedback is training state (DESIGN invariant 13). ``encode`` is pure: the new accumulator is kept
@@ -84,9 +85,13 @@ class SparseGatherAllReduce(ObjectStoreAllReduce):
         result = super().allreduce(round, flat)
         if result.committed and result.participated and self._encoded is not None:
             name, enc = self._encoded
-            self._acc[name] = enc.accumulator
+            self._acc[name] = self._committed_accumulator(enc)
         self._encoded = None
         return result
+
+    def _committed_accumulator(self, enc: sparse.SparseEncoding) -> torch.Tensor:
+        """The accumulator kept once this replica's round committed (two-level adds its returned residual)."""
+        return enc.accumulator
 
     def _encode(self, round: int, flat: torch.Tensor) -> sparse.SparseEncoding:
         """This sync's contribution, encoded once from the committed accumulator (every attempt sends it)."""
@@ -102,46 +107,60 @@ class SparseGatherAllReduce(ObjectStoreAllReduce):
 
     def _exchange(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
                   result: RoundResult) -> Outcome:
-        """Upload my contribution, gather and check the others', average in participant order, commit."""
-        cfg = self.config
-        numel = flat.numel()
-        deadline = time.monotonic() + cfg.round_timeout_s
-        timings = result.timings
+        """Compute the checked mean (:meth:`_mean`), then commit; a failed check or wait aborts the attempt."""
         try:
-            t = time.monotonic()
-            enc = self._encode(round, flat)
-            result.payload_bytes = len(enc.payload)
-            self.store.put(layout.sparse_key(round, attempt, self.rank, cfg.replicas), enc.payload, durable=False)
-            self.hooks.at("upload", round, self.rank)
-            timings["scatter_s"] = time.monotonic() - t
-
-            t = time.monotonic()
-            others = {p: self._pool.submit(self._wait_in_round, round, attempt,
-                                           layout.sparse_key(round, attempt, p, cfg.replicas), deadline, p)
-                      for p in participants if p != self.rank}
-            updates: list[sparse.SparseUpdate] = []
-            missing: list[int] = []
-            for p in participants:
-                if p == self.rank:
-                    updates.append(enc.sent)  # what the readers decode from my bytes (sparse.encode's invariant)
-                    continue
-                updates.append(self._decode(round, attempt, p, others[p], numel, missing))
-            if missing:
-                raise RoundTimeout(round, missing, "sparse contributions missing")
-            norms = [u.norm() for u in updates]
-            check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
-            mean = sparse.mean(updates, numel=numel)
-            self.hooks.at("reduce", round, self.rank)
-            timings["gather_s"] = time.monotonic() - t
-            t = time.monotonic()
-            self._acknowledge(round, attempt, participants, mean, norms, deadline)
-            timings["ack_s"] = time.monotonic() - t
+            mean = self._mean(round, attempt, participants, flat, result)
         except RoundTimeout as exc:
             return self._finish_aborted(round, attempt, participants, result, str(exc), missing=exc.missing_ranks)
         except RejectedPayload as exc:
             return self._finish_aborted(round, attempt, participants, result, exc.reason, check=exc.check,
                                         excluded=exc.excluded, slot=exc.slot, retry=True)
         return self._commit(round, attempt, participants, mean, flat, result)
+
+    def _mean(self, round: int, attempt: int, participants: list[int], flat: torch.Tensor,
+              result: RoundResult) -> torch.Tensor:
+        """Upload my contribution, gather and check the others', average in participant order, acknowledge.
+
+        Raises :class:`RoundTimeout` or :class:`RejectedPayload`.
+        """
+        cfg = self.config
+        numel = flat.numel()
+        deadline = time.monotonic() + cfg.round_timeout_s
+        timings = result.timings
+        enc = self._upload(round, attempt, flat, result)
+        t = time.monotonic()
+        others = {p: self._pool.submit(self._wait_in_round, round, attempt,
+                                       layout.sparse_key(round, attempt, p, cfg.replicas), deadline, p)
+                  for p in participants if p != self.rank}
+        updates: list[sparse.SparseUpdate] = []
+        missing: list[int] = []
+        for p in participants:
+            if p == self.rank:
+                updates.append(enc.sent)  # what the readers decode from my bytes (sparse.encode's invariant)
+                continue
+            updates.append(self._decode(round, attempt, p, others[p], numel, missing))
+        if missing:
+            raise RoundTimeout(round, missing, "sparse contributions missing")
+        norms = [u.norm() for u in updates]
+        check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
+        mean = sparse.mean(updates, numel=numel)
+        self.hooks.at("reduce", round, self.rank)
+        timings["gather_s"] = time.monotonic() - t
+        t = time.monotonic()
+        self._acknowledge(round, attempt, participants, mean, norms, deadline)
+        timings["ack_s"] = time.monotonic() - t
+        return mean
+
+    def _upload(self, round: int, attempt: int, flat: torch.Tensor, result: RoundResult) -> sparse.SparseEncoding:
+        """Encode (once per sync) and upload my contribution; returns it."""
+        t = time.monotonic()
+        enc = self._encode(round, flat)
+        result.payload_bytes = len(enc.payload)
+        self.store.put(layout.sparse_key(round, attempt, self.rank, self.config.replicas), enc.payload,
+                       durable=False)
+        self.hooks.at("upload", round, self.rank)
+        result.timings["scatter_s"] = time.monotonic() - t
+        return enc
 
     def _acknowledge(self, round: int, attempt: int, participants: list[int], mean: torch.Tensor,
                      norms: list[float], deadline: float) -> None:
