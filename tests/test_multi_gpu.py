@@ -5,6 +5,7 @@ test_multi_gpu_e2e.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -88,7 +89,9 @@ def test_a_stall_names_one_local_rank(tmp_path):
     stalled = threading.Thread(target=EnvFaults(stall=("upload", 1, 0, 1), marker=str(marker), local_rank=1).at,
                                args=("upload", 1, 0), daemon=True)
     stalled.start()
-    stalled.join(timeout=2)
+    deadline = time.monotonic() + 10
+    while len(marker.read_text().splitlines() if marker.exists() else []) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert stalled.is_alive() and marker.read_text().splitlines()[0] == "upload:1:0"
     assert marker.read_text().splitlines()[1].startswith("pid ")
 
