@@ -259,13 +259,13 @@ def crossovers(n: float, sparse: SparseShape) -> dict[str, Any]:
         "gather_sparse_worse_than_scatter_bf16": flips(gather, ">", ("scatter", "bf16")),
         "gather_sparse_worse_than_scatter_fp32": flips(gather, ">", ("scatter", "fp32")),
         "two_level_beats_gather": flips(two, "<", gather),
-        "two_level_halves_gather": flips(two, "<", gather, 0.5),  # sync.sparse.exchange = "auto" from here
+        "two_level_halves_gather": flips(two, "<", gather, 0.5),
         "two_level_cheaper_on_s3_with_egress": first(
             lambda w: cost(*two, w).dollars("s3", egress=True) < cost(*gather, w).dollars("s3", egress=True)),
         "two_level_worse_than_scatter_bf16": flips(two, ">", ("scatter", "bf16")),
         "two_level_exact_worse_than_scatter_bf16": flips(exact, ">", ("scatter", "bf16")),
         "two_level_exact_beats_gather": flips(exact, "<", gather),
-        "gather_layout_floor_over_10s": first(lambda w: cost(*gather, w).layout_floor_s > 10),
+        "gather_layout_floor_over_10s": first(lambda w: cost(*gather, w).layout_floor_s > 10),  # "auto" switches
         "two_level_layout_floor_over_10s": first(lambda w: cost(*two, w).layout_floor_s > 10),
     }
 

@@ -159,8 +159,8 @@ class SparseSpec(_Strict):
     #: Elements per chunk (positions are Rice-coded within a chunk).
     chunk: int = Field(default=4096, ge=2, le=1 << 20)
     #: The exchange: "gather" (flat: every replica reads every contribution, exact), "two_level" (groups
-    #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 10
-    #: replicas on, where it moves half the gather's bytes or less: docs/scale.md).
+    #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 235
+    #: replicas on, where the gather's requests on one key prefix need > 10 s a round; docs/scale.md).
     exchange: Literal["auto", "gather", "two_level"] = "auto"
     #: Members per group of the two-level exchange (null: ceil(sqrt(participants))).
     group_size: int | None = Field(default=None, ge=2)

@@ -80,14 +80,15 @@ def test_cli_writes_the_model_json(scale, tmp_path: Path, capsys) -> None:
 
 def test_two_level_meets_the_issue_targets_and_sets_the_auto_crossover(scale) -> None:
     """At 1.56 % density: W = 64, 1.5B costs <= 1/20 of bf16 scatter on S3 with egress; no prefix floor over 10 s
-    at W = 1024 with the keys as laid out; ``sync.sparse.exchange = "auto"`` switches where bytes halve."""
+    at W = 1024 with the keys as laid out; ``sync.sparse.exchange = "auto"`` switches where the gather's prefix
+    floor passes 10 s."""
     t = scale.targets(scale.SparseShape())
     assert t["w64_1.5B_two_level_over_bf16_scatter_s3_egress"] <= 1 / 20
     assert t["w1024_two_level_layout_floor_s"] <= 10
     assert scale.round_cost("two_level", "sparse", 1024, 1.5e9).prefix_floor_s(1) > 10  # one prefix would not do
     cross = scale.crossovers(1.5e9, scale.SparseShape())
-    assert cross["two_level_halves_gather"] == TWO_LEVEL_FROM
-    assert cross["two_level_layout_floor_over_10s"] is None and cross["gather_layout_floor_over_10s"] > 64
+    assert cross["gather_layout_floor_over_10s"] == TWO_LEVEL_FROM
+    assert cross["two_level_layout_floor_over_10s"] is None and cross["two_level_halves_gather"] < TWO_LEVEL_FROM
     assert [scale.groups_of(w) for w in (4, 8, 64, 1024)] == [len(groups_of(list(range(w)))) for w in (4, 8, 64, 1024)]
 
 

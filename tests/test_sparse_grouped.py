@@ -173,13 +173,13 @@ def test_round_keys_spread_over_prefixes():
     assert len(contributions) == 32 and not contributions & sums
 
 
-def test_the_exchange_example_in_docs_parses_and_picks_two_level_from_10():
+def test_the_exchange_example_in_docs_parses_and_picks_two_level_from_235():
     import tomllib
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "sparse.md").read_text()
     block = text.split("```toml\n")[2].split("```", 1)[0]
-    for replicas, two_level in ((9, False), (10, True)):
+    for replicas, two_level in ((TWO_LEVEL_FROM - 1, False), (TWO_LEVEL_FROM, True)):
         spec = spec_from_dict({"replicas": replicas, "min_replicas": 2,
                                "sync": {"codec": "sparse", **tomllib.loads(block)["sync"]}})
         assert (spec.sync.sparse.exchange, spec.sync.sparse.group_size) == ("auto", 2)

@@ -64,9 +64,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: ``sync.sparse.exchange = "auto"`` uses the two-level exchange from this many replicas on: the first W
-#: where it moves at most half the flat gather's bytes per replica at the default settings
-#: (``benchmarks/scale.py``, crossover ``two_level_halves_gather``); below, the gather is exact and cheap.
-TWO_LEVEL_FROM = 10
+#: where the flat gather's busiest key prefix needs more than 10 s a round at S3's request rates
+#: (``benchmarks/scale.py``, crossover ``gather_layout_floor_over_10s``). Below, the exact gather is kept
+#: although the two-level exchange moves fewer bytes from W = 5 on: re-sparsifying costs loss (+2.3 % at
+#: W = 4, groups of 2; +6.8 % at W = 16, groups of 4, after 10 syncs: docs/sparse.md). Force "two_level"
+#: to trade loss for bytes.
+TWO_LEVEL_FROM = 235
 
 
 def groups_of(participants: list[int], group_size: int | None = None) -> list[list[int]]:
