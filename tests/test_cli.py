@@ -269,11 +269,13 @@ def test_error_messages_keep_spec_table_names_in_brackets(tmp_path, monkeypatch)
 def test_gpus_per_replica_and_parallelism_flags_reach_the_spec(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = runner.invoke(app, ["launch", "--dry-run", "--json", "--store", f"file://{tmp_path}/store", "--run-id", "g",
-                              "--gpus-per-replica", "2", "--parallelism", "fsdp", "--set", "device=cpu"])
+                              "--gpus-per-replica", "2", "--parallelism", "ddp", "--set", "device=cpu",
+                              "--set", "trainer.name=causal-lm"])
     assert res.exit_code == 0, res.output
     spec = json.loads(res.stdout)["spec"]
-    assert (spec["gpus_per_replica"], spec["parallelism"], spec["device"]) == (2, "fsdp", "cpu")  # gloo on CPU
+    assert (spec["gpus_per_replica"], spec["parallelism"], spec["device"]) == (2, "ddp", "cpu")  # gloo on CPU
     for flags, needle in ((["--gpus-per-replica", "9"], "gpus_per_replica"), (["--parallelism", "tp"], "parallelism"),
+                          (["--gpus-per-replica", "2", "--parallelism", "fsdp"], "parallelism"),
                           (["--gpus-per-replica", "2", "--set", "modal.gpu_count=4"], "modal.gpu_count")):
         res = runner.invoke(app, ["launch", "--dry-run", "--store", f"file://{tmp_path}/store", *flags])
         assert res.exit_code == 2 and needle in res.output, res.output
@@ -289,7 +291,8 @@ def test_local_cuda_replicas_need_as_many_gpus_as_gpus_per_replica(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
     monkeypatch.setattr(local_jobs, "cuda_device_count", lambda: 1)
-    args = ["launch", "--dry-run", "--store", f"file://{tmp_path}/store", "--set", "device=cuda"]
+    args = ["launch", "--dry-run", "--store", f"file://{tmp_path}/store", "--set", "device=cuda",
+            "--set", "trainer.name=causal-lm"]
     res = runner.invoke(app, [*args, "--gpus-per-replica", "2"])
     assert res.exit_code == 2, res.output
     assert "gpus_per_replica = 2" in res.output and "this machine has 1" in res.output

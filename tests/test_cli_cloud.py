@@ -114,7 +114,7 @@ def test_modal_dry_run_shows_n_gpus_per_replica_and_their_price(tmp_path, monkey
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-not-real")
     (tmp_path / "spec.toml").write_text(SMALL_RUN_TOML + '[modal]\nsecrets = ["aws"]\ntimeout_s = 3600\n')
     args = ["launch", "--config", "spec.toml", "--executor", "modal", "--replicas", "2",
-            "--store", f"s3://{s3_server_moto.bucket}/dry-run-modal", "--dry-run"]
+            "--store", f"s3://{s3_server_moto.bucket}/dry-run-modal", "--dry-run", "--set", "trainer.batch_size=8"]
     res = CliRunner().invoke(app, [*args, "--gpus-per-replica", "8", "--gpu", "H100"])
     assert res.exit_code == 0, res.output
     per_replica_hour = 8 * MODAL_GPU_PRICE_PER_S["H100"][0] * 3600
@@ -134,7 +134,7 @@ def test_hf_jobs_dry_run_shows_the_xn_flavor_and_its_price(hf_env, tmp_path, mon
     monkeypatch.setenv("COLUMNS", "250")
     (tmp_path / "spec.toml").write_text(SPEC.replace('"cpu-basic"', '"a10g-large"') + "timeout_s = 3600\n")
     args = ["launch", "--config", "spec.toml", "--executor", "hf-jobs", "--replicas", "3", "--store",
-            f"file://{tmp_path}/store", "--dry-run"]
+            f"file://{tmp_path}/store", "--dry-run", "--set", "trainer.batch_size=8"]
     res = CliRunner().invoke(app, [*args, "--gpus-per-replica", "2"])
     assert res.exit_code == 0, res.output
     # a10g-largex2 is listed at 50000 micro-USD per minute by the test server: $3/h per replica, 3 replicas.

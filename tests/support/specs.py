@@ -60,9 +60,9 @@ keep_checkpoints = 10
 gpus_per_replica = {n}
 {extra}
 [sync]
-quorum_timeout_s = 15
-round_timeout_s = 30
-heal_timeout_s = 60
+quorum_timeout_s = 45
+round_timeout_s = 90
+heal_timeout_s = 180
 """ + SMALL_RUN_TOML
 
 
