@@ -23,14 +23,24 @@ SPARSE_SPEC = with_sync(RESUME_SPEC, codec="sparse") + "[sync.sparse]\ndensity =
 TWO_LEVEL_SPEC = SPARSE_SPEC + "exchange = \"two_level\"\ngroup_size = 2\n"
 
 
-def _resume_matches_uninterrupted(kind: str, phase: str, tmp_path, spec: str = SPARSE_SPEC) -> None:
-    store = store_uri_for(kind, tmp_path)
-    base = tmp_path / "base"
-    base.mkdir()
-    res = launch_run(base, store, "uninterrupted", spec)
+def _uninterrupted(tmp_path, spec: str) -> dict:
+    store = store_uri_for("file", tmp_path)
+    res = launch_run(tmp_path, store, "uninterrupted", spec)
     assert res.returncode == 0, res.stdout + res.stderr
-    expected = export_weights(base, f"{store}/uninterrupted", "model")
+    return export_weights(tmp_path, f"{store}/uninterrupted", "model")
 
+
+@pytest.fixture(scope="module")
+def sparse_baseline(tmp_path_factory) -> dict:
+    """The uninterrupted sparse run's exported weights: what every kill-and-resume below must end on.
+
+    One baseline on file:// serves the S3 case too: a run's model does not depend on its store.
+    """
+    return _uninterrupted(tmp_path_factory.mktemp("sparse-baseline"), SPARSE_SPEC)
+
+
+def _resume_matches(expected: dict, kind: str, phase: str, tmp_path, spec: str = SPARSE_SPEC) -> None:
+    store = store_uri_for(kind, tmp_path)
     kill_run_at(tmp_path, store, "killed", phase, spec=spec)
     run = Store(f"{store}/killed")
     assert not run.exists(layout.outcome_key(3, 0))  # killed before the end
@@ -46,20 +56,22 @@ def _resume_matches_uninterrupted(kind: str, phase: str, tmp_path, spec: str = S
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["inner_step", "upload"])
-def test_sparse_run_killed_in_round_2_resumes_bitwise(phase, tmp_path):
-    _resume_matches_uninterrupted("file", phase, tmp_path)
+def test_sparse_run_killed_in_round_2_resumes_bitwise(phase, tmp_path, sparse_baseline):
+    _resume_matches(sparse_baseline, "file", phase, tmp_path)
 
 
 @pytest.mark.slow
 def test_two_level_sparse_run_killed_in_round_2_resumes_bitwise(tmp_path):
-    _resume_matches_uninterrupted("file", "reduce", tmp_path, TWO_LEVEL_SPEC)
+    base = tmp_path / "base"
+    base.mkdir()
+    _resume_matches(_uninterrupted(base, TWO_LEVEL_SPEC), "file", "reduce", tmp_path, TWO_LEVEL_SPEC)
     run = Store(f"{store_uri_for('file', tmp_path)}/killed")
     assert run.exists(layout.sparse_group_digest_key(3, 0, 0))  # the last round went through a group sum
 
 
 @pytest.mark.slow
-def test_sparse_run_killed_in_round_2_resumes_bitwise_on_s3(tmp_path, s3_endpoint):
-    _resume_matches_uninterrupted("s3", "inner_step", tmp_path)
+def test_sparse_run_killed_in_round_2_resumes_bitwise_on_s3(tmp_path, s3_endpoint, sparse_baseline):
+    _resume_matches(sparse_baseline, "s3", "inner_step", tmp_path)
 
 
 DECOUPLED_SPARSE_SPEC = """
