@@ -47,11 +47,10 @@ def _spec(**fields) -> RunSpec:
 
 
 @pytest.mark.parametrize("fields,named", [
-    ({"parallelism": "fsdp"}, "parallelism"),
+    ({"parallelism": "fsdp", "model": {"lora": {"r": 4}}}, "parallelism"),
     ({"sync": {"mode": "decoupled"}}, "sync.mode"),
     ({"sync": {"codec": "sparse"}}, "sync"),
     ({"sync": {"fragments": 2}}, "sync"),
-    ({"model": {"lora": {"r": 4}}}, "model.lora"),
     ({"trainer": {"name": "three-channel"}}, "trainer.name"),
     ({"trainer": {"batch_size": 1}}, "trainer.batch_size"),
 ])
@@ -64,6 +63,8 @@ def test_multi_gpu_replicas_refuse_what_they_cannot_run_naming_the_setting(field
 def test_the_supported_multi_gpu_settings_and_every_one_rank_spec_pass():
     check_local_ranks(_spec())
     check_local_ranks(_spec(sync={"codec": "bf16"}, model={"precision": "bf16"}))
+    check_local_ranks(_spec(model={"lora": {"r": 4}}))  # DDP over the adapters; the frozen base stays put
+    check_local_ranks(_spec(parallelism="fsdp"))
     check_local_ranks(RunSpec.model_validate({"parallelism": "fsdp", "sync": {"codec": "sparse"}}))
 
 
