@@ -48,7 +48,7 @@ def _spec(**fields) -> RunSpec:
 
 @pytest.mark.parametrize("fields,named", [
     ({"parallelism": "fsdp", "model": {"lora": {"r": 4}}}, "parallelism"),
-    ({"sync": {"mode": "decoupled"}}, "sync.mode"),
+    ({"sync": {"mode": "decoupled"}, "parallelism": "fsdp"}, "sync.mode"),
     ({"sync": {"codec": "sparse"}}, "sync"),
     ({"sync": {"fragments": 2}}, "sync"),
     ({"trainer": {"name": "three-channel"}}, "trainer.name"),
@@ -65,6 +65,7 @@ def test_the_supported_multi_gpu_settings_and_every_one_rank_spec_pass():
     check_local_ranks(_spec(sync={"codec": "bf16"}, model={"precision": "bf16"}))
     check_local_ranks(_spec(model={"lora": {"r": 4}}))  # DDP over the adapters; the frozen base stays put
     check_local_ranks(_spec(parallelism="fsdp"))
+    check_local_ranks(_spec(sync={"mode": "decoupled"}))  # local rank 0 contributes for the replica
     check_local_ranks(RunSpec.model_validate({"parallelism": "fsdp", "sync": {"codec": "sparse"}}))
 
 

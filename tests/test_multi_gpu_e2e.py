@@ -28,7 +28,7 @@ from support.cli import cli
 from support.faults import stalled_pid
 from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, launch_run, same_weights
-from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec
+from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec, with_sync
 from support.stores import store_uri_for
 
 pytestmark = pytest.mark.slow
@@ -174,3 +174,25 @@ def test_kill_everything_then_resume_is_bitwise(parallelism, tmp_path, request):
     got = export_weights(tmp_path, f"{store}/resumed", "resumed")
     assert same_weights(got, expected)
     assert not any(torch.equal(got[k], torch.zeros_like(got[k])) for k in got)
+
+
+def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
+    """Decoupled, 2 x 2: local rank 0 publishes, merges and adopts for its replica and broadcasts the adopted
+    parameters at every boundary; a replica whose local ranks ended on different parameters fails its job, so
+    a completed run means they stayed one model. The fleet's budget is published and the final merge exports."""
+    from composer_cloud.sync.decoupled import protocol
+
+    store = store_uri_for("file", tmp_path)
+    spec = with_sync(multi_gpu_spec(2), mode="decoupled", min_quorum=2, grace_min_s=0.5, grace_max_s=10)
+    res = launch_run(tmp_path, store, "decoupled", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = open_run(f"{store}/decoupled")
+    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
+    assert st["state"] == "completed", st
+    assert protocol.read_final(run.store) is not None
+    assert protocol.published_total(run.store, protocol.DecoupledConfig.from_spec(run.spec)) >= 2 * 3
+    from transformers import AutoModelForCausalLM
+
+    got = export_weights(tmp_path, run.uri, "decoupled-model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "decoupled-model")
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in got.values())

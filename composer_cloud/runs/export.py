@@ -150,13 +150,15 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
         raise LookupError(f"run {store.uri} has no checkpoint to export yet (the first is written when round 1 "
                           "commits); see `composer-cloud status`")
     model, tokenizer = _model_for(run)
-    # A multi-GPU replica's global state is one entry per shard (sync/lockstep/sharded.py; fragments = 1): DDP's
-    # shards are fragments of whole parameters, FSDP's the ranks' chunks of every parameter.
-    if spec.gpus_per_replica > 1 and spec.parallelism == "fsdp":
+    # A lock-step multi-GPU replica's global state is one entry per shard (sync/lockstep/sharded.py; fragments
+    # = 1): DDP's shards are fragments of whole parameters, FSDP's the ranks' chunks of every parameter. A
+    # decoupled one's is local rank 0's whole contribution, as with one rank.
+    shards = spec.gpus_per_replica if spec.sync.mode == "lockstep" else 1
+    if shards > 1 and spec.parallelism == "fsdp":
         def load_global(tree: Any) -> None:
-            load_fsdp_shards(model, tree, spec.gpus_per_replica)
+            load_fsdp_shards(model, tree, shards)
     else:
-        fragments = split_fragments(model, spec.sync.fragments * spec.gpus_per_replica)
+        fragments = split_fragments(model, spec.sync.fragments * shards)
 
         def load_global(tree: Any) -> None:
             load_global_parameters(fragments, tree)

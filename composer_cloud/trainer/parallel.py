@@ -39,8 +39,10 @@ def check_local_ranks(spec: RunSpec) -> None:
     if spec.parallelism == "fsdp" and spec.model.lora is not None:
         raise SpecError("parallelism", f'"fsdp" with [model.lora] is not supported with {where}: use "ddp" (the '
                         "adapters are small; every rank keeps the frozen base)")
-    if spec.sync.mode != "lockstep":
-        raise SpecError("sync.mode", f'"{spec.sync.mode}" is not supported with {where}: use "lockstep"')
+    if spec.sync.mode != "lockstep" and spec.parallelism != "ddp":
+        raise SpecError("sync.mode", f'"{spec.sync.mode}" with parallelism = "{spec.parallelism}" is not supported '
+                        f'with {where}: use parallelism = "ddp" (local rank 0 makes the replica\'s contribution '
+                        'from its full copy of the model) or sync.mode = "lockstep"')
     if spec.sync.codec == "sparse" or spec.sync.fragments != 1:
         raise SpecError("sync", f"codec {spec.sync.codec!r} with {spec.sync.fragments} fragments is not supported "
                         f"with {where}: use a dense codec (fp32, bf16, int8) and fragments = 1")
