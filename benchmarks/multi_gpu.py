@@ -4,6 +4,8 @@
     python benchmarks/multi_gpu.py                  # 2 replicas x 2 local ranks vs x 1 (~1.5 min)
     python benchmarks/multi_gpu.py --faults         # + kill -9 of one local rank at every phase (~5 min)
     python benchmarks/multi_gpu.py --bf16           # the same under bf16 autocast
+    python benchmarks/multi_gpu.py --parallelism fsdp   # FSDP2 inside the N-rank replicas
+    python benchmarks/multi_gpu.py --lora           # [model.lora] in both runs (DDP over the adapters)
     python benchmarks/multi_gpu.py --json out.json
 
 The runs are the spec of ``tests/test_multi_gpu_e2e.py`` (the tiny model, 3 lock-step rounds of 2 inner
@@ -45,7 +47,7 @@ from composer_cloud.sync.lockstep.rounds import read_outcome  # noqa: E402
 from support.faults import stalled_pid  # noqa: E402
 from support.local_jobs import launch_stalled  # noqa: E402
 from support.resume import export_weights, launch_run  # noqa: E402
-from support.specs import multi_gpu_spec  # noqa: E402
+from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec  # noqa: E402
 
 #: The phases every local rank passes (the others, checkpoint writes, are local rank 0's alone).
 RANK_PHASES = ("inner_step", "upload", "reduce")
@@ -55,7 +57,17 @@ def _rows(run_uri: str) -> list[dict]:
     return read_metrics(open_run(run_uri).store, kind="round")
 
 
-def measure(root: Path, n: int, *, bf16: bool = False) -> dict:
+def _spec(ranks: int, *, bf16: bool = False, lora: bool = False, parallelism: str = "ddp", extra: str = "") -> str:
+    """The multi-GPU spec with ``ranks`` local ranks (``parallelism`` for ``ranks > 1``) and the options."""
+    if ranks > 1:
+        extra = f'{extra}\nparallelism = "{parallelism}"'
+    spec = multi_gpu_spec(ranks, extra)
+    if bf16:
+        spec = spec.replace("[model]\n", '[model]\nprecision = "bf16"\n')
+    return spec + (MULTI_GPU_LORA_TOML if lora else "")
+
+
+def measure(root: Path, n: int, *, bf16: bool = False, lora: bool = False, parallelism: str = "ddp") -> dict:
     """The one-rank run and the ``n``-rank run: diff, bytes per rank, step time per rank."""
     out: dict = {}
     weights = {}
@@ -64,10 +76,7 @@ def measure(root: Path, n: int, *, bf16: bool = False) -> dict:
         cwd.mkdir()
         store = f"file://{cwd}/store"
         t0 = time.monotonic()
-        spec = multi_gpu_spec(ranks)
-        if bf16:
-            spec = spec.replace("[model]\n", '[model]\nprecision = "bf16"\n')
-        res = launch_run(cwd, store, "run", spec)
+        res = launch_run(cwd, store, "run", _spec(ranks, bf16=bf16, lora=lora, parallelism=parallelism))
         if res.returncode != 0:
             raise SystemExit(res.stdout + res.stderr)
         rows = _rows(f"{store}/run")
@@ -83,12 +92,12 @@ def measure(root: Path, n: int, *, bf16: bool = False) -> dict:
     return out
 
 
-def fault_case(root: Path, phase: str, local_rank: int) -> dict:
+def fault_case(root: Path, phase: str, local_rank: int, **options: object) -> dict:
     cwd = root / f"{phase}-{local_rank}"
     cwd.mkdir()
     store = f"file://{cwd}/store"
     cfg = cwd / "spec.toml"
-    cfg.write_text(multi_gpu_spec(2, "max_restarts = 1"))
+    cfg.write_text(_spec(2, extra="max_restarts = 1", **options))
     t0 = time.monotonic()
     launcher = launch_stalled(cwd, cfg, store, "run", phase=phase, round=1, rank=0, local_rank=local_rank)
     os.kill(stalled_pid(cwd / "stalled-run"), signal.SIGKILL)
@@ -116,11 +125,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--faults", action="store_true")
     parser.add_argument("--bf16", action="store_true", help='model.precision = "bf16" (autocast) in both runs')
+    parser.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp",
+                        help="how the N-rank replicas hold the model (the one-rank baseline needs neither)")
+    parser.add_argument("--lora", action="store_true", help="[model.lora] in both runs")
     parser.add_argument("--json", default="benchmarks/out/multi_gpu.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        result = measure(root, args.ranks, bf16=args.bf16)
+        options = {"bf16": args.bf16, "lora": args.lora, "parallelism": args.parallelism}
+        result = {"options": options, **measure(root, args.ranks, **options)}
         n = args.ranks
         print(f"{'':24}{'1 rank':>14}{f'{n} ranks':>14}")
         for key in ("bytes_per_rank", "step_s", "wall_s"):
@@ -128,7 +141,7 @@ def main() -> None:
         print(f"bytes per rank ratio {result['bytes_ratio']:.3f}; max abs diff of the exported weights "
               f"{result['max_abs_diff']:.3g}")
         if args.faults:
-            result["faults"] = [fault_case(root, phase, k) for phase in PHASES for k in range(n)
+            result["faults"] = [fault_case(root, phase, k, **options) for phase in PHASES for k in range(n)
                                 if k == 0 or phase in RANK_PHASES]
             for case in result["faults"]:
                 print(f"kill -9 local rank {case['local_rank']} at {case['phase']:14} {case['result']:9} "

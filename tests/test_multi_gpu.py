@@ -47,11 +47,10 @@ def _spec(**fields) -> RunSpec:
 
 
 @pytest.mark.parametrize("fields,named", [
-    ({"parallelism": "fsdp"}, "parallelism"),
-    ({"sync": {"mode": "decoupled"}}, "sync.mode"),
+    ({"parallelism": "fsdp", "model": {"lora": {"r": 4}}}, "parallelism"),
+    ({"sync": {"mode": "decoupled"}, "parallelism": "fsdp"}, "sync.mode"),
     ({"sync": {"codec": "sparse"}}, "sync"),
     ({"sync": {"fragments": 2}}, "sync"),
-    ({"model": {"lora": {"r": 4}}}, "model.lora"),
     ({"trainer": {"name": "three-channel"}}, "trainer.name"),
     ({"trainer": {"batch_size": 1}}, "trainer.batch_size"),
 ])
@@ -64,6 +63,9 @@ def test_multi_gpu_replicas_refuse_what_they_cannot_run_naming_the_setting(field
 def test_the_supported_multi_gpu_settings_and_every_one_rank_spec_pass():
     check_local_ranks(_spec())
     check_local_ranks(_spec(sync={"codec": "bf16"}, model={"precision": "bf16"}))
+    check_local_ranks(_spec(model={"lora": {"r": 4}}))  # DDP over the adapters; the frozen base stays put
+    check_local_ranks(_spec(parallelism="fsdp"))
+    check_local_ranks(_spec(sync={"mode": "decoupled"}))  # local rank 0 contributes for the replica
     check_local_ranks(RunSpec.model_validate({"parallelism": "fsdp", "sync": {"codec": "sparse"}}))
 
 
@@ -109,3 +111,68 @@ def test_the_documented_multi_gpu_spec_is_one_a_multi_gpu_replica_runs(tmp_path)
     spec = load_spec(tmp_path / "spec.toml", {})
     assert spec.gpus_per_replica == 2 and spec.parallelism == "ddp" and spec.max_restarts == 1
     check_local_ranks(spec)
+
+
+def _fsdp_chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """FSDP2's dim-0 layout: ``torch.chunk``, padded with empty chunks up to ``n``."""
+    chunks = list(torch.chunk(t, n))
+    return chunks + [t.new_empty((0, *t.shape[1:]))] * (n - len(chunks))
+
+
+def test_export_reassembles_fsdp_shards_into_the_full_parameters():
+    from composer_cloud.errors import CorruptCheckpoint
+    from composer_cloud.sync.lockstep.sharded import load_fsdp_shards, shard_key
+
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))  # uneven chunks, a 1-row weight
+    target = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
+    tree = {shard_key(k): {"original_parameters": {}} for k in range(3)}
+    for name, p in source.named_parameters():
+        for k, chunk in enumerate(_fsdp_chunks(p.detach(), 3)):
+            tree[shard_key(k)]["original_parameters"][name] = chunk.clone()
+    load_fsdp_shards(target, tree, 3)
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+    with pytest.raises(CorruptCheckpoint, match="shards make"):
+        load_fsdp_shards(target, tree, 2)  # a shard missing: the parameter comes out short
+    del tree[shard_key(2)]["original_parameters"]["0.bias"]
+    with pytest.raises(CorruptCheckpoint, match="0.bias"):
+        load_fsdp_shards(target, tree, 3)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group, so that FSDP2 and DTensors can be built in the test process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_outer_state_is_stored_as_local_tensors_and_loaded_back_as_shards(one_rank_group):
+    """The global state of an FSDP rank holds plain tensors; loading it gives the outer momentum back as DTensors."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from composer_cloud.storage.tensors import decode_state, encode_state
+    from composer_cloud.sync.lockstep.sharded import ShardedManager, _local_tensors
+
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 3))
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    outer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    for p in params:
+        p.grad = DTensor.from_local(torch.ones_like(p.to_local()), p.device_mesh, p.placements)
+    outer.step()
+    stored = decode_state(encode_state({"outer_optimizer": _local_tensors(outer.state_dict())}))
+    assert not isinstance(stored["outer_optimizer"]["state"][0]["momentum_buffer"], DTensor)
+    loaded = ShardedManager._as_params(SimpleNamespace(params=params), stored)
+    fresh = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    fresh.load_state_dict(loaded["outer_optimizer"])
+    for p in params:
+        buf = fresh.state[p]["momentum_buffer"]
+        assert isinstance(buf, DTensor) and torch.equal(buf.to_local(), outer.state[p]["momentum_buffer"].to_local())
+    fresh.step()  # the loaded momentum works with DTensor gradients

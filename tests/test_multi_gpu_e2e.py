@@ -1,10 +1,12 @@
 """Multi-GPU replicas end to end on CPU (issue 24): 2 replicas x 2 local ranks (gloo) through the CLI.
 
 * the run matches the same run with one local rank per replica (same global batch) to 1e-6, exports a model
-  ``transformers`` loads, and moves about half the store bytes per local rank;
+  ``transformers`` loads, and moves about half the store bytes per local rank: with DDP, with FSDP2
+  (``parallelism = "fsdp"``) and with LoRA (over DDP);
 * ``kill -9`` of one local rank mid-round: with ``max_restarts = 1`` the run completes and the round it died in
   is aborted, never committed without that replica's shard (file:// and S3);
-* ``kill -9`` of everything, then ``resume``: the exported model equals the uninterrupted run's, bitwise.
+* ``kill -9`` of everything, then ``resume``: the exported model equals the uninterrupted run's, bitwise (DDP and
+  FSDP).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from support.cli import cli
 from support.faults import stalled_pid
 from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, launch_run, same_weights
-from support.specs import multi_gpu_spec
+from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec, with_sync
 from support.stores import store_uri_for
 
 pytestmark = pytest.mark.slow
@@ -39,38 +41,88 @@ def _round_bytes(run_uri: str) -> float:
     return sum(r["bytes_read"] + r["bytes_written"] for r in rows) / len(rows)
 
 
+def _launched(tmp_path_factory, name: str, spec: str) -> tuple[Path, str]:
+    cwd = tmp_path_factory.mktemp(name)
+    store = store_uri_for("file", cwd)
+    res = launch_run(cwd, store, name, spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return cwd, f"{store}/{name}"
+
+
 @pytest.fixture(scope="module")
 def two_by_two(tmp_path_factory) -> tuple[Path, str]:
     """An uninterrupted 2 x 2 run (the baseline of the resume test too)."""
-    cwd = tmp_path_factory.mktemp("two-by-two")
-    store = store_uri_for("file", cwd)
-    res = launch_run(cwd, store, "sharded", multi_gpu_spec(2))
-    assert res.returncode == 0, res.stdout + res.stderr
-    return cwd, f"{store}/sharded"
+    return _launched(tmp_path_factory, "sharded", multi_gpu_spec(2))
 
 
-def test_two_local_ranks_match_one_and_halve_the_bytes_per_rank(two_by_two, tmp_path):
-    cwd, sharded = two_by_two
-    store = store_uri_for("file", tmp_path)
-    res = launch_run(tmp_path, store, "whole", multi_gpu_spec(1))
-    assert res.returncode == 0, res.stdout + res.stderr
-    got = export_weights(cwd, sharded, "sharded-model")
-    want = export_weights(tmp_path, f"{store}/whole", "whole-model")
+@pytest.fixture(scope="module")
+def two_by_two_fsdp(tmp_path_factory) -> tuple[Path, str]:
+    """The same run with FSDP2 inside each replica: every parameter sharded over the 2 local ranks."""
+    return _launched(tmp_path_factory, "fsdp", multi_gpu_spec(2, 'parallelism = "fsdp"'))
+
+
+@pytest.fixture(scope="module")
+def two_by_one(tmp_path_factory) -> tuple[Path, str]:
+    """The same run with one local rank per replica (same global batch): what both 2 x 2 runs must match."""
+    return _launched(tmp_path_factory, "whole", multi_gpu_spec(1))
+
+
+def _match(sharded: tuple[Path, str], whole: tuple[Path, str], what: str) -> tuple[float, float]:
+    """Max abs difference of the two runs' exported weights, and their store bytes per local rank per round."""
+    got = export_weights(sharded[0], sharded[1], f"{what}-model")
+    want = export_weights(whole[0], whole[1], f"whole-model-{what}")
     assert got.keys() == want.keys()
     diff = max(float((got[k] - want[k]).abs().max()) for k in got)
-    print(f"max abs diff 2x2 vs 2x1: {diff:.3g}")
-    assert diff <= 1e-6
+    ratio = _round_bytes(sharded[1]) / _round_bytes(whole[1])
+    print(f"{what}: max abs diff 2x2 vs 2x1 {diff:.3g}; store bytes per local rank per round: ratio {ratio:.3f}")
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cwd / "sharded-model")
+    model = AutoModelForCausalLM.from_pretrained(sharded[0] / f"{what}-model")
     assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in got.values())
     # Local rank 0 reports for its replica: one round row per replica and round, with shard 0's bytes.
-    per_rank, whole = _round_bytes(sharded), _round_bytes(f"{store}/whole")
-    print(f"store bytes per local rank per round: {per_rank:.0f} (2 ranks) vs {whole:.0f} (1 rank): "
-          f"ratio {per_rank / whole:.3f}")
-    assert 0.4 <= per_rank / whole <= 0.65
-    rows = read_metrics(open_run(sharded).store, kind="round")
-    assert sorted((r["round"], r["rank"]) for r in rows) == [(r, k) for r in range(3) for k in range(2)]
+    rows = read_metrics(open_run(sharded[1]).store, kind="round")
+    rounds = open_run(sharded[1]).spec.rounds
+    assert sorted((r["round"], r["rank"]) for r in rows) == [(r, k) for r in range(rounds) for k in range(2)]
+    return diff, ratio
+
+
+def test_two_local_ranks_match_one_and_halve_the_bytes_per_rank(two_by_two, two_by_one):
+    diff, ratio = _match(two_by_two, two_by_one, "ddp")
+    assert diff <= 1e-6 and 0.4 <= ratio <= 0.65
+
+
+def test_fsdp_local_ranks_match_one_and_halve_the_bytes_per_rank(two_by_two_fsdp, two_by_one):
+    """FSDP: rank k syncs its chunk of every parameter; export reassembles the full Hugging Face model."""
+    diff, ratio = _match(two_by_two_fsdp, two_by_one, "fsdp")
+    assert diff <= 1e-6 and 0.4 <= ratio <= 0.6
+
+
+def test_lora_local_ranks_match_one_and_export_merged_and_adapter(tmp_path_factory):
+    """LoRA over DDP: the shards are the adapters' (2 rounds); merged and adapter exports as one-rank LoRA runs."""
+    def lora_spec(n: int) -> str:
+        return multi_gpu_spec(n).replace("\nrounds = 3\n", "\nrounds = 2\n", 1) + MULTI_GPU_LORA_TOML
+
+    sharded = _launched(tmp_path_factory, "lora-sharded", lora_spec(2))
+    whole = _launched(tmp_path_factory, "lora-whole", lora_spec(1))
+    diff, ratio = _match(sharded, whole, "lora")
+    assert diff <= 1e-6 and 0.4 <= ratio <= 0.65
+    cwd, run_uri = sharded
+    res = cli("export", run_uri, "--out", str(cwd / "adapter"), "--adapter", cwd=cwd)
+    assert res.returncode == 0, res.stdout + res.stderr
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from composer_cloud.model import load_spec_model
+
+    spec = open_run(run_uri).spec
+    base, _ = load_spec_model(spec.model.model_copy(update={"lora": None}), seed=spec.seed)
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = load_file(cwd / "lora-model/model.safetensors")
+    # PEFT over the rebuilt base merges to the exported model, bitwise; only the adapted weights changed.
+    again = PeftModel.from_pretrained(base, cwd / "adapter").merge_and_unload().state_dict()
+    assert all(torch.equal(again[k], merged[k]) for k in merged)
+    changed = [k for k in merged if not torch.equal(merged[k], plain[k])]
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
 
 
 def _outcomes(run_uri: str, round: int) -> list[Outcome]:
@@ -106,12 +158,14 @@ def test_a_local_rank_killed_mid_round_costs_its_replica_a_restart_never_a_parti
     assert None not in digests.values() and len(set(digests.values())) == 1, digests  # every replica ends on the same model, every shard of it
 
 
-def test_kill_everything_then_resume_is_bitwise(two_by_two, tmp_path):
-    cwd, sharded = two_by_two
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_kill_everything_then_resume_is_bitwise(parallelism, tmp_path, request):
+    """FSDP: the inner optimizer's state is stored whole and the outer momentum per shard; both come back."""
+    cwd, sharded = request.getfixturevalue("two_by_two" if parallelism == "ddp" else "two_by_two_fsdp")
     expected = export_weights(cwd, sharded, "baseline")
     store = store_uri_for("file", tmp_path)
     cfg = tmp_path / "spec.toml"
-    cfg.write_text(multi_gpu_spec(2))
+    cfg.write_text(multi_gpu_spec(2, f'parallelism = "{parallelism}"'))
     launcher = launch_stalled(tmp_path, cfg, store, "resumed", phase="upload", round=1, rank=0, local_rank=1,
                               capture=False)
     kill_run(f"{store}/resumed", launcher)
@@ -120,3 +174,25 @@ def test_kill_everything_then_resume_is_bitwise(two_by_two, tmp_path):
     got = export_weights(tmp_path, f"{store}/resumed", "resumed")
     assert same_weights(got, expected)
     assert not any(torch.equal(got[k], torch.zeros_like(got[k])) for k in got)
+
+
+def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
+    """Decoupled, 2 x 2: local rank 0 publishes, merges and adopts for its replica and broadcasts the adopted
+    parameters at every boundary; a replica whose local ranks ended on different parameters fails its job, so
+    a completed run means they stayed one model. The fleet's budget is published and the final merge exports."""
+    from composer_cloud.sync.decoupled import protocol
+
+    store = store_uri_for("file", tmp_path)
+    spec = with_sync(multi_gpu_spec(2), mode="decoupled", min_quorum=2, grace_min_s=0.5, grace_max_s=10)
+    res = launch_run(tmp_path, store, "decoupled", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = open_run(f"{store}/decoupled")
+    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
+    assert st["state"] == "completed", st
+    assert protocol.read_final(run.store) is not None
+    assert protocol.published_total(run.store, protocol.DecoupledConfig.from_spec(run.spec)) >= 2 * 3
+    from transformers import AutoModelForCausalLM
+
+    got = export_weights(tmp_path, run.uri, "decoupled-model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "decoupled-model")
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in got.values())

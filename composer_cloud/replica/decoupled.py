@@ -21,6 +21,13 @@ other replica stops at its next boundary, or within :data:`FINISH_CHECK_S` of
 the final record between boundaries (the segment it was training is dropped:
 at most one segment per replica).
 
+A multi-GPU replica (``gpus_per_replica = N > 1``, DDP: every local rank holds the same model and inner
+state) has one contribution per boundary, made by local rank 0: it alone reads and writes the store
+(publish, merge, adopt, checkpoint, the end of the run) and broadcasts what it decided (go on or stop, its
+``seq`` and adopted version) and the synced parameters after adoption to the other ranks
+(:class:`LeaderDecides`). The protocol merges whole contributions, so it is not split per shard: the
+store bytes of a multi-GPU replica are a one-rank replica's, made by one rank.
+
 Ordering and failure reasoning: the contribution is published before the
 inner state is written, so a replica killed in between republishes those
 steps under a new seq after its restart (at-least-once; never the same seq
@@ -38,7 +45,7 @@ from typing import Any
 
 import torch
 
-from composer_cloud.errors import BadObject
+from composer_cloud.errors import BadObject, SyncError
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, cpu_params, params_replaced
 from composer_cloud.storage import layout
@@ -53,6 +60,51 @@ logger = logging.getLogger(__name__)
 FINISH_CHECK_S = 2.0
 #: Inner states a replica keeps (the newest, and one before it in case the newest is torn).
 KEEP_STATES = 2
+
+
+class LeaderDecides:
+    """The collectives of a multi-GPU replica's decoupled boundary: local rank 0's decisions, on every rank.
+
+    Every call is a collective of the replica's local ranks, made at the same point of the loop by all of
+    them; with one local rank each returns its input.
+    """
+
+    def __init__(self, ctx: ReplicaContext, synced: dict[str, torch.nn.Parameter]) -> None:
+        self.shard = ctx.shard
+        self.synced = synced
+
+    def ints(self, *values: int) -> list[int]:
+        """Local rank 0's ``values`` (over the replica's gloo group)."""
+        if self.shard is None:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(t, src=dist.get_global_rank(self.shard.group, 0), group=self.shard.group)
+        return [int(v) for v in t]
+
+    def params(self) -> None:
+        """Local rank 0's synced parameters into every rank's model (over the default group: NCCL on GPUs)."""
+        if self.shard is None:
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for p in self.synced.values():
+                dist.broadcast(p.data, src=0)
+
+    def check_same(self, digest: str) -> None:
+        """Fail the replica if its local ranks ended on different parameters (``digest``: sha256 hex)."""
+        if self.shard is None:
+            return
+        import torch.distributed as dist
+
+        value = int(digest[:15], 16)
+        t = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.shard.group)
+        if int(t[0]) != -int(t[1]):
+            raise SyncError("the local ranks of this replica ended on different parameters; its contributions "
+                            "were local rank 0's, so the run's model is intact, but this replica is broken")
 
 
 class DecoupledBoundary:
@@ -74,6 +126,8 @@ class DecoupledBoundary:
         self._base: dict[str, torch.Tensor] = {}  # the parameters the next contribution is measured from
         self._last_look = time.monotonic()
         self._stopped = False
+        self.leader = ctx.leader  # local rank 0 of a multi-GPU replica does the store work for it
+        self.local = LeaderDecides(ctx, self.synced)
 
     @property
     def position(self) -> int:
@@ -82,6 +136,7 @@ class DecoupledBoundary:
     # ------------------------------------------------------------ start
     def start(self) -> dict[str, Any]:
         """Resume my inner state if I have one, else start from the newest durable global (version 0 first)."""
+        # Every local rank loads the replica's inner state (the same object: only local rank 0 writes it).
         resume = self.replica_states.load_decoupled(self.rank, world_size=self.spec.replicas)
         if resume is not None:
             copy_into(self.ctx.model, restore_replica_state(self.ctx.trainer, resume.tree["inner"]))
@@ -89,14 +144,17 @@ class DecoupledBoundary:
             self.seq, self.adopted = resume.seq, resume.version
             logger.info("replica %d resumed its inner state after contribution %d (version %d)", self.rank,
                         resume.seq, resume.version)
-        else:
+        elif self.leader:
             protocol.ensure_initial(self.store, self.cfg, cpu_params(self.ctx.model), rank=self.rank)
             if not self._adopt(alpha=1.0):  # a fresh model takes the global as it is
                 raise BadObject(layout.checkpoint_prefix(0), "no usable global version to start from")
+        if self.leader:
+            # Never reuse a seq: a kill after publishing but before the inner state was written leaves
+            # contributions newer than my state.
+            self.seq = protocol.next_seq(self.store, self.cfg, self.rank, self.seq) - 1
+        self.seq, self.adopted = self.local.ints(self.seq, self.adopted)
+        self.local.params()
         params_replaced(self.ctx.trainer)
-        # Never reuse a seq: a kill after publishing but before the inner state was written leaves
-        # contributions newer than my state.
-        self.seq = protocol.next_seq(self.store, self.cfg, self.rank, self.seq) - 1
         self._base = cpu_params(self.ctx.model)
         return {"round": self.seq, "version": self.adopted}
 
@@ -127,6 +185,10 @@ class DecoupledBoundary:
         return contextlib.nullcontext()
 
     def running(self, segment: Segment) -> bool:
+        go = self._running(segment) if self.leader else False
+        return bool(self.local.ints(int(go))[0])  # local rank 0 decides for the replica
+
+    def _running(self, segment: Segment) -> bool:
         if self._stopped:
             return False
         if segment.steps == 0:  # a boundary: is there still work for the fleet?
@@ -154,7 +216,11 @@ class DecoupledBoundary:
         if segment.steps < self.spec.inner_steps:
             return None
         t_sync = time.monotonic()
-        if protocol.read_final(self.store) is not None:
+        if not self.leader:
+            return self._follow()
+        final = protocol.read_final(self.store) is not None
+        self.local.ints(int(final))
+        if final:
             self._drop(segment)
             return None
         local = cpu_params(self.ctx.model)
@@ -168,6 +234,8 @@ class DecoupledBoundary:
         outcome = self._merge()
         adopted_before = self.adopted
         self._adopt(alpha=self.spec.sync.fragment_update_alpha)
+        self.local.ints(self.seq, self.adopted)  # then the adopted parameters: the other ranks' _follow
+        self.local.params()
         self._base = cpu_params(self.ctx.model)
         adopted = self.adopted != adopted_before
         if adopted:
@@ -195,6 +263,19 @@ class DecoupledBoundary:
             row["checkpoint_s"] = time.monotonic() - t0
         return row
 
+    def _follow(self) -> dict[str, Any] | None:
+        """Local ranks ``k > 0`` at a boundary: take local rank 0's outcome and parameters (its collectives)."""
+        if self.local.ints(0)[0]:  # the run finished: local rank 0 dropped the segment
+            self._stopped = True
+            return None
+        before = self.adopted
+        self.seq, self.adopted = self.local.ints(self.seq, self.adopted)
+        self.local.params()
+        self._base = cpu_params(self.ctx.model)
+        if self.adopted != before:
+            params_replaced(self.ctx.trainer)
+        return {"round": self.seq - 1, "committed": True, "merged_version": self.adopted}
+
     def _merge(self) -> protocol.MergeOutcome | None:
         """:func:`~composer_cloud.sync.decoupled.protocol.try_merge`, where a bad object costs this boundary's
         merge attempt, never the replica."""
@@ -220,6 +301,11 @@ class DecoupledBoundary:
     # ------------------------------------------------------------ the end
     def finish(self, steps: int) -> dict[str, Any]:
         """The fleet's budget is published (or another replica already made the final merge): the final merge."""
+        from composer_cloud.sync.lockstep.diloco import params_digest
+
+        self.local.check_same(params_digest(self.ctx.model))
+        if not self.leader:
+            return {"round": self.seq, "step": steps, "version": self.adopted}
         final = protocol.finish(self.store, self.cfg, self.shapes, rank=self.rank, rounds=self.spec.rounds)
         if final is None:
             logger.info("replica %d: others still training; the final merge is theirs", self.rank)

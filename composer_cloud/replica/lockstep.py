@@ -155,8 +155,11 @@ class LockstepBoundary:
         # Every sync replaced the synced parameters: torchft's DiLoCo restores the global backup before it
         # knows the outcome (then an outer step, or a heal, or nothing more if the round was not committed).
         params_replaced(self.ctx.trainer)
-        if rec.committed and res is not None and self.ctx.leader:  # local rank 0 checkpoints the replica
-            self._after_commit(rec.round, res.attempt, res.participants, row)
+        if rec.committed and res is not None:
+            if self.ctx.leader:  # local rank 0 checkpoints the replica
+                self._after_commit(rec.round, res.attempt, res.participants, row)
+            elif self.ctx.shard is not None and self.ctx.shard.fsdp:
+                self._join_leader_collectives(rec.round, res.participants)
         self._reap_io()
         return row
 
@@ -179,7 +182,7 @@ class LockstepBoundary:
         spec, trainer, manager = self.spec, self.ctx.trainer, self.loop.manager
         if self.rank == min(participants) and hasattr(trainer, "evaluate"):
             row.update(trainer.evaluate())
-        if (round + 1) % spec.checkpoint_every and round + 1 != spec.rounds:
+        if not self._checkpointed(round):
             manager.publish_state()  # global state every round: healers need it
             return
         local = None
@@ -210,6 +213,22 @@ class LockstepBoundary:
                 manifests.prune(self.global_states, keep=spec.keep_checkpoints, newest=round)
                 rounds.cleanup_rounds(self.store, before=round)
         self._pending_io.append(self._manifest_io.submit(finish))
+
+    def _checkpointed(self, round: int) -> bool:
+        """Round ``round`` writes a checkpoint (every ``checkpoint_every`` rounds, and the last)."""
+        return (round + 1) % self.spec.checkpoint_every == 0 or round + 1 == self.spec.rounds
+
+    def _join_leader_collectives(self, round: int, participants: list[int]) -> None:
+        """FSDP, local ranks ``k > 0``: join the collectives of local rank 0's :meth:`_after_commit`, in its order.
+
+        Its evaluation runs the sharded model (all-gathers) and its inner-state snapshot gathers the sharded
+        optimizer state: every local rank takes part, and only local rank 0 keeps the results.
+        """
+        trainer = self.ctx.trainer
+        if self.rank == min(participants) and hasattr(trainer, "evaluate"):
+            trainer.evaluate()
+        if self._checkpointed(round):
+            trainer.state_dict()
 
     # ------------------------------------------------------------ the end
     def finish(self, steps: int) -> dict[str, Any]:

@@ -108,14 +108,15 @@ class Replica:
                 device = torch.device("cuda", self.local.index)
             group = init_local_group(self.local, device_type=device.type,
                                      timeout_s=spec.sync.quorum_timeout_s + 2 * spec.sync.round_timeout_s)
-            shard = LocalShard(index=self.local.index, count=self.local.count, group=group)
+            shard = LocalShard(index=self.local.index, count=self.local.count, group=group,
+                               parallelism=spec.parallelism)
         torch.manual_seed(spec.seed)
         model, tokenizer = load_spec_model(spec.model, seed=spec.seed, device=device)
         trainer = build_trainer(spec.trainer.name, TrainerContext(
             model=model, tokenizer=tokenizer, rank=self.rank, world_size=spec.replicas, seed=spec.seed,
             device=device, settings=spec.trainer.settings(),
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json"), local_rank=self.local.index,
-            local_world=self.local.count))
+            local_world=self.local.count, parallelism=spec.parallelism))
         return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
                               hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 

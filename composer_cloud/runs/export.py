@@ -140,6 +140,7 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
     naming the run if there is none, or if ``round`` has no global state.
     """
     from composer_cloud.sync.lockstep.diloco import load_global_parameters, split_fragments
+    from composer_cloud.sync.lockstep.sharded import load_fsdp_shards
 
     store, spec = run.store, run.spec
     if adapter:
@@ -149,14 +150,24 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
         raise LookupError(f"run {store.uri} has no checkpoint to export yet (the first is written when round 1 "
                           "commits); see `composer-cloud status`")
     model, tokenizer = _model_for(run)
-    # A multi-GPU replica's global state is one fragment per shard (sync/lockstep/sharded.py; fragments = 1).
-    fragments = split_fragments(model, spec.sync.fragments * spec.gpus_per_replica)
+    # A lock-step multi-GPU replica's global state is one entry per shard (sync/lockstep/sharded.py; fragments
+    # = 1): DDP's shards are fragments of whole parameters, FSDP's the ranks' chunks of every parameter. A
+    # decoupled one's is local rank 0's whole contribution, as with one rank.
+    shards = spec.gpus_per_replica if spec.sync.mode == "lockstep" else 1
+    if shards > 1 and spec.parallelism == "fsdp":
+        def load_global(tree: Any) -> None:
+            load_fsdp_shards(model, tree, shards)
+    else:
+        fragments = split_fragments(model, spec.sync.fragments * shards)
+
+        def load_global(tree: Any) -> None:
+            load_global_parameters(fragments, tree)
     if round is not None:
         attempt = attempt_of(round)
         if attempt is None or not states.durable(round, attempt):
             raise LookupError(f"run {store.uri} has no global state for round {round + 1} "
                               f"(available: {[r + 1 for r in states.durable_rounds(attempt_of)]})")
-        load_global_parameters(fragments, states.load(round, attempt))
+        load_global(states.load(round, attempt))
     else:
         # Newest checkpoint with a manifest whose global state reads back intact: one verified read each.
         before = None
@@ -165,7 +176,7 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
             if found is None:
                 raise LookupError(f"run {store.uri} has no valid checkpoint to export yet")
             try:
-                load_global_parameters(fragments, states.load(found.round, found.manifest.attempt))
+                load_global(states.load(found.round, found.manifest.attempt))
                 round = found.round
                 break
             except CorruptCheckpoint as exc:

@@ -32,6 +32,7 @@ class TrainerContext:
         local_rank: this process's rank inside a multi-GPU replica (``spec.gpus_per_replica``).
         local_world: the replica's local ranks; > 1: the trainer splits each batch over them and averages
             the gradients (:mod:`composer_cloud.trainer.parallel`), so a step equals the one-rank step.
+        parallelism: ``spec.parallelism`` (``"ddp"`` or ``"fsdp"``), how the local ranks hold the model.
     """
 
     model: torch.nn.Module
@@ -44,6 +45,7 @@ class TrainerContext:
     inner_optimizer: dict[str, Any] = field(default_factory=dict)
     local_rank: int = 0
     local_world: int = 1
+    parallelism: str = "ddp"
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ import torch
 from composer_cloud.corpus import heldout_corpus, train_corpus
 from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
-from composer_cloud.trainer.parallel import data_parallel, local_rows, loss_weight
+from composer_cloud.trainer.parallel import data_parallel, full_value, local_rows, loss_weight, reshard
 from composer_cloud.trainer.optim import build_inner_optimizer, load_optimizer_state, optimizer_state
 from composer_cloud.trainer.settings import CausalLMSettings
 
@@ -107,10 +107,11 @@ class CausalLMTrainer:
             rows = _pack(ctx.tokenizer, train_corpus(settings.corpus_size), settings.seq_len)
             self.heldout = _pack(ctx.tokenizer, heldout_corpus(), settings.seq_len)[: settings.eval_rows]
         self.rows = rows[ctx.rank :: ctx.world_size]
-        self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
         # A multi-GPU replica: every local rank draws the replica's batch, trains on its rows (trainer/parallel.py).
+        # FSDP replaces the parameters with their shards: wrap first, then build the optimizer over them.
         self.local_rank, self.local_world = ctx.local_rank, ctx.local_world
-        self.forward_model = data_parallel(self.model, ctx.local_world)
+        self.forward_model = data_parallel(self.model, ctx.local_world, ctx.parallelism)
+        self.optimizer = build_inner_optimizer(self.model, ctx.inner_optimizer)
         self.bf16 = compute_precision(self.model) == "bf16"
         self.grad_clip = float(ctx.inner_optimizer.get("grad_clip", 1.0))
         self.generator = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)
@@ -146,7 +147,7 @@ class CausalLMTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": float(loss.detach()), "tokens": int(batch.numel())}  # this rank's rows' loss
         if grad_norm is not None:
-            out["grad_norm"] = float(grad_norm)
+            out["grad_norm"] = float(full_value(grad_norm))  # FSDP: a replicated DTensor
         return out
 
     @torch.no_grad()
@@ -159,18 +160,19 @@ class CausalLMTrainer:
             batch = self.heldout[start : start + self.batch_size].to(self.device)
             with self._autocast():
                 losses.append(float(self.model(input_ids=batch, labels=batch).loss))
+        reshard(self.model)  # FSDP: the forward left the root's parameters gathered
         loss = sum(losses) / max(1, len(losses))
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors, meta = optimizer_state(self.optimizer)
+        tensors, meta = optimizer_state(self.optimizer, model=self.model)
         tensors["data/order"] = self._order.clone()
         tensors["data/generator"] = self.generator.get_state()
         meta["data"] = {"epoch": self.epoch, "position": self.position}
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        load_optimizer_state(self.optimizer, tensors, meta)
+        load_optimizer_state(self.optimizer, tensors, meta, model=self.model)
         self._order = tensors["data/order"].clone()
         self.generator.set_state(tensors["data/generator"])
         self.epoch = int(meta["data"]["epoch"])

@@ -25,12 +25,21 @@ def build_inner_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.
     )
 
 
-def optimizer_state(opt: torch.optim.Optimizer, prefix: str = "optim") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``opt.state_dict()`` as ``(tensors, JSON meta)`` under ``prefix``."""
-    tensors, skeleton = flatten(opt.state_dict(), prefix)
+def optimizer_state(opt: torch.optim.Optimizer, prefix: str = "optim", *, model: torch.nn.Module | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``opt.state_dict()`` as ``(tensors, JSON meta)`` under ``prefix``.
+
+    With the FSDP-sharded ``model`` it optimizes: the full state (a collective; trainer/parallel.py).
+    """
+    from composer_cloud.trainer.parallel import optimizer_state_dict
+
+    tensors, skeleton = flatten(opt.state_dict() if model is None else optimizer_state_dict(model, opt), prefix)
     return dict(tensors), {prefix: json.dumps(skeleton)}
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                         prefix: str = "optim") -> None:
-    opt.load_state_dict(unflatten(tensors, json.loads(meta[prefix])))
+                         prefix: str = "optim", *, model: torch.nn.Module | None = None) -> None:
+    from composer_cloud.trainer.parallel import load_optimizer_state_dict
+
+    state = unflatten(tensors, json.loads(meta[prefix]))
+    opt.load_state_dict(state) if model is None else load_optimizer_state_dict(model, opt, state)

@@ -66,6 +66,15 @@ heal_timeout_s = 180
 """ + SMALL_RUN_TOML
 
 
+#: ``[model.lora]`` of the multi-GPU LoRA runs (appended to :func:`multi_gpu_spec`).
+MULTI_GPU_LORA_TOML = """
+[model.lora]
+r = 4
+alpha = 8.0
+target_modules = ["q_proj", "v_proj"]
+"""
+
+
 def multi_gpu_spec(n: int, extra: str = "") -> str:
     """:data:`MULTI_GPU_SPEC` with ``n`` local ranks per replica and ``extra`` settings (e.g. ``max_restarts``)."""
     return MULTI_GPU_SPEC.format(n=n, extra=extra)

@@ -103,11 +103,17 @@ def load_global_parameters(fragments: Sequence[torch.nn.Module], tree: Mapping[s
 
 
 def params_digest(model: torch.nn.Module) -> str:
-    """sha256 over the model's parameter names and bytes, in order: equal digests = bitwise-equal parameters."""
+    """sha256 over the model's parameter names and bytes, in order: equal digests = bitwise-equal parameters.
+
+    FSDP-sharded parameters are gathered whole first (a collective: every local rank calls it).
+    """
+    from torch.distributed.tensor import DTensor
+
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        whole = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        h.update(whole.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -268,8 +274,13 @@ def build_diloco(
     if shard is not None:
         if config.sparse is not None or config.fragments != 1:
             raise ValueError("gpus_per_replica > 1 runs with the dense codecs and sync.fragments = 1")
-        shards = split_fragments(model, shard.count)
-        frags = [shards[shard.index]]
+        if shard.fsdp:  # FSDP sharded every parameter: this rank's shard is its local chunk of all of them
+            if is_lora_model(model):
+                raise ValueError('parallelism = "fsdp" runs without [model.lora]')
+            frags = [model]
+        else:
+            shards = split_fragments(model, shard.count)
+            frags = [shards[shard.index]]
     outers = [outer_sgd(f.parameters(), config.outer) for f in frags]
     if shard is not None:
         ar: ObjectStoreAllReduce = ShardedAllReduce(store, rank, config.allreduce, shard=shard, hooks=hooks)
@@ -291,6 +302,8 @@ def build_diloco(
         on_heal=on_heal, on_sync=on_sync, takeover_after_s=config.takeover_after_s,
         # A committed round nobody can finish is voided after the round deadline (within the heal budget).
         void_after_s=min(config.allreduce.round_timeout_s, 0.5 * config.heal_timeout_s))
+    if isinstance(manager, ShardedManager):
+        manager.params = list(frags[0].parameters())
     diloco = DiLoCo(manager, frags, inner_optimizer, outers, sync_every=config.sync_every,
                     fragment_sync_delay=config.fragment_sync_delay, use_bucketization=use_bucketization,
                     pin_memory=False)

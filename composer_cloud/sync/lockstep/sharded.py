@@ -1,10 +1,17 @@
 """Multi-GPU replicas: local rank ``k`` exchanges shard ``k`` only; the round stays one decision per replica.
 
-A replica of ``N = spec.gpus_per_replica`` local ranks keeps a full copy of the model on every rank (DDP).
-Its synced parameters are cut into ``N`` contiguous shards (:func:`~composer_cloud.sync.lockstep.diloco.
-split_fragments`: by numel, in model order, the same on every replica and in ``export``). Local rank ``k``
-runs torchft's DiLoCo over shard ``k`` alone and exchanges that shard's pseudo-gradient through the store
-(``rounds/<r>/<a>/shard/<k>/...``) with rank ``k`` of the other replicas: per-rank traffic is ~P/N.
+A replica has ``N = spec.gpus_per_replica`` local ranks. Shard ``k`` is what local rank ``k`` syncs:
+
+* ``parallelism = "ddp"``: every rank keeps a full copy of the model; the synced parameters are cut into
+  ``N`` contiguous shards (:func:`~composer_cloud.sync.lockstep.diloco.split_fragments`: by numel, in model
+  order, the same on every replica and in ``export``).
+* ``parallelism = "fsdp"``: FSDP2 already sharded every parameter; shard ``k`` is rank ``k``'s local chunk
+  (dim 0, ``torch.chunk`` order) of every parameter, which torchft's DiLoCo reads with ``to_local()``, as
+  it does for any ``DTensor`` (:func:`load_fsdp_shards` reassembles the full parameters for ``export``).
+
+Local rank ``k`` runs torchft's DiLoCo over shard ``k`` alone and exchanges that shard's pseudo-gradient
+through the store (``rounds/<r>/<a>/shard/<k>/...``) with rank ``k`` of the other replicas: per-rank traffic
+is ~P/N.
 
 Invariants (one decision per replica, DESIGN.md 14):
 
@@ -21,6 +28,8 @@ Invariants (one decision per replica, DESIGN.md 14):
   outer optimizer state) to the replica's other ranks (:func:`share_shards`): every rank then holds the full
   global parameters, and local rank 0 publishes the union, keyed ``StreamingDiLoCoFragment_<k>``: a single-rank
   run with ``N`` fragments has the same checkpoint layout, so resume, heal and ``export`` read it unchanged.
+  FSDP: the ranks send their shard's state to local rank 0 alone (the others never hold the whole model);
+  the stored state is plain local tensors, turned back into ``DTensor`` shards when loaded.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from composer_cloud.errors import BadObject, SyncError
+from composer_cloud.errors import BadObject, CorruptCheckpoint, SyncError
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import poll_until
 from composer_cloud.storage import layout
@@ -59,13 +68,20 @@ class LocalShard:
         index: the local rank, and the shard of the synced parameters it exchanges.
         count: local ranks of the replica (``spec.gpus_per_replica``).
         group: the gloo group of the replica's ranks for the sync's collectives (the exchange thread's vote,
-            then :func:`share_shards` on the training thread, never at the same time); DDP's gradients use the
-            default group (gloo on CPU, NCCL on GPUs).
+            then :func:`share_shards` on the training thread, never at the same time); DDP's and FSDP's
+            collectives use the default group (gloo on CPU, NCCL on GPUs).
+        parallelism: ``spec.parallelism``: ``"ddp"`` (shard = a contiguous group of whole parameters) or
+            ``"fsdp"`` (shard = the rank's FSDP chunk of every parameter).
     """
 
     index: int
     count: int
     group: Any = None
+    parallelism: str = "ddp"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.parallelism == "fsdp"
 
 
 def shard_key(index: int) -> str:
@@ -133,11 +149,32 @@ class ShardedManager(ObjectStoreManager):
         super().__init__(allreduce, global_state, **kwargs)
         self.shard = allreduce.shard
         self.mirror: dict[str, Any] = {}
+        #: The parameters this rank's DiLoCo syncs, in its outer optimizer's order (FSDP: ``DTensor`` shards).
+        self.params: list[torch.nn.Parameter] = []
 
     def register_state_dict_fn(self, key: str, load_fn: Any, save_fn: Any) -> None:
+        """Register DiLoCo's state under shard ``k``'s key; stored as plain local tensors (FSDP: the shards)."""
         if key != _OWN_FRAGMENT:
             raise SyncError(f"a multi-GPU replica's rank syncs one fragment; DiLoCo registered {key!r}")
-        super().register_state_dict_fn(shard_key(self.shard.index), load_fn, save_fn)
+        super().register_state_dict_fn(shard_key(self.shard.index), lambda state: load_fn(self._as_params(state)),
+                                       lambda: _local_tensors(save_fn()))
+
+    def _as_params(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The outer optimizer's stored momentum as ``DTensor`` shards like the parameters it belongs to."""
+        from torch.distributed.tensor import DTensor
+
+        if not any(isinstance(p, DTensor) for p in self.params):
+            return state
+        outer = dict(state["outer_optimizer"])
+        per_param = {}
+        for index, entry in outer.get("state", {}).items():
+            p = self.params[int(index)]
+            per_param[index] = {
+                k: DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride())
+                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for k, v in entry.items()}
+        return {**state, "outer_optimizer": {**outer, "state": per_param}}
 
     def own_state(self) -> dict[str, Any]:
         """This rank's shard of the global state (views: valid until the next sync)."""
@@ -161,6 +198,35 @@ class ShardedManager(ObjectStoreManager):
         self.mirror = {k: v for k, v in tree.items() if k != shard_key(self.shard.index)}
 
 
+def _local_tensors(tree: Any) -> Any:
+    """``tree`` with every ``DTensor`` replaced by this rank's local shard (what the store holds)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: _local_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_tensors(v) for v in tree)
+    return tree
+
+
+def _send_bytes_to_leader(data: bytes | None, src: int, group: Any) -> bytes | None:
+    """``data`` of local rank ``src`` on local rank 0 (None elsewhere): point to point, length first."""
+    me = dist.get_rank(group)
+    if me == src:
+        size = torch.tensor([len(data or b"")], dtype=torch.int64)
+        dist.send(size, dst=dist.get_global_rank(group, 0), group=group)
+        dist.send(torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8), dst=dist.get_global_rank(group, 0),
+                  group=group)
+        return None
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=dist.get_global_rank(group, src), group=group)
+    buf = torch.empty(max(1, int(size)), dtype=torch.uint8)
+    dist.recv(buf, src=dist.get_global_rank(group, src), group=group)
+    return buf[: int(size)].numpy().tobytes()
+
+
 def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     """``data`` of local rank ``src``, on every local rank (length first, then the bytes)."""
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
@@ -180,6 +246,15 @@ def share_shards(manager: ShardedManager, shards: list[torch.nn.Module]) -> None
     """
     me = manager.shard.index
     mirror: dict[str, Any] = {}
+    if manager.shard.fsdp:  # FSDP: no rank holds the whole model; only local rank 0 (the publisher) needs it all
+        for j in range(1, manager.shard.count):
+            if me in (0, j):
+                data = _send_bytes_to_leader(encode_state(manager.own_state()) if me == j else None, j,
+                                             manager.shard.group)
+                if data is not None:
+                    mirror.update(decode_state(data))
+        manager.mirror = mirror
+        return
     for j, module in enumerate(shards):
         data = _broadcast_bytes(encode_state(manager.own_state()) if j == me else None, src=j,
                                 group=manager.shard.group)
@@ -194,4 +269,23 @@ def share_shards(manager: ShardedManager, shards: list[torch.nn.Module]) -> None
     manager.mirror = mirror
 
 
-__all__ = ["LocalShard", "ShardedAllReduce", "ShardedManager", "share_shards", "shard_key"]
+def load_fsdp_shards(model: torch.nn.Module, tree: dict[str, Any], count: int) -> None:
+    """Copy the global parameters of an FSDP replica's stored state (``count`` shards) into ``model``.
+
+    Shard ``k`` holds local rank ``k``'s chunk of every parameter: ``torch.chunk(full, count, dim=0)[k]``,
+    FSDP2's layout, so the full parameter is the shards concatenated along dim 0 (``export``).
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            try:
+                full = torch.cat([tree[shard_key(k)]["original_parameters"][name] for k in range(count)])
+            except KeyError as exc:
+                raise CorruptCheckpoint(layout.CHECKPOINTS, f"the global state has no shard entry {exc} of "
+                                        f"parameter {name}") from None
+            if full.shape != p.shape:
+                raise CorruptCheckpoint(layout.CHECKPOINTS, f"parameter {name}: its {count} shards make "
+                                        f"{tuple(full.shape)}, the model has {tuple(p.shape)}")
+            p.copy_(full)
+
+
+__all__ = ["LocalShard", "ShardedAllReduce", "ShardedManager", "load_fsdp_shards", "share_shards", "shard_key"]
