@@ -269,13 +269,12 @@ def test_error_messages_keep_spec_table_names_in_brackets(tmp_path, monkeypatch)
 def test_gpus_per_replica_and_parallelism_flags_reach_the_spec(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = runner.invoke(app, ["launch", "--dry-run", "--json", "--store", f"file://{tmp_path}/store", "--run-id", "g",
-                              "--gpus-per-replica", "2", "--parallelism", "ddp", "--set", "device=cpu",
+                              "--gpus-per-replica", "2", "--parallelism", "fsdp", "--set", "device=cpu",
                               "--set", "trainer.name=causal-lm"])
     assert res.exit_code == 0, res.output
     spec = json.loads(res.stdout)["spec"]
-    assert (spec["gpus_per_replica"], spec["parallelism"], spec["device"]) == (2, "ddp", "cpu")  # gloo on CPU
+    assert (spec["gpus_per_replica"], spec["parallelism"], spec["device"]) == (2, "fsdp", "cpu")  # gloo on CPU
     for flags, needle in ((["--gpus-per-replica", "9"], "gpus_per_replica"), (["--parallelism", "tp"], "parallelism"),
-                          (["--gpus-per-replica", "2", "--parallelism", "fsdp"], "parallelism"),
                           (["--gpus-per-replica", "2", "--set", "modal.gpu_count=4"], "modal.gpu_count")):
         res = runner.invoke(app, ["launch", "--dry-run", "--store", f"file://{tmp_path}/store", *flags])
         assert res.exit_code == 2 and needle in res.output, res.output
