@@ -35,7 +35,7 @@ def test_s3_racing_writers_exactly_one_wins(s3_store):
 
     def go(i: int) -> None:
         barrier.wait()
-        results.append(st.create(f"quorum.json", f"w{i}".encode()))
+        results.append(st.create("quorum.json", f"w{i}".encode()))
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(10)]
     [t.start() for t in threads]

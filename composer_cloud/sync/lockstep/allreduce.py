@@ -75,6 +75,25 @@ class _Chain:
     expected: frozenset[int]  # who the quorum waits for
 
 
+def publish_with_digest(store: Store, key: str, data: bytes, digest_key: str, digest: SlotDigest, *, what: str,
+                        settle: bool = True) -> dict[str, Any]:
+    """Upload ``data`` at ``key``, then create its write-once digest; returns the digest record.
+
+    A digest already there is fine when it is the same (another participant took over this work: same inputs,
+    same order, same bytes); a different one (a forgery, or a bug) raises ``RejectedPayload`` naming ``what``.
+    """
+    store.put(key, data, durable=False)
+    if not store.create_json(digest_key, digest.to_json(), settle=settle):
+        try:
+            problem = digest_mismatch(digest, store.try_get_json(digest_key), key=digest_key)
+        except BadObject as exc:
+            problem = exc
+        if problem is not None:
+            raise RejectedPayload(f"{what}: the digest in the store is not this participant's ({problem.reason})",
+                                  check="reduced", slot=digest.slot)
+    return digest.to_json()
+
+
 class ObjectStoreAllReduce:
     """Runs all-reduce rounds for one replica over a run's store (dense codecs: scatter-reduce)."""
 
@@ -473,20 +492,11 @@ class ObjectStoreAllReduce:
     def _publish_reduced(self, round: int, attempt: int, slot: int, data: bytes, numel: int,
                          norms: list[float]) -> dict[str, Any]:
         """Upload a reduced slot, then its write-once digest (readers wait for the digest)."""
-        self.store.put(self.keys.reduced(round, attempt, slot), data, durable=False)
-        digest_key = self.keys.reduced_digest(round, attempt, slot)
         digest = SlotDigest(round=round, attempt=attempt, slot=slot, numel=numel, crc32=zlib.crc32(data),
                             input_norms=list(norms), by=self.rank)
-        if not self.store.create_json(digest_key, digest.to_json()):
-            # Another participant took over this slot (same inputs, same bytes), or someone forged it.
-            try:
-                problem = digest_mismatch(digest, self.store.try_get_json(digest_key), key=digest_key)
-            except BadObject as exc:
-                problem = exc
-            if problem is not None:
-                raise RejectedPayload(f"reduced slot {slot}: the digest in the store is not this reducer's "
-                                      f"({problem.reason})", check="reduced", slot=slot)
-        return digest.to_json()
+        return publish_with_digest(self.store, self.keys.reduced(round, attempt, slot), data,
+                                   self.keys.reduced_digest(round, attempt, slot), digest,
+                                   what=f"reduced slot {slot}")
 
     def _fetch_reduced(self, round: int, attempt: int, participants: list[int], slot: int, numel: int,
                        deadline: float) -> tuple[Any, bytes | memoryview]:

@@ -54,8 +54,9 @@ from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import SlotDigest
 from composer_cloud.sync import sparse
-from composer_cloud.sync.checks import RejectedPayload, check_outliers, digest_mismatch
-from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, RoundResult, RoundTimeout, _Immediate
+from composer_cloud.sync.checks import RejectedPayload, check_outliers
+from composer_cloud.sync.lockstep.allreduce import (AllReduceConfig, RoundResult, RoundTimeout, _Immediate,
+                                                   publish_with_digest)
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
 
 if TYPE_CHECKING:
@@ -212,19 +213,11 @@ class GroupedSparseAllReduce(SparseGatherAllReduce):
     def _publish_group(self, round: int, attempt: int, index: int, data: bytes, numel: int,
                        norms: list[float]) -> dict[str, Any]:
         """Upload a group's sum, then its write-once digest; a differing existing digest is rejected."""
-        self.store.put(layout.sparse_group_key(round, attempt, index), data, durable=False)
-        key = layout.sparse_group_digest_key(round, attempt, index)
         digest = SlotDigest(round=round, attempt=attempt, slot=index, numel=numel, crc32=zlib.crc32(data),
                             input_norms=list(norms), by=self.rank)
-        if not self.store.create_json(key, digest.to_json(), settle=False):
-            try:
-                problem = digest_mismatch(digest, self.store.try_get_json(key), key=key)
-            except BadObject as exc:
-                problem = exc
-            if problem is not None:
-                raise RejectedPayload(f"sparse group {index}: the digest in the store is not this aggregator's "
-                                      f"({problem.reason})", check="reduced", slot=index)
-        return digest.to_json()
+        return publish_with_digest(self.store, layout.sparse_group_key(round, attempt, index), data,
+                                   layout.sparse_group_digest_key(round, attempt, index), digest,
+                                   what=f"sparse group {index}", settle=False)
 
     def _fetch_group(self, round: int, attempt: int, index: int, group: list[int], numel: int,
                      deadline: float) -> tuple[dict[str, Any], bytes | memoryview]:
