@@ -136,10 +136,18 @@ class DecoupledReplica:
             self.segment = Segment()
 
 
-def decoupled_spec(cfg: Config, codec: str, *, grace_s: float | None, min_quorum: int | None) -> Any:
-    """The run's spec: decoupled mode, ``codec`` (its ``[sync.sparse]`` from ``cfg``), H and rounds from ``cfg``."""
+#: ``--codecs`` entries besides the wire codecs: fp32 with the sparse codec's outer step (a control)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fp32_sgd": ("fp32", {"lr": 1.0, "momentum": 0.0, "nesterov": False}),
+}
+
+
+def decoupled_spec(cfg: Config, variant: str, *, grace_s: float | None, min_quorum: int | None) -> Any:
+    """The run's spec: decoupled mode, the variant's codec (``[sync.sparse]`` from ``cfg``) and outer step (the
+    spec's default unless :data:`VARIANTS` says), H and rounds from ``cfg``."""
     from composer_cloud.spec import spec_from_dict
 
+    codec, outer = VARIANTS.get(variant, (variant, {}))
     h = cfg.h[0]
     sync: dict[str, Any] = {"mode": "decoupled", "codec": codec}
     if codec == "sparse":
@@ -150,7 +158,7 @@ def decoupled_spec(cfg: Config, codec: str, *, grace_s: float | None, min_quorum
     if min_quorum is not None:
         sync["min_quorum"] = min_quorum
     return spec_from_dict({"replicas": cfg.replicas, "min_replicas": cfg.replicas, "rounds": cfg.steps // h,
-                           "inner_steps": h, "sync": sync})
+                           "inner_steps": h, "sync": sync} | ({"outer_optimizer": outer} if outer else {}))
 
 
 def make_replica(cfg: Config, spec: Any, uri: str, rank: int, *, label: str = "") -> DecoupledReplica:
@@ -255,7 +263,7 @@ def run_codec(cfg: Config, codec: str, base_uri: str, *, drive_mode: str, grace_
              for k in sorted({k for b in by_kind for k in b})}
     settings = settings_of(spec)
     return {
-        "codec": codec, "final_version": version, "final_heldout_loss": loss,
+        "codec": codec, "wire_codec": spec.sync.codec, "final_version": version, "final_heldout_loss": loss,
         "inner_steps_per_replica": steps, "inner_steps_total": sum(steps.values()),
         "contributions": len(all_rows), "syncs_per_replica": {r: len(rs) for r, rs in rows.items()},
         "curve_rank0": [(row["step"], row["eval_loss"]) for row in rows[0] if "eval_loss" in row],
@@ -283,7 +291,8 @@ def codec_worker(q: Any, index: int, codec: str, cfg_dict: dict[str, Any], base_
 
 def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # "--h" is H, not help
-    p.add_argument("--codecs", nargs="+", choices=["fp32", "bf16", "int8", "sparse"], default=["fp32", "sparse"])
+    p.add_argument("--codecs", nargs="+", choices=["fp32", "bf16", "int8", "sparse", *VARIANTS],
+                   default=["fp32", "sparse"])
     p.add_argument("--drive", choices=["interleaved", "processes"], default="interleaved")
     p.add_argument("--grace-s", type=float, default=60.0, help="interleaved: grace_min_s = grace_max_s")
     p.add_argument("--min-quorum", type=int, default=None, help="sync.min_quorum (default: the spec's, ceil(W/2))")
@@ -337,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             r["bytes_reduction_vs_fp32"] = base["bytes_per_replica_round"] / r["bytes_per_replica_round"]
             r["contribution_reduction_vs_fp32"] = (base["contribution_bytes_per_replica_round"]
                                                    / r["contribution_bytes_per_replica_round"])
+    control = results.get("fp32_sgd")
+    for r in runs:
+        if control is not None:
+            r["loss_vs_fp32_sgd_pct"] = 100 * (r["final_heldout_loss"] / control["final_heldout_loss"] - 1)
     print_table(runs)
     doc = {"config": asdict(cfg), "drive": a.drive, "grace_s": a.grace_s, "min_quorum": a.min_quorum,
            "total_s": time.monotonic() - t0, "cores": os.cpu_count(),
