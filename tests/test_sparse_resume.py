@@ -99,10 +99,17 @@ def test_decoupled_sparse_run_completes_with_sparse_contributions_and_error_feed
     st = json.loads(cli("status", f"{store}/dec", "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
     run = Store(f"{store}/dec")
-    # Every replica's inner state carries its accumulator: its contributions went through the sparse codec
-    # (a dense one keeps no state; tests/test_sparse_exchange.py checks the blobs' sizes).
+    # Every replica that contributed wrote its inner state (checkpoint_every = 1), and that state carries its
+    # accumulator: its contributions went through the sparse codec (a dense one keeps no state;
+    # tests/test_sparse_exchange.py checks the blobs' sizes). A replica that started late under load may find
+    # the fleet's budget already spent by the other and contribute nothing: the budget is work, not per-rank.
+    contributed = 0
     for rank in range(2):
         seqs = sorted(k for k in run.list(layout.decoupled_replica_prefix(rank)) if k.endswith(".safetensors"))
+        if not seqs:
+            continue
+        contributed += 1
         blob = load(bytes(run.get(seqs[-1])))
         assert any("codec" in name and t.abs().sum() > 0 for name, t in blob.items()), sorted(blob)
+    assert contributed >= 1
     assert export_weights(tmp_path, f"{store}/dec", "model")
