@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -249,6 +251,36 @@ def launch(
     raise typer.Exit(_watch(run))
 
 
+@contextmanager
+def _ctrl_c_between_polls() -> Iterator[Callable[[], None]]:
+    """Ctrl-C sets a flag; the returned check raises ``KeyboardInterrupt`` at the next status poll (about 1 s).
+
+    A KeyboardInterrupt raised wherever the main thread happens to be can land inside rich's ``Live`` while
+    its console lock is held; ``Live.stop()`` then waits forever on its refresh thread, and the terminal
+    neither detaches nor says so. Between two polls nothing is held. A second Ctrl-C raises at once. (Off the
+    main thread, where no handler can be set, the check does nothing and Ctrl-C behaves as Python's default.)
+    """
+    pressed = threading.Event()
+
+    def check() -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield check
+        return
+    def on_sigint(signum: int, frame: Any) -> None:
+        if pressed.is_set():  # a second Ctrl-C: at once, wherever the main thread is
+            raise KeyboardInterrupt
+        pressed.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
 
 
@@ -260,14 +292,20 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
     says how to cancel or follow the run.
     """
     try:
-        if as_json is not None:
-            with _user_errors():
-                status = runs.wait(run)
-        else:
-            with _user_errors():
-                status = runs.get_status(run)
-            with Live(cli_views.status_table(status), console=console, refresh_per_second=2, transient=False) as live:
-                status = runs.wait(run, on_update=lambda st: live.update(cli_views.status_table(st)))
+        with _ctrl_c_between_polls() as check:
+            if as_json is not None:
+                with _user_errors():
+                    status = runs.wait(run, on_update=lambda st: check())
+            else:
+                with _user_errors():
+                    status = runs.get_status(run)
+                with Live(cli_views.status_table(status), console=console, refresh_per_second=2,
+                          transient=False) as live:
+                    def update(st: runs.RunStatus) -> None:
+                        check()
+                        live.update(cli_views.status_table(st))
+
+                    status = runs.wait(run, on_update=update)
     except KeyboardInterrupt:
         err_console.print(DETACHED.format(uri=run.uri), highlight=False)
         if as_json is not None:

@@ -300,3 +300,19 @@ def test_local_cuda_replicas_need_as_many_gpus_as_gpus_per_replica(tmp_path, mon
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["plans"][0]["gpus_per_replica"] == 2
     assert not (tmp_path / "store").exists()
+
+
+def test_ctrl_c_while_watching_is_taken_at_the_next_poll_and_a_second_one_at_once():
+    """The first SIGINT only sets a flag (a KeyboardInterrupt inside rich's Live can hang its stop()); the
+    watch loop's check raises it between polls. A second SIGINT raises wherever the main thread is."""
+    previous = signal.getsignal(signal.SIGINT)
+    with cli_module._ctrl_c_between_polls() as check:
+        check()  # nothing pressed: nothing raised
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs here, and must not raise
+        with pytest.raises(KeyboardInterrupt):
+            check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is previous
