@@ -73,14 +73,12 @@ def build_tokenizer(vocab_size: int = 1024) -> Any:
     return fast
 
 
-def build_tiny_model(
-    tokenizer: Any, *, seed: int, config: TinyModelConfig | None = None, attention: str = "sdpa"
-) -> torch.nn.Module:
-    """A freshly initialised Qwen2 causal LM; identical on every replica for a given seed."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_config(tokenizer: Any, *, config: TinyModelConfig | None = None, attention: str = "sdpa") -> Any:
+    """The ``Qwen2Config`` of the ``tiny`` model for ``tokenizer`` (no weights: cheap to build)."""
+    from transformers import Qwen2Config
 
     cfg = config or TinyModelConfig()
-    hf_config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -94,6 +92,24 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         attn_implementation=attention,
     )
+
+
+def tiny_generation_config(hf_config: Any, tokenizer: Any) -> Any:
+    """The generation config a ``tiny`` model built from ``hf_config`` carries (see :func:`build_tiny_model`)."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_model_config(hf_config)
+    generation.pad_token_id = tokenizer.pad_token_id
+    return generation
+
+
+def build_tiny_model(
+    tokenizer: Any, *, seed: int, config: TinyModelConfig | None = None, attention: str = "sdpa"
+) -> torch.nn.Module:
+    """A freshly initialised Qwen2 causal LM; identical on every replica for a given seed."""
+    from transformers import Qwen2ForCausalLM
+
+    hf_config = tiny_config(tokenizer, config=config, attention=attention)
     # Initialisation draws from torch's global RNG: fork it so that building a
     # model does not perturb the caller's RNG stream.
     with torch.random.fork_rng(devices=[]):

@@ -251,6 +251,22 @@ def test_export_needs_neither_the_model_folder_nor_the_hub(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+def test_the_launchers_tiny_model_files_are_those_of_the_model_the_replicas_build(tmp_path):
+    """The launcher writes the tiny model's config files without building its weights: they must be the files
+    of the model a replica builds (export rebuilds the model from them), for any shape the spec sets."""
+    from composer_cloud.model import load_spec_model
+    from composer_cloud.runs.export import model_files
+
+    spec = load_spec(None, {"model.hidden_size": 48, "model.num_hidden_layers": 3, "model.intermediate_size": 96})
+    files = model_files(spec)
+    model, tokenizer = load_spec_model(spec.model, seed=spec.seed)
+    model.config.save_pretrained(tmp_path)
+    model.generation_config.save_pretrained(tmp_path)
+    for name in ("config.json", "generation_config.json"):
+        assert files[name] == (tmp_path / name).read_bytes(), name
+    assert json.loads(files["config.json"])["hidden_size"] == 48 and "tokenizer.json" in files
+
+
 def test_export_of_a_run_without_a_checkpoint_and_an_unwritable_out(tmp_path):
     from composer_cloud.storage import layout
     from composer_cloud.storage.store import Store

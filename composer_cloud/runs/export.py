@@ -56,13 +56,16 @@ def model_files(spec: RunSpec) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if spec.model.name == "tiny":
-            from composer_cloud.model import TinyModelConfig, load_model
+            # The files of the model the replicas build (model.build_tiny_model), without building its weights
+            # or importing its modeling code: ~1.6 s of CPU less on every launch.
+            from composer_cloud.model import TinyModelConfig, build_tokenizer, tiny_config, tiny_generation_config
 
             tiny = TinyModelConfig(**{k: getattr(spec.model, k) for k in (
                 "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
-            model, tokenizer = load_model("tiny", seed=spec.seed, tiny=tiny)
-            model.config.save_pretrained(folder)
-            model.generation_config.save_pretrained(folder)
+            tokenizer = build_tokenizer(tiny.vocab_size)
+            config = tiny_config(tokenizer, config=tiny)
+            config.save_pretrained(folder)
+            tiny_generation_config(config, tokenizer).save_pretrained(folder)
         else:
             try:
                 AutoConfig.from_pretrained(spec.model.name, local_files_only=True).save_pretrained(folder)
