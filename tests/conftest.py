@@ -23,11 +23,15 @@ if not os.environ.get("COMPOSER_CLOUD_KEYS"):
 from support.hf_jobs import hf_env, hf_server, job_constraints, job_python, wheel  # noqa: E402,F401
 from support.resume import baselines  # noqa: E402,F401
 
-# The longest modules, longest first (tests/ --durations=0 on the 2-core box: ~340, 240, 240, 225, 160, 95 s).
-# Run with ``--dist loadscope --no-loadscope-reorder``, pytest-xdist hands whole modules to workers in this
-# collection order, so the long end-to-end modules start at once instead of after the many short ones (xdist's
-# own reordering puts modules with the most tests first, i.e. the short ones).
-LONG_MODULES = ("test_failover", "test_resume_s3", "test_cli", "test_resume", "test_store_faults", "test_decoupled")
+# The longest modules, longest first (per-module sums of tests/ --durations=0 at -n 4 on the 2-core box, after
+# splitting test_failover and test_multi_gpu_e2e: ~370, 330, 330, 320, 310, 300, 230, 220, 220, 200, 170, 160,
+# 145, 130 s). With ``--dist loadscope --no-loadscope-reorder``, pytest-xdist hands whole modules to workers in
+# this collection order, so the long end-to-end modules start at once instead of after the many short ones
+# (xdist's own reordering puts modules with the most tests first, i.e. the short ones): longest first keeps the
+# last worker to finish close to the others.
+LONG_MODULES = ("test_lora_e2e", "test_multi_gpu_e2e", "test_failover_lost_state", "test_resume", "test_sparse_resume",
+                "test_failover", "test_store_faults", "test_first_hour", "test_cli", "test_resume_s3",
+                "test_multi_gpu_local_ranks", "test_store_e2e", "test_decoupled")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

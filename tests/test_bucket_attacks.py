@@ -444,7 +444,7 @@ def test_a_run_damaged_by_forged_objects_resumes_to_the_uninterrupted_model(tmp_
     key it can name (voids of committed rounds, cancel, quorums and outcomes of the next attempts): garbage and
     unsigned records in the signed run, well-formed ones in the unsigned run. Kill, status, resume: the exported
     model is the uninterrupted run's, bitwise."""
-    expected = baselines.get("file", tmp_path)
+    expected = baselines.get(tmp_path)
     launch_env = {k: v for k, v in os.environ.items() if k not in (env.UNSIGNED, env.RUN_KEY)}
     if not signed:
         launch_env[env.UNSIGNED] = "1"

@@ -24,7 +24,7 @@ def test_resume_after_sigkill_is_bitwise_exact(phase, tmp_path, baselines):
 
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, baselines):
-    expected = baselines.get("file", tmp_path)
+    expected = baselines.get(tmp_path)
     store = store_uri_for("file", tmp_path)
     res = launch_run(tmp_path, store, "corrupt")
     assert res.returncode == 0, res.stderr

@@ -21,7 +21,7 @@ from support.stores import store_uri_for, use_s3_server
 def test_resume_after_sigkill_on_seaweedfs_is_bitwise_exact(tmp_path, baselines, request, monkeypatch):
     """The same kill -9 + resume on a second S3 implementation (412 without <Condition>, other listing)."""
     use_s3_server(request, monkeypatch, "seaweedfs")
-    expected = baselines.get("seaweedfs", tmp_path)
+    expected = baselines.get(tmp_path)
     store = store_uri_for("seaweedfs", tmp_path)
     kill_run_at(tmp_path, store, "killed-sw", "reduce")
     res = cli("resume", f"{store}/killed-sw", cwd=tmp_path)
@@ -35,7 +35,7 @@ def test_store_outage_of_90s_in_round_2_is_ridden_out(tmp_path, baselines, s3_en
     loopback proxy): the run completes, exit 0, with the uninterrupted run's model."""
     from storeproxy import StoreProxy
 
-    expected = baselines.get("s3", tmp_path)
+    expected = baselines.get(tmp_path)
     store = store_uri_for("s3", tmp_path)
     cfg = tmp_path / "outage.toml"
     # Deadlines count wall time, outages included: above the outage we mean to survive.

@@ -41,15 +41,15 @@ def _build_concurrently(q, index, cache: str, tmp: str) -> None:
     """One xdist worker asking for the baseline; the build writes a marker so the test can count builds."""
     calls = Path(tmp) / f"build-{index}"
 
-    def build(kind, tmp_path, path):
-        calls.write_text(kind)
+    def build(tmp_path, path):
+        calls.write_text(str(tmp_path))
         save_file({"w": torch.full((3,), 7.0)}, str(path))
 
     baselines = Baselines(Path(cache))
     baselines._build = build  # the run and export are what this stands in for
     work = Path(tmp) / f"w{index}"
     work.mkdir()
-    q.put((index, baselines.get("file", work)["w"].tolist()))
+    q.put((index, baselines.get(work)["w"].tolist()))
 
 
 def test_a_baseline_is_built_once_by_concurrent_workers(tmp_path):

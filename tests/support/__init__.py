@@ -5,7 +5,8 @@
 * :mod:`support.stores`: store URIs per store kind, pointing a test at one of the session's S3 servers.
 * :mod:`support.faults`: fault-injection environments (stall a replica at a phase, slow a replica).
 * :mod:`support.local_jobs`: launched runs on the local executor: stall, kill, logs, through job handles.
-* :mod:`support.resume`: exported weights, bitwise comparison, the shared uninterrupted baselines.
+* :mod:`support.resume`: exported weights, bitwise comparison, the shared uninterrupted baseline.
+* :mod:`support.failover`: launch a run and SIGKILL one replica where it stalls (the failover modules).
 * :mod:`support.processes`: run a function in several forkserver processes.
 * :mod:`support.threads`: lock-step DiLoCo with one thread per replica, and a store that damages chosen reads.
 * :mod:`support.executors`: executor test helpers (specs, small job commands, waiting for a job).

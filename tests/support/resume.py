@@ -1,10 +1,11 @@
 """Bitwise-resume helpers: export a run's weights, compare them, and the shared uninterrupted baselines.
 
-A baseline is the exported model of an uninterrupted run of :data:`~support.specs.RESUME_SPEC`
-on one store kind. Every module that compares against one (resume, failover, store faults)
-shares it: the ``baselines`` fixture builds each kind once per test session, in a cache
-directory that pytest-xdist's workers share (the first worker to need a kind builds it under a
-file lock; the others wait and read it).
+The baseline is the exported model of an uninterrupted run of :data:`~support.specs.RESUME_SPEC`
+on a ``file://`` store. Every module that compares against it (resume, failover, store faults, on
+file://, moto and SeaweedFS) shares it: a run's model does not depend on its store, so a resumed S3
+run that ends on the file:// run's weights also shows that. The ``baselines`` fixture builds it once
+per test session, in a cache directory that pytest-xdist's workers share (the first worker to need
+it builds it under a file lock; the others wait and read it).
 """
 
 from __future__ import annotations
@@ -40,10 +41,18 @@ def launch_run(cwd: Path, store: str, run_id: str, spec: str = RESUME_SPEC, *, e
 
 
 def export_weights(cwd: Path, run_uri: str, name: str) -> Weights:
-    """``composer-cloud export`` of the run into ``cwd/name``; its weights."""
+    """The run's latest checkpoint exported into ``cwd/name`` (what ``composer-cloud export`` writes); its weights.
+
+    In this process, through the library: a CLI subprocess would import torch and transformers again for
+    every comparison (~3.5 s of CPU each on the 2-core box). The CLI's own ``export`` is tested end to end
+    in test_cli.py, test_first_hour.py and test_lora_e2e.py.
+    """
+    from composer_cloud.runs import open_run
+    from composer_cloud.runs.export import export_model
+
     out = cwd / name
-    res = cli("export", run_uri, "--out", str(out), cwd=cwd)
-    assert res.returncode == 0, res.stdout + res.stderr
+    out.mkdir(parents=True, exist_ok=True)
+    export_model(open_run(run_uri), out)
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
     return load_file(out / "model.safetensors")
 
@@ -68,7 +77,7 @@ def check_resume_after_sigkill(kind: str, phase: str, tmp_path: Path, baselines:
     The matrix of ``test_resume.py`` (file://) and ``test_resume_s3.py`` (S3, its own module so the two run
     on separate workers).
     """
-    expected = baselines.get(kind, tmp_path)
+    expected = baselines.get(tmp_path)
     store = store_uri_for(kind, tmp_path)
     run_id = f"killed-{phase}"
     kill_run_at(tmp_path, store, run_id, phase)
@@ -87,7 +96,7 @@ def check_resume_after_sigkill(kind: str, phase: str, tmp_path: Path, baselines:
 
 
 class Baselines:
-    """The exported weights of an uninterrupted :data:`RESUME_SPEC` run per store kind, built once per session.
+    """The exported weights of an uninterrupted :data:`RESUME_SPEC` run on ``file://``, built once per session.
 
     Args:
         cache: a directory every xdist worker of the session sees.
@@ -95,31 +104,29 @@ class Baselines:
 
     def __init__(self, cache: Path) -> None:
         self.cache = cache
-        self._loaded: dict[str, Weights] = {}
+        self._loaded: Weights | None = None
 
-    def path(self, kind: str) -> Path:
-        key = hashlib.sha256(f"{kind}\n{RESUME_SPEC}".encode()).hexdigest()[:12]
-        return self.cache / f"{kind}-{key}.safetensors"
+    @property
+    def path(self) -> Path:
+        key = hashlib.sha256(RESUME_SPEC.encode()).hexdigest()[:12]
+        return self.cache / f"file-{key}.safetensors"
 
-    def get(self, kind: str, tmp_path: Path) -> Weights:
-        """The baseline of ``kind`` (``file``, ``s3`` = moto, ``seaweedfs``), built in ``tmp_path`` if nobody has.
-
-        The test must already point the environment at the server of an S3 kind.
-        """
-        if kind not in self._loaded:
-            path = self.path(kind)
+    def get(self, tmp_path: Path) -> Weights:
+        """The baseline's weights, built in ``tmp_path`` if no worker has built them yet."""
+        if self._loaded is None:
+            path = self.path
             path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(path) + ".lock"):
                 if not path.exists():
-                    self._build(kind, tmp_path, path)
-            self._loaded[kind] = load_file(path)
-        return self._loaded[kind]
+                    self._build(tmp_path, path)
+            self._loaded = load_file(path)
+        return self._loaded
 
     @staticmethod
-    def _build(kind: str, tmp_path: Path, path: Path) -> None:
-        work = tmp_path / f"baseline-{kind}"
+    def _build(tmp_path: Path, path: Path) -> None:
+        work = tmp_path / "baseline"
         work.mkdir()
-        store = store_uri_for(kind, work)
+        store = store_uri_for("file", work)
         res = launch_run(work, store, "baseline")
         assert res.returncode == 0, res.stdout + res.stderr
         export_weights(work, f"{store}/baseline", "model")
@@ -130,7 +137,7 @@ class Baselines:
 
 @pytest.fixture(scope="session")
 def baselines(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Baselines:
-    """Uninterrupted runs' weights by store kind, shared by every module and xdist worker of the session."""
+    """The uninterrupted run's weights, shared by every module and xdist worker of the session."""
     root = tmp_path_factory.getbasetemp()
     shared = root if worker_id == "master" else root.parent  # xdist: pytest-N/popen-gwK -> pytest-N
     return Baselines(shared / "resume-baselines")
