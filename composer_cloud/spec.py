@@ -216,6 +216,22 @@ class SyncSpec(_Strict):
     #: Decoupled: at adoption, new_local = alpha * global + (1 - alpha) * local (1.0: replace).
     fragment_update_alpha: float = Field(default=1.0, gt=0, le=1)
 
+    @model_validator(mode="after")
+    def _survivors_finish_before_a_healer_voids(self) -> "SyncSpec":
+        # Lock-step ordering: a committed round's survivors write a lost participant's state slice after
+        # quorum_timeout_s; a replica that restarts and heals voids a commit whose state is not durable after
+        # min(round_timeout_s, heal_timeout_s / 2) (sync/lockstep/diloco.py). A healer that gives up first
+        # voids a round the survivors were about to finish, and the run fails.
+        void_after_s = min(self.round_timeout_s, 0.5 * self.heal_timeout_s)
+        if self.mode == "lockstep" and self.quorum_timeout_s > void_after_s:
+            raise SpecError("sync.quorum_timeout_s", f"{self.quorum_timeout_s:g} s is longer than a restarted "
+                            f"replica waits for a committed round's state before voiding it: min(sync.round_timeout_s, "
+                            f"sync.heal_timeout_s / 2) = {void_after_s:g} s; the round's survivors, who finish a lost "
+                            f"replica's state after quorum_timeout_s, would lose the race. Lower quorum_timeout_s, or "
+                            f"raise sync.round_timeout_s and sync.heal_timeout_s to at least "
+                            f"{self.quorum_timeout_s:g} and {2 * self.quorum_timeout_s:g}")
+        return self
+
 
 class TrainerSpec(_Strict):
     """``name`` selects the trainer; other keys are that trainer's settings."""

@@ -25,6 +25,9 @@ REFUSED = [
     (["trainer.hint_source=builtins:eval"], "trainer.hint_source"),
     (["device=cuda"], "device"),  # this test's machine has no CUDA GPU (made so below)
     (["device=cuda", "executor=hf-jobs", "hf_jobs.flavor=cpu-basic"], "hf_jobs.flavor"),
+    # A healer would void the round before its survivors finish it (default heal_timeout_s 600: waits 300 s).
+    (["sync.quorum_timeout_s=400"], "sync.quorum_timeout_s"),
+    (["sync.quorum_timeout_s=90", "sync.round_timeout_s=60"], "sync.quorum_timeout_s"),
 ]
 
 
@@ -45,7 +48,9 @@ def test_launch_refuses_settings_the_replicas_cannot_run_naming_the_field(tmp_pa
 
 @pytest.mark.parametrize("pairs", [["inner_optimizer.betas=[0.0, 0.999]"], ["model.num_attention_heads=8"],
                                    ["model.num_key_value_heads=4"], ["trainer.seq_len=4096"],
-                                   ["trainer.task=my_tasks:make_task"]])
+                                   ["trainer.task=my_tasks:make_task"],
+                                   ["sync.quorum_timeout_s=400", "sync.heal_timeout_s=800"],
+                                   ["sync.quorum_timeout_s=400", "sync.mode=\"decoupled\""]])
 def test_settings_inside_the_bounds_are_accepted(tmp_path, monkeypatch, pairs):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_tasks.py").write_text("def make_task(**kw):\n    raise RuntimeError('not called here')\n")
