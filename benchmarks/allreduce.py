@@ -223,7 +223,7 @@ class ScatterReduceRunner(StoreRunner):
         super().__init__(rank, world, cfg)
         spec = spec_from_dict({"replicas": world, "min_replicas": world, "sync": {
             "codec": cfg["codec"], "io_threads": cfg["io_threads"], "quorum_timeout_s": cfg["timeout_s"],
-            "round_timeout_s": cfg["timeout_s"]}})
+            "round_timeout_s": cfg["timeout_s"], "heal_timeout_s": 2 * cfg["timeout_s"]}})
         self.ar = ObjectStoreAllReduce(self.store, rank, AllReduceConfig.from_spec(spec))
 
     def run(self, i: int) -> dict[str, Any]:

@@ -432,7 +432,7 @@ def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: 
                 (cfg.outer_lr, cfg.outer_momentum)
             sync_settings: dict[str, Any] = {
                 "codec": codec, "quorum_timeout_s": cfg.timeout_s, "round_timeout_s": cfg.timeout_s,
-                "heal_timeout_s": cfg.timeout_s, "io_threads": 4}
+                "heal_timeout_s": 2 * cfg.timeout_s, "io_threads": 4}  # the spec wants quorum <= heal / 2
             if codec == "sparse":  # the run's [sync.sparse]: what `composer-cloud launch` would run
                 sync_settings["sparse"] = {"density": cfg.sparse_density, "chunk": cfg.sparse_chunk,
                                            "value_bits": cfg.sparse_bits, "decay": cfg.sparse_decay,
