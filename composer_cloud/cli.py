@@ -269,6 +269,7 @@ def _ctrl_c_between_polls() -> Iterator[Callable[[], None]]:
     if threading.current_thread() is not threading.main_thread():
         yield check
         return
+
     def on_sigint(signum: int, frame: Any) -> None:
         if pressed.is_set():  # a second Ctrl-C: at once, wherever the main thread is
             raise KeyboardInterrupt
