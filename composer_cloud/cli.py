@@ -13,21 +13,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
 from composer_cloud import cli_views, runs
+from composer_cloud.cli_watch import follow
 from composer_cloud.errors import ConfigError, LaunchError, StoreError
 from composer_cloud.runs import Run
 from composer_cloud.spec import DEFAULT_STORE
@@ -251,37 +249,6 @@ def launch(
     raise typer.Exit(_watch(run))
 
 
-@contextmanager
-def _ctrl_c_between_polls() -> Iterator[Callable[[], None]]:
-    """Ctrl-C sets a flag; the returned check raises ``KeyboardInterrupt`` at the next status poll (about 1 s).
-
-    A KeyboardInterrupt raised wherever the main thread happens to be can land inside rich's ``Live`` while
-    its console lock is held; ``Live.stop()`` then waits forever on its refresh thread, and the terminal
-    neither detaches nor says so. Between two polls nothing is held. A second Ctrl-C raises at once. (Off the
-    main thread, where no handler can be set, the check does nothing and Ctrl-C behaves as Python's default.)
-    """
-    pressed = threading.Event()
-
-    def check() -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield check
-        return
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        if pressed.is_set():  # a second Ctrl-C: at once, wherever the main thread is
-            raise KeyboardInterrupt
-        pressed.set()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield check
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
 
 
@@ -293,20 +260,8 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
     says how to cancel or follow the run.
     """
     try:
-        with _ctrl_c_between_polls() as check:
-            if as_json is not None:
-                with _user_errors():
-                    status = runs.wait(run, on_update=lambda st: check())
-            else:
-                with _user_errors():
-                    status = runs.get_status(run)
-                with Live(cli_views.status_table(status), console=console, refresh_per_second=2,
-                          transient=False) as live:
-                    def update(st: runs.RunStatus) -> None:
-                        check()
-                        live.update(cli_views.status_table(st))
-
-                    status = runs.wait(run, on_update=update)
+        with _user_errors():
+            status = follow(run, console=None if as_json is not None else console)
     except KeyboardInterrupt:
         err_console.print(DETACHED.format(uri=run.uri), highlight=False)
         if as_json is not None:

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 import composer_cloud.cli as cli_module
 from composer_cloud import env
 from composer_cloud.cli import app
+from composer_cloud.cli_watch import ctrl_c_between_polls
 from composer_cloud.storage.store import Store
 from composer_cloud.runs.metrics import read_metrics
 from support.cli import cli
@@ -306,7 +307,7 @@ def test_ctrl_c_while_watching_is_taken_at_the_next_poll_and_a_second_one_at_onc
     """The first SIGINT only sets a flag (a KeyboardInterrupt inside rich's Live can hang its stop()); the
     watch loop's check raises it between polls. A second SIGINT raises wherever the main thread is."""
     previous = signal.getsignal(signal.SIGINT)
-    with cli_module._ctrl_c_between_polls() as check:
+    with ctrl_c_between_polls() as check:
         check()  # nothing pressed: nothing raised
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)  # the handler runs here, and must not raise

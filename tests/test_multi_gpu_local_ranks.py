@@ -1,7 +1,7 @@
 """Multi-GPU replicas end to end on CPU (issue 24), 2 replicas x 2 local ranks (gloo) through the CLI:
 
 * ``kill -9`` of one local rank mid-round (on S3): with ``max_restarts = 1`` the run completes and the round it
-  died in is aborted, never committed without that replica's shard;
+  died in is never committed without that replica's shard;
 * decoupled mode: local rank 0 contributes, merges and adopts for its replica.
 """
 
@@ -48,10 +48,13 @@ def test_a_local_rank_killed_mid_round_costs_its_replica_a_restart_never_a_parti
     run_uri = f"{store}/killed"
     st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed" and st["replicas"][0]["restarts"] == 1, st
-    first, *later = _outcomes(run_uri, 1)
-    # The attempt the rank died in was aborted (replica 0's shard 1 never arrived); the round committed later.
-    assert not first.committed and 0 in first.missing, first
-    assert later and later[-1].committed and later[-1].participants == [0, 1]
+    outcomes = _outcomes(run_uri, 1)
+    # Round 1 committed once, with both replicas' every shard. Attempts before it were aborted for replica 0's
+    # missing shard; or none was: when the agent tears the replica down before its rank 0 has written the
+    # abort (seen under CI load on S3), the restarted replica rejoins the undecided attempt with the same
+    # pseudo-gradient (recomputed from the round-0 checkpoint) and that attempt commits whole.
+    assert outcomes and outcomes[-1].committed and outcomes[-1].participants == [0, 1], outcomes
+    assert all(not o.committed and 0 in o.missing for o in outcomes[:-1]), outcomes
     store_ = open_run(run_uri).store
     digests = {r: store_.get_json(layout.heartbeat_key(r)).get("params_sha256") for r in range(2)}
     assert None not in digests.values() and len(set(digests.values())) == 1, digests  # every replica ends on the same model, every shard of it

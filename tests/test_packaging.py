@@ -258,7 +258,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer")),
     ("replica and executors", ("replica", "jobs", "images")),
     ("client", ("runs",)),
-    ("command line", ("cli", "cli_views")),
+    ("command line", ("cli", "cli_views", "cli_watch")),
 ]
 
 
