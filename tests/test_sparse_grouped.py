@@ -24,8 +24,8 @@ NUMEL = 5000
 
 def _replicas(uri: str, world: int, *, group_size: int = 2, round_timeout_s: float = 60,
               hooks=None) -> list[GroupedSparseAllReduce]:
-    cfg = allreduce_config(world, min_replicas=world, codec="sparse", quorum_timeout_s=30,
-                           round_timeout_s=round_timeout_s)
+    cfg = allreduce_config(world, min_replicas=world, codec="sparse", quorum_timeout_s=min(30, round_timeout_s),
+                           round_timeout_s=round_timeout_s)  # the spec refuses a quorum wait above the round's
     extra = {} if hooks is None else {"hooks": hooks}
     return [GroupedSparseAllReduce(Store(uri), r, cfg, settings=SETTINGS, group_size=group_size, **extra)
             for r in range(world)]
