@@ -23,15 +23,16 @@ if not os.environ.get("COMPOSER_CLOUD_KEYS"):
 from support.hf_jobs import hf_env, hf_server, job_constraints, job_python, wheel  # noqa: E402,F401
 from support.resume import baselines  # noqa: E402,F401
 
-# The longest modules, longest first (per-module sums of tests/ --durations=0 at -n 4 on the 2-core box, after
-# splitting test_failover and test_multi_gpu_e2e: ~370, 330, 330, 320, 310, 300, 230, 220, 220, 200, 170, 160,
-# 145, 130 s). With ``--dist loadscope --no-loadscope-reorder``, pytest-xdist hands whole modules to workers in
-# this collection order, so the long end-to-end modules start at once instead of after the many short ones
-# (xdist's own reordering puts modules with the most tests first, i.e. the short ones): longest first keeps the
-# last worker to finish close to the others.
-LONG_MODULES = ("test_lora_e2e", "test_multi_gpu_e2e", "test_failover_lost_state", "test_resume", "test_sparse_resume",
-                "test_failover", "test_store_faults", "test_first_hour", "test_cli", "test_resume_s3",
-                "test_multi_gpu_local_ranks", "test_store_e2e", "test_decoupled")
+# The longest modules, longest first: per-module sums of a clean-clone CI run (.ci/run with
+# PYTEST_ADDOPTS=--junitxml, 2 cores, -n 4): 277, 273, 259, 255, 238, 196, 183, 152, 137, 118, 114, 88, 84, 80,
+# 79, 77, 72, 68 s; 3,458 s in all, 865 s per worker. With ``--dist loadscope --no-loadscope-reorder``,
+# pytest-xdist hands whole modules to workers in this collection order, so the long end-to-end modules start at
+# once instead of after the many short ones (xdist's own reordering puts modules with the most tests first, i.e.
+# the short ones): longest first keeps the last worker to finish close to the others.
+LONG_MODULES = ("test_resume", "test_cli", "test_failover_lost_state", "test_lora_e2e", "test_multi_gpu_e2e",
+                "test_first_hour", "test_store_faults", "test_sparse_resume", "test_resume_s3", "test_failover",
+                "test_decoupled", "test_multi_gpu_local_ranks", "test_store_e2e", "test_checkpoint_benchmark",
+                "test_cli_cloud", "test_runs_api", "test_bucket_attacks", "test_conformance")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
