@@ -171,6 +171,23 @@ def _unframe(uri, data):
     return payload
 
 
+def _install_lock():
+    """An exclusive lock on this interpreter's environment (None where none can be taken).
+
+    Jobs that share one environment (the local Jobs server of the tests, a shared volume) would otherwise
+    run pip into it at the same time and race on its files; with the lock, the second finds the wheel
+    installed and installs nothing. The lock is released when this process execs or exits.
+    """
+    try:
+        import fcntl
+
+        f = open(os.path.join(sys.prefix, ".composer-cloud-install.lock"), "a")
+    except (ImportError, OSError):
+        return None
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
 def main(argv):
     if not argv:
         _fail("no replica command given after the bootstrap")
@@ -183,6 +200,7 @@ def main(argv):
     if got != want:
         _fail("%s has sha256 %s, expected %s; relaunch to stage the wheel again" % (uri, got, want))
     name = uri.rstrip("/").rsplit("/", 1)[-1]
+    _held = _install_lock()  # held until exec: a second job sharing this environment then finds the wheel installed
     if installed_sha256() == got:
         print("composer-cloud bootstrap: %s (sha256 %s) is already installed; not reinstalling" % (name, got[:12]),
               flush=True)
