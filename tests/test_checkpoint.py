@@ -86,6 +86,61 @@ def test_resume_point_prefers_own_state_of_the_newest_durable_round(tmp_path):
     assert point.round == 2 and point.replica_crc32 is None and "2 replicas, now 3" in point.reason
 
 
+def _pruned_on_read(store: Store, round: int, kind: str) -> list[str]:
+    """Make the first read of a ``kind`` blob ("global" or "replica", not a marker) of checkpoint ``round`` find
+    that round pruned, as a restarted replica does when the fleet moves on while it reads. Returns keys read."""
+    from composer_cloud.storage import layout
+
+    reads: list[str] = []
+    get = store.get
+
+    def racing_get(key: str, *args, **kwargs):
+        reads.append(key)
+        name = key.rsplit("/", 1)[1]
+        if key.startswith(layout.checkpoint_prefix(round)) and name.startswith(kind) and \
+                name.endswith(".safetensors") and store.exists(key):
+            manifests.prune(GlobalStateStore(store), keep=1, newest=round + 2)
+        return get(key, *args, **kwargs)
+
+    store.get = racing_get
+    return reads
+
+
+@pytest.mark.parametrize("kind", ["global", "replica"])
+def test_a_resume_point_pruned_while_it_is_read_is_chosen_again(tmp_path, kind):
+    store = Store(f"file://{tmp_path}/s")
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
+    for r in (0, 1, 2):
+        participants = [0, 1] if r == 0 else [0]  # replica 1 was killed after round 0: its own state is round 0's
+        states.write(r, A, _tree(r), writer=0, num_slices=len(participants))
+        for rank in participants:
+            replicas.write(r, rank, {"x": torch.full((2,), float(r))}, world_size=2)
+        assert manifests.write_manifest(states, replicas, r, A, participants, deadline_s=5)
+    reads = _pruned_on_read(store, 0, kind)
+    loaded = manifests.load_resume(states, replicas, 1, world_size=2, attempt_of=_attempt_0)
+    assert any(k.startswith("checkpoints/00000000/") for k in reads)  # it did choose round 0 first
+    assert not states.durable(0, A)  # and round 0 is gone
+    assert loaded.point.round == 2 and loaded.replica_state is None and "no state for replica 1" in loaded.point.reason
+    assert _same(loaded.global_state, _tree(2))
+    # Replica 0's own state of round 2 is still there: an exact resume.
+    own = manifests.load_resume(states, replicas, 0, world_size=2, attempt_of=_attempt_0)
+    assert own.point.round == 2 and torch.equal(own.replica_state["x"], torch.full((2,), 2.0))
+
+
+def test_a_damaged_resume_point_that_is_still_durable_is_not_skipped_silently(tmp_path):
+    store = Store(f"file://{tmp_path}/s")
+    states, replicas = GlobalStateStore(store), ReplicaStateStore(store)
+    for r in (0, 1):
+        states.write(r, A, _tree(r), writer=0, num_slices=2)
+        replicas.write(r, 0, {"x": torch.full((2,), float(r))}, world_size=2)
+    store.put("checkpoints/00000001/replica-0.safetensors", b"damaged")  # own state: fresh inner state instead
+    loaded = manifests.load_resume(states, replicas, 0, world_size=2, attempt_of=_attempt_0)
+    assert loaded.point.round == 1 and loaded.replica_state is None and _same(loaded.global_state, _tree(1))
+    store.put("checkpoints/00000001/global-a0-1-of-2.safetensors", b"damaged")  # global state: an error
+    with pytest.raises(CorruptCheckpoint, match="global-a0-1-of-2"):
+        manifests.load_resume(states, replicas, 0, world_size=2, attempt_of=_attempt_0)
+
+
 def test_encodings_are_byte_identical_across_processes(tmp_path):
     """A taker-over must write the owner's bytes: safetensors' metadata order differs between calls
     and processes, so our blobs keep one metadata key."""

@@ -34,6 +34,7 @@ from composer_cloud.retry import PollPolicy, wait_until
 from composer_cloud.storage import layout
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+from composer_cloud.sync.checkpoint.manifests import LoadedResume
 from composer_cloud.sync.checkpoint.replica_state import (
     ReplicaStateStore,
     ResumePoint,
@@ -62,8 +63,10 @@ class LockstepBoundary:
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Future] = []
         self._state_write: Future | None = None
-        self._resume = self._resume_point()
-        self._start_round = self._resume.round + 1 if self._resume else 0
+        # Read before DiLoCo is built (its start round is the resume point's next): the fleet may prune the
+        # chosen round meanwhile, and load_resume then chooses again.
+        self._resume = self._load_resume()
+        self._start_round = self._resume.point.round + 1 if self._resume else 0
         self.loop = build_diloco(store=self.store, rank=self.rank, model=ctx.model,
                                  inner_optimizer=ctx.trainer.optimizer, config=LockstepConfig.from_spec(self.spec),
                                  hooks=ctx.hooks, start_round=self._start_round, on_sync=self._syncs.append,
@@ -77,11 +80,12 @@ class LockstepBoundary:
     def start(self) -> dict[str, Any]:
         if self._resume is not None:
             self._restore(self._resume)
+            self._resume = None  # the trees are in the model and DiLoCo now: free them
             params_replaced(self.ctx.trainer)
         return {"round": self.position, "step": self._start_round * self.spec.inner_steps}
 
-    def _resume_point(self) -> ResumePoint | None:
-        """Where to start: the newest durable round, with my own inner state if I wrote it.
+    def _load_resume(self) -> LoadedResume | None:
+        """Where to start, read: the newest durable round, with my own inner state if I wrote it.
 
         A replica restarted right after a commit it took part in waits (up to
         ``round_timeout_s``) for that round's global state to become durable:
@@ -100,29 +104,23 @@ class LockstepBoundary:
                               policy=PollPolicy(initial_s=0.2, max_s=2.0)):
                 logger.warning("replica %d: round %d's global state did not become durable within "
                                "round_timeout_s; resuming from an earlier round", self.rank, committed)
-        durable = self.global_states.durable_rounds(rounds.attempt_of(self.store))
-        point = self.replica_states.resume_point(self.rank, world_size=self.spec.replicas, durable_rounds=durable)
+        loaded = manifests.load_resume(self.global_states, self.replica_states, self.rank,
+                                       world_size=self.spec.replicas, attempt_of=rounds.attempt_of(self.store))
         if self.ctx.shard is not None:
-            _same_on_every_local_rank(point, self.ctx.shard.group)
-        return point
+            _same_on_every_local_rank(None if loaded is None else loaded.point, self.ctx.shard.group)
+        return loaded
 
-    def _restore(self, start: ResumePoint) -> None:
+    def _restore(self, start: LoadedResume) -> None:
         """Load global state into DiLoCo and the model, and this replica's inner state if present."""
-        attempt = rounds.committed_attempt(self.store, start.round)
-        assert attempt is not None  # a durable round is a committed one
-        self.loop.restore(self.global_states.load(start.round, attempt))
-        if start.replica_crc32 is None:
-            logger.warning("%s: fresh inner state from global params", start.reason)
+        self.loop.restore(start.global_state)
+        if start.replica_state is None:
+            if start.point.reason:
+                logger.warning("%s: fresh inner state from global params", start.point.reason)
             return
-        try:
-            tree = self.replica_states.load(start.round, self.rank, start.replica_crc32)
-        except CorruptCheckpoint as exc:
-            logger.warning("%s; replica %d continues with fresh inner state from global params", exc, self.rank)
-            return
-        local = restore_replica_state(self.ctx.trainer, tree)
-        self.loop.load_codec_state(tree.get("codec", {}))  # error feedback: training state, restored bitwise
+        local = restore_replica_state(self.ctx.trainer, start.replica_state)
+        self.loop.load_codec_state(start.replica_state.get("codec", {}))  # error feedback: restored bitwise
         copy_into(self.ctx.model, local)
-        logger.info("replica %d resumed from checkpoint %d", self.rank, start.round)
+        logger.info("replica %d resumed from checkpoint %d", self.rank, start.point.round)
 
     # ------------------------------------------------------------ the loop's side
     def session(self) -> contextlib.AbstractContextManager[Any]:

@@ -27,13 +27,16 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
-from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
+from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, ResumePoint
 from composer_cloud.sync.trust import create_over_forged
 
 logger = logging.getLogger(__name__)
 
 #: Decoupled versions are single-writer states: one attempt, one slice.
 VERSION_ATTEMPT = 0
+
+#: How often :func:`load_resume` chooses again when its choice was pruned under it (each retry is a newer round).
+_RESUME_TRIES = 20
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,65 @@ def latest_checkpoint(states: GlobalStateStore, attempt_of: AttemptOf, *, before
     return None
 
 
+@dataclass(frozen=True)
+class LoadedResume:
+    """A resume point read into memory: the round's global state, and the replica's own inner state of that
+    round (None: fresh inner state from the global parameters, ``point.reason`` or a warning says why)."""
+
+    point: ResumePoint
+    global_state: dict[str, Any]
+    replica_state: dict[str, Any] | None
+
+
+def load_resume(states: GlobalStateStore, replicas: ReplicaStateStore, rank: int, *, world_size: int,
+                attempt_of: AttemptOf) -> LoadedResume | None:
+    """Choose ``rank``'s resume point (:meth:`ReplicaStateStore.resume_point`) and read it, both trees verified.
+
+    A replica that restarts while the fleet runs on races :func:`prune`: the
+    round it chose can be deleted before or while it reads it. A read that
+    fails because the round is gone (no longer durable, or its commit voided)
+    chooses again; pruning only removes rounds older than a newer durable one,
+    so this ends. A read that fails while the round is still durable is damage:
+    :class:`~composer_cloud.errors.CorruptCheckpoint` for the global state, a
+    warning and fresh inner state for the replica's own state (as before).
+    None: nothing durable yet.
+    """
+    for _ in range(_RESUME_TRIES):
+        point = replicas.resume_point(rank, world_size=world_size, durable_rounds=states.durable_rounds(attempt_of))
+        if point is None:
+            return None
+        attempt = attempt_of(point.round)
+        if attempt is None:
+            continue  # its commit became unreadable since the listing: choose again
+        try:
+            tree = states.load(point.round, attempt)
+        except CorruptCheckpoint:
+            if _gone(states, attempt_of, point.round, attempt, rank):
+                continue
+            raise
+        if point.replica_crc32 is None:
+            return LoadedResume(point, tree, None)
+        try:
+            own = replicas.load(point.round, rank, point.replica_crc32)
+        except CorruptCheckpoint as exc:
+            if _gone(states, attempt_of, point.round, attempt, rank):
+                continue
+            logger.warning("%s; replica %d continues with fresh inner state from global params", exc, rank)
+            own = None
+        return LoadedResume(point, tree, own)
+    raise CorruptCheckpoint(layout.CHECKPOINTS, f"replica {rank}: every resume point chosen in {_RESUME_TRIES} "
+                            "tries went away while it was read; the store keeps changing under the replica")
+
+
+def _gone(states: GlobalStateStore, attempt_of: AttemptOf, round: int, attempt: int, rank: int) -> bool:
+    """Whether checkpoint ``round`` stopped being a durable committed state (pruned, or its commit voided)."""
+    if attempt_of(round) == attempt and states.durable(round, attempt):
+        return False
+    logger.warning("replica %d: checkpoint %d went away while it was read (pruned as the fleet moved on); "
+                   "choosing again", rank, round)
+    return True
+
+
 def prune(states: GlobalStateStore, *, keep: int, newest: int) -> list[int]:
     """Delete checkpoints older than the ``keep`` newest manifests (never ``newest`` or later); returns them.
 
@@ -247,5 +309,5 @@ def versions(states: GlobalStateStore, *, above: int = -1) -> list[int]:
     return states.durable_rounds(lambda v: VERSION_ATTEMPT, above=above)
 
 
-__all__ = ["Checkpoint", "VERSION_ATTEMPT", "discard_after", "latest_checkpoint", "prune", "read_manifest",
+__all__ = ["Checkpoint", "VERSION_ATTEMPT", "LoadedResume", "discard_after", "latest_checkpoint", "load_resume", "prune", "read_manifest",
            "read_version", "version_complete", "version_durable", "versions", "write_manifest", "write_version"]
