@@ -121,7 +121,42 @@ def settings_class(name: str) -> Any:
 
 # --------------------------------------------------------------------------- causal-lm
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
-class CausalLMSettings:
+class DatasetSettings:
+    """The ``[trainer]`` keys of a run on the user's own dataset (``docs/datasets.md``), one set for every trainer.
+
+    Attributes:
+        dataset: a hub id, a local file (``.jsonl``, ``.json``, ``.csv``, ``.parquet``) or a ``save_to_disk``
+            folder; None: the trainer's own data (a corpus, a task).
+        dataset_config, dataset_split, data_files: as ``datasets.load_dataset`` takes them.
+        eval_split: the held-out split; else ``eval_fraction`` of the training split is held out.
+        columns: canonical name -> the dataset's column (each trainer names its canonical columns).
+    """
+
+    dataset: Annotated[str, Field(min_length=1)] | None = None
+    dataset_config: str | None = None
+    dataset_split: Annotated[str, Field(min_length=1)] = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    eval_split: str | None = None
+    eval_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def check_dataset_keys(self, canonical: tuple[str, ...], *, also: tuple[str, ...] = (),
+                           describe: str) -> None:
+        """Refuse dataset keys without ``dataset`` (``also``: the trainer's own such keys), and ``columns``
+        keys outside ``canonical``; ``describe`` ends the latter message. Errors name ``trainer.<key>``."""
+        if self.dataset is None:
+            for key in ("dataset_config", "data_files", "eval_split", *also):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"trainer.{key} applies to a dataset run; set trainer.dataset too")
+            if self.columns:
+                raise ValueError("trainer.columns applies to a dataset run; set trainer.dataset too")
+        unknown = sorted(set(self.columns) - set(canonical))
+        if unknown:
+            raise ValueError(f"trainer.columns.{unknown[0]}: {describe}")
+
+
+@dataclass(frozen=True, config=SETTINGS_CONFIG)
+class CausalLMSettings(DatasetSettings):
     """The ``[trainer]`` table for ``name = "causal-lm"`` (all keys optional).
 
     Attributes:
@@ -150,28 +185,13 @@ class CausalLMSettings:
     eval_rows: PositiveInt = 64
     corpus: Literal["builtin", "stdlib"] = "builtin"
     corpus_bytes: PositiveInt = 4_000_000
-    dataset: Annotated[str, Field(min_length=1)] | None = None
-    dataset_config: str | None = None
-    dataset_split: Annotated[str, Field(min_length=1)] = "train"
-    data_files: str | list[str] | dict[str, str | list[str]] | None = None
-    eval_split: str | None = None
-    eval_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
-    columns: dict[str, str] = dataclasses.field(default_factory=dict)
 
     #: The canonical names ``columns`` may map for the causal-LM trainer.
     COLUMNS: ClassVar[tuple[str, ...]] = ("text", "prompt", "answer")
 
     def __post_init__(self) -> None:
-        if self.dataset is None:
-            for key in ("dataset_config", "data_files", "eval_split"):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"trainer.{key} applies to a dataset run; set trainer.dataset too")
-            if self.columns:
-                raise ValueError("trainer.columns applies to a dataset run; set trainer.dataset too")
-        unknown = sorted(set(self.columns) - set(self.COLUMNS))
-        if unknown:
-            raise ValueError(f"trainer.columns.{unknown[0]}: the causal-lm trainer's columns are "
-                             f"{', '.join(self.COLUMNS)} (the text, or a prompt and its answer)")
+        self.check_dataset_keys(self.COLUMNS, describe=f"the causal-lm trainer's columns are "
+                                f"{', '.join(self.COLUMNS)} (the text, or a prompt and its answer)")
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "CausalLMSettings":
@@ -184,6 +204,7 @@ __all__ = [
     "SETTINGS_CONFIG",
     "TRAINERS",
     "CausalLMSettings",
+    "DatasetSettings",
     "check_settings",
     "parse_settings",
     "settings_class",

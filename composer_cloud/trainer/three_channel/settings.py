@@ -34,6 +34,7 @@ from pydantic.dataclasses import dataclass
 from composer_cloud.registry import reference_for
 from composer_cloud.trainer.settings import (
     SETTINGS_CONFIG,
+    DatasetSettings,
     FiniteFloat,
     NonNegativeFloat,
     NonNegativeInt,
@@ -174,7 +175,7 @@ _GRPO_FIELDS: dict[str, str] = {
 
 
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
-class ThreeChannelSettings(ThreeChannelConfig):
+class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     """The ``[trainer]`` table for ``name = "three-channel"`` (all keys optional).
 
     The loss keys are those of :class:`ThreeChannelConfig`. Sizes:
@@ -253,14 +254,7 @@ class ThreeChannelSettings(ThreeChannelConfig):
     sandbox_memory_mb: PositiveInt = 256
     sandbox_workers: PositiveInt = 2
     eval_examples: NonNegativeInt = 16
-    # a dataset instead of a task (composer_cloud.trainer.three_channel.dataset_task)
-    dataset: Annotated[str, Field(min_length=1)] | None = None
-    dataset_config: str | None = None
-    dataset_split: Annotated[str, Field(min_length=1)] = "train"
-    data_files: str | list[str] | dict[str, str | list[str]] | None = None
-    eval_split: str | None = None
-    eval_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
-    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+    # a dataset instead of a task (the dataset keys: DatasetSettings; composer_cloud.trainer.three_channel.dataset_task)
     reward: str | None = None
     # rollouts (docs/gpu.md)
     rollout: Rollout = "hf"
@@ -293,23 +287,14 @@ class ThreeChannelSettings(ThreeChannelConfig):
             raise ValueError(
                 f"trainer.hint_template: {exc!r}; use only '{{hint}}' and '{{prompt}}' (double other braces)"
             ) from None
-        if self.dataset is None:
-            for key in ("dataset_config", "data_files", "eval_split", "reward"):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"trainer.{key} applies to a dataset run; set trainer.dataset too")
-            if self.columns:
-                raise ValueError("trainer.columns applies to a dataset run; set trainer.dataset too")
-        else:
+        self.check_dataset_keys(CANONICAL, also=("reward",), describe=(
+            f"the mapping's keys are {', '.join(CANONICAL)} (canonical name = the dataset's column); other "
+            "columns are kept as they are"))
+        if self.dataset is not None:
             if self.task != "python-functions":
                 raise ValueError(
                     f"trainer.dataset and trainer.task {self.task!r}: a dataset run uses the built-in dataset "
                     "task; drop trainer.task, or load the dataset in your own task"
-                )
-            unknown = sorted(set(self.columns) - set(CANONICAL))
-            if unknown:
-                raise ValueError(
-                    f"trainer.columns.{unknown[0]}: the mapping's keys are {', '.join(CANONICAL)} "
-                    "(canonical name = the dataset's column); other columns are kept as they are"
                 )
             reference_for(self.effective_reward, REWARDS, setting="trainer.reward")
         if self.pairs == "builtin" and self.effective_task != "python-functions":
