@@ -110,6 +110,14 @@ def test_spec_sparse_defaults_and_bounds():
     spec = spec_from_dict({"sync": {"codec": "sparse"}})
     settings = sparse.settings_of(spec)
     assert (settings.density, settings.value_bits, settings.decay, settings.chunk) == (3 / 64, 2, 0.95, 4096)
+    # Decoupled mode's recipe is denser and forgets faster; a key the user sets wins over either recipe.
+    dec = sparse.settings_of(spec_from_dict({"sync": {"mode": "decoupled", "codec": "sparse"}}))
+    assert (dec.density, dec.decay, dec.value_bits, dec.chunk) == (11 / 128, 0.9, 2, 4096)
+    mine = spec_from_dict({"sync": {"mode": "decoupled", "codec": "sparse", "sparse": {"decay": 0.95}}})
+    assert (mine.sync.sparse.density, mine.sync.sparse.decay) == (11 / 128, 0.95)
+    # The stored spec holds the values the run used, so a resumed run reads the same recipe back.
+    assert spec_from_dict(mine.to_json_dict()).sync.sparse == mine.sync.sparse
+    assert mine.to_json_dict()["sync"]["sparse"]["density"] == 11 / 128
     outer = spec.outer_optimizer
     assert (outer.lr, outer.momentum, outer.nesterov) == (1.0, 0.0, False)  # SparseLoCo's outer step
     assert spec_from_dict({}).outer_optimizer.momentum == 0.9  # dense codecs keep DiLoCo's
