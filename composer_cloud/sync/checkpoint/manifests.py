@@ -309,5 +309,6 @@ def versions(states: GlobalStateStore, *, above: int = -1) -> list[int]:
     return states.durable_rounds(lambda v: VERSION_ATTEMPT, above=above)
 
 
-__all__ = ["Checkpoint", "VERSION_ATTEMPT", "LoadedResume", "discard_after", "latest_checkpoint", "load_resume", "prune", "read_manifest",
-           "read_version", "version_complete", "version_durable", "versions", "write_manifest", "write_version"]
+__all__ = ["Checkpoint", "LoadedResume", "VERSION_ATTEMPT", "discard_after", "latest_checkpoint", "load_resume", "prune",
+           "read_manifest", "read_version", "version_complete", "version_durable", "versions", "write_manifest",
+           "write_version"]
