@@ -185,7 +185,7 @@ def test_local_paths_become_absolute_for_local_replicas_and_keys_for_cloud_ones(
     from composer_cloud.env import JobEnv
     from composer_cloud.replica.usercode import localize_spec
     from composer_cloud.runs.packaging import pack_path, spec_local_paths
-    from composer_cloud.spec import apply_spec_paths
+    from composer_cloud.spec_paths import apply_spec_paths
 
     (tmp_path / "pairs.jsonl").write_text("{}\n")
     (tmp_path / "data").mkdir()

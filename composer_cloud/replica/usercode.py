@@ -33,7 +33,8 @@ from pathlib import Path
 
 from composer_cloud.archive import extract_atomic
 from composer_cloud.errors import ChecksumMismatch
-from composer_cloud.spec import RunSpec, is_path_setting, with_paths
+from composer_cloud.spec import RunSpec
+from composer_cloud.spec_paths import is_path_setting, with_paths
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import CodeRef
 from composer_cloud.storage.store import Store

@@ -39,7 +39,8 @@ from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import signing, sync_state
 from composer_cloud.runs.preflight import check_dataset, check_hub_model, check_model_dir
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
-from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict, with_paths
+from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
+from composer_cloud.spec_paths import with_paths
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import CodeRef, ResumeRecord
 from composer_cloud.storage.run import (
