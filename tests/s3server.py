@@ -21,10 +21,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -113,13 +114,53 @@ def _server_env(endpoint: str) -> dict[str, str]:
     return {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
 
 
+#: Request methods that change a bucket; :func:`atomic_writes` runs them one at a time.
+_MUTATING_METHODS = frozenset({"PUT", "POST", "DELETE"})
+
+
+def atomic_writes(app: Callable) -> Callable:
+    """WSGI middleware that serves the requests that change a bucket one at a time (reads stay concurrent).
+
+    moto decides a conditional create (``If-None-Match: *``) in two steps, a lookup of the key and then the
+    store of the object, with no lock between them; two racing creates can both pass the lookup and both win.
+    CI saw it once: ``concurrent_create`` of the store conformance probe reported 2 of 8 racing creates won,
+    and the launch was (rightly) refused. Real S3 decides a conditional create atomically; so does moto behind
+    this lock. The response is materialised inside the lock so that the write is whole before the next one starts.
+    """
+    lock = threading.Lock()
+
+    def serve(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") not in _MUTATING_METHODS:
+            return app(environ, start_response)
+        with lock:
+            return list(app(environ, start_response))
+
+    return serve
+
+
+def moto_app(*, serialised: bool = True) -> Callable:
+    """moto's S3 WSGI application as ``moto_server`` serves it, behind :func:`atomic_writes` if ``serialised``."""
+    from moto.moto_server.threaded_moto_server import DomainDispatcherApplication, create_backend_app
+
+    app = DomainDispatcherApplication(create_backend_app)
+    return atomic_writes(app) if serialised else app
+
+
+def _serve_moto(host: str, port: int) -> None:
+    """``moto_server -H host -p port``, with :func:`atomic_writes`; blocks."""
+    from moto.moto_server.threaded_moto_server import MotoRequestHandler
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))  # moto_server sets it too: presigned URLs and redirects use it
+    run_simple(host, port, moto_app(), threaded=True, request_handler=MotoRequestHandler)
+
+
 @contextmanager
 def moto_s3_server(bucket: str = "cc-test") -> Iterator[S3Server]:
-    """Run ``moto_server`` on a free port with ``bucket`` created."""
+    """Run moto's S3 server (``moto_server``, with :func:`atomic_writes`) on a free port with ``bucket`` created."""
     port = free_port()
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "moto", "127.0.0.1", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         _wait_http(endpoint, proc, "moto_server", timeout_s=30)
@@ -205,3 +246,9 @@ def s3_environ(server: S3Server) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+if __name__ == "__main__":  # python s3server.py moto HOST PORT: what moto_s3_server starts
+    if sys.argv[1:2] != ["moto"] or len(sys.argv) != 4:
+        sys.exit("usage: python s3server.py moto HOST PORT")
+    _serve_moto(sys.argv[2], int(sys.argv[3]))

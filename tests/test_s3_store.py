@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -41,6 +42,58 @@ def test_s3_racing_writers_exactly_one_wins(s3_store):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert sorted(results) == [False] * 9 + [True]
+
+
+@pytest.mark.parametrize("serialised", [False, True], ids=["moto-as-shipped", "atomic_writes"])
+def test_the_test_moto_server_decides_racing_creates_once(serialised, monkeypatch):
+    """moto checks ``If-None-Match: *`` and stores the object in two steps; :func:`s3server.atomic_writes` makes
+    the pair atomic, as on real S3. The gap is widened here (a slow key lookup) so that the race is certain."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+    from moto.s3.models import S3Backend
+    from werkzeug.serving import make_server
+
+    from s3server import S3_ENV, moto_app
+
+    lookup = S3Backend.get_object
+
+    def slow_lookup(self, *args, **kwargs):
+        found = lookup(self, *args, **kwargs)
+        time.sleep(0.2)
+        return found
+
+    monkeypatch.setattr(S3Backend, "get_object", slow_lookup)
+    server = make_server("127.0.0.1", 0, moto_app(serialised=serialised), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{server.port}", region_name="us-east-1",
+                          aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                          config=Config(max_pool_connections=8, retries={"max_attempts": 1}))
+        bucket = f"race-{serialised}".lower()  # moto's backends live on in this process: one bucket per case
+        s3.create_bucket(Bucket=bucket)
+        barrier = threading.Barrier(8)
+        won: list[int] = []
+
+        def create(i: int) -> None:
+            barrier.wait()
+            try:
+                s3.put_object(Bucket=bucket, Key="quorum.json", Body=f"w{i}".encode(), IfNoneMatch="*")
+                won.append(i)
+            except ClientError as exc:
+                assert exc.response["Error"]["Code"] == "PreconditionFailed"
+
+        threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        stored = s3.get_object(Bucket=bucket, Key="quorum.json")["Body"].read()
+    finally:
+        server.shutdown()
+    if serialised:
+        assert len(won) == 1 and stored == f"w{won[0]}".encode()
+    else:
+        assert len(won) > 1, "moto now decides conditional creates atomically: atomic_writes may be dropped"
 
 
 def test_s3_corrupt_object_is_detected(s3_store):
