@@ -158,7 +158,9 @@ def test_late_replica_does_not_commit_and_heals(store_uri):
 
 
 def _missing_kw(q, index, uri, rank, world):
-    diloco_worker(q, index, uri, rank, world, rounds=1, sync_every=2, min_replicas=3, quorum_timeout_s=1.0)
+    # The deadline runs from each replica's own arrival: it must outlast the skew between the two started
+    # processes (seconds under a loaded -n 6 run, where 1 s let rank 1 time out before rank 0 arrived).
+    diloco_worker(q, index, uri, rank, world, rounds=1, sync_every=2, min_replicas=3, quorum_timeout_s=10.0)
 
 
 def test_diloco_fewer_than_min_replicas_raises(store_uri):
