@@ -75,21 +75,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import shutil
 import sys
-import tempfile
 import time
-import traceback
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+# tests/support (process pools) for the store engine (convergence_store.py) and convergence_decoupled.py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from support.processes import run_processes  # noqa: E402
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 # Store polling for the replicas: start at 5 ms, back off to at most 100 ms (the library default
@@ -298,7 +294,7 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
             train.append(trainer.step()["loss"])
             sched.step()
             rec.maybe(s)
-        return {"curve": rec.curve, "syncs": 0, "bytes_per_replica": 0, "train_loss_last50": _tail(train),
+        return {"curve": rec.curve, "syncs": 0, "bytes_per_replica": 0, "train_loss_last50": tail_mean(train),
                 "wall_s": time.monotonic() - t0}
 
     if method == "sync":
@@ -327,7 +323,7 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
             train.append(sum(losses) / w)
             rec.maybe(s)
         return {"curve": rec.curve, "syncs": cfg.steps, "bytes_per_replica": per_sync * cfg.steps,
-                "payload_bytes": per_sync / traffic_factor(w), "train_loss_last50": _tail(train),
+                "payload_bytes": per_sync / traffic_factor(w), "train_loss_last50": tail_mean(train),
                 "wall_s": time.monotonic() - t0}
 
     h = sync_every(method)
@@ -379,7 +375,7 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
             syncs += 1
             rec.maybe(s)
     out = {"curve": rec.curve, "syncs": syncs, "bytes_per_replica": per_sync * syncs,
-           "payload_bytes": per_sync / traffic_factor(w), "train_loss_last50": _tail(train),
+           "payload_bytes": per_sync / traffic_factor(w), "train_loss_last50": tail_mean(train),
            "wall_s": time.monotonic() - t0}
     if exchange is not None:
         out.update(exchange.summary(numel), bytes_per_replica=exchange.bytes_per_replica,
@@ -387,249 +383,10 @@ def run_sim(cfg: Config, method: str) -> dict[str, Any]:
     return out
 
 
-def _tail(xs: list[float], n: int = 50) -> float:
+def tail_mean(xs: list[float], n: int = 50) -> float:
+    """Mean of the last ``n`` values (the train loss the tables report)."""
     xs = xs[-n:]
     return sum(xs) / max(1, len(xs))
-
-
-# ----------------------------------------------------------------------------- store engine
-def store_worker(q: Any, rank: int, method: str, cfg_dict: dict[str, Any], uri: str) -> None:
-    """One replica process of ``method`` (``sync``, ``diloco_h<H>`` or ``single``)."""
-    try:
-        cfg = Config(**cfg_dict)
-        torch.set_num_threads(cfg.threads)
-        from composer_cloud.retry import PollPolicy
-        from composer_cloud.spec import spec_from_dict
-        from composer_cloud.storage import layout
-        from composer_cloud.storage.store import Store
-        from composer_cloud.sync.lockstep import rounds
-        from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
-        from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
-
-        POLL = PollPolicy(initial_s=POLL_INITIAL_S, max_s=POLL_MAX_S)
-        t_build = time.monotonic()
-        model, trainer, sched = build_replica(cfg, rank)
-        rec = Recorder(cfg, method, trainer)
-        lead = rank == 0
-        if lead:
-            rec.maybe(0)
-        build_s = time.monotonic() - t_build
-        t0 = time.monotonic()
-        train: list[float] = []
-        out: dict[str, Any] = {"rank": rank}
-        sync_s = 0.0
-        if method == "single":
-            for s in range(1, cfg.steps + 1):
-                train.append(trainer.step()["loss"])
-                sched.step()
-                rec.maybe(s)
-            out.update(syncs=0, allreduce_bytes=0, other_store_bytes=0)
-        else:
-            w = cfg.replicas
-            store = Store(uri, poll=POLL)
-            codec = cfg.codec_of(method)
-            lr, momentum = (cfg.sparse_outer_lr, cfg.sparse_outer_momentum) if codec == "sparse" else \
-                (cfg.outer_lr, cfg.outer_momentum)
-            sync_settings: dict[str, Any] = {
-                "codec": codec, "quorum_timeout_s": cfg.timeout_s, "round_timeout_s": cfg.timeout_s,
-                "heal_timeout_s": 2 * cfg.timeout_s, "io_threads": 4}  # the spec wants quorum <= heal / 2
-            if codec == "sparse":  # the run's [sync.sparse]: what `composer-cloud launch` would run
-                sync_settings["sparse"] = {"density": cfg.sparse_density, "chunk": cfg.sparse_chunk,
-                                           "value_bits": cfg.sparse_bits, "decay": cfg.sparse_decay,
-                                           "exchange": "two_level" if cfg.sparse_group_size else "gather",
-                                           "group_size": cfg.sparse_group_size or None}
-            spec = spec_from_dict({
-                "replicas": w, "min_replicas": w, "inner_steps": 1 if method == "sync" else sync_every(method),
-                "outer_optimizer": {"lr": lr, "momentum": momentum, "nesterov": momentum > 0},
-                "sync": sync_settings})
-            ar_config = AllReduceConfig.from_spec(spec)
-            ar_bytes, payload = 0, 0
-            if method == "sync":
-                ar = ObjectStoreAllReduce(store, rank, ar_config)
-                opt = trainer.optimizer
-                for s in range(1, cfg.steps + 1):
-                    opt.zero_grad(set_to_none=True)
-                    loss = batch_loss(model, trainer)
-                    loss.backward()
-                    flat = flat_grads(model)
-                    ts = time.monotonic()
-                    res = ar.allreduce(s - 1, flat)
-                    sync_s += time.monotonic() - ts
-                    if not (res.committed and res.participated):
-                        raise RuntimeError(f"round {s - 1} not committed: {res.reason}")
-                    ar_bytes += res.bytes_read + res.bytes_written
-                    payload = res.payload_bytes
-                    set_flat_grads(model, flat)
-                    if cfg.grad_clip:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    sched.step()
-                    train.append(float(loss.detach()))
-                    if lead:
-                        rec.maybe(s)
-                        # Every replica has finished round s-2 once round s-1 committed: drop its
-                        # payloads so 2000 rounds do not leave gigabytes in the store.
-                        if s >= 2:
-                            for att in rounds.attempts(store, s - 2):
-                                for sub in layout.ATTEMPT_PAYLOADS:
-                                    store.delete(f"{layout.attempt_prefix(s - 2, att)}/{sub}", recursive=True)
-                ar.close()
-                out.update(syncs=cfg.steps, allreduce_bytes=ar_bytes, payload_bytes=payload, other_store_bytes=0)
-            else:
-                syncs: list[Any] = []
-                n_syncs = 0
-                loop = build_diloco(store=store, rank=rank, model=model, inner_optimizer=trainer.optimizer,
-                                    config=LockstepConfig.from_spec(spec), on_sync=syncs.append)
-                with loop:
-                    for s in range(1, cfg.steps + 1):
-                        train.append(trainer.step()["loss"])
-                        sched.step()
-                        if syncs:
-                            r = syncs.pop()
-                            if not r.committed:
-                                raise RuntimeError(f"round {r.round} not committed")
-                            n_syncs += 1
-                            ar_bytes += r.result.bytes_read + r.result.bytes_written
-                            payload = r.result.payload_bytes
-                            sync_s += r.result.wall_s
-                            if lead:
-                                rec.maybe(s)
-                loop.close()
-                total = store.bytes_read + store.bytes_written
-                # Everything else this replica moved: the leader's global-state checkpoints
-                # (backup parameters + outer momentum, after every commit) and round-discovery reads.
-                out.update(syncs=n_syncs, allreduce_bytes=ar_bytes, payload_bytes=payload,
-                           other_store_bytes=total - ar_bytes)
-        out.update(curve=rec.curve, train_loss_last50=_tail(train), loop_s=time.monotonic() - t0,
-                   sync_s=sync_s, build_s=build_s)
-        q.put((rank, out))
-    except Exception:
-        q.put((rank, {"error": traceback.format_exc()}))
-
-
-def run_store(cfg: Config, method: str, ctx: Any, base_uri: str) -> dict[str, Any]:
-    w = 1 if method == "single" else cfg.replicas
-    # One torch thread per process by default: on a shared 2-core machine, multi-threaded
-    # intra-op parallelism loses more to contention than it gains.
-    threads = cfg.threads or 1
-    cfg_dict = asdict(cfg) | {"threads": threads}
-    uri = f"{base_uri}/{method}"
-    t0 = time.monotonic()
-    reports = dict(enumerate(run_processes(
-        store_worker, [(method, cfg_dict, uri)] * w, ctx=ctx, timeout=cfg.timeout_s,
-        failure=lambda r, rep: f"{method} replica {r} failed:\n{rep['error']}" if "error" in rep else None)))
-    wall = time.monotonic() - t0
-    lead = reports[0]
-    ranks = sorted(reports)
-    return {
-        "curve": lead["curve"],
-        "syncs": lead["syncs"],
-        "bytes_per_replica": sum(reports[r]["allreduce_bytes"] for r in ranks) / w if method != "single" else 0,
-        "bytes_per_replica_max": max(reports[r]["allreduce_bytes"] for r in ranks),
-        "payload_bytes": lead.get("payload_bytes", 0),
-        "other_store_bytes_max": max(reports[r].get("other_store_bytes", 0) for r in ranks),
-        "train_loss_last50": sum(reports[r]["train_loss_last50"] for r in ranks) / w,
-        "sync_s_mean": sum(reports[r]["sync_s"] for r in ranks) / w,
-        "loop_s_max": max(reports[r]["loop_s"] for r in ranks),
-        "build_s_max": max(reports[r]["build_s"] for r in ranks),
-        "threads_per_process": threads,
-        "wall_s": wall,
-    }
-
-
-# ----------------------------------------------------------------------------- reporting
-def summarize(cfg: Config, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    base = results.get("sync")
-    rows = []
-    for name, r in results.items():
-        final = r["curve"][-1][1]
-        row = {"method": name, "H": sync_every(name), "final_heldout_loss": final,
-               "final_heldout_ppl": math.exp(final), "syncs": r["syncs"],
-               "bytes_per_replica": r["bytes_per_replica"], "wall_s": r["wall_s"],
-               "train_loss_last50": r["train_loss_last50"]}
-        if base is not None:
-            b = base["curve"][-1][1]
-            row["loss_vs_sync_pct"] = 100 * (final - b) / b
-            # How fast: first evaluated step at which held-out loss is within 3% of sync's final loss.
-            row["steps_to_within_3pct_of_sync_final"] = next(
-                (s for s, v in r["curve"] if v <= 1.03 * b), None)
-            row["bytes_reduction_vs_sync"] = (base["bytes_per_replica"] / r["bytes_per_replica"]
-                                              if r["bytes_per_replica"] else None)
-        rows.append(row)
-    return rows
-
-
-def print_table(cfg: Config, rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=title)
-    for col in ["method", "held-out loss", "vs sync", "ppl", "syncs", "bytes/replica", "less than sync",
-                "steps to 1.03x sync final", "wall s"]:
-        t.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
-    for r in rows:
-        red = r.get("bytes_reduction_vs_sync")
-        t.add_row(r["method"], f"{r['final_heldout_loss']:.4f}",
-                  f"{r['loss_vs_sync_pct']:+.2f}%" if "loss_vs_sync_pct" in r else "-",
-                  f"{r['final_heldout_ppl']:.3f}", str(r["syncs"]), human_bytes(r["bytes_per_replica"]),
-                  f"{red:.2f}x" if red else "-", str(r.get("steps_to_within_3pct_of_sync_final") or "-"),
-                  f"{r['wall_s']:.0f}")
-    Console(width=max(150, shutil.get_terminal_size().columns)).print(t)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def plot(cfg: Config, results: dict[str, dict[str, Any]], rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    styles = {"sync": ("k", "-"), "single": ("tab:gray", ":")}
-    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
-    di = 0
-    colors = {}
-    for name, r in results.items():
-        if name in styles:
-            c, ls = styles[name]
-        else:
-            c, ls = palette[di % len(palette)], "-"
-            di += 1
-        colors[name] = c
-        xs = [s for s, _ in r["curve"]][1:]
-        ys = [v for _, v in r["curve"]][1:]
-        ax.plot(xs, ys, color=c, linestyle=ls, marker="o" if len(xs) <= 30 else None, markersize=3,
-                label=f"{name} ({ys[-1]:.3f})")
-    ax.set_xlabel("inner step (per replica)")
-    ax.set_ylabel("held-out loss")
-    ax.set_yscale("log")
-    ax.set_title(f"{cfg.corpus} corpus, {cfg.replicas} replicas, {cfg.steps} steps, {cfg.engine} engine")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    for r in rows:
-        if r["bytes_per_replica"]:
-            bx.scatter(r["bytes_per_replica"], r["final_heldout_loss"], color=colors[r["method"]], s=40)
-            bx.annotate(r["method"], (r["bytes_per_replica"], r["final_heldout_loss"]),
-                        textcoords="offset points", xytext=(5, 5), fontsize=9)
-    single = next((r for r in rows if r["method"] == "single"), None)
-    if single:
-        bx.axhline(single["final_heldout_loss"], color="tab:gray", linestyle=":", label="single (0 bytes)")
-        bx.legend()
-    bx.set_xscale("log")
-    bx.set_xlabel("bytes communicated per replica")
-    bx.set_ylabel("final held-out loss")
-    bx.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- main
@@ -752,26 +509,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.batch_size}x{cfg.seq_len} tokens; engine={cfg.engine}; {cores} cores, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
-    tmp = None
-    ctx = None
-    base_uri = ""
-    if cfg.engine == "store":
-        from composer_cloud.storage.store import Store
+    # The engines and the report import this module's core; main imports them.
+    from convergence_report import human_bytes, plot, print_table, summarize
+    from convergence_store import prepare, run_store
 
-        # A tmpfs when there is one: the store fsyncs every object, and the sync baseline makes
-        # 4 x 7 objects per step; on a shared disk that, not training, would dominate the runtime.
-        tmp = tempfile.mkdtemp(prefix="cc-bench-convergence-",
-                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        base_uri = f"{(a.store or 'file://' + tmp).rstrip('/')}/convergence-{uuid.uuid4().hex[:8]}"
-        Store(base_uri).check_access()
-        # Replicas are forked from this process, which has imported everything and trained the
-        # tokenizer (cached) but run no parallel torch op: the workers start in a second, not 20.
-        import torchft.local_sgd  # noqa: F401
-
-        import composer_cloud.sync.lockstep.manager  # noqa: F401
-        import composer_cloud.trainer.causal_lm  # noqa: F401
-
-        ctx = mp.get_context("fork")
+    tmp, ctx, base_uri = prepare(a.store) if cfg.engine == "store" else (None, None, "")
     results: dict[str, dict[str, Any]] = {}
     t_start = time.monotonic()
     try:

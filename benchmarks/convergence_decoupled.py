@@ -57,7 +57,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import convergence as conv  # noqa: E402
-from convergence import Config, build_replica, human_bytes  # noqa: E402
+from convergence import Config, build_replica  # noqa: E402
+from convergence_report import human_bytes  # noqa: E402
 from support.processes import run_processes  # noqa: E402  (tests/ is on the path via convergence)
 
 
