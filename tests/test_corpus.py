@@ -184,3 +184,42 @@ def test_chaos_goodput(chaos):
     assert chaos.goodput([{"billed_s": 0.0, "rows": []}])["goodput"] == 0.0
     assert chaos.first_time_at_most([(3, 1.0), (1, 2.0), (5, 0.5)], 1.0) == 3
     assert chaos.first_time_at_least([(1, 10), (2, 30)], 20) == 2
+
+
+def test_the_chaos_harness_writes_a_signed_run_and_gives_its_replicas_the_key(tmp_path, monkeypatch):
+    """chaos.py is its runs' executor: it launches signed, as a launch does by default (it had failed since
+    signing landed), its replicas get the run key in their environment, and its own reads open the run."""
+    from composer_cloud import env, stdlib_corpus
+    from composer_cloud.model import TinyModelConfig
+    from composer_cloud.storage.run import open_run
+
+    monkeypatch.delenv(env.UNSIGNED, raising=False)  # the suite's default opt-out; a launch signs without it
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import chaos as bench
+    from chaos_harness import Harness
+
+    cfg = bench.Config(**bench.QUICK)
+    model_dir = stdlib_corpus.write_model_dir(tmp_path / "model", vocab_size=cfg.vocab, config=TinyModelConfig(
+        hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.intermediate))
+    schedule = bench.make_schedule("baseline", replicas=cfg.replicas, seed=0, base_s=10.0, kill_at=0.25,
+                                   stop_at=0.5, cold_start_s=1.0, stop_s=1.0, slow_factor=3.0)
+    harness = Harness(cfg, tmp_path, model_dir, "decoupled", "baseline", schedule)
+    harness.store = harness.write_spec()
+    run = open_run(harness.store.uri)  # the key from the harness's launch record, as evaluate_versions reads it
+    assert run.spec.signed and run.run_key == harness.run_key is not None
+    assert run.spec.sync.mode == "decoupled" and run.spec.keep_checkpoints >= cfg.rounds * cfg.replicas
+
+    started = []
+
+    class Started:
+        pid = 4242
+
+        def __init__(self, cmd, **kwargs) -> None:
+            started.append((cmd, kwargs["env"]))
+
+    monkeypatch.setattr("chaos_harness.subprocess.Popen", Started)
+    harness.spawn(1)
+    (cmd, environ), = started
+    assert cmd[-2:] == ["--rank", "1"] and environ[env.RUN_KEY] == harness.run_key
+
