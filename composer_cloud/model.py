@@ -115,7 +115,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(hf_config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config = tiny_generation_config(hf_config, tokenizer)  # one definition: export writes it too
     return model
 
 
