@@ -160,6 +160,17 @@ class StoreRunner(Runner):
         return self.store.bytes_read, self.store.bytes_written
 
 
+class PooledStoreRunner(StoreRunner):
+    """A store runner that moves its objects on its own pool of ``io_threads`` threads."""
+
+    def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
+        super().__init__(rank, world, cfg)
+        self.pool = ThreadPoolExecutor(max_workers=cfg["io_threads"])
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 class ScatterReduceRunner(StoreRunner):
     def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
         super().__init__(rank, world, cfg)
@@ -183,11 +194,7 @@ class ScatterReduceRunner(StoreRunner):
         self.ar.close()
 
 
-class NaiveRunner(StoreRunner):
-    def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
-        super().__init__(rank, world, cfg)
-        self.pool = ThreadPoolExecutor(max_workers=cfg["io_threads"])
-
+class NaiveRunner(PooledStoreRunner):
     def run(self, i: int) -> dict[str, Any]:
         codec, store = self.cfg["codec"], self.store
         r0, w0 = self.counters()
@@ -205,16 +212,12 @@ class NaiveRunner(StoreRunner):
         r1, w1 = self.counters()
         return {"bytes_read": r1 - r0, "bytes_written": w1 - w0, "wire_payload_bytes": len(mine)}
 
-    def close(self) -> None:
-        self.pool.shutdown()
 
-
-class RawStoreRunner(StoreRunner):
+class RawStoreRunner(PooledStoreRunner):
     """Moves the objects a scatter-reduce replica moves, minus everything but put/get."""
 
     def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
         super().__init__(rank, world, cfg)
-        self.pool = ThreadPoolExecutor(max_workers=cfg["io_threads"])
         self.prepare(0)
         slots = list(iter_chunks(self.x.numel(), world))
         self.encoded = [wire.encode(cfg["codec"], self.x[s:e]) for s, e in slots]
@@ -236,9 +239,6 @@ class RawStoreRunner(StoreRunner):
 
     def check(self) -> dict[str, Any]:
         return {"max_abs_err": None, "digest": None}
-
-    def close(self) -> None:
-        self.pool.shutdown()
 
 
 def read_loopback_tx() -> int:
