@@ -99,11 +99,10 @@ class Harness:
             # Code from before sync modes existed: lock-step is its only mode.
             o.pop("sync.mode")
             spec = lifecycle.build_spec(overrides=o)
-        lifecycle.check_before_launch(spec)
-        # Signed, as a launch is by default: the replicas get the run key in their environment, as the local
-        # executor gives it (jobs.environment.job_secrets), and it is never stored.
-        spec, self.run_key = signing.launch_key(spec)
-        store = lifecycle._open_store_for(spec, signing_key=signing.signing_key(spec, self.run_key))
+        # Launch's own checks, in launch's order (spec, store probe, signing: signed by default, a fresh key),
+        # so that the harness follows launch when it changes. It starts the replicas itself: they get the key
+        # in their environment, as the local executor gives it (jobs.environment.job_secrets).
+        spec, _, _, store, self.run_key = lifecycle._prepare(spec, None)
         if not store.create_json(SPEC_KEY, spec.to_json_dict()):
             raise RuntimeError(f"run {store.uri} exists")
         signing.remember(store.uri, spec, self.run_key)  # for this process's own reads (open_run), as launch does

@@ -169,9 +169,9 @@ class SparseSpec(_Strict):
 
 #: ``[sync.sparse]`` density and decay where the spec leaves them out, by ``sync.mode`` (docs/sparse.md, W = 4,
 #: H = 50, 40 syncs, stdlib corpus): lock-step -1.36 % held-out loss against fp32 DiLoCo at 56.5x fewer bytes;
-#: decoupled +1.75 % at 51x fewer contribution bytes. Asynchronous merges of stale contributions need denser
-#: contributions and an accumulator that forgets faster (decay 0.99 / 0.95 / 0.9 / 0.8 at density 1/16:
-#: +3.36 / +2.60 / +2.20 / +2.93 %).
+#: decoupled +1.75 % / +1.53 % (two seeds) at 51x fewer contribution bytes. Asynchronous merges of stale
+#: contributions need denser contributions and an accumulator that forgets faster (decay 0.99 / 0.95 / 0.9 / 0.8
+#: at density 1/16: +3.36 / +2.60 / +2.20 / +2.93 %).
 SPARSE_RECIPES: dict[str, dict[str, float]] = {
     "lockstep": {"density": 3 / 64, "decay": 0.95},
     "decoupled": {"density": 11 / 128, "decay": 0.9},

@@ -222,4 +222,3 @@ def test_the_chaos_harness_writes_a_signed_run_and_gives_its_replicas_the_key(tm
     harness.spawn(1)
     (cmd, environ), = started
     assert cmd[-2:] == ["--rank", "1"] and environ[env.RUN_KEY] == harness.run_key
-
