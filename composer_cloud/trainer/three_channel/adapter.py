@@ -104,7 +104,8 @@ class ThreeChannelTrainer:
         self.rng = RNGState(rank_seed, self.device)
         self.steps = 0
         self._last_reward: dict[str, float] = {}
-        #: Pushes of the policy's weights into the vLLM engine made by on_params_replaced() (0 with rollout = "hf").
+        #: Pushes of the policy's weights into the rollout engine (vLLM's, or the "hf-fast" inference copy) made by
+        #: on_params_replaced() (0 with rollout = "hf").
         self.engine_refreshes = 0
 
         s = settings
@@ -304,12 +305,17 @@ class ThreeChannelTrainer:
     def on_params_replaced(self) -> None:
         """The model's parameters were replaced outside the optimizer (outer step, heal, adopt, restore).
 
-        With ``rollout = "vllm"`` the new weights are pushed into the engine now
-        (TRL's own push follows only a change of ``global_step``, which a
-        rollback to an earlier step does not make); with ``"hf"`` generation
-        reads the live parameters and there is nothing to do.
+        With ``rollout = "vllm"`` the new weights are pushed into the engine now,
+        with ``"hf-fast"`` into the bf16 inference copy (the push before a
+        generation follows only a change of ``global_step``, which a rollback to
+        an earlier step does not make); with ``"hf"`` generation reads the live
+        parameters and there is nothing to do.
         """
         g = self.grpo
+        if g.fast_sampler is not None:
+            g.refresh_rollout_copy()
+            self.engine_refreshes += 1
+            return
         if not g.use_vllm:
             return
         g.vllm_generation.sync_weights()
@@ -357,6 +363,7 @@ class ThreeChannelTrainer:
         g = self.grpo
         if g.use_vllm:  # restored parameters: the engine is pushed again before it next generates
             g._last_loaded_step = -1
+        g.invalidate_rollout_copy()  # the same for the "hf-fast" inference copy
         g._step = int(meta["grpo"]["step"])
         self._last_reward = dict(meta["grpo"].get("last_reward") or {})
         g._buffered_inputs = unpack_generation_buffer(tensors, meta["grpo"]["buffer"], g.accelerator.device)

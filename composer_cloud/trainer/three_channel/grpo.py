@@ -31,6 +31,7 @@ from trl.trainer.utils import get_config_model_id, pad, selective_log_softmax
 
 from composer_cloud.lora import is_lora_model
 from composer_cloud.trainer.three_channel.distill import TAIDSchedule
+from composer_cloud.trainer.three_channel.fast_rollout import FastSampler, InferenceCopy
 from composer_cloud.trainer.three_channel.loss import (
     DPOInputs,
     LossOutput,
@@ -39,6 +40,7 @@ from composer_cloud.trainer.three_channel.loss import (
     three_channel_loss,
 )
 from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
+from composer_cloud.trainer.three_channel.rollout import resolve_rollout
 from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
 from composer_cloud.trainer.three_channel.settings import LOSS_TYPES, ThreeChannelConfig, ThreeChannelSettings
@@ -109,6 +111,16 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
     config's name, which is the same weights for a freshly loaded model and
     fails for one built from a config. A PEFT model is its own reference (TRL
     disables the adapter).
+
+    Rollouts (``settings.rollout``, resolved by
+    :func:`~composer_cloud.trainer.three_channel.rollout.resolve_rollout` on the
+    model's device): ``"hf"`` is TRL's ``model.generate``; ``"vllm"`` TRL's
+    engine; ``"hf-fast"`` samples from a bf16 :class:`~.fast_rollout.InferenceCopy`
+    (built here, before TRL wraps the model) with a static, compiled KV cache. The
+    copy is refreshed before a generation whenever ``state.global_step`` moved
+    since its last refresh (TRL's rule for vLLM) and by :meth:`refresh_rollout_copy`
+    (parameters replaced outside the optimizer). Its sampling log-probs go through
+    TRL's own importance-sampling correction, as vLLM's do.
     """
 
     def __init__(
@@ -126,6 +138,10 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         _check_args(args, settings)
+        #: The rollout mode in use (``"auto"`` resolved): ``"hf"``, ``"hf-fast"`` or ``"vllm"``.
+        self.rollout = _resolve_model_rollout(settings, model)
+        # Copied before TRL wraps the model (accelerate may replace forward on the instance).
+        rollout_copy = InferenceCopy(model) if self.rollout == "hf-fast" else None
         self.hint_source: HintSource = hint_source or NoHints()
         self.replay = replay
         reference = None
@@ -138,6 +154,15 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         check_trainer_attributes(self)
         if self._is_vlm:
             raise ValueError("three-channel trainer: vision-language models are not supported")
+        #: ``rollout = "hf-fast"``: the sampler over the bf16 inference copy (``None`` otherwise).
+        self.fast_sampler: FastSampler | None = None
+        self._copy_step = -1  # state.global_step at the copy's last refresh; -1: refresh before the next generation
+        if rollout_copy is not None:
+            if self.tools or self.rollout_func is not None:
+                raise ValueError("trainer.rollout = 'hf-fast' samples single-turn completions; tools and "
+                                 "rollout_func need rollout = 'hf'")
+            self.fast_sampler = FastSampler(rollout_copy, self.generation_kwargs)
+            logger.info("rollouts: bf16 inference copy with a static KV cache (rollout = 'hf-fast')")
         if settings is None:
             # Channel 1 as TRL resolved it from args (e.g. epsilon_high=None means epsilon).
             settings = ThreeChannelSettings(
@@ -181,7 +206,8 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._rewards_per_func = None
-        output = super()._generate_and_score_completions(inputs)
+        with self._sampler_correction():
+            output = super()._generate_and_score_completions(inputs)
         if not self.settings.sdpo_active:
             return output
         # The teacher prompt of each row: its prompt with the hint in context.
@@ -208,13 +234,58 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         output["has_hint"] = has_hint
         return output
 
-    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def _sampler_correction(self) -> Iterator[None]:
+        """With ``rollout = "hf-fast"``: TRL's vLLM importance-sampling correction, for the fast sampler's log-probs.
+
+        TRL computes the old log-probs with the trainer's model, the ratio to the sampling
+        log-probs, and its truncation or masking (``vllm_importance_sampling_*``) only under
+        ``use_vllm``. Inside ``_generate_and_score_completions`` that flag gates nothing else for
+        this trainer (no ``rollout_func``, no tools: refused in ``__init__``; generation itself
+        is :meth:`_generate_single_turn`'s, which dispatches on the fast sampler first), so it is
+        raised for the call: the correction is TRL's code, not a copy of it.
+        """
+        if self.fast_sampler is None:
+            yield
+            return
+        self.use_vllm = True
+        try:
+            yield
+        finally:
+            self.use_vllm = False
+
+    def _generate_single_turn(self, prompt_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.fast_sampler is not None:
+            return self._fast_generate(prompt_ids)
         # model.generate under the configured autocast (bf16 precision samples in bf16, as
         # the loss computes); TRL runs it outside autocast. vLLM samples on its own.
         if self.use_vllm:
-            return super()._generate_single_turn(*args, **kwargs)
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with self.accelerator.autocast():
-            return super()._generate_single_turn(*args, **kwargs)
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
+    def _fast_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """``(completion_ids, sampling log-probs)`` from the inference copy, refreshed first if the policy stepped."""
+        assert self.fast_sampler is not None
+        copy_ = self.fast_sampler.copy
+        if copy_.device != self.accelerator.device:
+            copy_.to(self.accelerator.device)
+        if self.state.global_step != self._copy_step:
+            self.refresh_rollout_copy()
+        return self.fast_sampler.generate(
+            prompt_ids, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids
+        )
+
+    def refresh_rollout_copy(self) -> None:
+        """Copy the policy's current weights into the ``"hf-fast"`` inference copy now (no-op for other modes)."""
+        if self.fast_sampler is None:
+            return
+        self.fast_sampler.copy.refresh()
+        self._copy_step = self.state.global_step
+
+    def invalidate_rollout_copy(self) -> None:
+        """Make the next ``"hf-fast"`` generation refresh the copy first (e.g. after restored parameters)."""
+        self._copy_step = -1
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         inputs = super()._prepare_inputs(generation_batch)
@@ -420,6 +491,18 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         # for channel 1 and averages channels 2 and 3. Evaluation does not accumulate.
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         return out.total / accumulation
+
+
+def _resolve_model_rollout(settings: ThreeChannelSettings | None, model: Any) -> str:
+    """``settings.rollout`` with ``"auto"`` resolved on the model's device (a model given by name: ``"hf"``)."""
+    rollout = settings.rollout if settings is not None else "hf"
+    if isinstance(model, str):
+        if rollout == "hf-fast":
+            raise ValueError("trainer.rollout = 'hf-fast' needs a model instance (its copy is built before TRL "
+                             "loads a model by name); pass the model, or use rollout = 'hf'")
+        return "hf" if rollout == "auto" else rollout
+    param = next(model.parameters(), None)
+    return resolve_rollout(rollout, param.device.type if param is not None else "cpu")
 
 
 @dataclasses.dataclass

@@ -52,7 +52,7 @@ DPOVariant = Literal["sigmoid", "simpo"]
 SDPOVariant = Literal["jsd", "taid", "entropy_opd"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
-Rollout = Literal["hf", "vllm"]
+Rollout = Literal["auto", "hf", "hf-fast", "vllm"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 SDPO_VARIANTS: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
 UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -213,10 +213,13 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
             train on a dataset instead of a task (``docs/datasets.md``,
             :mod:`composer_cloud.trainer.three_channel.dataset_task`).
-        rollout: ``"hf"`` (``model.generate``) or ``"vllm"`` (TRL's colocated vLLM engine, ``[vllm]`` extra).
+        rollout: ``"auto"`` (default: ``"hf-fast"`` on a CUDA device, ``"hf"`` elsewhere), ``"hf"``
+            (``model.generate`` on the trainer's model), ``"hf-fast"`` (a bf16 inference copy with a static,
+            compiled KV cache: :mod:`~composer_cloud.trainer.three_channel.fast_rollout`) or ``"vllm"``
+            (TRL's colocated vLLM engine, ``[vllm]`` extra).
         vllm_importance_sampling_correction, vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
             vllm_importance_sampling_clip_max: ``GRPOConfig``'s correction of channel 1 for the gap
-            between vLLM's sampling log-probs and the trainer's (``rollout = "vllm"`` only).
+            between the sampler's log-probs and the trainer's (``rollout = "vllm"`` and ``"hf-fast"``).
         vllm_gpu_memory_utilization: share of the GPU's memory vLLM may take (the trainer shares the GPU).
     """
 
@@ -257,7 +260,7 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     # a dataset instead of a task (the dataset keys: DatasetSettings; composer_cloud.trainer.three_channel.dataset_task)
     reward: str | None = None
     # rollouts (docs/gpu.md)
-    rollout: Rollout = "hf"
+    rollout: Rollout = "auto"
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: ISMode = "sequence_mask"
     vllm_importance_sampling_clip_min: NonNegativeFloat | None = None
