@@ -218,6 +218,7 @@ def test_sampler_log_probs_are_the_copys_and_completions_stop_at_eos():
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(lp), want, atol=0.05), (lp, want)
     assert cache_length(5, 8) == 256 and cache_length(250, 8) == 512
+    assert cache_length(250, 8, limit=300) == 300 and cache_length(400, 8, limit=300) == 408
 
 
 # --------------------------------------------------------------------------- the benchmark's CPU rehearsal

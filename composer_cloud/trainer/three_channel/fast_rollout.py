@@ -175,9 +175,14 @@ def _check_lora_mergeable(policy: torch.nn.Module) -> None:
                              "use rollout = 'hf'")
 
 
-def cache_length(prompt_length: int, max_new_tokens: int, bucket: int = CACHE_BUCKET) -> int:
-    """The static cache's length for a batch: ``prompt_length + max_new_tokens`` rounded up to ``bucket`` tokens."""
-    return int(math.ceil((prompt_length + max_new_tokens) / bucket) * bucket)
+def cache_length(prompt_length: int, max_new_tokens: int, bucket: int = CACHE_BUCKET, limit: int | None = None) -> int:
+    """The static cache's length for a batch: ``prompt_length + max_new_tokens`` rounded up to ``bucket`` tokens.
+
+    The rounding stops at ``limit`` (the model's ``max_position_embeddings``) unless the batch itself needs more.
+    """
+    need = prompt_length + max_new_tokens
+    rounded = int(math.ceil(need / bucket) * bucket)
+    return max(need, min(rounded, limit)) if limit is not None else rounded
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -229,7 +234,8 @@ class FastSampler:
 
     def generation_config(self, prompt_length: int) -> GenerationConfig:
         """The copy's generation config for a batch whose longest prompt has ``prompt_length`` tokens."""
-        self._cache_len = max(self._cache_len, cache_length(prompt_length, self.max_new_tokens))
+        limit = getattr(self.copy.model.config, "max_position_embeddings", None)
+        self._cache_len = max(self._cache_len, cache_length(prompt_length, self.max_new_tokens, limit=limit))
         compile_on = self.compile if self.compile is not None else self.copy.device.type == "cuda"
         compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead")
         if compile_on and self.copy.device.type != "cuda":
