@@ -120,7 +120,8 @@ def measure(shape: str, device: str, *, completions: int = 32, tokens: int = 256
         if name == "hf-fast":
             row["refresh_s"] = statistics.median(_timed(sampler.copy.refresh, dev) for _ in range(3))
             row["build_s"] = copy_s
-            row["compiled"] = bool(dev.type == "cuda")
+            row["compiled"] = sampler.compiled
+            row["cache_allocations"] = sampler.cache_allocations
         if dev.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
         rows.append(row)

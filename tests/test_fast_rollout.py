@@ -217,6 +217,11 @@ def test_sampler_log_probs_are_the_copys_and_completions_stop_at_eos():
             logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float() / 0.7
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(lp), want, atol=0.05), (lp, want)
+    # One static cache, reset between generations (CUDA graphs keep its addresses): the same draws give the
+    # same completions as the first call, which had a fresh cache.
+    torch.manual_seed(0)
+    again = sampler.generate(prompts, pad_token_id=tr.tokenizer.pad_token_id, eos_token_ids=g.eos_token_ids)
+    assert again == (completions, logprobs) and sampler.cache_allocations == 1
     assert cache_length(5, 8) == 256 and cache_length(250, 8) == 512
     assert cache_length(250, 8, limit=300) == 300 and cache_length(400, 8, limit=300) == 408
 

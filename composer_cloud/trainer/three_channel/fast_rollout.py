@@ -11,12 +11,16 @@ floor). This module samples instead from
   optimizer step bf16 weights). Under LoRA the copy holds the *merged* weights
   ``W + scale * B @ A`` (computed in fp32, then cast), so decoding runs plain
   linears, no adapter kernels;
-* transformers' **static KV cache** with the decode step **compiled**
-  (``cache_implementation="static"`` + ``CompileConfig(mode="reduce-overhead")``:
-  ``torch.compile`` with CUDA graphs, one graph replay per decode step). The
-  cache is sized to a bucketed worst case (:func:`cache_length`) so that a
-  longer prompt does not re-allocate it and recompile. Compilation happens on
-  CUDA only (transformers' rule); on a CPU the same static-cache path runs eagerly.
+* transformers' **static KV cache** (``StaticCache``) with the decode step
+  **compiled** (``CompileConfig(mode="reduce-overhead")``: ``torch.compile``
+  with CUDA graphs, one graph replay per decode step). The sampler keeps *one*
+  cache and resets it in place between generations: its tensors are marked as
+  static addresses for the CUDA graphs, and a fresh cache per call (what
+  ``cache_implementation="static"`` builds) would make them re-record every
+  step of training. The cache is sized to a bucketed worst case
+  (:func:`cache_length`) so that a longer prompt rarely re-allocates it.
+  Compilation happens on CUDA only (transformers' rule); on a CPU the same
+  static-cache path runs eagerly.
 
 Why not transformers' continuous batching (``generate_batch``, TRL's
 ``use_transformers_continuous_batching``)? A GRPO generation batch is one
@@ -41,12 +45,13 @@ in place (tensor storage never moves, so captured CUDA graphs stay valid).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 from typing import Any, Iterator, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 
 from composer_cloud.lora import is_lora_model
@@ -230,23 +235,40 @@ class FastSampler:
         self.temperature = float(kwargs.get("temperature") or 1.0)
         self.compile = compile
         self._kwargs = kwargs
-        self._cache_len = 0
+        self._cache: StaticCache | None = None
+        self._cache_shape: tuple[int, int] = (0, 0)  # (batch, length) of self._cache
+        #: Static caches allocated so far (a new one only for a new batch size or a longer batch).
+        self.cache_allocations = 0
 
-    def generation_config(self, prompt_length: int) -> GenerationConfig:
-        """The copy's generation config for a batch whose longest prompt has ``prompt_length`` tokens."""
-        limit = getattr(self.copy.model.config, "max_position_embeddings", None)
-        self._cache_len = max(self._cache_len, cache_length(prompt_length, self.max_new_tokens, limit=limit))
-        compile_on = self.compile if self.compile is not None else self.copy.device.type == "cuda"
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step is compiled (``compile``, or by default: on CUDA)."""
+        return self.compile if self.compile is not None else self.copy.device.type == "cuda"
+
+    def generation_config(self) -> GenerationConfig:
+        """The copy's generation config: TRL's sampling settings, the compiled decode step (or not)."""
         compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead")
-        if compile_on and self.copy.device.type != "cuda":
+        if self.compiled and self.copy.device.type != "cuda":
             compile_config._compile_all_devices = True
-        return GenerationConfig(
-            **self._kwargs,
-            cache_implementation="static",
-            max_cache_len=self._cache_len,
-            compile_config=compile_config,
-            disable_compile=not compile_on,
-        )
+        return GenerationConfig(**self._kwargs, compile_config=compile_config, disable_compile=not self.compiled)
+
+    def static_cache(self, batch: int, prompt_length: int) -> StaticCache:
+        """The sampler's static cache, reset, for ``batch`` rows whose longest prompt has ``prompt_length`` tokens.
+
+        Re-allocated (and so re-captured by the CUDA graphs) only for a new batch size or a batch that
+        does not fit; its length is bucketed by :func:`cache_length` and never shrinks.
+        """
+        config = self.copy.model.config
+        need = cache_length(prompt_length, self.max_new_tokens, limit=getattr(config, "max_position_embeddings", None))
+        old_batch, old_len = self._cache_shape
+        if self._cache is None or batch != old_batch or need > old_len:
+            length = max(need, old_len) if batch == old_batch else need
+            self._cache = StaticCache(config=config, max_cache_len=length)
+            self._cache_shape = (batch, length)
+            self.cache_allocations += 1
+        else:
+            self._cache.reset()
+        return self._cache
 
     @torch.no_grad()
     def generate(
@@ -269,12 +291,13 @@ class FastSampler:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         recorder = _SampledLogprobs(self.temperature)
         model = self.copy.model
-        config = self.generation_config(width)
+        config = self.generation_config()
         # The copy's own generation config is replaced for the call: generate() would otherwise fill
         # fields we leave unset from it (transformers#42762, which TRL works around the same way).
         model.generation_config = config
+        cache = {_cache_argument(model): self.static_cache(len(rows), width)}
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([recorder]))
+                             logits_processor=LogitsProcessorList([recorder]), **cache)
         new = out[:, width:]
         logps = recorder.finish(new[:, -1]) if new.size(1) else torch.zeros(len(rows), 0, device=device)
         eos = torch.tensor(list(eos_token_ids), device=device)
@@ -286,6 +309,11 @@ class FastSampler:
             completions.append(ids[:keep].tolist())
             logprobs.append(lp[:keep].tolist())
         return completions, logprobs
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """``generate``'s name for a cache object: ``cache`` in recent transformers, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 __all__ = ["CACHE_BUCKET", "FastSampler", "InferenceCopy", "cache_length"]
