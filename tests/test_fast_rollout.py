@@ -244,3 +244,45 @@ def test_rollout_speed_benchmark_writes_its_json(tmp_path):
     for r in rows.values():
         assert r["tokens"] == 4 * 8 and r["tokens_per_s"] > 0 and math.isfinite(r["seconds"])
     assert report["speedup"] == pytest.approx(rows["hf-fast"]["tokens_per_s"] / rows["hf"]["tokens_per_s"])
+
+
+# --------------------------------------------------------------------------- (b) kill -9 and resume
+def _fast_rollout_spec() -> str:
+    from support.specs import SMALL_RUN_TOML
+
+    head = ("replicas = 2\nmin_replicas = 2\nrounds = 3\ninner_steps = 2\nkeep_checkpoints = 10\n"
+            "[sync]\nquorum_timeout_s = 60\nround_timeout_s = 120\n")
+    body = SMALL_RUN_TOML.replace('name = "causal-lm"', (
+        'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
+        'max_completion_length = 4\neval_examples = 2\nmask_truncated_completions = false\nrollout = "hf-fast"'))
+    return head + body + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n'
+
+
+@pytest.mark.slow
+def test_a_hf_fast_run_resumes_bitwise_after_kill(tmp_path):
+    """Sampling from the copy is part of the replayed state: a run killed mid-round 2 and resumed ends on the
+    uninterrupted run's weights (channel 2 gives the fresh model a gradient on this data)."""
+    from composer_cloud.runs import read_metrics
+    from composer_cloud.storage.run import open_run
+    from support.cli import cli
+    from support.local_jobs import replica_log
+    from support.resume import export_weights, kill_run_at, launch_run, same_weights
+    from support.stores import store_uri_for
+
+    (tmp_path / "qa.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {a} plus {b}?", "solution": str(a + b)}) + "\n"
+        for a in range(6) for b in range(4)))
+    spec = _fast_rollout_spec()
+    store = store_uri_for("file", tmp_path)
+    res = launch_run(tmp_path, store, "whole", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rollout = 'hf-fast'" in replica_log(f"{store}/whole", 0)
+    steps = read_metrics(open_run(f"{store}/whole").store, kind="step")
+    assert steps and all(r["grad_norm"] > 0 for r in steps)
+    expected = export_weights(tmp_path, f"{store}/whole", "whole-model")
+    kill_run_at(tmp_path, store, "killed", "upload", spec=spec)
+    st = json.loads(cli("status", f"{store}/killed", "--json", cwd=tmp_path).stdout)
+    assert st["rounds_committed"] < 3
+    res = cli("resume", f"{store}/killed", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert same_weights(export_weights(tmp_path, f"{store}/killed", "resumed-model"), expected)
