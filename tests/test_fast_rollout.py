@@ -16,7 +16,7 @@ import torch
 from composer_cloud.model import TinyModelConfig, load_model
 from composer_cloud.trainer.three_channel import ThreeChannelSettings, ThreeChannelTrainer
 from composer_cloud.trainer.three_channel.fast_rollout import InferenceCopy, cache_length
-from composer_cloud.trainer.three_channel.rollout import resolve_rollout
+from composer_cloud.trainer.three_channel.settings import resolve_rollout
 from support.trainer import HashTask
 
 torch.set_num_threads(2)

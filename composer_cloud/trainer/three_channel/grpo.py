@@ -40,10 +40,14 @@ from composer_cloud.trainer.three_channel.loss import (
     three_channel_loss,
 )
 from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
-from composer_cloud.trainer.three_channel.rollout import resolve_rollout
 from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
-from composer_cloud.trainer.three_channel.settings import LOSS_TYPES, ThreeChannelConfig, ThreeChannelSettings
+from composer_cloud.trainer.three_channel.settings import (
+    LOSS_TYPES,
+    ThreeChannelConfig,
+    ThreeChannelSettings,
+    resolve_rollout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
     disables the adapter).
 
     Rollouts (``settings.rollout``, resolved by
-    :func:`~composer_cloud.trainer.three_channel.rollout.resolve_rollout` on the
+    :func:`~composer_cloud.trainer.three_channel.settings.resolve_rollout` on the
     model's device): ``"hf"`` is TRL's ``model.generate``; ``"vllm"`` TRL's
     engine; ``"hf-fast"`` samples from a bf16 :class:`~.fast_rollout.InferenceCopy`
     (built here, before TRL wraps the model) with a static, compiled KV cache. The

@@ -1,10 +1,4 @@
-"""Rollout modes: which one a replica uses (:func:`resolve_rollout`), and vLLM's availability checks and model directory.
-
-``[trainer] rollout`` is ``"auto"`` (the default), ``"hf"``, ``"hf-fast"`` or
-``"vllm"``. ``"auto"`` is ``"hf-fast"`` on a CUDA device (several times faster
-than plain ``model.generate``, no extra package) and ``"hf"`` elsewhere (a CPU
-run samples exactly as before). ``"hf-fast"`` lives in
-:mod:`~composer_cloud.trainer.three_channel.fast_rollout`.
+"""vLLM rollouts (``[trainer] rollout = "vllm"``): availability checks and the engine's model directory.
 
 The engine itself is TRL's (``GRPOConfig(use_vllm=True, vllm_mode="colocate")``:
 ``trl.generation.vllm_generation.VLLMGeneration``, one engine inside each
@@ -42,23 +36,6 @@ logger = logging.getLogger(__name__)
 
 #: How to get the optional vLLM dependency (TRL's pinned vLLM range).
 VLLM_INSTALL = "pip install 'composer-cloud[vllm]'"
-
-
-#: The rollout modes ``[trainer] rollout`` accepts.
-ROLLOUTS: tuple[str, ...] = ("auto", "hf", "hf-fast", "vllm")
-
-
-def resolve_rollout(rollout: str, device_type: str) -> str:
-    """The mode a replica on ``device_type`` (``"cuda"``, ``"cpu"``...) runs for the setting ``rollout``.
-
-    ``"auto"`` is ``"hf-fast"`` on CUDA and ``"hf"`` anywhere else (CPU runs keep sampling with the
-    trainer's own model, bit for bit as before the fast mode existed); any other mode is returned as it is.
-    """
-    if rollout not in ROLLOUTS:
-        raise ValueError(f"trainer.rollout: {rollout!r}; use one of {', '.join(ROLLOUTS)}")
-    if rollout != "auto":
-        return rollout
-    return "hf-fast" if device_type == "cuda" else "hf"
 
 
 def vllm_installed() -> bool:
@@ -126,12 +103,10 @@ def ensure_engine_model_dir(model: Any, tokenizer: Any, *, directory: str | None
 
 
 __all__ = [
-    "ROLLOUTS",
     "VLLM_INSTALL",
     "check_rollout_before_launch",
     "check_vllm_rollout",
     "ensure_engine_model_dir",
-    "resolve_rollout",
     "runs_replicas_here",
     "vllm_installed",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Annotated, Any, ClassVar, Literal, Mapping
+from typing import Annotated, Any, ClassVar, Literal, Mapping, get_args
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -55,7 +55,22 @@ DPO_VARIANTS: tuple[str, ...] = ("sigmoid", "simpo")
 Rollout = Literal["auto", "hf", "hf-fast", "vllm"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 SDPO_VARIANTS: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
+ROLLOUTS: tuple[str, ...] = get_args(Rollout)
 UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+def resolve_rollout(rollout: str, device_type: str) -> str:
+    """The rollout mode a replica on ``device_type`` (``"cuda"``, ``"cpu"``...) runs for the setting ``rollout``.
+
+    ``"auto"`` is ``"hf-fast"`` on CUDA (several times faster than plain ``model.generate`` there, no extra
+    package) and ``"hf"`` anywhere else (a CPU run samples with the trainer's own model, bit for bit as
+    before the fast mode existed); any other mode is returned as it is.
+    """
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"trainer.rollout: {rollout!r}; use one of {', '.join(ROLLOUTS)}")
+    if rollout != "auto":
+        return rollout
+    return "hf-fast" if device_type == "cuda" else "hf"
 
 
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
@@ -354,5 +369,5 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         return out
 
 
-__all__ = ["DPO_VARIANTS", "LOSS_TYPES", "DPOVariant", "ISMode", "LossType", "Rollout", "ThreeChannelConfig",
-           "ThreeChannelSettings"]
+__all__ = ["DPO_VARIANTS", "LOSS_TYPES", "ROLLOUTS", "DPOVariant", "ISMode", "LossType", "Rollout",
+           "ThreeChannelConfig", "ThreeChannelSettings", "resolve_rollout"]
