@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Rollout speed: ``rollout = "hf"`` (``model.generate`` on the trainer's model) vs ``"hf-fast"`` (bf16 copy, static cache).
+"""Rollout speed: ``rollout = "hf"`` (``model.generate`` on the trainer's model) vs ``"hf-fast"`` (bf16 copy).
 
     python benchmarks/rollout_speed.py --shape qwen2.5-0.5b --device cuda --completions 32 --tokens 256 --out speed.json
     python benchmarks/rollout_speed.py --shape tiny --device cpu --completions 8 --tokens 32 --out speed.json

@@ -235,6 +235,12 @@ class FastSampler:
         self.temperature = float(kwargs.get("temperature") or 1.0)
         self.compile = compile
         self._kwargs = kwargs
+        shaping = {k: kwargs.get(k) for k in ("top_k", "top_p", "min_p", "repetition_penalty")}
+        if shaping["top_k"] or (shaping["top_p"] or 1.0) < 1.0 or shaping["min_p"] or (
+                (shaping["repetition_penalty"] or 1.0) != 1.0):
+            logger.warning("rollout = 'hf-fast': the sampling log-probs for the importance-sampling correction "
+                           "are log_softmax(logits / temperature); %s also shape the sampling and are not in them",
+                           shaping)
         self._cache: StaticCache | None = None
         self._cache_shape: tuple[int, int] = (0, 0)  # (batch, length) of self._cache
         #: Static caches allocated so far (a new one only for a new batch size or a longer batch).
