@@ -196,6 +196,61 @@ def test_without_the_refresh_the_check_fails(monkeypatch):
     assert checks == [True, False]
 
 
+@pytest.mark.parametrize(("lora", "hook"), [(False, True), (True, True), (False, False)],
+                         ids=["full", "lora", "control-without-the-hook"])
+def test_every_lockstep_sync_reaches_the_copy(monkeypatch, tmp_path, lora, hook):
+    """The real boundaries and inner loop (tests/test_engine_refresh.py's, for the vLLM engine): right after
+    every lock-step sync, before the next inner step, the copy is the policy in bf16. Control: with the
+    boundary's ``params_replaced`` a no-op the copy lags every sync."""
+    from composer_cloud.hooks import NO_HOOKS
+    from composer_cloud.model import compute_precision, load_spec_model
+    from composer_cloud.replica import runtime
+    from composer_cloud.replica.boundary import ReplicaContext
+    from composer_cloud.replica.lockstep import LockstepBoundary
+    from composer_cloud.replica.telemetry import Telemetry
+    from composer_cloud.spec import spec_from_dict
+    from composer_cloud.storage.run import Run
+    from composer_cloud.storage.store import Store
+
+    if not hook:
+        from composer_cloud.replica import lockstep
+
+        monkeypatch.setattr(lockstep, "params_replaced", lambda trainer: None)
+    uri = f"file://{tmp_path}/store/run"
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=64)
+    spec = spec_from_dict({
+        "replicas": 1, "min_replicas": 1, "rounds": 2, "inner_steps": 2,
+        "sync": {"mode": "lockstep", "quorum_timeout_s": 5, "round_timeout_s": 30},
+        "model": shape | ({"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}} if lora else {})})
+    model, tok = load_spec_model(spec.model, seed=spec.seed)
+    trainer = ThreeChannelTrainer(
+        model=model, tokenizer=tok, task=HashTask(), seed=spec.seed, precision=compute_precision(model),
+        settings=_settings(batch_size=4, num_generations=2, max_completion_length=4),
+        optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2))
+    store = Store(uri)
+    ctx = ReplicaContext(run=Run(uri=uri, store=store, spec=spec), rank=0, model=model, trainer=trainer,
+                         device=torch.device("cpu"), hooks=NO_HOOKS,
+                         telemetry=Telemetry(store, 0, rounds=2, inner_steps=2, progress_every_s=60))
+    copy = trainer.grpo.fast_sampler.copy
+    boundary = LockstepBoundary(ctx)
+    checks: list[bool] = []
+    after_step = boundary.after_step
+
+    def checked(segment):
+        row = after_step(segment)
+        if row is not None:
+            checks.append(copy.matches_policy())
+        return row
+
+    boundary.after_step = checked
+    boundary.start()
+    runtime._inner_loop(ctx, boundary)
+    boundary.finish(0)
+    assert checks == ([True, True] if hook else [False, False])
+    assert trainer.engine_refreshes == (2 if hook else 0)
+
+
 # --------------------------------------------------------------------------- the sampler
 def test_sampler_log_probs_are_the_copys_and_completions_stop_at_eos():
     tr = _trainer(temperature=0.7, max_completion_length=8)
