@@ -95,10 +95,9 @@ launch_e2e() {  # launch_e2e NAME ARGS...: a 2-replica, 3-round run, its round t
   echo "$uri" > "$WORK/$name.uri"
   cc launch --executor local --replicas 2 --rounds 3 --store "$store" --run-id "$run_id" --no-detach \
     --set device="$DEV" --set model.precision=bf16 "$@" || { echo "launch failed:"; cc status "$uri"; exit 1; }
-  cc metrics "$uri" --json --kind round > "$WORK/$name.rounds.json" || exit 1
   cc export "$uri" --out "$WORK/$name.export" || exit 1
-  "$PY" "$STEPS" e2e --run "$uri" --rounds "$WORK/$name.rounds.json" --export "$WORK/$name.export" \
-    --device "$DEV" --expect-rounds 3 --out "$NUM"
+  "$PY" "$STEPS" e2e --run "$uri" --export "$WORK/$name.export" \
+    --device "$DEV" --expect-rounds 3 --base "$WORK/$name.model.json" --out "$NUM"
 }
 
 stage_e2e_demo() {
@@ -113,7 +112,7 @@ stage_e2e_demo() {
 stage_e2e_qwen_lora() {
   local shape=qwen2.5-0.5b
   [[ $MODE == cpu ]] && shape=tiny
-  "$PY" "$STEPS" save-model --shape "$shape" --out "$WORK/model-$shape" --numbers "$WORK/model.json" || exit 1
+  "$PY" "$STEPS" save-model --shape "$shape" --out "$WORK/model-$shape" --numbers "$WORK/e2e-qwen-lora.model.json" || exit 1
   local lora=(--model "$WORK/model-$shape" --set model.lora.r=16 --set model.lora.alpha=32
               --set model.lora.target_modules=all-linear)
   if [[ $MODE == cpu ]]; then
@@ -164,29 +163,32 @@ selected() {
   [[ ",${GPU_CHECK_STAGES// /}," == *",$1,"* ]]
 }
 
-"$PY" "$STEPS" init --json "$REPORT" --mode "$MODE" --stages "$(IFS=,; echo "${STAGES[*]}")" || exit 1
-echo "[gpu-check] $MODE mode; report: $REPORT; work: $WORK"
-rm -f "$OUT_DIR/gpu.json" "$OUT_DIR/rollout_speed.json"
-for name in "${STAGES[@]}"; do
-  var=GPU_CHECK_TIMEOUT_$(echo "$name" | tr 'a-z-' 'A-Z_')
-  if [[ $MODE == cpu ]]; then t=${!var:-${TIMEOUT_CPU[$name]}}; else t=${!var:-${TIMEOUT_GPU[$name]}}; fi
-  export NUM=$WORK/$name.json
-  log=$LOGS/$name.log
-  t0=$("$PY" -c 'import time; print(time.time())')
-  if selected "$name"; then
-    echo "[gpu-check] $name (timeout ${t}s) ..."
-    timeout -k 10 "$t" bash -c "stage_${name//-/_}" > "$log" 2>&1
-    rc=$?
-    post_stage "$name" "$rc"
-  else
-    echo '{"reason": "not selected (GPU_CHECK_STAGES)"}' > "$NUM"
-    : > "$log"
-    rc=3
-  fi
-  "$PY" "$STEPS" row --json "$REPORT" --stage "$name" --rc "$rc" --started "$t0" --timeout "$t" \
-    --log "$log" --numbers "$NUM"
-done
-"$PY" "$STEPS" finish --json "$REPORT"
-status=$?
-rm -rf "$WORK"
-exit $status
+main() {  # a function, so that bash has read all of it before it runs (an edit mid-run is harmless)
+  "$PY" "$STEPS" init --json "$REPORT" --mode "$MODE" --stages "$(IFS=,; echo "${STAGES[*]}")" || exit 1
+  echo "[gpu-check] $MODE mode; report: $REPORT; work: $WORK"
+  rm -f "$OUT_DIR/gpu.json" "$OUT_DIR/rollout_speed.json"
+  for name in "${STAGES[@]}"; do
+    var=GPU_CHECK_TIMEOUT_$(echo "$name" | tr 'a-z-' 'A-Z_')
+    if [[ $MODE == cpu ]]; then t=${!var:-${TIMEOUT_CPU[$name]}}; else t=${!var:-${TIMEOUT_GPU[$name]}}; fi
+    export NUM=$WORK/$name.json
+    log=$LOGS/$name.log
+    t0=$(date +%s.%N)
+    if selected "$name"; then
+      echo "[gpu-check] $name (timeout ${t}s) ..."
+      timeout -k 10 "$t" bash -c "stage_${name//-/_}" > "$log" 2>&1
+      rc=$?
+      post_stage "$name" "$rc"
+    else
+      echo '{"reason": "not selected (GPU_CHECK_STAGES)"}' > "$NUM"
+      : > "$log"
+      rc=3
+    fi
+    "$PY" "$STEPS" row --json "$REPORT" --stage "$name" --rc "$rc" --started "$t0" --timeout "$t" \
+      --log "$log" --numbers "$NUM"
+  done
+  "$PY" "$STEPS" finish --json "$REPORT"
+  status=$?
+  rm -rf "$WORK"
+  return $status
+}
+main

@@ -12,7 +12,7 @@ numbers, ``reason`` (why it was skipped) and ``error_tail`` (the end of its log 
         --log install.log --numbers install.json
     python benchmarks/gpu_check_steps.py versions --out F            # imports and versions (stage install)
     python benchmarks/gpu_check_steps.py save-model --shape tiny --out DIR
-    python benchmarks/gpu_check_steps.py e2e --run URI --rounds R.json --export DIR --device cpu --out F
+    python benchmarks/gpu_check_steps.py e2e --run URI --export DIR --device cpu --out F
     python benchmarks/gpu_check_steps.py rollout --result R.json --shape tiny --device cpu --out F
     python benchmarks/gpu_check_steps.py bench --result gpu.json --out F
 """
@@ -181,8 +181,11 @@ def cmd_e2e(a: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rows = _read_json(a.rounds) or []
-    numbers = {"run": a.run, **round_times(rows)}
+    from composer_cloud.runs.metrics import read_metrics
+    from composer_cloud.storage.run import open_run
+
+    rows = read_metrics(open_run(a.run).store, kind="round")  # what `composer-cloud metrics --kind round` shows
+    numbers = {"run": a.run, **round_times(rows), **(_read_json(a.base) or {})}
     t0 = time.perf_counter()
     device = torch.device(a.device)
     model = AutoModelForCausalLM.from_pretrained(a.export).to(device)
@@ -300,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--numbers", type=Path, required=True)
     s = sub.add_parser("e2e")
     s.add_argument("--run", required=True)
-    s.add_argument("--rounds", type=Path, required=True, help="`composer-cloud metrics --json --kind round` output")
     s.add_argument("--export", type=Path, required=True)
     s.add_argument("--device", default="cpu")
     s.add_argument("--expect-rounds", type=int, default=1)
+    s.add_argument("--base", type=Path, help="save-model's numbers, when the run started from a saved model")
     s.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("rollout")
     s.add_argument("--result", type=Path, required=True)
