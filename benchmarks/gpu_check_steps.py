@@ -124,6 +124,29 @@ def versions() -> dict[str, str]:
     return out
 
 
+def wheel_listing(folder: Path) -> dict[str, Any]:
+    """What ``gpu_wheels.sh`` left in ``folder``: wheel count and MiB, and the top-level requirements of its
+    ``requirements.txt`` that no wheel there provides (``wheels_missing``; a pinned one needs that version)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    wheels = sorted(folder.glob("*.whl"))
+    have: dict[str, set[str]] = {}
+    for w in wheels:
+        name, version, _, _ = parse_wheel_filename(w.name)
+        have.setdefault(canonicalize_name(name), set()).add(str(version))
+    missing = []
+    req_file = folder / "requirements.txt"
+    for line in req_file.read_text().splitlines() if req_file.is_file() else []:
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            found = have.get(canonicalize_name(req.name), set())
+            if not any(req.specifier.contains(v, prereleases=True) for v in found):
+                missing.append(line.strip())
+    return {"wheels": len(wheels), "wheels_mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),
+            "wheels_missing": missing}
+
+
 def cmd_versions(a: argparse.Namespace) -> int:
     """Import what a replica imports (torchft pulls in OpenTelemetry) and record the versions and the device."""
     import composer_cloud.replica  # noqa: F401
@@ -135,6 +158,12 @@ def cmd_versions(a: argparse.Namespace) -> int:
     numbers: dict[str, Any] = {"versions": versions(), "python": sys.version.split()[0],
                                "cuda_available": torch.cuda.is_available(),
                                "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    if a.wheels is not None:
+        numbers.update(wheel_listing(a.wheels))
+        if numbers["wheels_missing"]:
+            print(f"no wheel in {a.wheels} for {numbers['wheels_missing']}: run bash benchmarks/gpu_wheels.sh again",
+                  file=sys.stderr)
+            return 1
     if a.reason:
         numbers["reason"] = a.reason
     a.out.write_text(json.dumps(numbers))
@@ -296,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", type=Path, required=True)
     s = sub.add_parser("versions")
     s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--wheels", type=Path, help="also list the carried wheels (gpu_wheels.sh's folder)")
     s.add_argument("--reason")
     s = sub.add_parser("save-model")
     s.add_argument("--shape", required=True)

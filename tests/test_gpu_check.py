@@ -139,3 +139,12 @@ def test_rollout_rows_read_a_rows_list_or_a_modes_table():
     table = {"modes": {"hf": {"tokens_per_s": 1}, "hf-fast": {"tokens_per_s": 7}}}
     assert set(steps._rollout_rows(table)) == {"hf", "hf-fast"}
     assert steps._rollout_rows([1, 2]) == {}
+
+
+def test_wheel_listing_names_requirements_without_a_wheel(tmp_path):
+    for name in ("trl-1.16.0-py3-none-any.whl", "torchft-0.1.0-cp312-cp312-manylinux_2_17_x86_64.whl",
+                 "typing_extensions-4.16.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"x" * 1024)
+    (tmp_path / "requirements.txt").write_text("trl==1.16.0\ntorchft==0.2.0\ntyping-extensions\ndatasets\n")
+    got = steps.wheel_listing(tmp_path)
+    assert got["wheels"] == 3 and got["wheels_missing"] == ["torchft==0.2.0", "datasets"]
