@@ -171,7 +171,7 @@ selected() {
   [[ ",${GPU_CHECK_STAGES// /}," == *",$1,"* ]]
 }
 
-main() {  # a function, so that bash has read all of it before it runs (an edit mid-run is harmless)
+main() {  # a function, read whole before it runs: editing this file during a run does not break the run
   "$PY" "$STEPS" init --json "$REPORT" --mode "$MODE" --stages "$(IFS=,; echo "${STAGES[*]}")" || exit 1
   echo "[gpu-check] $MODE mode; report: $REPORT; work: $WORK"
   rm -f "$OUT_DIR/gpu.json" "$OUT_DIR/rollout_speed.json"
@@ -199,4 +199,4 @@ main() {  # a function, so that bash has read all of it before it runs (an edit 
   rm -rf "$WORK"
   return $status
 }
-main
+main; exit $?  # one line: bash has read it whole before main runs
