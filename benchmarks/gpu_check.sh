@@ -158,10 +158,10 @@ post_stage() {  # post_stage NAME RC: after a stage, outside its timeout (its ow
     e2e-*)  # a replica runs in its own session: a killed launcher leaves it running, so cancel the run
       if [[ $rc != 0 && -f $WORK/$name.uri ]]; then
         { echo "--- after the stage (rc $rc): cancel and status"
-          timeout -k 5 30 bash -c 'cc cancel "$1"; cc status "$1"' _ "$(cat "$WORK/$name.uri")"; } >> "$LOGS/$name.log" 2>&1
+          timeout -k 5 20 bash -c 'cc cancel "$1"; cc status "$1"' _ "$(cat "$WORK/$name.uri")"; } >> "$LOGS/$name.log" 2>&1
       fi ;;
     gpu-bench)  # the rows gpu.py wrote before it ended, however it ended
-      timeout -k 5 30 "$PY" "$STEPS" bench --result "$OUT_DIR/gpu.json" --out "$WORK/$name.json" \
+      timeout -k 5 20 "$PY" "$STEPS" bench --result "$OUT_DIR/gpu.json" --out "$WORK/$name.json" \
         >> "$LOGS/$name.log" 2>&1 ;;
   esac
 }
@@ -183,7 +183,7 @@ main() {  # a function, read whole before it runs: editing this file during a ru
     t0=$(date +%s.%N)
     if selected "$name"; then
       echo "[gpu-check] $name (timeout ${t}s) ..."
-      timeout -k 10 "$t" bash -c "stage_${name//-/_}" > "$log" 2>&1
+      timeout -k 5 "$t" bash -c "stage_${name//-/_}" > "$log" 2>&1
       rc=$?
       post_stage "$name" "$rc"
     else
