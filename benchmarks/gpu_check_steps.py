@@ -204,15 +204,28 @@ def round_times(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def cmd_e2e(a: argparse.Namespace) -> int:
-    """The end-to-end stage's numbers: round times from the run's metrics, and the export loaded by transformers
-    (one forward pass on ``--device``). Fails (exit 1) when the export does not load or computes non-finite
+    """The end-to-end stage's last steps: ``composer-cloud export`` of the run into ``--export``, round times from
+    the run's metrics, and the export loaded by transformers (one forward pass on ``--device``). Fails (exit 1) when the export does not load or computes non-finite
     logits, or when fewer than ``--expect-rounds`` rounds are in the metrics."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from composer_cloud.cli import main as cli_main
     from composer_cloud.runs.metrics import read_metrics
     from composer_cloud.storage.run import open_run
 
+    # `composer-cloud export RUN --out DIR`, the command itself, in this process (one interpreter start less).
+    argv, sys.argv = sys.argv, ["composer-cloud", "export", a.run, "--out", str(a.export)]
+    try:
+        cli_main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    if code != 0:
+        print(f"composer-cloud export {a.run} exited {code}", file=sys.stderr)
+        return 1
     rows = read_metrics(open_run(a.run).store, kind="round")  # what `composer-cloud metrics --kind round` shows
     numbers = {"run": a.run, **round_times(rows), **(_read_json(a.base) or {})}
     t0 = time.perf_counter()
