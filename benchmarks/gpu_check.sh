@@ -50,6 +50,7 @@ STEPS=$ROOT/benchmarks/gpu_check_steps.py
 # composer_cloud from this working tree, installed or not (the GPU machine does not install the project).
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export MODE ROOT PY WORK LOGS OUT_DIR STEPS
+export COLUMNS=${COLUMNS:-200}  # rich's tables (status, summaries) unwrapped in the logs and error tails
 if [[ $MODE == cpu ]]; then DEV=cpu; else DEV=cuda; fi
 export DEV
 STAGES=(install e2e-demo e2e-qwen-lora fast-rollout gpu-bench)
