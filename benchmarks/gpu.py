@@ -12,21 +12,27 @@ step, bf16 autocast, channel 1 only for the anchor comparison (the loss TRL comp
 completion text (cheap, non-constant). A random model never emits EOS, so every completion runs to the cap:
 the worst case of a step's cost.
 
-Rows (one per shape x {full, lora} x {hf, vllm} x {composer-cloud, trl}); per inner step, medians over
-``--steps`` after ``--warmup``:
+Rows (one per shape x {full, lora} x rollout x {composer-cloud, trl}; rollouts: ``hf``, the fast mode
+``hf-fast`` where the trainer has it (composer-cloud only: plain TRL has no such mode) and ``vllm``); per
+inner step, medians over ``--steps`` after ``--warmup``. The JSON is rewritten after every row (``complete``
+turns true at the end), so a run stopped by a timeout keeps the rows it measured:
 
 * ``rollout_s``: ``_generate_and_score_completions`` (sampling, reward, the old/ref log-prob forwards),
   timed by a benchmark-side wrapper on both trainers; ``train_s``: the rest of the step (loss, backward,
   clip, optimizer step);
 * ``peak_mem_gib``: ``torch.cuda.max_memory_allocated`` over the steps (GPU only);
-* ``tokens_per_s``: completion tokens per second of the whole step;
+* ``tokens_per_s``: completion tokens per second of the whole step; ``rollout_tokens_per_s`` and
+  ``rollout_mfu`` (``2 N`` per generated token over ``rollout_s``): the rollout alone;
 * ``mfu``: model FLOPs / (step time x peak FLOPs of the GPU): ``2 N`` per generated or scored token
   forward, ``6 N`` per trained token (``4 N`` under LoRA: frozen weights get no weight gradient);
   ``N`` = parameters other than the input embedding; attention's quadratic term left out (GPU only);
-* ``vs_trl``: composer-cloud's step time / TRL's on the same shape and mode (goal <= 1.05);
+* ``vs_trl``: composer-cloud's step time / TRL's on the same shape, mode and rollout, or TRL's ``hf`` for a
+  mode TRL lacks (``vs_trl_anchor`` says which; goal <= 1.05 for ``hf``);
 * ``sync_s`` / ``sync_share_h50``: one DiLoCo round of the synced parameter set through a local
   ``file://`` store (torchft's DiLoCo over the object-store all-reduce, one replica, fp32), and its share
-  of a round of ``H = 50`` inner steps: ``sync_s / (50 * step_s + sync_s)`` (goal <= 2%);
+  of a round of ``H = 50`` inner steps: ``sync_s / (50 * step_s + sync_s)`` (goal <= 2%). Measured after
+  every GPU row, LoRA's first, ``--sync-rounds`` (1) after a warm-up round, all within ``--sync-budget-s``
+  (60 s): a full round of a 0.5B model moves ~2 GB of float32 through the disk;
 * ``store_mib_per_round`` / ``store_vs_full``: that round's store traffic (the store's byte counters: the
   payload, the reduced slot, the global state and the records), and its ratio to the full fine-tune's.
 
@@ -67,15 +73,26 @@ SHAPES: dict[str, dict[str, Any]] = {
 #: Dense bf16 peak FLOP/s by GPU name fragment (NVIDIA's datasheets, SXM parts).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 H = 50
+#: Rollout modes faster than plain ``model.generate`` that need no extra package (run where the trainer knows them).
+FAST_ROLLOUTS = ("hf-fast",)
+#: Rollout modes plain ``trl.GRPOTrainer`` has (the anchor rows); the others are compared with TRL's ``hf``.
+TRL_ROLLOUTS = ("hf", "vllm")
 
 
 def build_model(shape: str, *, lora: bool, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A ``shape`` model with random weights (the same for a given seed and device), as the benchmark runs it.
+
+    On a CUDA or meta device the weights are initialised there (a 0.5B model's initialisation on the CPU
+    takes seconds per build, and the benchmark builds one per row); on a CPU as before (CPU results do not
+    change). The CUDA RNG is reseeded by the build.
+    """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tokenizer()
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
+    where = device if device.type in ("cuda", "meta") else torch.device("cpu")
+    with torch.random.fork_rng(devices=[]), where:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -212,9 +229,15 @@ def _row(steps: list[float], rollout_s: list[float], device: torch.device) -> di
             "step_s_samples": steps}
 
 
-def measure_sync(model: torch.nn.Module, rounds: int = 3) -> tuple[float, float]:
-    """Median wall time (s) and mean store bytes (read + written, the store's counters) of one DiLoCo round of
-    ``synced_parameters(model)`` through a fresh ``file://`` store.
+def measure_sync(model: torch.nn.Module, rounds: int = 1, budget_s: float = 60.0) -> dict[str, Any]:
+    """One DiLoCo round of ``synced_parameters(model)`` through a fresh ``file://`` store, time-boxed.
+
+    Returns ``sync_s`` (median wall seconds of the measured rounds), ``sync_bytes`` (mean store bytes per
+    round, read + written, the store's counters), ``sync_rounds`` (rounds measured) and ``sync_warm``
+    (whether a warm-up round was left out of ``sync_s``). Runs a warm-up round and then up to ``rounds``
+    more, but starts no round once ``budget_s`` seconds have passed: a full fine-tune's round of a 0.5B model
+    moves ~2 GB of float32 through the local disk, which must not eat a short GPU slot. When the warm-up
+    round alone used the budget, it is the measurement (``sync_warm = False``).
 
     The one place this benchmark touches the sync layer: torchft's DiLoCo (via ``build_diloco``) over the
     object-store all-reduce, one replica, fp32 codec, ``sync_every = 1`` so every optimizer step is a round.
@@ -226,19 +249,30 @@ def measure_sync(model: torch.nn.Module, rounds: int = 3) -> tuple[float, float]
     group = ParameterGroup(list(synced_parameters(model).items()))
     inner = torch.optim.SGD(group.parameters(), lr=0.0)
     config = LockstepConfig.from_spec(spec_from_dict({"replicas": 1, "min_replicas": 1, "inner_steps": 1}))
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as root:
         store = Store(f"file://{root}")
         loop = build_diloco(store=store, rank=0, model=group, inner_optimizer=inner, config=config)
-        times = []
+        times: list[float] = []
         try:
             with loop:
-                for _ in range(rounds + 1):
+                while len(times) < rounds + 1 and (not times or time.perf_counter() - t_start < budget_s):
                     t0 = time.perf_counter()
                     inner.step()
                     times.append(time.perf_counter() - t0)
         finally:
             loop.close()  # the last round's global state is uploaded: every round's bytes are counted
-    return statistics.median(times[1:]), (store.bytes_read + store.bytes_written) / (rounds + 1)
+    measured = times[1:] or times
+    return {"sync_s": statistics.median(measured), "sync_bytes": (store.bytes_read + store.bytes_written) / len(times),
+            "sync_rounds": len(measured), "sync_warm": len(times) > 1}
+
+
+def generation_params(model: torch.nn.Module) -> int:
+    """``N`` of ``2 N`` FLOPs per generated token: parameters other than the input embedding, plus the
+    LM head's when it is tied to the embedding (it still computes). LoRA adapters are counted (they compute)."""
+    embed = model.get_input_embeddings().weight.numel()
+    n = sum(p.numel() for p in model.parameters()) - embed
+    return n + (embed if getattr(model.config, "tie_word_embeddings", False) else 0)
 
 
 def model_flops(model: torch.nn.Module, args: argparse.Namespace, prompt_tokens: int, lora: bool) -> float:
@@ -248,6 +282,50 @@ def model_flops(model: torch.nn.Module, args: argparse.Namespace, prompt_tokens:
     tokens = args.batch * (prompt_tokens + args.completion)
     # generation + old-logp forward (2N each, per token), training (6N full, 4N LoRA)
     return (2 + 2 + (4 if lora else 6)) * n * tokens
+
+
+def available_rollouts(device: torch.device) -> list[str]:
+    """Rollout modes this machine can run: ``hf``; the fast mode where the trainer knows it; vLLM where it
+    imports and a GPU is present."""
+    from typing import get_args
+
+    from composer_cloud.trainer.three_channel.settings import Rollout
+
+    known = set(get_args(Rollout))
+    out = ["hf"] + [m for m in FAST_ROLLOUTS if m in known]
+    if "vllm" in known and device.type == "cuda" and importlib.util.find_spec("vllm"):
+        out.append("vllm")
+    return out
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU from its name (:data:`PEAK_BF16`), ``None`` when unknown or a CPU."""
+    return next((v for k, v in PEAK_BF16.items() if k in device_name), None)
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` atomically (temp file + rename): a reader, or a kill, never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
+
+
+def _relate(rows: list[dict[str, Any]]) -> None:
+    """Fill each row's ``vs_trl`` (step time / plain TRL's on the same shape, mode and rollout; a mode TRL has
+    not, like the fast one, against TRL's ``hf`` row) and ``store_vs_full``, from the rows measured so far."""
+    for row in rows:
+        key = ("shape", "mode")
+        anchor = (next((r for r in rows if r["impl"] == "trl" and r["rollout"] == row["rollout"]
+                        and all(r[k] == row[k] for k in key)), None)
+                  or next((r for r in rows if r["impl"] == "trl" and r["rollout"] == "hf"
+                           and all(r[k] == row[k] for k in key)), None))
+        row["vs_trl"] = row["step_s"] / anchor["step_s"] if anchor else None
+        row["vs_trl_anchor"] = f"trl/{anchor['rollout']}" if anchor else None
+        full = next((r for r in rows if r["mode"] == "full" and r["shape"] == row["shape"]
+                     and r.get("store_mib_per_round") is not None), None)
+        mine = row.get("store_mib_per_round")
+        row["store_vs_full"] = mine / full["store_mib_per_round"] if full and mine is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,52 +338,86 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    p.add_argument("--rollouts", nargs="+", default=None,
+                   help="rollout modes (default: every one this machine runs: hf, the fast mode, vllm)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--sync-rounds", type=int, default=1, help="sync rounds measured after a warm-up round")
+    p.add_argument("--sync-budget-s", type=float, default=60.0,
+                   help="seconds all sync measurements may take together (LoRA's first; 0: none)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "gpu.json")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes, args.batch, args.completion, args.steps, args.warmup = ["tiny"], 8, 16, 2, 1
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+        args.device = "cpu"
+    want = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = torch.device("cpu" if want == "auto" else want)
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
-    rollouts = ["hf"] + (["vllm"] if device.type == "cuda" and importlib.util.find_spec("vllm") else [])
+    rollouts = available_rollouts(device)
+    if args.rollouts:
+        missing = [r for r in args.rollouts if r not in rollouts]
+        if missing:
+            print(f"rollouts {missing} cannot run here (available: {rollouts}); left out", file=sys.stderr)
+        rollouts = [r for r in args.rollouts if r in rollouts]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    peak = peak_flops(gpu)
     prompt_tokens = max(len(build_tokenizer()(r["prompt"])["input_ids"]) for r in _RewardTask().rows)
 
     rows: list[dict[str, Any]] = []
+    report = {"device": gpu, "torch": torch.__version__, "batch": args.batch, "generations": args.generations,
+              "completion_tokens": args.completion, "steps": args.steps, "warmup": args.warmup, "H": H,
+              "peak_flops": peak, "rollouts": rollouts, "complete": False, "rows": rows}
+    write_report(args.json, report)  # rewritten after every row: a timeout keeps what was measured
+    footprints: dict[tuple[str, str], Any] = {}
     for shape in args.shapes:
         for mode in args.modes:
             lora = mode == "lora"
             probe = build_model(shape, lora=lora, device=torch.device("meta") if shape != "tiny" else device)
-            fp = sync_footprint(probe)
+            fp = footprints[shape, mode] = sync_footprint(probe)
             flops = model_flops(probe, args, prompt_tokens, lora)
+            n_gen = generation_params(probe)
             del probe
-            sync_s, sync_bytes = measure_sync(build_model(shape, lora=lora, device=torch.device("cpu")))
             for rollout in rollouts:
-                for impl, run in (("composer-cloud", run_composer), ("trl", run_trl)):
+                impls = [("composer-cloud", run_composer)] + ([("trl", run_trl)] if rollout in TRL_ROLLOUTS else [])
+                for impl, run in impls:
                     model = build_model(shape, lora=lora, device=device)
                     row = run(model, args, rollout, device)
                     del model
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
+                    gen_tokens = args.batch * args.completion
                     row.update(shape=shape, mode=mode, rollout=rollout, impl=impl,
-                               tokens_per_s=args.batch * args.completion / row["step_s"],
+                               tokens_per_s=gen_tokens / row["step_s"],
                                mfu=flops / (row["step_s"] * peak) if peak else None,
+                               rollout_tokens_per_s=gen_tokens / row["rollout_s"] if row["rollout_s"] else None,
+                               rollout_mfu=(2 * n_gen * gen_tokens / (row["rollout_s"] * peak)
+                                            if peak and row["rollout_s"] else None),
                                synced_mib=fp.synced_bytes / 2**20, full_mib=fp.full_bytes / 2**20,
-                               synced_ratio=fp.ratio, sync_s=sync_s, store_mib_per_round=sync_bytes / 2**20,
-                               sync_share_h50=sync_s / (H * row["step_s"] + sync_s))
+                               synced_ratio=fp.ratio, sync_s=None, store_mib_per_round=None, sync_share_h50=None)
                     rows.append(row)
+                    _relate(rows)
+                    write_report(args.json, report)
                     print(f"{shape} {mode} {rollout} {impl}: step {row['step_s']:.2f}s", flush=True)
-    for row in rows:
-        anchor = next(r for r in rows if r["impl"] == "trl" and all(r[k] == row[k] for k in ("shape", "mode", "rollout")))
-        row["vs_trl"] = row["step_s"] / anchor["step_s"]
-        full = next((r for r in rows if r["mode"] == "full" and r["shape"] == row["shape"]), None)
-        row["store_vs_full"] = row["store_mib_per_round"] / full["store_mib_per_round"] if full else None
-    report = {"device": gpu, "torch": torch.__version__, "batch": args.batch, "generations": args.generations,
-              "completion_tokens": args.completion, "steps": args.steps, "warmup": args.warmup, "H": H,
-              "peak_flops": peak, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    # The sync rounds last (they need no GPU), LoRA's first (small), within one time box.
+    t_sync = time.perf_counter()
+    for shape in args.shapes:
+        for mode in sorted(args.modes, key=lambda m: m != "lora"):
+            left = args.sync_budget_s - (time.perf_counter() - t_sync)
+            if left <= 0:
+                print(f"{shape} {mode}: sync not measured (--sync-budget-s {args.sync_budget_s:g} spent)", flush=True)
+                continue
+            sync = measure_sync(build_model(shape, lora=mode == "lora", device=torch.device("cpu")),
+                                rounds=args.sync_rounds, budget_s=left)
+            for row in rows:
+                if row["shape"] == shape and row["mode"] == mode:
+                    row.update(sync_s=sync["sync_s"], store_mib_per_round=sync["sync_bytes"] / 2**20,
+                               sync_rounds=sync["sync_rounds"], sync_warm=sync["sync_warm"],
+                               sync_share_h50=sync["sync_s"] / (H * row["step_s"] + sync["sync_s"]))
+            _relate(rows)
+            write_report(args.json, report)
+            print(f"{shape} {mode}: sync {sync['sync_s']:.2f}s ({sync['sync_rounds']} round(s))", flush=True)
+    report["complete"] = True
+    write_report(args.json, report)
     print_table(report)
     print(f"wrote {args.json}")
     return 0
