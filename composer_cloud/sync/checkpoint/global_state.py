@@ -39,6 +39,7 @@ from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import SliceMarker
+from composer_cloud.storage.records.limits import MARKER_MAX_BYTES
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.trust import create_over_forged
 
@@ -156,7 +157,7 @@ class GlobalStateStore:
         n = slices.num_slices
         marker_key = layout.slice_marker_key(round, attempt, index, n)
         try:  # a marker counts once read and verified; a forged one is replaced below
-            SliceMarker.from_json(self.store.get_json(marker_key), key=marker_key, round=round, attempt=attempt,
+            SliceMarker.from_json(self.store.get_json(marker_key, max_bytes=MARKER_MAX_BYTES), key=marker_key, round=round, attempt=attempt,
                                   index=index, num_slices=n)
             return 0
         except ObjectNotFound:
@@ -212,7 +213,7 @@ class GlobalStateStore:
             _, index, n = parsed
             key = layout.slice_marker_key(round, attempt, index, n)
             try:
-                marker = SliceMarker.from_json(self.store.get_json(key), key=key, round=round, attempt=attempt,
+                marker = SliceMarker.from_json(self.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, round=round, attempt=attempt,
                                                index=index, num_slices=n)
             except (BadObject, ObjectNotFound) as exc:
                 logger.warning("ignoring global-state marker %s (%s)", key, exc)
