@@ -20,6 +20,7 @@ import torch
 from composer_cloud import env
 from composer_cloud.errors import ChecksumMismatch
 from composer_cloud.runs import lifecycle, signing, sync_state
+from composer_cloud.runs.export import latest_model_state
 from composer_cloud.spec import spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum
@@ -196,10 +197,10 @@ def _commit(store: Store, round: int, attempt: int, value: float, *, participant
 
 def _exported(store: Store, spec: Any) -> tuple[int, int, float]:
     """What ``export`` without ``--round`` exports: (round, attempt, the model's value)."""
+    round, tree = latest_model_state(store, spec)
     found = sync_state.latest_checkpoint(store, spec, verify=False)
-    assert found is not None
-    tree = GlobalStateStore(store).load(found.round, found.manifest.attempt)
-    return found.round, found.manifest.attempt, float(tree["w"][0])
+    assert found is not None and found.round == round
+    return round, found.manifest.attempt, float(tree["w"][0])
 
 
 def test_unsigned_records_over_the_final_round_leave_status_and_export_on_the_same_model(tmp_path):

@@ -472,7 +472,11 @@ def test_damaged_outcome_of_a_round_the_run_has_left_is_not_rejoined(store_uri):
     flip_byte(st, f"{Q0}/outcome.json")
     # Nobody has moved on yet: the damaged attempt counts as aborted and round 0 is retried.
     assert ar.open_attempt(0) == 1
+    # A name under round 1 is no evidence (issue 33: any object there made replicas "behind" with nothing
+    # to heal, forever); a verified record of round 1, which only a job that finished round 0 writes, is.
     st.put("rounds/00000001/0/join/0.json", b"{}")
+    assert ar.open_attempt(0) == 1
+    st.create_json("rounds/00000001/0/quorum.json", {"round": 1, "attempt": 0, "participants": [0]})
     with pytest.raises(BehindError):
         ar.open_attempt(0)
     ar.close()

@@ -225,16 +225,23 @@ class GlobalStateStore:
         """Whether every slice of ``round``'s ``attempt`` has its marker (``num_slices``: that many, else any)."""
         return self.markers(round, attempt).complete(num_slices) is not None
 
-    def load(self, round: int, attempt: int, *, num_slices: int | None = None) -> dict[str, Any]:
+    def load(self, round: int, attempt: int, *, num_slices: int | None = None,
+             crcs: Sequence[int] | None = None) -> dict[str, Any]:
         """The state tree of ``round``'s ``attempt``, each slice read and verified once.
 
+        ``crcs``: the slices' crc32s from a verified manifest (slice ``i`` of ``len(crcs)``), used instead of
+        the slice markers (a checkpoint with a manifest does not depend on its markers any more).
         Raises :class:`~composer_cloud.errors.CorruptCheckpoint` naming the slice if one is missing or damaged.
         """
-        markers = self.markers(round, attempt)
-        n = markers.complete(num_slices)
-        if n is None:
-            raise CorruptCheckpoint(layout.checkpoint_prefix(round), "global state incomplete (slices present: "
-                                    f"{ {k: sorted(v) for k, v in markers.by_count.items()} })")
+        if crcs is not None:
+            n, expected = len(crcs), list(crcs)
+        else:
+            markers = self.markers(round, attempt)
+            found = markers.complete(num_slices)
+            if found is None:
+                raise CorruptCheckpoint(layout.checkpoint_prefix(round), "global state incomplete (slices present: "
+                                        f"{ {k: sorted(v) for k, v in markers.by_count.items()} })")
+            n, expected = found, [markers.by_count[found][i].crc32 for i in range(found)]
         from safetensors.torch import load as st_load
 
         from composer_cloud.storage.tensors import read_metadata, unflatten
@@ -243,7 +250,7 @@ class GlobalStateStore:
         skeleton: Any = None
         for i in range(n):
             key = layout.slice_blob_key(round, attempt, i, n)
-            raw = bytes(read_verified(self.store, key, markers.by_count[n][i].crc32))
+            raw = bytes(read_verified(self.store, key, expected[i]))
             try:
                 meta = read_metadata(raw)
                 tensors.update(st_load(raw))

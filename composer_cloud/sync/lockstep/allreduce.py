@@ -143,7 +143,17 @@ class ObjectStoreAllReduce:
             if out.committed or (out.unreadable and moved_past(self.store, round)):
                 raise BehindError(round)
             attempt += 1
+        # An attempt already under way (quorum decided) whose outcome is gone (deleted) while the run moved
+        # on: the round committed; joining it would wait out the deadlines for peers that left.
+        if self._quorum_exists(round, attempt) and moved_past(self.store, round):
+            raise BehindError(round)
         return attempt
+
+    def _quorum_exists(self, round: int, attempt: int) -> bool:
+        try:
+            return read_quorum(self.store, round, attempt, replicas=self.config.replicas) is not None
+        except BadObject:
+            return False
 
     def _chain(self, round: int, attempt: int) -> _Chain:
         """How ``attempt`` follows the attempts before it (same answer on every replica)."""

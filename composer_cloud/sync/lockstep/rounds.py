@@ -179,11 +179,13 @@ def attempts(store: Store, round: int) -> list[int]:
 
 
 def _round_state(store: Store, round: int) -> tuple[int | None, bool]:
-    """``(committed attempt or None, unknown)``: unknown = some outcome was unreadable."""
+    """``(committed attempt or None, unknown)``: unknown = some outcome was unreadable, or is missing
+    although the attempt's quorum was decided (in progress, or deleted: a later valid commit vouches)."""
     unknown = False
     for a in reversed(attempts(store, round)):
         out = read_outcome(store, round, a, replicas=None)
         if out is None:
+            unknown = unknown or _has_quorum(store, round, a)
             continue
         if out.committed:
             return a, False
@@ -226,6 +228,13 @@ def may_have_committed(store: Store, round: int, attempt: int) -> bool:
     if out is not None and not out.unreadable:
         return False
     return not _valid_void(store, round, attempt, None)
+
+
+def _has_quorum(store: Store, round: int, attempt: int) -> bool:
+    try:
+        return read_quorum(store, round, attempt, replicas=None) is not None
+    except BadObject:
+        return False
 
 
 def committed_attempt(store: Store, round: int) -> int | None:
