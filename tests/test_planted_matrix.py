@@ -99,10 +99,14 @@ def plant(store: Store, variant: str, key: str, record: dict[str, Any], *, sourc
 
 
 COUNTS: dict[str, dict[str, int]] = {}
+NOT_COMPLETED: list[str] = []
 
 
 def tally(mode: str, verdict: str) -> str:
     COUNTS.setdefault(mode, {"completed": 0, "failed": 0, "hung": 0, "false": 0})[verdict] += 1
+    if verdict != "completed":
+        import os
+        NOT_COMPLETED.append(f"{mode}: {os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} -> {verdict}")
     return verdict
 
 
@@ -311,4 +315,5 @@ def test_zz_counts(capsys):
     """Prints the counts of the cases this session ran (docs/security.md quotes a full run)."""
     with capsys.disabled():
         print(f"\nplanted-object matrix: {COUNTS}")
+        print("\n".join(NOT_COMPLETED))
     assert all(c["hung"] == 0 and c["false"] == 0 for c in COUNTS.values())

@@ -259,3 +259,33 @@ def test_a_huge_object_at_a_record_key_is_refused_before_it_is_read_whole(any_st
     assert store.bytes_read - before <= ROUND_RECORD_MAX_BYTES + 1024
     out = rounds.read_outcome(store, 0, 0, replicas=2)
     assert out is not None and not out.committed and out.unreadable
+
+
+# ------------------------------------------------------------------ end to end: torchft DiLoCo, real processes
+def _diloco(q, index, uri, rank, world):
+    from workers import diloco_worker
+
+    diloco_worker(q, index, uri, rank, world, rounds=4, sync_every=2)
+
+
+@pytest.mark.slow
+def test_diloco_replicas_run_through_the_planted_livelock_and_match_plain_torch(store_uri):
+    """Case 1 with torchft's DiLoCo in two processes: the run completes all 4 rounds (it used to sync behind ->
+    nothing to heal at round 3 for every remaining step) with the uninterrupted run's parameters."""
+    import numpy as np
+
+    from support.processes import run_processes
+    from workers import reference_diloco
+
+    bucket = Store(store_uri)
+    bucket.put_plain(layout.outcome_key(2, 0), b"x")
+    bucket.put_plain("rounds/00000003/junk", b"x")
+    outs = run_processes(_diloco, [(store_uri, r, 2) for r in range(2)], timeout=180)
+    ref = reference_diloco(2, rounds=4, sync_every=2)
+    for o in outs:
+        assert "error" not in o, o.get("error")
+        assert o["step"] == 4 and [h[1] for h in o["history"]] == [True] * 4, o["history"]
+        for sync in range(4):
+            for a, b in zip(o["snapshots"][sync], ref[sync]):
+                np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert rounds.committed_attempt(bucket, 2) == 1
