@@ -309,13 +309,21 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
 
 
 def read_version(states: GlobalStateStore, version: int) -> dict[str, Any]:
-    """Global ``version``'s state tree, read once through its marker's crc32 (raises ``CorruptCheckpoint``)."""
-    return states.load(version, VERSION_ATTEMPT, num_slices=1)
+    """Global ``version``'s state tree, read once through its marker's crc32, or its verified manifest's when
+    the marker is gone or damaged (raises ``CorruptCheckpoint``)."""
+    try:
+        return states.load(version, VERSION_ATTEMPT, num_slices=1)
+    except CorruptCheckpoint:
+        manifest = read_manifest(states, version)
+        if manifest is None or manifest.attempt != VERSION_ATTEMPT or len(manifest.slices) != 1:
+            raise
+        return states.load(version, VERSION_ATTEMPT, crcs=[manifest.slices[0].crc32])
 
 
 def version_durable(states: GlobalStateStore, version: int) -> bool:
-    """Whether global ``version`` is durable (its slice's marker exists): it may be adopted."""
-    return states.durable(version, VERSION_ATTEMPT, num_slices=1)
+    """Whether global ``version`` is durable (its slice's marker exists, or its verified manifest, written
+    after the marker, does): it may be adopted. A deleted marker does not take a version away."""
+    return states.durable(version, VERSION_ATTEMPT, num_slices=1) or read_manifest(states, version) is not None
 
 
 def version_complete(states: GlobalStateStore, version: int) -> bool:
