@@ -9,9 +9,7 @@ The planted-object matrix itself is in ``test_planted_matrix.py``.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest

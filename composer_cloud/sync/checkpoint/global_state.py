@@ -157,7 +157,8 @@ class GlobalStateStore:
         n = slices.num_slices
         marker_key = layout.slice_marker_key(round, attempt, index, n)
         try:  # a marker counts once read and verified; a forged one is replaced below
-            SliceMarker.from_json(self.store.get_json(marker_key, max_bytes=MARKER_MAX_BYTES), key=marker_key, round=round, attempt=attempt,
+            SliceMarker.from_json(self.store.get_json(marker_key, max_bytes=MARKER_MAX_BYTES), key=marker_key,
+                                  round=round, attempt=attempt,
                                   index=index, num_slices=n)
             return 0
         except ObjectNotFound:
@@ -213,8 +214,8 @@ class GlobalStateStore:
             _, index, n = parsed
             key = layout.slice_marker_key(round, attempt, index, n)
             try:
-                marker = SliceMarker.from_json(self.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, round=round, attempt=attempt,
-                                               index=index, num_slices=n)
+                obj = self.store.get_json(key, max_bytes=MARKER_MAX_BYTES)
+                marker = SliceMarker.from_json(obj, key=key, round=round, attempt=attempt, index=index, num_slices=n)
             except (BadObject, ObjectNotFound) as exc:
                 logger.warning("ignoring global-state marker %s (%s)", key, exc)
                 continue

@@ -296,7 +296,8 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
     # list-after-write lag), which used to end a merge with a bare KeyError.
     key = layout.slice_marker_key(version, VERSION_ATTEMPT, 0, 1)
     try:
-        marker = SliceMarker.from_json(states.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, round=version, attempt=VERSION_ATTEMPT,
+        marker = SliceMarker.from_json(states.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, round=version,
+                                       attempt=VERSION_ATTEMPT,
                                        index=0, num_slices=1)
     except ObjectNotFound:
         raise CorruptCheckpoint(key, f"global version {version}: its marker is missing right after it was "

@@ -180,7 +180,8 @@ class ReplicaStateStore:
         for seq in reversed(self._decoupled_seqs(rank)):
             key = layout.decoupled_replica_key(rank, seq, "json")
             try:
-                rec = ReplicaMarker.from_json(self.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, rank=rank, position=seq,
+                rec = ReplicaMarker.from_json(self.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, rank=rank,
+                                              position=seq,
                                               decoupled=True)
                 if rec.world_size != world_size:
                     raise BadObject(key, f"written with {rec.world_size} replicas, now {world_size}")

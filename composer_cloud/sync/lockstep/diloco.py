@@ -32,7 +32,6 @@ from composer_cloud.lora import is_lora_model, synced_parameters
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
-from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.durable import model_attempt_of
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
