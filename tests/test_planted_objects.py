@@ -287,3 +287,22 @@ def test_diloco_replicas_run_through_the_planted_livelock_and_match_plain_torch(
             for a, b in zip(o["snapshots"][sync], ref[sync]):
                 np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     assert rounds.committed_attempt(bucket, 2) == 1
+
+
+@pytest.mark.parametrize("forgery", ["garbage", "unsigned", "oversized"])
+def test_a_forged_void_does_not_block_the_runs_own_void(tmp_path, forgery):
+    """A commit whose state can never become durable is voided by a healer; an object planted at the void key
+    first (which does not void anything) used to make that create fail, so the healer waited out its deadline."""
+    store = signed_run(f"file://{tmp_path}/store/void")
+    store.create_json(layout.quorum_key(0, 0), Quorum(0, 0, [0, 1]).to_json())
+    store.create_json(layout.outcome_key(0, 0), Outcome(0, 0, True, participants=[0, 1]).to_json())
+    bucket = Store(store.uri)
+    if forgery == "garbage":
+        bucket.put_plain(layout.void_key(0, 0), b"x")
+    elif forgery == "unsigned":
+        bucket.put_json(layout.void_key(0, 0), {"round": 0, "attempt": 0, "by": 0, "reason": "forged"})
+    else:
+        bucket.put_plain(layout.void_key(0, 0), b" " * (2 << 20))
+    assert rounds.committed_attempt(store, 0) == 0  # the planted object voids nothing
+    assert rounds.declare_void(store, 0, 0, by=1, reason="never durable")
+    assert rounds.committed_attempt(store, 0) is None

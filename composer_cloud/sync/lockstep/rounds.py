@@ -47,6 +47,7 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum, Void
 from composer_cloud.storage.records.limits import ROUND_RECORD_MAX_BYTES
 from composer_cloud.storage.store import Store
+from composer_cloud.sync.trust import create_over_forged
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +164,11 @@ def declare_void(store: Store, round: int, attempt: int, *, by: int, reason: str
     attempt as aborted, and the round is run again as a new attempt from the
     previous durable state. Replicas that applied the voided commit heal back.
     """
-    created = store.create_json(layout.void_key(round, attempt),
-                                Void(round=round, attempt=attempt, by=by, reason=reason).to_json())
+    key = layout.void_key(round, attempt)
+    # A forged object at the key (no job of a signed run wrote it) must not block the run's own void: the
+    # healer would wait out heal_timeout_s for a state that never becomes durable (issue 33 matrix).
+    created = create_over_forged(store, key, Void(round=round, attempt=attempt, by=by, reason=reason).to_json(),
+                                 lambda o: Void.from_json(o, key=key, round=round, attempt=attempt))
     if created:
         logger.warning("round %d attempt %d declared void by replica %d: %s", round, attempt, by, reason)
     return created
