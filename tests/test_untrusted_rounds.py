@@ -246,7 +246,7 @@ class ForgingStore(Store):
                 Store(self.uri).put(key, forged)
         return n
 
-    def get(self, key):
+    def get(self, key, **kw):
         # The forged slot's own reducer never reads it back: let the others look first, so that
         # the test exercises the readers' check rather than a race with the reducer's commit.
         if "/reduced/" in key and any(key.startswith(f"rounds/00000000/{a}/") for a in self.attempts):
@@ -254,7 +254,7 @@ class ForgingStore(Store):
             deadline = time.monotonic() + 20
             while not os.path.exists(self.path(f"{prefix}/outcome.json")) and time.monotonic() < deadline:
                 time.sleep(0.02)
-        return super().get(key)
+        return super().get(key, **kw)
 
 
 def payload_slot(rank: int, slot: int, world: int = 3) -> torch.Tensor:
@@ -282,20 +282,20 @@ class WaitForOutcomeStore(Store):
         super().__init__(uri)
         self.slot = slot
 
-    def get(self, key):
+    def get(self, key, **kw):
         if key == f"{Q0}/reduced/{self.slot}":
             deadline = time.monotonic() + 20
             while not os.path.exists(self.path(f"{Q0}/outcome.json")) and time.monotonic() < deadline:
                 time.sleep(0.02)
-        return super().get(key)
+        return super().get(key, **kw)
 
 
 def test_a_reader_never_applies_a_slot_that_failed_its_checks_even_after_a_commit(store_uri):
     # The forged slot's reducer does not read its own slot back, so it commits first; the
     # readers that then meet the forged bytes do not apply them (they heal at the next sync).
     class Forger(ForgingStore):
-        def get(self, key):
-            return Store.get(self, key)
+        def get(self, key, **kw):
+            return Store.get(self, key, **kw)
 
     stores = {1: Forger(store_uri, slot=1), 0: WaitForOutcomeStore(store_uri, slot=1),
               2: WaitForOutcomeStore(store_uri, slot=1)}
@@ -472,7 +472,11 @@ def test_damaged_outcome_of_a_round_the_run_has_left_is_not_rejoined(store_uri):
     flip_byte(st, f"{Q0}/outcome.json")
     # Nobody has moved on yet: the damaged attempt counts as aborted and round 0 is retried.
     assert ar.open_attempt(0) == 1
+    # A name under round 1 is no evidence (issue 33: any object there made replicas "behind" with nothing
+    # to heal, forever); a verified record of round 1, which only a job that finished round 0 writes, is.
     st.put("rounds/00000001/0/join/0.json", b"{}")
+    assert ar.open_attempt(0) == 1
+    st.create_json("rounds/00000001/0/quorum.json", {"round": 1, "attempt": 0, "participants": [0]})
     with pytest.raises(BehindError):
         ar.open_attempt(0)
     ar.close()

@@ -43,6 +43,7 @@ from composer_cloud.sync.checkpoint.replica_state import (
 )
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco, params_digest
+from composer_cloud.sync.lockstep.durable import model_attempt_of
 from composer_cloud.sync.lockstep.manager import SyncRecord
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class LockstepBoundary:
                 logger.warning("replica %d: round %d's global state did not become durable within "
                                "round_timeout_s; resuming from an earlier round", self.rank, committed)
         loaded = manifests.load_resume(self.global_states, self.replica_states, self.rank,
-                                       world_size=self.spec.replicas, attempt_of=rounds.attempt_of(self.store))
+                                       world_size=self.spec.replicas, attempt_of=model_attempt_of(self.store))
         if self.ctx.shard is not None:
             _same_on_every_local_rank(None if loaded is None else loaded.point, self.ctx.shard.group)
         return loaded
@@ -207,7 +208,12 @@ class LockstepBoundary:
             if manifests.write_manifest(self.global_states, self.replica_states, round, attempt, participants,
                                         deadline_s=spec.sync.round_timeout_s,
                                         extra={"replicas_launched": spec.replicas},
-                                        abandoned=lambda: rounds.committed_attempt(self.store, round) != attempt):
+                                        # Abandoned only on a verified denial (another commit, a void):
+                                        # records damaged after our commit do not stop the manifest.
+                                        abandoned=lambda: (rounds.committed_attempt(self.store, round) != attempt
+                                                           and not rounds.may_have_committed(self.store, round,
+                                                                                             attempt)),
+                                        committed=lambda: rounds.committed_attempt(self.store, round) == attempt):
                 manifests.prune(self.global_states, keep=spec.keep_checkpoints, newest=round)
                 rounds.cleanup_rounds(self.store, before=round)
         self._pending_io.append(self._manifest_io.submit(finish))

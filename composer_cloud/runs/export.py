@@ -132,6 +132,29 @@ def _model_for(run: Run) -> tuple[Any, Any]:
                           f"{type(exc).__name__}: {str(exc)[:300]}") from None
 
 
+def latest_model_state(store: Store, spec: RunSpec) -> tuple[int, dict[str, Any]]:
+    """``(round, global state tree)`` of the run's latest durable model: what ``export`` without ``--round``
+    exports, and the round ``status`` calls the final one when it says "completed" (issue 33, item 3).
+
+    The checkpoint is :func:`~composer_cloud.runs.sync_state.latest_model`'s, read through its *manifest*
+    (each slice checked against the manifest's crc32, as status verified it), so a damaged or deleted slice
+    marker does not make export fall back while status says completed. A checkpoint that does not read back
+    is skipped with a warning and the previous one is tried. Raises ``LookupError`` naming the run.
+    """
+    states = GlobalStateStore(store)
+    before = None
+    while True:
+        found = sync_state.latest_checkpoint(store, spec, before=before, verify=False)
+        if found is None:
+            raise LookupError(f"run {store.uri} has no valid checkpoint to export yet")
+        try:
+            return found.round, states.load(found.round, found.manifest.attempt,
+                                            crcs=[e.crc32 for e in found.manifest.slices])
+        except CorruptCheckpoint as exc:
+            logger.warning("checkpoint %d cannot be exported (%s); trying the previous one", found.round, exc)
+            before = found.round
+
+
 def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool = False) -> int:
     """Write ``save_pretrained`` safetensors + config + tokenizer + model card of the global params; returns
     the round (0-based, as under ``checkpoints/``).
@@ -172,19 +195,8 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
                               f"(available: {[r + 1 for r in states.durable_rounds(attempt_of)]})")
         load_global(states.load(round, attempt))
     else:
-        # Newest checkpoint with a manifest whose global state reads back intact: one verified read each.
-        before = None
-        while True:
-            found = sync_state.latest_checkpoint(store, spec, before=before, verify=False)
-            if found is None:
-                raise LookupError(f"run {store.uri} has no valid checkpoint to export yet")
-            try:
-                load_global(states.load(found.round, found.manifest.attempt))
-                round = found.round
-                break
-            except CorruptCheckpoint as exc:
-                logger.warning("checkpoint %d cannot be exported (%s); trying the previous one", found.round, exc)
-                before = found.round
+        round, tree = latest_model_state(store, spec)
+        load_global(tree)
     if adapter:
         _write_adapter(model, tokenizer, out)
     else:

@@ -433,7 +433,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
             f"--model ./{run.run_id}-model" + "".join(f" --{k} {v}" for k, v in changes.items()) + "`")
     if finished:  # nothing runs: the checkpoint cannot change under us
         latest = sync_state.latest_checkpoint(run.store, spec)  # verified: every object read once
-        last = sync_state.progress(run.store, spec).final
+        last = sync_state.final_round(spec, sync_state.progress(run.store, spec))  # status's answer too
         if latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
                 f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))

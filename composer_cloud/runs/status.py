@@ -22,7 +22,7 @@ from composer_cloud.storage.records import Heartbeat, HeartbeatState
 from composer_cloud.storage.run import Run, cancel_requested, load_handles
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
-from composer_cloud.sync.checkpoint.manifests import read_manifest
+from composer_cloud.sync.checkpoint.manifests import Checkpoint, read_manifest
 
 #: What a job's state is once its heartbeat says it ended (the executor may not have noticed yet).
 _FINISHED_JOB_STATE = {HeartbeatState.COMPLETED: ReplicaState.SUCCEEDED, HeartbeatState.FAILED: ReplicaState.FAILED}
@@ -108,6 +108,7 @@ class StatusTracker:
         self._durable: int | None = None  # newest round seen durable
         self._states = GlobalStateStore(run.store)
         self._attempt_of = sync_state.attempt_of(run.store, run.spec)
+        self._verified: set[tuple[int, int, float]] = set()  # final checkpoints read back in full
 
     def _newest_durable(self) -> int | None:
         """Newest round with a durable global state, checking newest first and nothing below the last seen."""
@@ -115,6 +116,40 @@ class StatusTracker:
         if newest is not None:
             self._durable = newest
         return self._durable
+
+    def _latest_model(self, final: int | None) -> Checkpoint | None:
+        """The run's latest durable model (:func:`~composer_cloud.runs.sync_state.latest_model`), the answer
+        ``export`` gives too. The final round's checkpoint is read back in full once (then remembered for
+        this tracker), before the run is called completed; earlier ones only by manifest and markers."""
+        found = sync_state.latest_model(self.run.store, self.run.spec, verify=False)
+        if found is None or found.round != final:
+            return found
+        tag = (found.round, found.manifest.attempt, found.manifest.time)
+        if tag not in self._verified:
+            checked = sync_state.latest_model(self.run.store, self.run.spec, verify=True)
+            if checked is None or (checked.round, checked.manifest.attempt, checked.manifest.time) != tag:
+                return checked
+            self._verified.add(tag)
+        return found
+
+    def _final_problem(self, final: int | None) -> str:
+        """What keeps the final round (or version) from being the run's durable model, for ``problems``."""
+        spec = self.run.spec
+        if final is None:
+            return "the final version is not recorded yet"
+        name = _final_name(spec, final)
+        attempt = self._attempt_of(final)
+        if attempt is None:
+            return f"{name}: no valid commit and no verified manifest"
+        if not self._states.durable(final, attempt):
+            return f"{name} committed (attempt {attempt}) but its global state is not durable"
+        manifest = read_manifest(self._states, final)
+        if manifest is None:
+            return f"{name} has no checkpoint manifest yet"
+        if manifest.attempt != attempt:
+            return (f"{name}: the manifest names attempt {manifest.attempt}, but attempt {attempt} is the "
+                    "round's commit (a manifest for it is not written yet)")
+        return f"{name}: its checkpoint does not verify (corrupt or incomplete; export falls back to an earlier one)"
 
     def _job_status(self, h: Any) -> ReplicaStatus:
         if not self.poll_executors:
@@ -135,9 +170,11 @@ class StatusTracker:
     def poll(self) -> RunStatus:
         """The run's state from the store (rounds, heartbeats, checkpoints) and the executors (job states).
 
-        "completed" means every round committed *and* the final round's global
-        state is durable with a manifest; a run whose jobs all ended short of that
-        is "failed", with ``problems`` saying what is missing.
+        "completed" means the run's latest durable model (:func:`~composer_cloud.runs.sync_state.latest_model`,
+        what ``export`` exports) is the final round's: its manifest verified, of the round's committed attempt,
+        its objects read back against it. Older round records do not matter (deleted or damaged history does
+        not undo a completed run; issue 37, item 5). A run whose jobs all ended short of that is "failed", with
+        ``problems`` saying what is missing.
         """
         store, spec = self.run.store, self.run.spec
         problems: list[str] = []
@@ -180,14 +217,14 @@ class StatusTracker:
             if started is not None:
                 starts.append(started)
         last_durable = self._newest_durable()
-        final = progress.final
-        final_durable = final is not None and last_durable is not None and last_durable >= final
-        if final is not None and not final_durable:
-            problems.append(f"{_final_name(spec, final)} committed but its global state is not durable "
-                            f"(newest durable: {'none' if last_durable is None else f'round {last_durable + 1}'})")
-        elif final is not None and read_manifest(self._states, final) is None:
-            final_durable = False
-            problems.append(f"{_final_name(spec, final)} has no checkpoint manifest yet")
+        final = sync_state.final_round(spec, progress)
+        model = self._latest_model(final)
+        final_durable = final is not None and model is not None and model.round == final
+        if model is not None:  # a durable model at round r means r + 1 rounds committed, whatever the records say
+            committed = max(committed, model.round + 1)
+            last_durable = model.round if last_durable is None else max(last_durable, model.round)
+        if not final_durable and progress.final is not None:
+            problems.append(self._final_problem(final))
         cancelled = cancel_requested(store)
         finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
         if cancelled:

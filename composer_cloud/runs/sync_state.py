@@ -16,13 +16,15 @@ from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore
 from composer_cloud.sync.decoupled import protocol as decoupled
 from composer_cloud.sync.lockstep import rounds
+from composer_cloud.sync.lockstep.durable import model_attempt_of
 
 
 def attempt_of(store: Store, spec: RunSpec) -> AttemptOf:
-    """Which attempt's global state is round (or version) ``r``'s."""
+    """Which attempt's global state is round (or version) ``r``'s model (lock-step:
+    :func:`~composer_cloud.sync.lockstep.durable.model_attempt_of`, the answer the replicas use too)."""
     if spec.sync.mode == "decoupled":
         return lambda version: manifests.VERSION_ATTEMPT
-    return rounds.attempt_of(store)
+    return model_attempt_of(store)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,22 @@ def progress(store: Store, spec: RunSpec, *, start: int = 0) -> Progress:
     return Progress(committed=committed, final=spec.rounds - 1 if committed >= spec.rounds else None)
 
 
+def final_round(spec: RunSpec, progress: Progress) -> int | None:
+    """The round (decoupled: version) whose checkpoint completes the run, when known: lock-step's last round
+    always (``rounds - 1``), decoupled's recorded final version once recorded."""
+    return progress.final if spec.sync.mode == "decoupled" else spec.rounds - 1
+
+
+def latest_model(store: Store, spec: RunSpec, *, verify: bool = True) -> manifests.Checkpoint | None:
+    """The run's latest durable model: its newest checkpoint whose manifest is verified, of the attempt
+    :func:`attempt_of` names, every listed object present and (``verify``) read back against the manifest.
+
+    The one answer for ``status`` ("completed" = this is the final round's), ``export`` without
+    ``--round`` (exports exactly this round), ``resume`` and ``wait`` (issue 33, item 3).
+    """
+    return latest_checkpoint(store, spec, verify=verify)
+
+
 def latest_checkpoint(store: Store, spec: RunSpec, *, before: int | None = None,
                       verify: bool = True) -> manifests.Checkpoint | None:
     """The run's newest valid checkpoint (see :func:`~composer_cloud.sync.checkpoint.manifests.latest_checkpoint`)."""
@@ -55,4 +73,4 @@ def discard_after(store: Store, round: int) -> None:
     manifests.discard_after(GlobalStateStore(store), round)
 
 
-__all__ = ["Progress", "attempt_of", "discard_after", "latest_checkpoint", "progress"]
+__all__ = ["Progress", "attempt_of", "discard_after", "final_round", "latest_checkpoint", "latest_model", "progress"]

@@ -58,7 +58,7 @@ class Backend(Protocol):
     def path(self, key: str) -> str: ...
     def put(self, key: str, data: bytes, *, durable: bool) -> None: ...
     def create(self, key: str, data: bytes) -> bool: ...
-    def read(self, key: str) -> bytes: ...
+    def read(self, key: str, limit: int | None = None) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def modified(self, key: str) -> float | None: ...
     def find(self, prefix: str) -> list[str]: ...
@@ -86,9 +86,10 @@ class _FsspecListing:
     def _base(self, prefix: str) -> str:
         return self.path(prefix) if prefix else self.root
 
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; with ``limit``, at most ``limit`` bytes are read (a longer object is cut)."""
         try:
-            return self.fs.cat_file(self.path(key))
+            return self.fs.cat_file(self.path(key), **({} if limit is None else {"start": 0, "end": limit}))
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
 
@@ -241,9 +242,11 @@ class FsspecBackend(_FsspecListing):
             return False
         return True
 
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; with ``limit``, at most ``limit`` bytes are read (one ranged GET)."""
         try:
-            return self.fs.cat_file(self.path(key), **self._read_options)
+            return self.fs.cat_file(self.path(key), **self._read_options,
+                                    **({} if limit is None else {"start": 0, "end": limit}))
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
         except Exception as exc:

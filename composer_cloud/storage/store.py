@@ -53,11 +53,16 @@ from composer_cloud.errors import (
 )
 from composer_cloud.retry import Outage, PollPolicy, RetryPolicy, is_transient, poll_until
 from composer_cloud.storage.backends import Backend, open_backend
-from composer_cloud.storage.framing import MIN_SIGNING_KEY_BYTES, frame, unframe
+from composer_cloud.storage.framing import MIN_SIGNING_KEY_BYTES, SIGNED_HEADER_BYTES, frame, unframe
+from composer_cloud.storage.records.limits import JSON_RECORD_MAX_BYTES
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class OversizedObject(ChecksumMismatch):
+    """An object larger than its kind's limit (:mod:`composer_cloud.storage.records.limits`), refused unread."""
 
 
 class Store:
@@ -225,11 +230,21 @@ class Store:
         """
         return self._overwrite(key, bytes(payload), durable=False)
 
-    def get_plain(self, key: str) -> bytes:
-        """The raw bytes at ``key`` (an object written by :meth:`put_plain`); the caller verifies them."""
+    def get_plain(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The raw bytes at ``key`` (an object written by :meth:`put_plain`); the caller verifies them.
+
+        ``max_bytes``: read at most that many bytes plus one (a ranged read); a longer object raises
+        :class:`ChecksumMismatch` naming the key and the limit without being read whole.
+        """
         self.backend.path(key)
-        data = self._retry(f"get {key}", lambda: self.backend.read(key))
+        if max_bytes is None:
+            data = self._retry(f"get {key}", lambda: self.backend.read(key))
+        else:
+            data = self._retry(f"get {key}", lambda: self.backend.read(key, limit=max_bytes + 1))
         self._count(read=len(data))
+        if max_bytes is not None and len(data) > max_bytes:
+            raise OversizedObject(key, f"larger than the {max_bytes}-byte limit for this kind of record; "
+                                        "not read (a real record is far smaller)")
         return bytes(data)
 
     def put_json(self, key: str, obj: Any) -> int:
@@ -239,24 +254,30 @@ class Store:
         return self.create(key, _dumps(obj), settle=settle)
 
     # ------------------------------------------------------------ reads
-    def get(self, key: str) -> memoryview:
+    def get(self, key: str, *, max_bytes: int | None = None) -> memoryview:
         """Read and verify ``key``. Raises :class:`ObjectNotFound` or :class:`ChecksumMismatch`.
 
         A backend whose reads can be damaged in transit (S3) reads an object that fails verification once more.
+        ``max_bytes`` bounds the payload: a larger object is refused before it is read whole.
         """
+        limit = None if max_bytes is None else max_bytes + SIGNED_HEADER_BYTES
         for tries_left in range(self.backend.rereads, -1, -1):
             try:
-                data = self.get_plain(key)
+                data = self.get_plain(key, max_bytes=limit)
                 return unframe(key, data, signing_key=self._signing_key)
+            except OversizedObject:
+                raise  # its size is not damage in transit: never read again
             except ChecksumMismatch as exc:
                 if not tries_left:
                     raise
                 logger.debug("%s; reading it again", exc)
         raise AssertionError("unreachable")
 
-    def get_json(self, key: str) -> Any:
+    def get_json(self, key: str, *, max_bytes: int = JSON_RECORD_MAX_BYTES) -> Any:
+        """Read, verify and parse the JSON record at ``key``, refusing one over ``max_bytes`` unread
+        (its kind's limit: :mod:`composer_cloud.storage.records.limits`)."""
         try:
-            return json.loads(bytes(self.get(key)))
+            return json.loads(bytes(self.get(key, max_bytes=max_bytes)))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ChecksumMismatch(key, f"not JSON: {exc}") from None
 
@@ -266,9 +287,9 @@ class Store:
         except ObjectNotFound:
             return None
 
-    def try_get_json(self, key: str) -> Any | None:
+    def try_get_json(self, key: str, *, max_bytes: int = JSON_RECORD_MAX_BYTES) -> Any | None:
         try:
-            return self.get_json(key)
+            return self.get_json(key, max_bytes=max_bytes)
         except ObjectNotFound:
             return None
 

@@ -41,13 +41,13 @@ class FaultyStore(Store):
         while not self.exists(layout.outcome_key(FAULT_ROUND, 0)) and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def get(self, key: str) -> memoryview:
+    def get(self, key: str, **kw: Any) -> memoryview:
         if key == self.hold_get:
             self._until_decided()
         if key == self.tear and (self.persistent or not self.damaged):
             self.damaged += 1
             raise ChecksumMismatch(key, "damaged read (injected)")
-        return super().get(key)
+        return super().get(key, **kw)
 
     def put(self, key: str, payload: Any, **kw: Any) -> int:
         if key == self.hold_put:

@@ -39,6 +39,7 @@ from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import SliceMarker
+from composer_cloud.storage.records.limits import MARKER_MAX_BYTES
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.trust import create_over_forged
 
@@ -156,7 +157,8 @@ class GlobalStateStore:
         n = slices.num_slices
         marker_key = layout.slice_marker_key(round, attempt, index, n)
         try:  # a marker counts once read and verified; a forged one is replaced below
-            SliceMarker.from_json(self.store.get_json(marker_key), key=marker_key, round=round, attempt=attempt,
+            SliceMarker.from_json(self.store.get_json(marker_key, max_bytes=MARKER_MAX_BYTES), key=marker_key,
+                                  round=round, attempt=attempt,
                                   index=index, num_slices=n)
             return 0
         except ObjectNotFound:
@@ -212,8 +214,8 @@ class GlobalStateStore:
             _, index, n = parsed
             key = layout.slice_marker_key(round, attempt, index, n)
             try:
-                marker = SliceMarker.from_json(self.store.get_json(key), key=key, round=round, attempt=attempt,
-                                               index=index, num_slices=n)
+                obj = self.store.get_json(key, max_bytes=MARKER_MAX_BYTES)
+                marker = SliceMarker.from_json(obj, key=key, round=round, attempt=attempt, index=index, num_slices=n)
             except (BadObject, ObjectNotFound) as exc:
                 logger.warning("ignoring global-state marker %s (%s)", key, exc)
                 continue
@@ -224,16 +226,23 @@ class GlobalStateStore:
         """Whether every slice of ``round``'s ``attempt`` has its marker (``num_slices``: that many, else any)."""
         return self.markers(round, attempt).complete(num_slices) is not None
 
-    def load(self, round: int, attempt: int, *, num_slices: int | None = None) -> dict[str, Any]:
+    def load(self, round: int, attempt: int, *, num_slices: int | None = None,
+             crcs: Sequence[int] | None = None) -> dict[str, Any]:
         """The state tree of ``round``'s ``attempt``, each slice read and verified once.
 
+        ``crcs``: the slices' crc32s from a verified manifest (slice ``i`` of ``len(crcs)``), used instead of
+        the slice markers (a checkpoint with a manifest does not depend on its markers any more).
         Raises :class:`~composer_cloud.errors.CorruptCheckpoint` naming the slice if one is missing or damaged.
         """
-        markers = self.markers(round, attempt)
-        n = markers.complete(num_slices)
-        if n is None:
-            raise CorruptCheckpoint(layout.checkpoint_prefix(round), "global state incomplete (slices present: "
-                                    f"{ {k: sorted(v) for k, v in markers.by_count.items()} })")
+        if crcs is not None:
+            n, expected = len(crcs), list(crcs)
+        else:
+            markers = self.markers(round, attempt)
+            found = markers.complete(num_slices)
+            if found is None:
+                raise CorruptCheckpoint(layout.checkpoint_prefix(round), "global state incomplete (slices present: "
+                                        f"{ {k: sorted(v) for k, v in markers.by_count.items()} })")
+            n, expected = found, [markers.by_count[found][i].crc32 for i in range(found)]
         from safetensors.torch import load as st_load
 
         from composer_cloud.storage.tensors import read_metadata, unflatten
@@ -242,7 +251,7 @@ class GlobalStateStore:
         skeleton: Any = None
         for i in range(n):
             key = layout.slice_blob_key(round, attempt, i, n)
-            raw = bytes(read_verified(self.store, key, markers.by_count[n][i].crc32))
+            raw = bytes(read_verified(self.store, key, expected[i]))
             try:
                 meta = read_metadata(raw)
                 tensors.update(st_load(raw))

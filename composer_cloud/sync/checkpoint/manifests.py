@@ -25,6 +25,7 @@ from composer_cloud.errors import BadObject, CorruptCheckpoint, ObjectNotFound, 
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
+from composer_cloud.storage.records.limits import MANIFEST_MAX_BYTES, MARKER_MAX_BYTES
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, ResumePoint
@@ -58,7 +59,7 @@ class _ManifestExists(Exception):
 
 def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round: int, attempt: int,
                    participants: list[int], *, deadline_s: float, extra: dict[str, Any] | None = None,
-                   abandoned: Callable[[], bool] | None = None) -> bool:
+                   abandoned: Callable[[], bool] | None = None, committed: Callable[[], bool] | None = None) -> bool:
     """Wait for the durable global state and every participant's inner state, then write the manifest.
 
     Any participant may call this; the manifest is write-once, so the first
@@ -71,6 +72,10 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
     A replica writes its inner state *before* its slice, so a slice that had to be taken over
     means its owner stopped before finishing either (it died, or restarted past this round):
     its inner state is then taken only if it is already there.
+
+    ``committed()`` says whether ``attempt`` is the round's valid commit now: a manifest already there for
+    *another* attempt is then stale (that attempt's records were damaged after its commit and the round was
+    committed again, issue 33) and is replaced, so the round's model gets a manifest at all.
     """
     store = states.store
     deadline = time.monotonic() + deadline_s
@@ -114,8 +119,22 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
         logger.info("checkpoint %d was pruned before its manifest was written; not writing it", round)
         return False
     key = layout.manifest_key(round)
-    if not create_over_forged(store, key, manifest.to_json(), lambda o: Manifest.from_json(o, key=key, round=round)):
-        return False
+
+    def parse(obj: Any) -> Manifest:
+        found = Manifest.from_json(obj, key=key, round=round)
+        if found.attempt != attempt and committed is not None and committed():
+            raise BadObject(key, f"names attempt {found.attempt}, but attempt {attempt} is the round's commit")
+        return found
+
+    if not create_over_forged(store, key, manifest.to_json(), parse):
+        stale = read_manifest(states, round)
+        if not (stale is not None and stale.attempt != attempt and committed is not None and committed()):
+            return False
+        logger.warning("checkpoint %d: replacing the manifest of attempt %d, which is not the round's commit "
+                       "(attempt %d is)", round, stale.attempt, attempt)
+        store.delete(key)
+        if not store.create_json(key, manifest.to_json()):
+            return False
     if not _listed_objects_exist(store, manifest):
         store.delete(key)
         logger.info("checkpoint %d was pruned while its manifest was written; removed the manifest", round)
@@ -133,7 +152,7 @@ def read_manifest(states: GlobalStateStore, round: int) -> Manifest | None:
     """Round ``round``'s manifest if present and well-formed, else None (with a warning if unusable)."""
     key = layout.manifest_key(round)
     try:
-        return Manifest.from_json(states.store.get_json(key), key=key, round=round)
+        return Manifest.from_json(states.store.get_json(key, max_bytes=MANIFEST_MAX_BYTES), key=key, round=round)
     except ObjectNotFound:
         return None
     except BadObject as exc:
@@ -277,7 +296,8 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
     # list-after-write lag), which used to end a merge with a bare KeyError.
     key = layout.slice_marker_key(version, VERSION_ATTEMPT, 0, 1)
     try:
-        marker = SliceMarker.from_json(states.store.get_json(key), key=key, round=version, attempt=VERSION_ATTEMPT,
+        marker = SliceMarker.from_json(states.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, round=version,
+                                       attempt=VERSION_ATTEMPT,
                                        index=0, num_slices=1)
     except ObjectNotFound:
         raise CorruptCheckpoint(key, f"global version {version}: its marker is missing right after it was "
@@ -290,13 +310,21 @@ def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], 
 
 
 def read_version(states: GlobalStateStore, version: int) -> dict[str, Any]:
-    """Global ``version``'s state tree, read once through its marker's crc32 (raises ``CorruptCheckpoint``)."""
-    return states.load(version, VERSION_ATTEMPT, num_slices=1)
+    """Global ``version``'s state tree, read once through its marker's crc32, or its verified manifest's when
+    the marker is gone or damaged (raises ``CorruptCheckpoint``)."""
+    try:
+        return states.load(version, VERSION_ATTEMPT, num_slices=1)
+    except CorruptCheckpoint:
+        manifest = read_manifest(states, version)
+        if manifest is None or manifest.attempt != VERSION_ATTEMPT or len(manifest.slices) != 1:
+            raise
+        return states.load(version, VERSION_ATTEMPT, crcs=[manifest.slices[0].crc32])
 
 
 def version_durable(states: GlobalStateStore, version: int) -> bool:
-    """Whether global ``version`` is durable (its slice's marker exists): it may be adopted."""
-    return states.durable(version, VERSION_ATTEMPT, num_slices=1)
+    """Whether global ``version`` is durable (its slice's marker exists, or its verified manifest, written
+    after the marker, does): it may be adopted. A deleted marker does not take a version away."""
+    return states.durable(version, VERSION_ATTEMPT, num_slices=1) or read_manifest(states, version) is not None
 
 
 def version_complete(states: GlobalStateStore, version: int) -> bool:

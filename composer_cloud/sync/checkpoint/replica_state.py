@@ -29,6 +29,7 @@ from composer_cloud.errors import BadObject, CorruptCheckpoint, ObjectNotFound
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import ReplicaMarker
+from composer_cloud.storage.records.limits import MARKER_MAX_BYTES
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import read_verified
 
@@ -128,7 +129,7 @@ class ReplicaStateStore:
         """``rank``'s marker for checkpoint ``round`` (None if absent or unusable)."""
         key = layout.replica_marker_key(round, rank)
         try:
-            obj = self.store.try_get_json(key)
+            obj = self.store.try_get_json(key, max_bytes=MARKER_MAX_BYTES)
             return None if obj is None else ReplicaMarker.from_json(obj, key=key, rank=rank, position=round,
                                                                     decoupled=False)
         except BadObject as exc:
@@ -179,7 +180,8 @@ class ReplicaStateStore:
         for seq in reversed(self._decoupled_seqs(rank)):
             key = layout.decoupled_replica_key(rank, seq, "json")
             try:
-                rec = ReplicaMarker.from_json(self.store.get_json(key), key=key, rank=rank, position=seq,
+                rec = ReplicaMarker.from_json(self.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, rank=rank,
+                                              position=seq,
                                               decoupled=True)
                 if rec.world_size != world_size:
                     raise BadObject(key, f"written with {rec.world_size} replicas, now {world_size}")

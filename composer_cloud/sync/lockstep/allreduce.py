@@ -61,7 +61,7 @@ from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_out
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.lockstep.config import AllReduceConfig
 from composer_cloud.sync.lockstep.results import BehindError, RoundResult, RoundTimeout, _Immediate
-from composer_cloud.sync.lockstep.rounds import join_rank, read_outcome, read_quorum
+from composer_cloud.sync.lockstep.rounds import join_rank, moved_past, read_outcome, read_quorum
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +132,28 @@ class ObjectStoreAllReduce:
         the first undecided one is where the others are (a stray attempt
         directory further on is never joined). Raises :class:`BehindError`
         if ``round`` already committed.
+
+        A damaged (unreadable, unsigned) outcome may hide a commit: it counts as one only when a verified
+        record shows that the run left the round (:func:`~composer_cloud.sync.lockstep.rounds.moved_past`),
+        the same test the heal path uses; a listed name never does (issue 33: garbage at an outcome plus any
+        name under the next round made replicas go behind -> nothing to heal -> behind, forever).
         """
         attempt = 0
         while (out := self.outcome(round, attempt)) is not None:
-            # A damaged record may hide a commit: once the run has moved on to round + 1, it was one.
-            if out.committed or (out.unreadable and self.store.list_dirs(layout.round_prefix(round + 1))):
+            if out.committed or (out.unreadable and moved_past(self.store, round)):
                 raise BehindError(round)
             attempt += 1
+        # An attempt already under way (quorum decided) whose outcome is gone (deleted) while the run moved
+        # on: the round committed; joining it would wait out the deadlines for peers that left.
+        if self._quorum_exists(round, attempt) and moved_past(self.store, round):
+            raise BehindError(round)
         return attempt
+
+    def _quorum_exists(self, round: int, attempt: int) -> bool:
+        try:
+            return read_quorum(self.store, round, attempt, replicas=self.config.replicas) is not None
+        except BadObject:
+            return False
 
     def _chain(self, round: int, attempt: int) -> _Chain:
         """How ``attempt`` follows the attempts before it (same answer on every replica)."""
@@ -270,7 +284,11 @@ class ObjectStoreAllReduce:
         """Run one attempt; returns its result and whether to retry at once as ``attempt + 1``."""
         chain = self._chain(round, attempt)
         if self.rank in chain.excluded:
-            return RoundResult(round=round, attempt=attempt, participants=[], participated=False, committed=False,
+            # Wait (within the deadlines) for the attempt the others run without us: returning at once made an
+            # excluded replica whose peers had failed sync again and again with no deadline (issue 37, item 3).
+            out = self._wait_excluded(round, attempt)
+            return RoundResult(round=round, attempt=attempt, participants=[], participated=False,
+                               committed=out.committed,
                                reason=f"excluded from round {round} by an earlier attempt's check",
                                excluded=sorted(chain.excluded)), False
         try:
@@ -556,6 +574,21 @@ class ObjectStoreAllReduce:
         out = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         return out or Outcome(round=round, attempt=attempt, committed=False, reason=reason, check=check, retry=retry,
                               by=self.rank)
+
+    def _wait_excluded(self, round: int, attempt: int) -> Outcome:
+        """The outcome of an attempt this replica was excluded from, once its participants record one.
+
+        Raises :class:`RoundTimeout` naming the outcome key when none is recorded within
+        ``quorum_timeout_s + round_timeout_s`` (the participants failed; the replica exits with that reason).
+        """
+        cfg = self.config
+        key = layout.outcome_key(round, attempt)
+        return poll_until(
+            lambda: self.outcome(round, attempt),
+            deadline=time.monotonic() + cfg.quorum_timeout_s + cfg.round_timeout_s, policy=self.store.poll,
+            on_timeout=lambda waited: RoundTimeout(
+                round, [], f"excluded from attempt {attempt}, and its participants recorded no outcome at "
+                            f"{self.store.uri}/{key} within quorum_timeout_s + round_timeout_s ({waited:.1f}s)"))
 
     def _wait_outcome(self, round: int, attempt: int, participants: list[int]) -> Outcome:
         return poll_until(

@@ -53,6 +53,7 @@ import torch
 
 from composer_cloud.errors import StoreTimeout, SyncError
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.storage import layout
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
 
@@ -61,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 class HealError(SyncError):
     """No committed global state could be loaded before the heal deadline."""
+
+
+class SyncStalled(SyncError):
+    """A replica's syncs stopped advancing it for longer than the run's deadlines (the re-sync budget)."""
 
 
 class GlobalStatePort(Protocol):
@@ -139,6 +144,9 @@ class ObjectStoreManager:
         on_sync: called with the :class:`SyncRecord` of every sync (commit,
             abort, heal), on the training thread, before DiLoCo's outer step.
         start_step: first round this replica syncs (from a checkpoint).
+        stall_s: seconds a replica may keep syncing without advancing (no commit, no heal forward) before it
+            fails with :class:`SyncStalled`; default: the heal deadline plus ``void_after_s``.
+        stall_syncs: ... and at least this many syncs in a row (a slow round is not a stall).
     """
 
     _use_async_quorum = False
@@ -154,6 +162,8 @@ class ObjectStoreManager:
         on_heal: Callable[[int], None] | None = None,
         on_sync: Callable[[SyncRecord], None] | None = None,
         start_step: int = 0,
+        stall_s: float | None = None,
+        stall_syncs: int = 8,
     ) -> None:
         self._ar = allreduce
         self.global_state = global_state
@@ -178,6 +188,9 @@ class ObjectStoreManager:
         self._skip_sync = False
         self.last_sync: SyncRecord | None = None
         self._blocked_s = 0.0  # training-thread seconds inside the current sync
+        self.stall_s = float(heal_timeout_s + void_after_s if stall_s is None else stall_s)
+        self.stall_syncs = stall_syncs
+        self._stall_round, self._stalls, self._stall_since = start_step, 0, time.monotonic()
 
     @property
     def exchange(self) -> ObjectStoreAllReduce:
@@ -293,6 +306,7 @@ class ObjectStoreManager:
         self.last_sync = record
         if self.on_sync is not None:
             self.on_sync(record)
+        self._check_progress(record)
 
     # ------------------------------------------------------------ exchange
     def _flush(self) -> None:
@@ -416,6 +430,10 @@ class ObjectStoreManager:
         def durable() -> tuple[int, int] | tuple[None, None] | None:
             newest = newest_committed()
             if newest < floor:
+                # A damaged outcome at ``floor`` behind a verified later record: the run left the round
+                # (open_attempt said "behind" for the same reason); wait for a later commit's state.
+                if rounds.round_unknown(self.store, floor) and rounds.moved_past(self.store, floor):
+                    return None
                 return (None, None)
             for round in range(newest, floor - 1, -1):
                 attempt = rounds.committed_attempt(self.store, round)
@@ -433,7 +451,8 @@ class ObjectStoreManager:
             except StoreTimeout:
                 if time.monotonic() >= give_up:
                     raise HealError(f"replica {self.rank}: no committed global state for round >= {floor} became "
-                                    f"durable within heal_timeout_s={self.heal_timeout_s}") from None
+                                    f"durable within heal_timeout_s={self.heal_timeout_s} (blocking: "
+                                    f"{self._blocking_object(floor)})") from None
             newest = newest_committed()
             committed = rounds.committed_attempt(self.store, newest) if newest >= 0 else None
             if committed is not None:
@@ -451,6 +470,38 @@ class ObjectStoreManager:
             self.on_heal(round)
         logger.info("replica %d healed to committed round %d", self.rank, round)
         return round
+
+    def _blocking_object(self, round: int) -> str:
+        """The store object that keeps ``round`` from being decided or healed, for error messages."""
+        newest = rounds.latest_committed_round(self.store, start=max(round, 0))
+        if newest >= round:
+            attempt = rounds.committed_attempt(self.store, newest)
+            return (f"{self.store.uri}/{layout.checkpoint_prefix(newest)}: the global state of round {newest} "
+                    f"attempt {attempt} is not durable")
+        found = rounds.attempts(self.store, round)
+        if rounds.round_unknown(self.store, round):
+            return (f"{self.store.uri}/{layout.outcome_key(round, found[-1] if found else 0)}: unreadable, and "
+                    f"round {round + 1} has not committed")
+        return f"{self.store.uri}/{layout.round_prefix(round)}: no attempt of round {round} committed"
+
+    def _check_progress(self, record: SyncRecord) -> None:
+        """The re-sync budget: a replica whose syncs stop advancing it fails, naming the object that blocks it.
+
+        Every sync that neither commits nor heals forward counts; once ``stall_syncs`` of them in a row took
+        longer than ``stall_s`` (the run's deadlines) the replica raises :class:`SyncStalled` instead of
+        syncing again (issue 33: behind -> heal -> nothing to heal ran 15 times a second, forever).
+        """
+        progressed = record.committed or (record.healed_to is not None and record.healed_to >= self._stall_round)
+        if progressed or self._step > self._stall_round:
+            self._stall_round, self._stalls, self._stall_since = self._step, 0, time.monotonic()
+            return
+        self._stalls += 1
+        waited = time.monotonic() - self._stall_since
+        if self._stalls >= self.stall_syncs and waited >= self.stall_s:
+            reason = record.result.reason if record.result is not None else "healed to an older round"
+            raise SyncStalled(f"replica {self.rank}: round {self._step} made no progress in {self._stalls} syncs "
+                              f"over {waited:.0f}s (budget: {self.stall_syncs} syncs and stall_s={self.stall_s:.0f}s;"
+                              f" last: {reason}); blocking: {self._blocking_object(self._step)}")
 
     def close(self) -> None:
         self.flush_state()

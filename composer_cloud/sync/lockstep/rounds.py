@@ -17,12 +17,22 @@ than the attempt:
   round that does not match is ignored).
 
 **Corrupt old outcomes.** Round discovery never raises on a bad record. A
-round whose outcome cannot be read (checksum mismatch, not JSON, bad schema)
-is *unknown*: it may have committed. Rounds commit in order (a replica opens
-round ``r + 1`` only after round ``r`` committed or after healing past it), so
-an unknown round counts as committed iff a later round has a valid commit;
-otherwise discovery stops before it. A bit flip in an old record therefore
-neither hides the run's progress nor makes it up.
+round whose outcome cannot be read (checksum mismatch, not JSON, unsigned or
+mis-signed in a signed run) is *unknown*: it may have committed. Rounds commit
+in order (a replica opens round ``r + 1`` only after round ``r`` committed or
+after healing past it), so an unknown round counts as committed iff a later
+round has a valid commit; otherwise discovery stops before it. A bit flip in
+an old record therefore neither hides the run's progress nor makes it up.
+
+**Absent unless verified (issue 33).** Every decision is read here, through
+:func:`read_quorum`, :func:`read_outcome` and :func:`_valid_void`, which
+verify (checksum, signature, schema) and return nothing that failed. No
+inference is drawn from a *listing*: "the run has left round ``r``"
+(:func:`moved_past`) needs a verified record of a later round (a valid commit,
+or a valid quorum of round ``r + 1``, which only a job that finished round ``r``
+writes), never the mere existence of a name. :func:`open_attempt` (behind?) and
+the heal path ask the same question, so a replica is never told "behind" by one
+and "nothing to heal" by the other.
 """
 
 from __future__ import annotations
@@ -35,7 +45,9 @@ from typing import Any
 from composer_cloud.errors import BadObject, ChecksumMismatch
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum, Void
+from composer_cloud.storage.records.limits import ROUND_RECORD_MAX_BYTES
 from composer_cloud.storage.store import Store
+from composer_cloud.sync.trust import create_over_forged
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +92,7 @@ def read_quorum(store: Store, round: int, attempt: int, *, replicas: int | None,
                 min_replicas: int = 1) -> Quorum | None:
     """The attempt's quorum, None if not decided yet; raises :class:`BadObject` for an unusable record."""
     key = layout.quorum_key(round, attempt)
-    obj = store.try_get_json(key)
+    obj = store.try_get_json(key, max_bytes=ROUND_RECORD_MAX_BYTES)
     if obj is None:
         return None
     return Quorum.from_json(obj, key=key, round=round, attempt=attempt, replicas=replicas, min_replicas=min_replicas)
@@ -97,7 +109,7 @@ def read_outcome(store: Store, round: int, attempt: int, *, replicas: int | None
     """
     key = layout.outcome_key(round, attempt)
     try:
-        obj = store.try_get_json(key)
+        obj = store.try_get_json(key, max_bytes=ROUND_RECORD_MAX_BYTES)
         if obj is None:
             return None
         out = Outcome.from_json(obj, key=key, round=round, attempt=attempt, replicas=replicas)
@@ -106,7 +118,11 @@ def read_outcome(store: Store, round: int, attempt: int, *, replicas: int | None
         if participants is None:
             quorum = read_quorum(store, round, attempt, replicas=replicas)
             if quorum is None:
-                raise BadObject(key, "committed, but the attempt has no quorum record")
+                # Deleted (or never written?) quorum: the commit is unknown, not an abort; a later round's
+                # valid commit vouches for it (issue 37: deleting an old quorum made status say "failed").
+                exc = BadObject(key, "committed, but the attempt has no quorum record")
+                warn_once(f"outcome:{store.uri}/{key}:{exc.reason}", "%s", exc)
+                return Outcome.unusable(round, attempt, exc, unreadable=True)
             participants = quorum.participants
         if out.participants != participants:
             raise BadObject(key, f"committed with participants {out.participants[:16]}, but the quorum "
@@ -128,7 +144,7 @@ def _valid_void(store: Store, round: int, attempt: int, replicas: int | None) ->
     voids a commit (in a signed run only the run's jobs can void one)."""
     key = layout.void_key(round, attempt)
     try:
-        obj = store.try_get_json(key)
+        obj = store.try_get_json(key, max_bytes=ROUND_RECORD_MAX_BYTES)
         if obj is None:
             return False
         void = Void.from_json(obj, key=key, round=round, attempt=attempt)
@@ -148,8 +164,11 @@ def declare_void(store: Store, round: int, attempt: int, *, by: int, reason: str
     attempt as aborted, and the round is run again as a new attempt from the
     previous durable state. Replicas that applied the voided commit heal back.
     """
-    created = store.create_json(layout.void_key(round, attempt),
-                                Void(round=round, attempt=attempt, by=by, reason=reason).to_json())
+    key = layout.void_key(round, attempt)
+    # A forged object at the key (no job of a signed run wrote it) must not block the run's own void: the
+    # healer would wait out heal_timeout_s for a state that never becomes durable (issue 33 matrix).
+    created = create_over_forged(store, key, Void(round=round, attempt=attempt, by=by, reason=reason).to_json(),
+                                 lambda o: Void.from_json(o, key=key, round=round, attempt=attempt))
     if created:
         logger.warning("round %d attempt %d declared void by replica %d: %s", round, attempt, by, reason)
     return created
@@ -164,16 +183,62 @@ def attempts(store: Store, round: int) -> list[int]:
 
 
 def _round_state(store: Store, round: int) -> tuple[int | None, bool]:
-    """``(committed attempt or None, unknown)``: unknown = some outcome was unreadable."""
+    """``(committed attempt or None, unknown)``: unknown = some outcome was unreadable, or is missing
+    although the attempt's quorum was decided (in progress, or deleted: a later valid commit vouches)."""
     unknown = False
     for a in reversed(attempts(store, round)):
         out = read_outcome(store, round, a, replicas=None)
         if out is None:
+            unknown = unknown or _has_quorum(store, round, a)
             continue
         if out.committed:
             return a, False
         unknown = unknown or out.unreadable
     return None, unknown
+
+
+def round_unknown(store: Store, round: int) -> bool:
+    """Whether ``round`` has no valid commit but an unreadable outcome (a commit may hide behind it)."""
+    committed, unknown = _round_state(store, round)
+    return committed is None and unknown
+
+
+def moved_past(store: Store, round: int) -> bool:
+    """Whether a *verified* record shows that the run left ``round``: a valid commit of a later round, or a
+    valid quorum record of round ``round + 1`` (any attempt). Listed names alone never count (issue 33)."""
+    if latest_committed_round(store, start=round + 1) > round:
+        return True
+    for a in attempts(store, round + 1):
+        try:
+            if read_quorum(store, round + 1, a, replicas=None) is not None:
+                return True
+        except BadObject:
+            continue
+    return False
+
+
+def may_have_committed(store: Store, round: int, attempt: int) -> bool:
+    """Whether ``attempt`` of ``round`` may be the round's commit although no valid commit says so.
+
+    True when the round has no valid commit and the attempt's records do not *verifiably* deny it: its
+    outcome is absent (deleted) or unreadable, and no valid void names it. A verified abort or void says
+    no. Callers hold other verified evidence that the attempt committed (a signed manifest of its state,
+    written only after a commit): this is how a run whose old records were damaged or deleted keeps its
+    durable model (issue 33, item 3; issue 37, item 5).
+    """
+    if committed_attempt(store, round) is not None:
+        return False
+    out = read_outcome(store, round, attempt, replicas=None)
+    if out is not None and not out.unreadable:
+        return False
+    return not _valid_void(store, round, attempt, None)
+
+
+def _has_quorum(store: Store, round: int, attempt: int) -> bool:
+    try:
+        return read_quorum(store, round, attempt, replicas=None) is not None
+    except BadObject:
+        return False
 
 
 def committed_attempt(store: Store, round: int) -> int | None:
