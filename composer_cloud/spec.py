@@ -329,6 +329,10 @@ class RunSpec(_Strict):
     #: ``COMPOSER_CLOUD_RUN_KEY`` or a key ``launch`` creates, unless ``COMPOSER_CLOUD_UNSIGNED=1``; ``false``:
     #: an explicit opt-out (warned about). ``launch`` records the decision (true/false) in ``spec.json``.
     signed: bool | None = None
+    #: The run's salt (hex, 32 digits), written once by ``launch`` into ``spec.json`` of a signed run and never
+    #: changed by ``resume``: with the run id it derives the run's signing key from the run key, so objects
+    #: copied from another run signed with the same key (even one of the same id) do not verify (docs/security.md).
+    run_salt: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
