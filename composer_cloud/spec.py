@@ -28,6 +28,7 @@ _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key
 
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
+MAX_STORE_BYTES = 768  # a store URI's bound: a run's keys (~80 more) must fit S3's 1,024-byte keys
 # ``[trainer]`` settings that may be a "module:factory" reference (besides ``name``).
 _FACTORY_SETTINGS = ("task", "hint_source", "reward")
 
@@ -106,8 +107,12 @@ class ModelSpec(_Strict):
 class InnerOptimizerSpec(_Strict):
     """AdamW, stepped once per inner step on each replica."""
 
-    lr: float = Field(default=4e-4, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
+    #: At most 1: AdamW moves each parameter by about ``lr`` per step whatever the gradient's scale, so a
+    #: rate above 1 moves every weight by more than its typical magnitude each step (fine-tuning uses 1e-6..1e-3).
+    lr: float = Field(default=4e-4, gt=0, le=1.0)
+    #: At most 10, and ``lr * weight_decay < 1`` (checked below): AdamW multiplies every parameter by
+    #: ``1 - lr * weight_decay`` each step, so at 1 or above a step zeroes or flips the sign of every weight.
+    weight_decay: float = Field(default=0.1, ge=0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(default=1.0, ge=0)
 
@@ -123,6 +128,14 @@ class InnerOptimizerSpec(_Strict):
             raise ValueError(f"{list(v)}: each of AdamW's betas must be in [0, 1), e.g. [0.9, 0.95]")
         return v
 
+    @model_validator(mode="after")
+    def _decay_keeps_weights(self) -> "InnerOptimizerSpec":
+        if self.lr * self.weight_decay >= 1:
+            raise SpecError("inner_optimizer.weight_decay", f"lr x weight_decay = {self.lr * self.weight_decay:g}: "
+                            "AdamW multiplies every weight by 1 - lr x weight_decay each step, which would zero or "
+                            "flip them all; use a weight decay well below 1 / lr (typical: 0.0-0.1)")
+        return self
+
 
 # Outer optimizer defaults per sync mode (lr, momentum). Lock-step: DiLoCo's. Decoupled: merges apply
 # pseudo-gradients computed against older globals, and asynchrony acts as implicit momentum (Mitliagkas et
@@ -137,7 +150,9 @@ class OuterOptimizerSpec(_Strict):
     the stored spec holds the values used.
     """
 
-    lr: float | None = Field(default=None, gt=0)
+    #: At most 10: the outer step moves the global model by ``lr`` times the averaged pseudo-gradient (the
+    #: replicas' whole movement over a round); DiLoCo uses 0.7, and beyond a few times it overshoots every round.
+    lr: float | None = Field(default=None, gt=0, le=10.0)
     momentum: float | None = Field(default=None, ge=0, lt=1)
     nesterov: bool = True
 
@@ -157,14 +172,25 @@ class SparseSpec(_Strict):
     value_bits: int = Field(default=2, ge=1, le=8)
     #: Error-feedback decay beta in e <- beta e + delta (0: no memory); null: the sync mode's recipe.
     decay: float | None = Field(default=None, ge=0, le=1)
-    #: Elements per chunk (positions are Rice-coded within a chunk).
-    chunk: int = Field(default=4096, ge=2, le=1 << 20)
+    #: Elements per chunk (positions are Rice-coded within a chunk). At least 64: every chunk also sends its
+    #: codebook (2 ** (value_bits - 1) bfloat16 levels), which below 64 elements costs more bits per element
+    #: than bf16 sends, so a "compressed" sync would move more bytes than an uncompressed one.
+    chunk: int = Field(default=4096, ge=64, le=1 << 20)
     #: The exchange: "gather" (flat: every replica reads every contribution, exact), "two_level" (groups
     #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 235
     #: replicas on, where the gather's requests on one key prefix need > 10 s a round; docs/scale.md).
     exchange: Literal["auto", "gather", "two_level"] = "auto"
     #: Members per group of the two-level exchange (null: ceil(sqrt(participants))).
     group_size: int | None = Field(default=None, ge=2)
+
+    @model_validator(mode="after")
+    def _one_value_per_chunk(self) -> "SparseSpec":
+        # density x chunk < 1/2 rounds to no value per chunk; the codec would silently send one (max(1, ...)),
+        # i.e. not the density asked for.
+        if self.density is not None and self.density * self.chunk < 0.5:
+            raise SpecError("sync.sparse.density", f"{self.density:g} x sync.sparse.chunk ({self.chunk}) is less "
+                            f"than one value per chunk; use at least {1 / self.chunk:.3g} (the recipes: 3/64, 11/128)")
+        return self
 
 
 #: ``[sync.sparse]`` density and decay where the spec leaves them out, by ``sync.mode`` (docs/sparse.md, W = 4,
@@ -206,7 +232,9 @@ class SyncSpec(_Strict):
     io_threads: int = Field(default=8, ge=1, le=128)
     #: How long (seconds) a replica keeps retrying a store that fails with transient errors (connection
     #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
-    store_outage_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    #: At most a week, like every deadline here: beyond it a replica would wait on a dead store for longer than
+    #: any run lasts, holding its GPU.
+    store_outage_s: float = Field(default=600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median
     #: aborts the attempt and is left out of its retry (null: no outlier check; applies with >= 3 participants).
     outlier_factor: float | None = Field(default=10.0, gt=1)
@@ -351,7 +379,9 @@ class RunSpec(_Strict):
     keep_checkpoints: int = Field(default=2, ge=1, le=10_000)
     max_restarts: int = Field(default=0, ge=0, le=1000)
     #: Seconds between a replica's progress heartbeats (step, loss, reward, steps/s) in ``replicas/<rank>.json``.
-    progress_every_s: float = Field(default=5.0, gt=0, le=3600)
+    #: At least 0.1 s: each heartbeat is a store write (a PUT on S3); more often than that is a write per step of
+    #: a small model, which costs requests and bandwidth and tells a reader nothing a second would not.
+    progress_every_s: float = Field(default=5.0, ge=0.1, le=3600)
     #: Trackers (TRL's names) an attached launch writes the run's metrics to when it ends; docs/metrics.md.
     report_to: list[Literal["tensorboard", "trackio"]] = Field(default_factory=list)
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -384,16 +414,27 @@ class RunSpec(_Strict):
                 )
         for name, value in _walk_values(v):
             if isinstance(value, str) and url_has_credentials(value):
-                raise ValueError(f"option {name!r} is a URL with user:password@ in it; credentials never go into "
+                raise ValueError(f"option {name!r} is a URL that carries credentials (user:password@, or a secret "
+                                 "query parameter such as ?token= or ?X-Amz-Signature=); credentials never go into "
                                  "a spec (use the standard AWS_* environment variables or a named executor secret)")
         return v
 
     @field_validator("store")
     @classmethod
     def _no_credentials_in_store(cls, v: str) -> str:
+        # Lengths: S3 keys are at most 1,024 bytes and a run appends ~80 characters to the store's; local file
+        # systems refuse a path component over 255 bytes (NAME_MAX). A longer store can only be a mistake.
+        if len(v.encode()) > MAX_STORE_BYTES:
+            raise ValueError(f"the store URI is {len(v.encode())} bytes long; at most {MAX_STORE_BYTES} (S3 keys are "
+                             "at most 1024 bytes, and a run's keys are appended to it)")
+        longest = max(v.split("://", 1)[-1].split("/"), key=lambda part: len(part.encode()))
+        if len(longest.encode()) > 255:
+            raise ValueError(f"a folder name in the store URI is {len(longest.encode())} bytes long; file systems "
+                             "allow at most 255")
         if url_has_credentials(v):
-            raise ValueError("the store URI carries credentials (user:password@); put them in AWS_ACCESS_KEY_ID / "
-                             "AWS_SECRET_ACCESS_KEY (or the executors' secrets), never in the URI")
+            raise ValueError("the store URI carries credentials (user:password@, or a secret query parameter); put "
+                             "them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the executors' secrets), never "
+                             "in the URI")
         return v
 
     @model_validator(mode="after")

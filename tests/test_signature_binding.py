@@ -197,6 +197,7 @@ def test_rounds_and_checkpoints_of_a_twin_run_with_the_same_key_never_become_its
         shutil.copytree(tmp_path / "x" / "store" / RUN_ID / prefix, tmp_path / "y" / "store" / RUN_ID / prefix)
     res = launch_run(tmp_path / "y", store_y, RUN_ID, env=keyed)
     st = json.loads(cli("status", f"{store_y}/{RUN_ID}", "--json", cwd=tmp_path / "y", env=keyed).stdout)
+    print(f"run Y: launch exit {res.returncode}, state {st['state']}")  # the security counts (-rP shows it)
     if res.returncode == 0:  # completed: on its own model
         assert st["state"] == "completed", st
         with _keyed(keyed):

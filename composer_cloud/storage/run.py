@@ -86,9 +86,17 @@ def normalize_run_uri(uri: str) -> str:
     uri = uri.strip()
     if "://" in uri:
         return uri
-    if "/" not in uri and uri not in (".", "..") and not Path(uri).exists():
+    if "/" not in uri and uri not in (".", "..") and not _is_local_path(uri):
         uri = str(Path(DEFAULT_STORE.removeprefix("file://")) / uri)
     return f"file://{Path(uri).resolve()}"
+
+
+def _is_local_path(name: str) -> bool:
+    """Whether ``name`` exists here; a name the file system cannot even look up (too long) does not."""
+    try:
+        return Path(name).exists()
+    except OSError:
+        return False
 
 
 def run_signing_key(run_id: str, run_key: str | None, salt: str = "") -> bytes | None:
