@@ -131,6 +131,15 @@ class ChecksumMismatch(BadObject):
         super().__init__(key, reason, message=f"object {key} is corrupt ({reason}); it was not used")
 
 
+class LinkOutsideStore(ChecksumMismatch):
+    """A ``file://`` store key whose path leads out of the store through a symbolic link (planted by someone
+    who can write the store folder): never read, written or deleted."""
+
+    def __init__(self, key: str) -> None:
+        BadObject.__init__(self, key, "a symbolic link out of the store", message=f"object {key} leads out of the "
+                           "store through a symbolic link; refused (nothing outside the store is read or written)")
+
+
 class SignatureMismatch(ChecksumMismatch):
     """A stored object is unsigned or its HMAC does not verify under the run key: forged, moved or foreign."""
 
@@ -214,6 +223,6 @@ def redact(text: str) -> str:
 
 
 __all__ = ["BadObject", "BadReference", "ChecksumMismatch", "ComposerCloudError", "ConfigError", "CorruptCheckpoint",
-           "ExecutorError", "LaunchError", "ObjectNotFound", "RunExists", "RunKeyError", "RunNotFound", "SignatureMismatch",
+           "ExecutorError", "LaunchError", "LinkOutsideStore", "ObjectNotFound", "RunExists", "RunKeyError", "RunNotFound", "SignatureMismatch",
            "SpecError", "StoreConfigError", "StoreError", "StoreTimeout", "StoreUnavailable", "SyncError",
            "redact", "url_has_credentials"]

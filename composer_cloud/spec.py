@@ -107,12 +107,10 @@ class ModelSpec(_Strict):
 class InnerOptimizerSpec(_Strict):
     """AdamW, stepped once per inner step on each replica."""
 
-    #: At most 1: AdamW moves each parameter by about ``lr`` per step whatever the gradient's scale, so a
-    #: rate above 1 moves every weight by more than its typical magnitude each step (fine-tuning uses 1e-6..1e-3).
+    #: <= 1: AdamW moves each weight by ~lr per step whatever the gradient's scale (fine-tuning: 1e-6..1e-3).
     lr: float = Field(default=4e-4, gt=0, le=1.0)
-    #: At most 10, and ``lr * weight_decay < 1`` (checked below): AdamW multiplies every parameter by
-    #: ``1 - lr * weight_decay`` each step, so at 1 or above a step zeroes or flips the sign of every weight.
-    weight_decay: float = Field(default=0.1, ge=0, le=10.0)
+    #: <= 1: AdamW scales every weight by 1 - lr x wd per step; with lr <= 1 this keeps it >= 0 (never flipped).
+    weight_decay: float = Field(default=0.1, ge=0, le=1.0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(default=1.0, ge=0)
 
@@ -128,14 +126,6 @@ class InnerOptimizerSpec(_Strict):
             raise ValueError(f"{list(v)}: each of AdamW's betas must be in [0, 1), e.g. [0.9, 0.95]")
         return v
 
-    @model_validator(mode="after")
-    def _decay_keeps_weights(self) -> "InnerOptimizerSpec":
-        if self.lr * self.weight_decay >= 1:
-            raise SpecError("inner_optimizer.weight_decay", f"lr x weight_decay = {self.lr * self.weight_decay:g}: "
-                            "AdamW multiplies every weight by 1 - lr x weight_decay each step, which would zero or "
-                            "flip them all; use a weight decay well below 1 / lr (typical: 0.0-0.1)")
-        return self
-
 
 # Outer optimizer defaults per sync mode (lr, momentum). Lock-step: DiLoCo's. Decoupled: merges apply
 # pseudo-gradients computed against older globals, and asynchrony acts as implicit momentum (Mitliagkas et
@@ -150,8 +140,7 @@ class OuterOptimizerSpec(_Strict):
     the stored spec holds the values used.
     """
 
-    #: At most 10: the outer step moves the global model by ``lr`` times the averaged pseudo-gradient (the
-    #: replicas' whole movement over a round); DiLoCo uses 0.7, and beyond a few times it overshoots every round.
+    #: <= 10: lr x the replicas' whole movement of a round (DiLoCo: 0.7); more overshoots every round.
     lr: float | None = Field(default=None, gt=0, le=10.0)
     momentum: float | None = Field(default=None, ge=0, lt=1)
     nesterov: bool = True
@@ -172,9 +161,8 @@ class SparseSpec(_Strict):
     value_bits: int = Field(default=2, ge=1, le=8)
     #: Error-feedback decay beta in e <- beta e + delta (0: no memory); null: the sync mode's recipe.
     decay: float | None = Field(default=None, ge=0, le=1)
-    #: Elements per chunk (positions are Rice-coded within a chunk). At least 64: every chunk also sends its
-    #: codebook (2 ** (value_bits - 1) bfloat16 levels), which below 64 elements costs more bits per element
-    #: than bf16 sends, so a "compressed" sync would move more bytes than an uncompressed one.
+    #: Elements per chunk (positions Rice-coded within it). >= 64: below, each chunk's codebook (2 ** (value_bits
+    #: - 1) bf16 levels) costs more bits per element than bf16 itself.
     chunk: int = Field(default=4096, ge=64, le=1 << 20)
     #: The exchange: "gather" (flat: every replica reads every contribution, exact), "two_level" (groups
     #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 235
@@ -184,9 +172,7 @@ class SparseSpec(_Strict):
     group_size: int | None = Field(default=None, ge=2)
 
     @model_validator(mode="after")
-    def _one_value_per_chunk(self) -> "SparseSpec":
-        # density x chunk < 1/2 rounds to no value per chunk; the codec would silently send one (max(1, ...)),
-        # i.e. not the density asked for.
+    def _one_value_per_chunk(self) -> "SparseSpec":  # below 1/2 a chunk the codec would silently send one
         if self.density is not None and self.density * self.chunk < 0.5:
             raise SpecError("sync.sparse.density", f"{self.density:g} x sync.sparse.chunk ({self.chunk}) is less "
                             f"than one value per chunk; use at least {1 / self.chunk:.3g} (the recipes: 3/64, 11/128)")
@@ -232,8 +218,7 @@ class SyncSpec(_Strict):
     io_threads: int = Field(default=8, ge=1, le=128)
     #: How long (seconds) a replica keeps retrying a store that fails with transient errors (connection
     #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
-    #: At most a week, like every deadline here: beyond it a replica would wait on a dead store for longer than
-    #: any run lasts, holding its GPU.
+    #: <= a week, like every deadline here: longer, a replica holds its GPU waiting on a dead store.
     store_outage_s: float = Field(default=600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median
     #: aborts the attempt and is left out of its retry (null: no outlier check; applies with >= 3 participants).
@@ -357,9 +342,8 @@ class RunSpec(_Strict):
     #: ``COMPOSER_CLOUD_RUN_KEY`` or a key ``launch`` creates, unless ``COMPOSER_CLOUD_UNSIGNED=1``; ``false``:
     #: an explicit opt-out (warned about). ``launch`` records the decision (true/false) in ``spec.json``.
     signed: bool | None = None
-    #: The run's salt (hex, 32 digits), written once by ``launch`` into ``spec.json`` of a signed run and never
-    #: changed by ``resume``: with the run id it derives the run's signing key from the run key, so objects
-    #: copied from another run signed with the same key (even one of the same id) do not verify (docs/security.md).
+    #: Set by ``launch`` (signed runs), kept by ``resume``: with the run id it derives the signing key from the run
+    #: key, so another run's objects never verify here, even under one key and id (docs/store.md).
     run_salt: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
@@ -379,8 +363,7 @@ class RunSpec(_Strict):
     keep_checkpoints: int = Field(default=2, ge=1, le=10_000)
     max_restarts: int = Field(default=0, ge=0, le=1000)
     #: Seconds between a replica's progress heartbeats (step, loss, reward, steps/s) in ``replicas/<rank>.json``.
-    #: At least 0.1 s: each heartbeat is a store write (a PUT on S3); more often than that is a write per step of
-    #: a small model, which costs requests and bandwidth and tells a reader nothing a second would not.
+    #: >= 0.1 s: each heartbeat is a store write (a PUT); more often is a request per step that tells nothing new.
     progress_every_s: float = Field(default=5.0, ge=0.1, le=3600)
     #: Trackers (TRL's names) an attached launch writes the run's metrics to when it ends; docs/metrics.md.
     report_to: list[Literal["tensorboard", "trackio"]] = Field(default_factory=list)
@@ -422,19 +405,15 @@ class RunSpec(_Strict):
     @field_validator("store")
     @classmethod
     def _no_credentials_in_store(cls, v: str) -> str:
-        # Lengths: S3 keys are at most 1,024 bytes and a run appends ~80 characters to the store's; local file
-        # systems refuse a path component over 255 bytes (NAME_MAX). A longer store can only be a mistake.
-        if len(v.encode()) > MAX_STORE_BYTES:
-            raise ValueError(f"the store URI is {len(v.encode())} bytes long; at most {MAX_STORE_BYTES} (S3 keys are "
-                             "at most 1024 bytes, and a run's keys are appended to it)")
-        longest = max(v.split("://", 1)[-1].split("/"), key=lambda part: len(part.encode()))
-        if len(longest.encode()) > 255:
-            raise ValueError(f"a folder name in the store URI is {len(longest.encode())} bytes long; file systems "
-                             "allow at most 255")
+        # S3 keys are <= 1,024 bytes (a run appends ~80); file systems refuse names over 255 bytes (NAME_MAX).
+        longest = max(len(part.encode()) for part in v.split("://", 1)[-1].split("/"))
+        if len(v.encode()) > MAX_STORE_BYTES or longest > 255:
+            raise ValueError(f"the store URI is too long ({len(v.encode())} bytes long, its longest name {longest}): "
+                             f"at most {MAX_STORE_BYTES} bytes (S3 keys are <= 1,024 and a run appends its own) and "
+                             "255 per name (file systems)")
         if url_has_credentials(v):
             raise ValueError("the store URI carries credentials (user:password@, or a secret query parameter); put "
-                             "them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the executors' secrets), never "
-                             "in the URI")
+                             "them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or executor secrets), not the URI")
         return v
 
     @model_validator(mode="after")

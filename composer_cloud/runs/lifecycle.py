@@ -501,7 +501,7 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
     executors: dict[str, Any] = {}
     for h in trusted_handles(load_handles(run.store), run.spec):
         try:
-            ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec))
+            ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec, run_key=run.run_key))
             ex.cancel(h)
             cancelled.append(h.rank)
         except Exception as exc:  # noqa: BLE001 - cancel the others anyway, and say which failed
