@@ -88,22 +88,6 @@ def _as_run(ref: RunRef, storage_options: Mapping[str, Any] | None) -> Run:
 
 
 # ---------------------------------------------------------------- specs and plans
-def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunSpec:
-    """The spec a launch would use: ``config`` (TOML) or defaults, then dotted ``overrides``, with a run id.
-
-    Raises :class:`SpecError` naming the field for anything invalid, including the executor mix.
-    """
-    spec = load_spec(config, _checked_overrides(overrides)).with_run_id()
-    if spec.store.startswith("file://"):
-        # Absolute, so the run can be opened (status, export, resume) from any directory.
-        spec = spec.model_copy(update={"store": "file://" + os.path.abspath(spec.store[len("file://"):])})
-    try:
-        assign_ranks(spec.executor, spec.replicas)
-    except ValueError as exc:
-        raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
-    return spec
-
-
 def _checked_overrides(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """``overrides`` as a dict, once every key is a dotted setting name; else :class:`SpecError` (``overrides``)."""
     if overrides is None:
@@ -128,6 +112,22 @@ def _check_store_shared(spec: RunSpec) -> None:
         raise SpecError("store", f"{scheme}:// lives inside one process, and the {spec.executor} executor runs each "
                         "replica in a process of its own, so they could not share it; use file:// (one machine) or "
                         "an object store (s3://...)")
+
+
+def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunSpec:
+    """The spec a launch would use: ``config`` (TOML) or defaults, then dotted ``overrides``, with a run id.
+
+    Raises :class:`SpecError` naming the field for anything invalid, including the executor mix.
+    """
+    spec = load_spec(config, _checked_overrides(overrides)).with_run_id()
+    if spec.store.startswith("file://"):
+        # Absolute, so the run can be opened (status, export, resume) from any directory.
+        spec = spec.model_copy(update={"store": "file://" + os.path.abspath(spec.store[len("file://"):])})
+    try:
+        assign_ranks(spec.executor, spec.replicas)
+    except ValueError as exc:
+        raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
+    return spec
 
 
 def plan(spec: RunSpec) -> list[LaunchPlan]:
