@@ -26,7 +26,7 @@ from rich.table import Table
 
 from composer_cloud import cli_views, runs
 from composer_cloud.cli_watch import follow
-from composer_cloud.errors import ConfigError, LaunchError, StoreError
+from composer_cloud.errors import ConfigError, LaunchError, StoreError, redact
 from composer_cloud.runs import Run
 from composer_cloud.spec import DEFAULT_STORE
 
@@ -46,7 +46,8 @@ StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # "[hf_jobs]" is not markup
+    # "[hf_jobs]" is not markup; a URL's credentials are never echoed, whichever error carried the URL.
+    err_console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False)
     return typer.Exit(code)
 
 

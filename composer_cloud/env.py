@@ -66,6 +66,9 @@ FILES = "COMPOSER_CLOUD_FILES"
 #: recorded in its spec at launch; a process must have the key to open a signed run, and must not have it
 #: to open an unsigned one (:func:`composer_cloud.storage.run.open_run`). Unset or empty: no key.
 RUN_KEY = "COMPOSER_CLOUD_RUN_KEY"
+#: The key (hex, a secret like :data:`RUN_KEY`) of a local job's records (``supervisor.json``, ``exit.json``,
+#: ``cancel``; :mod:`composer_cloud.jobs.jobfiles`), given to the local executor's supervisors of a signed run.
+JOB_RECORDS_KEY = "COMPOSER_CLOUD_JOB_RECORDS_KEY"
 #: sha256 of the spec (canonical JSON) the launcher wrote for a job: a replica refuses a ``spec.json`` that
 #: differs (it was replaced in the store after the launch), signed run or not.
 SPEC_SHA256 = "COMPOSER_CLOUD_SPEC_SHA256"
@@ -177,6 +180,14 @@ def unsigned_by_default(environ: Mapping[str, str] = os.environ) -> bool:
 def run_key(environ: Mapping[str, str] = os.environ) -> str | None:
     """The run key as set (never logged), or None when unset or empty."""
     return environ.get(RUN_KEY) or None
+
+
+def job_records_key(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The local job records' key (:data:`JOB_RECORDS_KEY`), or None when unset, empty or not hex."""
+    try:
+        return bytes.fromhex(environ.get(JOB_RECORDS_KEY) or "") or None
+    except ValueError:
+        return None
 
 
 def s3_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:

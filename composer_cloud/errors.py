@@ -131,6 +131,15 @@ class ChecksumMismatch(BadObject):
         super().__init__(key, reason, message=f"object {key} is corrupt ({reason}); it was not used")
 
 
+class LinkOutsideStore(ChecksumMismatch):
+    """A ``file://`` store key whose path leads out of the store through a symbolic link (planted by someone
+    who can write the store folder): never read, written or deleted."""
+
+    def __init__(self, key: str) -> None:
+        BadObject.__init__(self, key, "a symbolic link out of the store", message=f"object {key} leads out of the "
+                           "store through a symbolic link; refused (nothing outside the store is read or written)")
+
+
 class SignatureMismatch(ChecksumMismatch):
     """A stored object is unsigned or its HMAC does not verify under the run key: forged, moved or foreign."""
 
@@ -159,20 +168,61 @@ class LaunchError(ExecutorError):
 
 
 # ---------------------------------------------------------------- credentials in URLs
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s'\"]+)@")
+# A URL as it appears in text: a scheme, "://", then everything up to whitespace or a quote. The userinfo is not
+# parsed by RFC 3986 rules on purpose: a secret key may hold "/", ":" or "@" (AWS secret keys hold "/" and "+"),
+# and a strict parser would then read part of it as the host or the path.
+_URL = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<rest>[^\s'\"<>]*)")
+# Query parameters whose value is a credential (presigned-URL signatures, tokens, keys, passwords).
+_SECRET_PARAM = re.compile(r"(secret|token|passw|pwd|credential|signature|^sig$|key|session|auth)", re.IGNORECASE)
+
+
+def _userinfo_end(rest: str) -> int:
+    """Where the userinfo of a URL's text after ``://`` ends (the index of its last ``@``), or -1 for none.
+
+    An ``@`` after ``://`` is userinfo unless the text before it holds a ``/`` and no ``:`` (``bucket/v@2``: a
+    path); a URL whose text starts with ``/`` has no authority (``file:///x@y``).
+    """
+    head = rest.split("?", 1)[0].split("#", 1)[0]
+    at = head.rfind("@")
+    if at <= 0 or head.startswith("/"):
+        return -1
+    userinfo = head[:at]
+    return at if (":" in userinfo or "/" not in userinfo) else -1
+
+
+def _secret_params(rest: str) -> list[tuple[int, int]]:
+    """``(start, end)`` in ``rest`` of every query value whose parameter name looks like a credential."""
+    q = rest.find("?")
+    if q < 0:
+        return []
+    spans, pos = [], q + 1
+    for part in rest[q + 1:].split("#", 1)[0].split("&"):
+        name, eq, value = part.partition("=")
+        if eq and value and _SECRET_PARAM.search(name):
+            start = pos + len(name) + 1
+            spans.append((start, start + len(value)))
+        pos += len(part) + 1
+    return spans
 
 
 def url_has_credentials(url: str) -> bool:
-    """Whether ``url`` carries ``user[:password]@`` (credentials belong in the environment or a secret)."""
-    return bool(_URL_USERINFO.search(url))
+    """Whether ``url`` (or a URL in it) carries credentials: a userinfo (``user[:password]@``, whatever
+    characters the password holds) or a query parameter named like one (``?X-Amz-Signature=``, ``?token=``)."""
+    return any(_userinfo_end(m["rest"]) >= 0 or _secret_params(m["rest"]) for m in _URL.finditer(url))
 
 
 def redact(text: str) -> str:
-    """``text`` with the ``user:password@`` of every URL in it replaced by ``***@``."""
-    return _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    """``text`` with the userinfo of every URL in it replaced by ``***@`` and secret query values by ``***``."""
+    def one(m: re.Match[str]) -> str:
+        rest = m["rest"]
+        for start, end in reversed(_secret_params(rest)):
+            rest = rest[:start] + "***" + rest[end:]
+        at = _userinfo_end(rest)
+        return m["scheme"] + ("***" + rest[at:] if at >= 0 else rest)
+    return _URL.sub(one, text)
 
 
 __all__ = ["BadObject", "BadReference", "ChecksumMismatch", "ComposerCloudError", "ConfigError", "CorruptCheckpoint",
-           "ExecutorError", "LaunchError", "ObjectNotFound", "RunExists", "RunKeyError", "RunNotFound", "SignatureMismatch",
+           "ExecutorError", "LaunchError", "LinkOutsideStore", "ObjectNotFound", "RunExists", "RunKeyError", "RunNotFound", "SignatureMismatch",
            "SpecError", "StoreConfigError", "StoreError", "StoreTimeout", "StoreUnavailable", "SyncError",
            "redact", "url_has_credentials"]

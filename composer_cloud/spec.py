@@ -28,6 +28,7 @@ _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key
 
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
+MAX_STORE_BYTES = 768  # a store URI's bound: a run's keys (~80 more) must fit S3's 1,024-byte keys
 # ``[trainer]`` settings that may be a "module:factory" reference (besides ``name``).
 _FACTORY_SETTINGS = ("task", "hint_source", "reward")
 
@@ -106,8 +107,10 @@ class ModelSpec(_Strict):
 class InnerOptimizerSpec(_Strict):
     """AdamW, stepped once per inner step on each replica."""
 
-    lr: float = Field(default=4e-4, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
+    #: <= 1: AdamW moves each weight by ~lr per step whatever the gradient's scale (fine-tuning: 1e-6..1e-3).
+    lr: float = Field(default=4e-4, gt=0, le=1.0)
+    #: <= 1: AdamW scales every weight by 1 - lr x wd per step; with lr <= 1 this keeps it >= 0 (never flipped).
+    weight_decay: float = Field(default=0.1, ge=0, le=1.0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(default=1.0, ge=0)
 
@@ -137,7 +140,8 @@ class OuterOptimizerSpec(_Strict):
     the stored spec holds the values used.
     """
 
-    lr: float | None = Field(default=None, gt=0)
+    #: <= 10: lr x the replicas' whole movement of a round (DiLoCo: 0.7); more overshoots every round.
+    lr: float | None = Field(default=None, gt=0, le=10.0)
     momentum: float | None = Field(default=None, ge=0, lt=1)
     nesterov: bool = True
 
@@ -157,14 +161,22 @@ class SparseSpec(_Strict):
     value_bits: int = Field(default=2, ge=1, le=8)
     #: Error-feedback decay beta in e <- beta e + delta (0: no memory); null: the sync mode's recipe.
     decay: float | None = Field(default=None, ge=0, le=1)
-    #: Elements per chunk (positions are Rice-coded within a chunk).
-    chunk: int = Field(default=4096, ge=2, le=1 << 20)
+    #: Elements per chunk (positions Rice-coded within it). >= 64: below, each chunk's codebook (2 ** (value_bits
+    #: - 1) bf16 levels) costs more bits per element than bf16 itself.
+    chunk: int = Field(default=4096, ge=64, le=1 << 20)
     #: The exchange: "gather" (flat: every replica reads every contribution, exact), "two_level" (groups
     #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 235
     #: replicas on, where the gather's requests on one key prefix need > 10 s a round; docs/scale.md).
     exchange: Literal["auto", "gather", "two_level"] = "auto"
     #: Members per group of the two-level exchange (null: ceil(sqrt(participants))).
     group_size: int | None = Field(default=None, ge=2)
+
+    @model_validator(mode="after")
+    def _one_value_per_chunk(self) -> "SparseSpec":  # below 1/2 a chunk the codec would silently send one
+        if self.density is not None and self.density * self.chunk < 0.5:
+            raise SpecError("sync.sparse.density", f"{self.density:g} x sync.sparse.chunk ({self.chunk}) is less "
+                            f"than one value per chunk; use at least {1 / self.chunk:.3g} (the recipes: 3/64, 11/128)")
+        return self
 
 
 #: ``[sync.sparse]`` density and decay where the spec leaves them out, by ``sync.mode`` (docs/sparse.md, W = 4,
@@ -206,7 +218,8 @@ class SyncSpec(_Strict):
     io_threads: int = Field(default=8, ge=1, le=128)
     #: How long (seconds) a replica keeps retrying a store that fails with transient errors (connection
     #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
-    store_outage_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    #: <= a week, like every deadline here: longer, a replica holds its GPU waiting on a dead store.
+    store_outage_s: float = Field(default=600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median
     #: aborts the attempt and is left out of its retry (null: no outlier check; applies with >= 3 participants).
     outlier_factor: float | None = Field(default=10.0, gt=1)
@@ -329,6 +342,9 @@ class RunSpec(_Strict):
     #: ``COMPOSER_CLOUD_RUN_KEY`` or a key ``launch`` creates, unless ``COMPOSER_CLOUD_UNSIGNED=1``; ``false``:
     #: an explicit opt-out (warned about). ``launch`` records the decision (true/false) in ``spec.json``.
     signed: bool | None = None
+    #: Set by ``launch`` (signed runs), kept by ``resume``: with the run id it derives the signing key from the run
+    #: key, so another run's objects never verify here, even under one key and id (docs/store.md).
+    run_salt: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
@@ -347,7 +363,8 @@ class RunSpec(_Strict):
     keep_checkpoints: int = Field(default=2, ge=1, le=10_000)
     max_restarts: int = Field(default=0, ge=0, le=1000)
     #: Seconds between a replica's progress heartbeats (step, loss, reward, steps/s) in ``replicas/<rank>.json``.
-    progress_every_s: float = Field(default=5.0, gt=0, le=3600)
+    #: >= 0.1 s: each heartbeat is a store write (a PUT); more often is a request per step that tells nothing new.
+    progress_every_s: float = Field(default=5.0, ge=0.1, le=3600)
     #: Trackers (TRL's names) an attached launch writes the run's metrics to when it ends; docs/metrics.md.
     report_to: list[Literal["tensorboard", "trackio"]] = Field(default_factory=list)
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -380,16 +397,23 @@ class RunSpec(_Strict):
                 )
         for name, value in _walk_values(v):
             if isinstance(value, str) and url_has_credentials(value):
-                raise ValueError(f"option {name!r} is a URL with user:password@ in it; credentials never go into "
+                raise ValueError(f"option {name!r} is a URL that carries credentials (user:password@, or a secret "
+                                 "query parameter such as ?token= or ?X-Amz-Signature=); credentials never go into "
                                  "a spec (use the standard AWS_* environment variables or a named executor secret)")
         return v
 
     @field_validator("store")
     @classmethod
     def _no_credentials_in_store(cls, v: str) -> str:
+        # S3 keys are <= 1,024 bytes (a run appends ~80); file systems refuse names over 255 bytes (NAME_MAX).
+        longest = max(len(part.encode()) for part in v.split("://", 1)[-1].split("/"))
+        if len(v.encode()) > MAX_STORE_BYTES or longest > 255:
+            raise ValueError(f"the store URI is too long ({len(v.encode())} bytes long, its longest name {longest}): "
+                             f"at most {MAX_STORE_BYTES} bytes (S3 keys are <= 1,024 and a run appends its own) and "
+                             "255 per name (file systems)")
         if url_has_credentials(v):
-            raise ValueError("the store URI carries credentials (user:password@); put them in AWS_ACCESS_KEY_ID / "
-                             "AWS_SECRET_ACCESS_KEY (or the executors' secrets), never in the URI")
+            raise ValueError("the store URI carries credentials (user:password@, or a secret query parameter); put "
+                             "them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or executor secrets), not the URI")
         return v
 
     @model_validator(mode="after")

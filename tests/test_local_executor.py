@@ -92,11 +92,15 @@ def test_a_supervisor_that_died_of_a_full_disk_says_so(tmp_path, monkeypatch):
 
     from composer_cloud.jobs import local
 
+    from composer_cloud.jobs.jobfiles import JobFolder
+
+    folder = JobFolder.at(tmp_path, rank=0, key=None)
     (tmp_path / "replica.log").write_text("step 3\nOSError: [Errno 28] No space left on device: 'x'\n")
-    reason = local.vanished_reason(tmp_path)
+    reason = local.vanished_reason(folder)
     assert reason.startswith("no space left on device") and "resume" in reason and "Errno 28" in reason
     (tmp_path / "replica.log").write_text("step 3\n")
-    assert local.vanished_reason(tmp_path).startswith("supervisor vanished")  # plenty of space, no ENOSPC
+    assert local.vanished_reason(folder).startswith("supervisor vanished")  # plenty of space, no ENOSPC
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(local.shutil, "disk_usage", lambda path: usage._replace(free=4096))
-    assert "4096 bytes free" in local.vanished_reason(tmp_path)
+    assert "4096 bytes free" in local.vanished_reason(folder)
+    folder.close()

@@ -159,7 +159,7 @@ def _fake_run(tmp_path, monkeypatch, ex):
     store = Store(f"file://{tmp_path}/run")
     # Handles on the executor the spec assigns to their ranks (local): others are dropped as forged.
     save_handles(store, [JobHandle("local", r, f"j{r}") for r in (0, 1)])
-    monkeypatch.setattr(logs_mod, "get_executor", lambda name, spec: ex)
+    monkeypatch.setattr(logs_mod, "get_executor", lambda name, spec, **kw: ex)
     return Run(uri=store.uri, store=store, spec=RunSpec(run_id="run"))
 
 

@@ -12,7 +12,9 @@ composer_cloud.jobs.local supervise ...``) in its own session, so that:
 Job files live in ``<run dir>/jobs/<rank>/`` for ``file://`` stores, else in
 ``./runs/.local-jobs/<run_id>-<digest of the run URI>/<rank>/`` (two runs with one id
 in two stores never share a folder): ``replica.log``, ``supervisor.json``
-(pids), ``exit.json``, ``token``.
+(pids), ``exit.json``, ``cancel``, ``token``. Anyone who can write the store can
+write there, so every file is opened without following links and the records
+are signed in a signed run (:mod:`composer_cloud.jobs.jobfiles`).
 
 Handles are read back from the store, which is not trusted (anyone with write
 access to the bucket can edit ``executor/<rank>.json``). Before this executor
@@ -38,7 +40,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -62,8 +63,10 @@ from composer_cloud.jobs.base import (
     run_id_of,
 )
 from composer_cloud.jobs.environment import job_env, job_secrets
+from composer_cloud.jobs.jobfiles import JobFolder, UnsafeJobFolder, records_key
 from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.storage.run import run_signing_key
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
@@ -79,10 +82,31 @@ _WAIT = PollPolicy(initial_s=0.05, max_s=0.5, factor=1.5)
 def job_dir(run_uri: str, rank: int) -> Path:
     """Where the files of replica ``rank``'s job live: in the run's directory for a ``file://`` store, else
     under ``./runs/.local-jobs/``, keyed by the run id and a digest of the whole run URI (store + run)."""
+    root, parts = _job_location(run_uri, rank)
+    return root.joinpath(*parts) if root is not None else Path(*parts)
+
+
+def _job_location(run_uri: str, rank: int) -> tuple[Path | None, tuple[str, ...]]:
+    """``(root, parts)`` of replica ``rank``'s job folder: the root is the user's (the store folder; None: the
+    working directory), the parts below it are walked without following links (anyone with write access to
+    the store can plant links there)."""
     if run_uri.startswith("file://"):
-        return Path(run_uri[len("file://"):]) / "jobs" / str(rank)
+        run_dir = Path(run_uri[len("file://"):].rstrip("/"))
+        return run_dir.parent, (run_dir.name, "jobs", str(rank))
     digest = hashlib.sha256(run_uri.rstrip("/").encode()).hexdigest()[:12]
-    return Path("runs") / ".local-jobs" / f"{run_id_of(run_uri)}-{digest}" / str(rank)
+    return None, ("runs", ".local-jobs", f"{run_id_of(run_uri)}-{digest}", str(rank))
+
+
+def _expected_dir(run_uri: str, rank: int) -> Path:
+    """The job folder's path as the launcher wrote it into the handle: its root resolved, nothing below."""
+    root, parts = _job_location(run_uri, rank)
+    return Path(os.path.realpath(root)).joinpath(*parts) if root is not None else Path(*parts)
+
+
+def job_folder(run_uri: str, rank: int, *, key: bytes | None, create: bool = False) -> JobFolder:
+    """Replica ``rank``'s job folder, opened without following links (:class:`UnsafeJobFolder` for one)."""
+    root, parts = _job_location(run_uri, rank)
+    return JobFolder(root if root is not None else Path.cwd(), parts, rank=rank, key=key, create=create)
 
 
 def _creatable_dir_problem(d: Path) -> str | None:
@@ -102,35 +126,45 @@ def _creatable_dir_problem(d: Path) -> str | None:
 _SUPERVISOR_MODULE = "composer_cloud.jobs.local"
 
 
-def _verified_dir(handle: JobHandle, run_uri: str | None) -> Path:
-    """The handle's job directory, once the handle proved it belongs to a job this machine launched for replica
-    ``handle.rank`` of the run at ``run_uri`` (None: the run is unknown; only the token is checked)."""
+def _verified_dir(handle: JobHandle, run_uri: str | None, key: bytes | None) -> JobFolder:
+    """The handle's job folder (opened without links; close it), once the handle proved it belongs to a job this
+    machine launched for replica ``handle.rank`` of the run at ``run_uri`` (None: the run is unknown; only the
+    token is checked). ``key``: the run's :func:`~composer_cloud.jobs.jobfiles.records_key`."""
     raw = handle.data.get("dir")
     token = handle.data.get("token")
     if not isinstance(raw, str) or not isinstance(token, str) or not token:
         raise ExecutorError(f"replica {handle.rank}: the local job handle has no job directory or token; "
                             "it was not written by this version's launcher (refusing to act on it)")
     d = Path(raw)
-    if run_uri is not None and not _same_dir(d, job_dir(run_uri, handle.rank)):
+    if run_uri is not None and not _same_dir(d, _expected_dir(run_uri, handle.rank)):
         raise ExecutorError(f"replica {handle.rank}: the job handle names {raw[:200]!r}, which is not this run's "
                             "job directory for that rank; the handle in the store was altered or copied from "
                             "another run; refusing to act on it")
     try:
-        stored = (d / "token").read_text().strip()
+        folder = (job_folder(run_uri, handle.rank, key=key) if run_uri is not None
+                  else JobFolder.at(d, rank=handle.rank, key=key))
+    except UnsafeJobFolder:
+        raise
     except OSError:
         raise ExecutorError(f"replica {handle.rank}: no local job at {d} (launched on another machine, or the "
                             "handle in the store was altered); refusing to act on it") from None
-    if not hmac.compare_digest(stored, token):
+    try:
+        stored = (folder.read_bytes("token") or b"").decode(errors="replace").strip()
+    except BaseException:
+        folder.close()
+        raise
+    if not stored or not hmac.compare_digest(stored, token):
+        folder.close()
         raise ExecutorError(f"replica {handle.rank}: the job handle's token does not match {d}/token; "
                             "the handle in the store was altered; refusing to act on it")
-    return d
+    return folder
 
 
 def _same_dir(given: Path, expected: Path) -> bool:
     """Whether ``given`` (absolute, from a handle) is ``expected``; a relative ``expected`` (a non-file store's
     job folder under the launcher's working directory) matches by its trailing components."""
     if expected.is_absolute():
-        return given == expected.resolve()
+        return given == expected
     return given.is_absolute() and given.parts[-len(expected.parts):] == expected.parts
 
 
@@ -149,19 +183,6 @@ def _supervisor_pgid(handle: JobHandle, d: Path) -> int | None:
     try:
         return os.getpgid(pid) if os.getpgid(pid) == pid else None
     except ProcessLookupError:
-        return None
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
@@ -186,6 +207,9 @@ class LocalProcessExecutor:
         self.spec = spec
         self._cuda_devices = cuda_devices or cuda_device_count
         self._run_key = run_key  # delivered to the replicas in their environment, never stored
+        # The job folders' records are signed in a signed run (an unsigned run's carry a crc32 only).
+        self._records_key = (records_key(run_signing_key(spec.run_id, run_key, spec.run_salt))
+                             if spec is not None and run_key is not None and spec.run_id else None)
         self.max_restarts = relaunches(spec, self.name) if spec is not None else 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
 
@@ -198,6 +222,8 @@ class LocalProcessExecutor:
         else:
             environ.setdefault("PYTHONUNBUFFERED", "1")
         environ.update(job_secrets(self._run_key))
+        if self._records_key is not None:
+            environ[env.JOB_RECORDS_KEY] = self._records_key.hex()
         return environ
 
     def _run_uri(self) -> str | None:
@@ -247,15 +273,17 @@ class LocalProcessExecutor:
         environ = self._job_env()
         handles = []
         for rank in ranks:
-            d = job_dir(self._run_uri() or run_uri, rank).resolve()
-            d.mkdir(parents=True, exist_ok=True)
-            for stale in ("exit.json", "supervisor.json", "cancel", "token"):
-                (d / stale).unlink(missing_ok=True)
-            token = secrets.token_hex(16)
-            fd = os.open(d / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token)
-            cmd = [sys.executable, "-m", _SUPERVISOR_MODULE, "supervise", "--dir", str(d),
+            try:
+                folder = job_folder(self._run_uri() or run_uri, rank, key=self._records_key, create=True)
+            except UnsafeJobFolder as exc:
+                raise ExecutorError(f"{self.name}: cannot launch replica {rank}: {exc}") from None
+            with folder:
+                d = folder.path  # no link in it below the root: the supervisor walks it without following any
+                for stale in ("exit.json", "supervisor.json", "cancel", "token"):
+                    folder.unlink(stale)
+                token = secrets.token_hex(16)
+                folder.create_exclusive("token", token.encode())
+            cmd = [sys.executable, "-m", _SUPERVISOR_MODULE, "supervise", "--dir", str(d), "--rank", str(rank),
                    "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
             with open(os.devnull, "rb") as devnull:
                 proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -266,46 +294,58 @@ class LocalProcessExecutor:
         return handles
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
-        d = _verified_dir(handle, self._run_uri())
-        exit_rec = _read_json(d / "exit.json")
-        if exit_rec is not None:
+        with _verified_dir(handle, self._run_uri(), self._records_key) as folder:
+            return self._poll(handle, folder)
+
+    def _poll(self, handle: JobHandle, folder: JobFolder) -> ReplicaStatus:
+        exit_rec = folder.read_record("exit.json")
+        alive = _supervisor_pgid(handle, folder.path) is not None
+        if exit_rec is not None and not alive:
+            # A live supervisor has not ended, whatever a record says (it writes its exit record last).
             code = exit_rec.get("exit_code")
-            restarts = int(exit_rec.get("restarts", 0) or 0)
+            code = code if isinstance(code, int) and not isinstance(code, bool) else None
+            restarts = _count(exit_rec.get("restarts"))
             if exit_rec.get("cancelled"):
                 return ReplicaStatus(ReplicaState.CANCELLED, code, "cancelled", restarts)
             if code == 0:
                 return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "", restarts)
-            return ReplicaStatus(ReplicaState.FAILED, code, exit_rec.get("message", "") + _tail(d / "replica.log"),
+            return ReplicaStatus(ReplicaState.FAILED, code, str(exit_rec.get("message", ""))[:1000] + _tail(folder),
                                  restarts)
-        if _supervisor_pgid(handle, d) is not None:
-            sup = _read_json(d / "supervisor.json") or {}
+        if alive:
+            sup = folder.read_record("supervisor.json") or {}
             return ReplicaStatus(ReplicaState.RUNNING if sup.get("replica_pid") else ReplicaState.PENDING, None, "",
-                                 int(sup.get("restarts", 0) or 0))
-        return ReplicaStatus(ReplicaState.FAILED, None, vanished_reason(d))
+                                 _count(sup.get("restarts")))
+        return ReplicaStatus(ReplicaState.FAILED, None, vanished_reason(folder))
 
     def logs(self, handle: JobHandle, *, follow: bool = False) -> Iterator[str]:
         """The replica's output lines (every restart's); with ``follow``, until the job ends."""
-        path = _verified_dir(handle, self._run_uri()) / "replica.log"
-        pos = 0
-        while True:
-            # The state is read before the file, so the lines written before the end are all read.
-            finished = not follow or self.poll(handle).state.finished
-            if path.exists():
-                with open(path, "r", errors="replace") as f:
-                    f.seek(pos)
-                    for line in f:
-                        yield line.rstrip("\n")
-                    pos = f.tell()
-            if finished:
-                return
-            seen = pos
-            poll_until(lambda: True if _size(path) > seen or self.poll(handle).state.finished else None,
-                       deadline=None, on_timeout=_never, policy=_WAIT)
+        with _verified_dir(handle, self._run_uri(), self._records_key) as folder:
+            pos = 0
+            while True:
+                # The state is read before the file, so the lines written before the end are all read.
+                finished = not follow or self._poll(handle, folder).state.finished
+                f = folder.open_text("replica.log")
+                if f is not None:
+                    with f:
+                        f.seek(pos)
+                        for line in f:
+                            yield line.rstrip("\n")
+                        pos = f.tell()
+                if finished:
+                    return
+                seen = pos
+                poll_until(lambda: True if folder.size("replica.log") > seen
+                           or self._poll(handle, folder).state.finished else None,
+                           deadline=None, on_timeout=_never, policy=_WAIT)
 
     def cancel(self, handle: JobHandle) -> None:
         """SIGTERM the supervisor's group, SIGKILL it after :data:`CANCEL_GRACE_S`; record the cancel. Idempotent."""
-        d = _verified_dir(handle, self._run_uri())
-        (d / "cancel").touch()  # the supervisor also polls for this file
+        with _verified_dir(handle, self._run_uri(), self._records_key) as folder:
+            self._cancel(handle, folder)
+
+    def _cancel(self, handle: JobHandle, folder: JobFolder) -> None:
+        d = folder.path
+        folder.write_record("cancel", {"cancel": True, "time": time.time()})  # the supervisor also polls for it
         pgid = _supervisor_pgid(handle, d)
         if pgid is not None:
             os.killpg(pgid, signal.SIGTERM)
@@ -319,8 +359,13 @@ class LocalProcessExecutor:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if _read_json(d / "exit.json") is None:
-            _write_json(d / "exit.json", {"exit_code": None, "cancelled": True, "message": "cancelled"})
+        if folder.read_record("exit.json") is None:
+            folder.write_record("exit.json", {"exit_code": None, "cancelled": True, "message": "cancelled"})
+
+
+def _count(value: object) -> int:
+    """A restart count read from a record (0 for anything that is not a small non-negative int)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1_000_000 else 0
 
 
 class _StillAlive(Exception):
@@ -332,13 +377,6 @@ class _StillAlive(Exception):
 
 def _never(waited_s: float) -> BaseException:  # pragma: no cover - a wait without a deadline never times out
     return RuntimeError(f"a wait without a deadline timed out after {waited_s:.1f}s")
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _alive(pid: int) -> bool:
@@ -361,13 +399,14 @@ def _alive(pid: int) -> bool:
 DISK_FULL_BYTES = 1 << 20
 
 
-def vanished_reason(d: Path) -> str:
+def vanished_reason(folder: JobFolder) -> str:
     """Why the supervisor of job directory ``d`` may have died without its exit record, for ``status``.
 
     A full disk is the usual cause (the supervisor cannot write ``exit.json``): said as such when the
     replica's log names ENOSPC or the job directory's filesystem has under :data:`DISK_FULL_BYTES` free.
     """
-    tail = _tail(d / "replica.log")
+    d = folder.path
+    tail = _tail(folder)
     try:
         free: int | None = shutil.disk_usage(d).free
     except OSError:
@@ -379,17 +418,26 @@ def vanished_reason(d: Path) -> str:
     return "supervisor vanished without recording an exit code" + tail
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+def _tail(folder: JobFolder, lines: int = 5) -> str:
     try:
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-    except FileNotFoundError:
+        f = folder.open_text("replica.log")
+    except UnsafeJobFolder as exc:
+        return f"\n({exc})"
+    if f is None:
         return ""
+    with f:
+        text = f.read().splitlines()[-lines:]
     return ("\n" + "\n".join(text)) if text else ""
 
 
 # ---------------------------------------------------------------- supervisor
-def supervise(directory: Path, max_restarts: int, command: list[str]) -> int:
-    """Run ``command`` with output to ``replica.log``; restart on failure up to ``max_restarts``."""
+def supervise(directory: Path, max_restarts: int, command: list[str], *, rank: int = 0,
+              key: bytes | None = None) -> int:
+    """Run ``command`` with output to ``replica.log``; restart on failure up to ``max_restarts``.
+
+    ``directory`` (``<...>/<rank>``) is opened once without following links, and every file in it through that
+    descriptor; ``key`` signs this job's records and verifies its cancel record (a signed run).
+    """
     restarts = 0
     cancelled = False
 
@@ -398,26 +446,27 @@ def supervise(directory: Path, max_restarts: int, command: list[str]) -> int:
         cancelled = True
 
     signal.signal(signal.SIGTERM, on_term)
-    with open(directory / "replica.log", "ab", buffering=0) as log:
+    folder = JobFolder.at(directory, rank=rank, key=key)
+    with folder, folder.open_append("replica.log") as log:
         while True:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            _write_json(directory / "supervisor.json",
-                        {"supervisor_pid": os.getpid(), "replica_pid": proc.pid, "restarts": restarts})
+            folder.write_record("supervisor.json",
+                                {"supervisor_pid": os.getpid(), "replica_pid": proc.pid, "restarts": restarts})
 
             def stop_if_cancelled(_failed: int, proc: subprocess.Popen = proc) -> None:
                 nonlocal cancelled
-                if cancelled or (directory / "cancel").exists():
+                if cancelled or (folder.size("cancel") and folder.read_record("cancel") is not None):
                     cancelled = True
                     proc.terminate()  # again on every probe until it exits
 
             code: int = poll_until(proc.poll, deadline=None, on_timeout=_never, policy=_WAIT,
                                    between=stop_if_cancelled)
             if cancelled:
-                _write_json(directory / "exit.json", {"exit_code": code, "cancelled": True, "restarts": restarts})
+                folder.write_record("exit.json", {"exit_code": code, "cancelled": True, "restarts": restarts})
                 return code
             if code == 0 or restarts >= max_restarts:
                 msg = "" if code == 0 else f"replica exited with code {code} after {restarts} restart(s)"
-                _write_json(directory / "exit.json", {"exit_code": code, "restarts": restarts, "message": msg})
+                folder.write_record("exit.json", {"exit_code": code, "restarts": restarts, "message": msg})
                 return code
             restarts += 1
             log.write(f"\n[supervisor] replica exited with code {code}; restart {restarts}/{max_restarts}\n".encode())
@@ -429,10 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("supervise")
     sp.add_argument("--dir", required=True, type=Path)
     sp.add_argument("--max-restarts", type=int, default=0)
+    sp.add_argument("--rank", type=int, default=None, help="default: the folder's name when it is a number, else 0")
     sp.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return supervise(args.dir, args.max_restarts, command)
+    rank = args.rank if args.rank is not None else int(args.dir.name) if args.dir.name.isdigit() else 0
+    return supervise(args.dir, args.max_restarts, command, rank=rank, key=env.job_records_key())
 
 
 if __name__ == "__main__":

@@ -88,12 +88,38 @@ def _as_run(ref: RunRef, storage_options: Mapping[str, Any] | None) -> Run:
 
 
 # ---------------------------------------------------------------- specs and plans
+def _checked_overrides(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``overrides`` as a dict, once every key is a dotted setting name; else :class:`SpecError` (``overrides``)."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise SpecError("overrides", f"must map dotted setting names to values (e.g. {{\"sync.codec\": \"bf16\"}}), "
+                        f"got a {type(overrides).__name__}")
+    for key in overrides:
+        if not isinstance(key, str) or not all(part.strip() for part in key.split(".")):
+            raise SpecError("overrides", f"key {key!r} is not a dotted setting name (e.g. \"inner_optimizer.lr\")")
+    return dict(overrides)
+
+
+#: Store schemes that live inside one process: every executor runs its replicas in processes of their own.
+_IN_PROCESS_STORES = ("memory",)
+
+
+def _check_store_shared(spec: RunSpec) -> None:
+    """A store the replica jobs can all reach: fsspec's ``memory://`` exists only in the process that made it."""
+    scheme = spec.store.split("://", 1)[0] if "://" in spec.store else "file"
+    if scheme in _IN_PROCESS_STORES:
+        raise SpecError("store", f"{scheme}:// lives inside one process, and the {spec.executor} executor runs each "
+                        "replica in a process of its own, so they could not share it; use file:// (one machine) or "
+                        "an object store (s3://...)")
+
+
 def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunSpec:
     """The spec a launch would use: ``config`` (TOML) or defaults, then dotted ``overrides``, with a run id.
 
     Raises :class:`SpecError` naming the field for anything invalid, including the executor mix.
     """
-    spec = load_spec(config, dict(overrides or {})).with_run_id()
+    spec = load_spec(config, _checked_overrides(overrides)).with_run_id()
     if spec.store.startswith("file://"):
         # Absolute, so the run can be opened (status, export, resume) from any directory.
         spec = spec.model_copy(update={"store": "file://" + os.path.abspath(spec.store[len("file://"):])})
@@ -209,6 +235,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     from composer_cloud.trainer import check_settings
     from composer_cloud.trainer.parallel import check_local_ranks
 
+    _check_store_shared(spec)
     _check_device(spec)
     check_local_ranks(spec)  # what a multi-GPU replica cannot run yet (the replica checks again)
     from composer_cloud.runs.doctor import missing_sdks
@@ -474,7 +501,7 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
     executors: dict[str, Any] = {}
     for h in trusted_handles(load_handles(run.store), run.spec):
         try:
-            ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec))
+            ex = executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec, run_key=run.run_key))
             ex.cancel(h)
             cancelled.append(h.rank)
         except Exception as exc:  # noqa: BLE001 - cancel the others anyway, and say which failed

@@ -10,7 +10,12 @@ adds, the same way for all of them:
   before it);
 * merging: without ``follow`` the replicas' lines are merged by time; with
   ``follow`` one thread per replica reads its stream and lines are printed
-  as they arrive (history first, merged by time).
+  as they arrive (history first, merged by time);
+* no terminal control: a job's output is not trusted (a log file in a store
+  folder can be written by anyone who can write the store), so escape
+  sequences (CSI, OSC, ...) and other control characters are removed from
+  every line before it is shown (:func:`printable`): a log line cannot move
+  the cursor, rewrite the screen or the window title, or set the clipboard.
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ from composer_cloud.storage.run import Run, load_handles
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?(Z)?")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
+# ECMA-48: CSI (ESC [ or 0x9b ... final byte), OSC/DCS/SOS/PM/APC strings (to BEL or ST), two-byte ESC sequences.
+_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+                      r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                      r"|\x1b[ -/]*[0-~]?")
+# Every other C0/C1 control but tab (a carriage return would let a line overwrite what came before it).
+_CONTROLS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def printable(line: str) -> str:
+    """``line`` without terminal escape sequences and control characters (tabs kept)."""
+    return _CONTROLS.sub("", _ESCAPES.sub("", line))
 
 
 @dataclass(frozen=True)
@@ -96,7 +112,8 @@ def without_rank(line: str) -> str:
 
 def _stamped(rank: int, lines: Iterator[str], last: list[float | None], verbose: bool = True) -> Iterator[LogLine]:
     shown = True
-    for line in lines:
+    for raw in lines:
+        line = printable(raw)
         t = line_time(line)
         if t is not None:
             last[0] = t
@@ -143,7 +160,7 @@ def replica_logs(run: Run, *, ranks: Sequence[int] | None = None, follow: bool =
     errs = errors if errors is not None else []
 
     def ex_of(h: JobHandle) -> Any:
-        return executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec))
+        return executors.get(h.executor) or executors.setdefault(h.executor, get_executor(h.executor, run.spec, run_key=run.run_key))
 
     # History: every replica in parallel (remote log fetches are slow), then merged by time.
     histories: dict[int, tuple[list[LogLine], int]] = {}

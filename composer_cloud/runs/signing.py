@@ -8,6 +8,11 @@ the jobs through each executor's secret mechanism
 later commands through the launcher's record
 (:mod:`composer_cloud.storage.runkeys`); never the store, a record or a log.
 
+Each signed launch writes a fresh ``run_salt`` into the spec: the signing key
+is derived from the run key, the run id and that salt
+(:func:`~composer_cloud.storage.framing.derive_signing_key`), so a run key
+given to several runs signs each with its own key.
+
 ``resume`` uses a spec only once it is vouched for: a signed run's spec
 verified under the run key (:func:`~composer_cloud.storage.run.open_run`), an
 unsigned run's spec equal to the digest this machine's launcher recorded. An
@@ -25,6 +30,7 @@ from composer_cloud import env
 from composer_cloud.env import JobEnv
 from composer_cloud.errors import RunKeyError, SpecError
 from composer_cloud.spec import RunSpec
+from composer_cloud.storage.framing import new_run_salt
 from composer_cloud.storage.run import Run, run_signing_key
 from composer_cloud.storage.runkeys import RunRecord, load_record, save_record, spec_digest
 
@@ -49,14 +55,15 @@ def launch_key(spec: RunSpec) -> tuple[RunSpec, str | None]:
         logger.warning("run %s is UNSIGNED (%s): anyone who can write its store can forge its records and "
                        "steer it; launch without the opt-out to sign it", spec.run_id,
                        "signed = false" if spec.signed is False else f"{env.UNSIGNED}=1")
-        return spec.model_copy(update={"signed": False}), None
+        return spec.model_copy(update={"signed": False, "run_salt": ""}), None
     run_key = job_env.run_key or secrets.token_hex(32)
-    return spec.model_copy(update={"signed": True}), run_key
+    # A fresh salt for every launch, whatever the config said: two runs given one key never share a signing key.
+    return spec.model_copy(update={"signed": True, "run_salt": new_run_salt()}), run_key
 
 
 def signing_key(spec: RunSpec, run_key: str | None) -> bytes | None:
-    """The per-run HMAC key of ``run_key`` (None for an unsigned run)."""
-    return run_signing_key(spec.run_id, run_key)
+    """The per-run HMAC key of ``run_key`` for ``spec``'s run id and salt (None for an unsigned run)."""
+    return run_signing_key(spec.run_id, run_key, spec.run_salt)
 
 
 def remember(run_uri: str, spec: RunSpec, run_key: str | None) -> None:
@@ -70,7 +77,8 @@ def remember(run_uri: str, spec: RunSpec, run_key: str | None) -> None:
         previous = load_record(run_uri)
         run_key = run_key if previous is not None and previous.run_key == given else None
     try:
-        path = save_record(RunRecord(uri=run_uri, spec_sha256=spec_digest(spec.to_json_dict()), run_key=run_key))
+        path = save_record(RunRecord(uri=run_uri, spec_sha256=spec_digest(spec.to_json_dict()), run_key=run_key,
+                                     run_salt=spec.run_salt))
     except OSError as exc:
         logger.warning("could not keep the run record of %s under %s (%s); later commands need %s set to the run's "
                        "key", run_uri, env.keys_dir(), exc, env.RUN_KEY)

@@ -159,7 +159,7 @@ class StatusTracker:
             return self._terminal[key]
         try:
             ex = self._executors.get(h.executor) or self._executors.setdefault(
-                h.executor, get_executor(h.executor, self.run.spec))
+                h.executor, get_executor(h.executor, self.run.spec, run_key=self.run.run_key))
             status = ex.poll(h)
         except Exception as exc:  # noqa: BLE001 - status must still render
             return ReplicaStatus(ReplicaState.PENDING, None, f"cannot poll: {exc}")

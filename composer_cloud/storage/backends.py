@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import fsspec
 
 from composer_cloud import env
-from composer_cloud.errors import ChecksumMismatch, ObjectNotFound, StoreConfigError
+from composer_cloud.errors import ChecksumMismatch, LinkOutsideStore, ObjectNotFound, StoreConfigError
 from composer_cloud.retry import http_error_of
 
 #: botocore socket timeouts for S3 (seconds): connecting, and waiting for the next bytes of a response.
@@ -147,6 +147,19 @@ class LocalBackend(_FsspecListing):
         self.root = os.path.abspath(uri.split("://", 1)[1]).rstrip("/") or "/"
         self.fs = fsspec.filesystem("file", **storage_options)
         self.uri = f"file://{self.root}"  # absolute, so other processes resolve it alike
+        # The store's own location may lie behind the user's symbolic links (/tmp -> /private/tmp): only links
+        # *inside* the store, which anyone who can write it can plant, must not lead out of it.
+        self._real_root = os.path.realpath(self.root)
+
+    def path(self, key: str) -> str:
+        """The key's path, once it is known not to lead out of the store through a symbolic link (a link
+        planted in the store folder would make a reader read, a writer write or ``delete`` remove a file
+        anywhere this user can): raises :class:`~composer_cloud.errors.LinkOutsideStore`."""
+        path = super().path(key)
+        real = os.path.realpath(path)
+        if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
+            raise LinkOutsideStore(key)
+        return path
 
     def put(self, key: str, data: bytes, *, durable: bool) -> None:
         self._write(self.path(key), data, exclusive=False, durable=durable)

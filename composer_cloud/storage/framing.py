@@ -2,11 +2,14 @@
 
 Unsigned frames (``CCO1``) carry a 16-byte little-endian header; signed frames
 (``CCS1``) add an HMAC-SHA256 over the object's key and its payload, keyed by
-the run's signing key (:func:`derive_signing_key` of the secret
-``COMPOSER_CLOUD_RUN_KEY`` and the run id, so a key reused across runs cannot
-replay objects). A reader verifies magic, length and crc32, and with a signing
-key accepts only frames whose signature verifies for the key it asked for, so
-an object moved to another key is rejected too. The HF Jobs bootstrap keeps its
+the run's signing key: :func:`derive_signing_key` of the secret
+``COMPOSER_CLOUD_RUN_KEY``, the run id and the run's salt (``run_salt``, 16
+random bytes ``launch`` writes once into ``spec.json``). So a signature binds
+an object to one run (its id *and* its launch: two runs given one key, even
+under one run id in two stores, sign with unrelated keys) and to one key path
+(its round, attempt, rank, slot, ... are in the path), and a reader with a
+signing key accepts only frames whose signature verifies for the key it asked
+for: an object copied to another run, round, attempt or key is rejected. The HF Jobs bootstrap keeps its
 own copy of :func:`unframe` (it runs before composer-cloud is installed);
 ``tests/test_store.py`` pins the two to the same format.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import struct
 import zlib
 
@@ -27,7 +31,10 @@ HEADER_BYTES = _HEADER.size
 SIGNED_MAGIC = b"CCS1"
 _SIGNED_HEADER = struct.Struct("<4sIQ32s")  # magic, crc32(payload), len(payload), hmac-sha256
 SIGNED_HEADER_BYTES = _SIGNED_HEADER.size
-_MAC_DOMAIN = b"composer-cloud/object/v1\0"
+_MAC_DOMAIN = b"composer-cloud/object/v2\0"
+_KDF_INFO = b"composer-cloud/run/v2\0"
+#: Length of a run's salt (``spec.run_salt``, hex in the spec), in bytes.
+RUN_SALT_BYTES = 16
 #: Shortest accepted run key, in bytes (a shorter secret is guessable offline from one signed object).
 MIN_SIGNING_KEY_BYTES = 16
 
@@ -104,10 +111,38 @@ def is_signed(data: bytes | memoryview) -> bool:
     return bytes(data[:4]) == SIGNED_MAGIC
 
 
-def derive_signing_key(run_key: bytes, run_id: str) -> bytes:
-    """The per-run signing key: HMAC-SHA256(run_key, run_id), so a key reused across runs cannot replay objects."""
-    return hmac.new(run_key, b"composer-cloud/run/v1\0" + run_id.encode(), hashlib.sha256).digest()
+def derive_signing_key(run_key: bytes, run_id: str, salt: str = "") -> bytes:
+    """The per-run signing key: HKDF-SHA256 (RFC 5869) of ``run_key`` with the run's salt, for its run id.
+
+    ``salt`` is the spec's ``run_salt`` (hex; ``""`` only for specs written without one, e.g. by tests): it is
+    the HKDF salt, and ``run_id`` the HKDF info, so the key differs for every run and every launch even when
+    one run key is given to many runs. A stdlib HKDF (one output block: 32 bytes), pinned to RFC 5869's test
+    vectors in ``tests/test_store.py``.
+    """
+    try:
+        salt_bytes = bytes.fromhex(salt)
+    except ValueError:
+        raise RunKeyError(f"run {run_id!r}: its run_salt is not hex; the spec was not written by launch") from None
+    return hkdf_sha256(run_key, salt=salt_bytes, info=_KDF_INFO + run_id.encode())
 
 
-__all__ = ["HEADER_BYTES", "MAGIC", "MIN_SIGNING_KEY_BYTES", "SIGNED_HEADER_BYTES", "SIGNED_MAGIC",
-           "derive_signing_key", "frame", "is_signed", "run_key_bytes", "unframe"]
+def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 (RFC 5869): extract with ``salt`` (empty: 32 zero bytes), expand to ``length`` bytes."""
+    if not 0 < length <= 255 * 32:
+        raise ValueError(f"hkdf_sha256(length=...) must be in 1..{255 * 32}, got {length}")
+    prk = hmac.new(salt or bytes(32), ikm, hashlib.sha256).digest()
+    out, block = b"", b""
+    for i in range(1, -(-length // 32) + 1):
+        block = hmac.new(prk, block + info + bytes([i]), hashlib.sha256).digest()
+        out += block
+    return out[:length]
+
+
+def new_run_salt() -> str:
+    """A fresh run salt (hex of :data:`RUN_SALT_BYTES` random bytes), written once into the run's spec."""
+    return secrets.token_hex(RUN_SALT_BYTES)
+
+
+__all__ = ["HEADER_BYTES", "MAGIC", "MIN_SIGNING_KEY_BYTES", "RUN_SALT_BYTES", "SIGNED_HEADER_BYTES",
+           "SIGNED_MAGIC", "derive_signing_key", "frame", "hkdf_sha256", "is_signed", "new_run_salt", "run_key_bytes",
+           "unframe"]

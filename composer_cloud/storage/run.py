@@ -86,14 +86,37 @@ def normalize_run_uri(uri: str) -> str:
     uri = uri.strip()
     if "://" in uri:
         return uri
-    if "/" not in uri and uri not in (".", "..") and not Path(uri).exists():
+    if "/" not in uri and uri not in (".", "..") and not _is_local_path(uri):
         uri = str(Path(DEFAULT_STORE.removeprefix("file://")) / uri)
     return f"file://{Path(uri).resolve()}"
 
 
-def run_signing_key(run_id: str, run_key: str | None) -> bytes | None:
-    """The per-run HMAC key of ``run_key`` (``$COMPOSER_CLOUD_RUN_KEY``, a secret, never stored), else None."""
-    return None if run_key is None else derive_signing_key(run_key_bytes(run_key), run_id)
+def _is_local_path(name: str) -> bool:
+    """Whether ``name`` exists here; a name the file system cannot even look up (too long) does not."""
+    try:
+        return Path(name).exists()
+    except OSError:
+        return False
+
+
+def run_signing_key(run_id: str, run_key: str | None, salt: str = "") -> bytes | None:
+    """The per-run HMAC key of ``run_key`` (``$COMPOSER_CLOUD_RUN_KEY``, a secret, never stored), else None.
+
+    ``salt`` is the spec's ``run_salt``: the key is bound to the run id and to this launch of it.
+    """
+    return None if run_key is None else derive_signing_key(run_key_bytes(run_key), run_id, salt)
+
+
+def _claimed_salt(raw: bytes) -> str:
+    """The ``run_salt`` that the framed ``spec.json`` in ``raw`` claims, before anything is verified (``""``:
+    none, or not a spec). Safe to use unverified: it only chooses the key the spec is then verified under, and
+    the spec's signature covers it."""
+    try:
+        data = json.loads(bytes(unframe(layout.SPEC, raw)))
+    except (ChecksumMismatch, UnicodeDecodeError, ValueError):
+        return ""
+    salt = data.get("run_salt") if isinstance(data, dict) else None
+    return salt if isinstance(salt, str) and len(salt) == 32 and all(c in "0123456789abcdef" for c in salt) else ""
 
 
 def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outage_s: float = 0.0,
@@ -123,13 +146,10 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
     job_env = JobEnv.from_environ() if job_env is None else job_env
     given = dict(storage_options) if storage_options is not None else dict(job_env.store_options)
     store = Store(uri, storage_options=given, outage_s=outage_s)
+    record = load_record(store.uri)  # a run this machine launched: its key (unless set) and salt are recorded
     run_key = job_env.run_key
-    if run_key is None:  # a run this machine launched: its key is in the launcher's record
-        record = load_record(store.uri)
+    if run_key is None:
         run_key = record.run_key if record is not None else None
-    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1], run_key)
-    if key is not None:
-        store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     try:
         raw = store.get_plain(layout.SPEC)
     except ObjectNotFound:
@@ -139,6 +159,14 @@ def open_run(uri: str, *, storage_options: Mapping[str, Any] | None = None, outa
         raise StoreConfigError(f"cannot read run {uri}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - an unreachable endpoint, bad credentials: say which store
         raise StoreConfigError(f"cannot read run {uri}: {type(exc).__name__}: {exc}") from None
+    salt = _claimed_salt(raw)
+    if record is not None and record.run_salt and salt != record.run_salt:
+        raise RunKeyError(f"run {uri}: its {layout.SPEC} is another launch's (its run_salt is not the one this "
+                          "machine launched the run with): a spec copied over this run's in the store; refusing to "
+                          "use anything in it")
+    key = run_signing_key(uri.rstrip("/").rsplit("/", 1)[-1], run_key, salt)
+    if key is not None:
+        store = Store(uri, storage_options=given, outage_s=outage_s, signing_key=key)
     spec, digest = _read_spec(uri, raw, key, keyed_by=env.RUN_KEY if job_env.run_key else
                               f"this machine's launch record ({env.keys_dir()})")
     if job_env.spec_sha256 is not None and digest != job_env.spec_sha256:

@@ -46,6 +46,9 @@ class RunRecord:
     uri: str
     spec_sha256: str
     run_key: str | None = field(default=None, repr=False)
+    #: The run's salt as launched (``spec.run_salt``; ``""``: unsigned). Resume never changes it, so a spec with
+    #: another salt at this URI is another launch's spec, copied over this run's.
+    run_salt: str = ""
 
 
 def _path(uri: str, directory: Path | None) -> Path:
@@ -60,7 +63,8 @@ def save_record(record: RunRecord, *, directory: Path | None = None) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"uri": record.uri.rstrip("/"), "spec_sha256": record.spec_sha256, "run_key": record.run_key}, f)
+        json.dump({"uri": record.uri.rstrip("/"), "spec_sha256": record.spec_sha256, "run_key": record.run_key,
+                   "run_salt": record.run_salt}, f)
     os.replace(tmp, path)
     return path
 
@@ -76,11 +80,12 @@ def load_record(uri: str, *, directory: Path | None = None) -> RunRecord | None:
         logger.warning("ignoring %s: not a readable run record (%s)", path, type(exc).__name__)
         return None
     key, sha = (obj.get("run_key"), obj.get("spec_sha256")) if isinstance(obj, dict) else (None, None)
+    salt = obj.get("run_salt", "") if isinstance(obj, dict) else ""
     if (not isinstance(obj, dict) or obj.get("uri") != uri.rstrip("/") or not isinstance(sha, str)
-            or not (key is None or isinstance(key, str))):
+            or not (key is None or isinstance(key, str)) or not isinstance(salt, str)):
         logger.warning("ignoring %s: not a run record of %s", path, uri)
         return None
-    return RunRecord(uri=uri.rstrip("/"), spec_sha256=sha, run_key=key or None)
+    return RunRecord(uri=uri.rstrip("/"), spec_sha256=sha, run_key=key or None, run_salt=salt)
 
 
 __all__ = ["RunRecord", "load_record", "save_record", "spec_digest"]

@@ -373,7 +373,7 @@ def _refuse_credentials(uri: str, options: dict[str, Any]) -> None:
     if where is None and endpoint and url_has_credentials(endpoint):
         where = f"${'/$'.join(env.AWS_ENDPOINTS)}"
     if where is not None:
-        raise StoreConfigError(f"store {redact(uri)}: {where} carries credentials (user:password@ in a URL); put "
+        raise StoreConfigError(f"store {redact(uri)}: {where} carries credentials (user:password@ or a secret query parameter in a URL); put "
                                "them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (passed to jobs as executor "
                                "secrets), never in a URL")
 

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 SETTINGS_CONFIG = ConfigDict(strict=True, extra="forbid")
 
 PositiveInt = Annotated[int, Field(gt=0)]
+#: Batch sizes (rows, completions or pairs per step) are at most 2**20, like ``[trainer] batch_size`` in the spec:
+#: a step over more rows than that does not fit any accelerator's memory, so a larger value is a typo.
+BatchSize = Annotated[int, Field(gt=0, le=1 << 20)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -179,7 +182,7 @@ class CausalLMSettings(DatasetSettings):
     TRAINER: ClassVar[str] = "causal-lm"
     FACTORY: ClassVar[str] = "composer_cloud.trainer.causal_lm:build_causal_lm_trainer"
 
-    batch_size: PositiveInt = 8
+    batch_size: BatchSize = 8
     seq_len: PositiveInt = 64
     corpus_size: PositiveInt = 4000
     eval_rows: PositiveInt = 64
@@ -202,6 +205,7 @@ class CausalLMSettings(DatasetSettings):
 __all__ = [
     "DEFAULT_TRAINER",
     "SETTINGS_CONFIG",
+    "BatchSize",
     "TRAINERS",
     "CausalLMSettings",
     "DatasetSettings",

@@ -52,7 +52,11 @@ def kill_run(run_uri: str, launcher: subprocess.Popen) -> None:
 
 def kill_replica(run_uri: str, rank: int) -> None:
     """SIGKILL replica ``rank``'s process only (its supervisor lives on and may restart it): a crash."""
-    supervisor = json.loads((Path(handles(run_uri)[rank].data["dir"]) / "supervisor.json").read_text())
+    from composer_cloud.jobs.jobfiles import JobFolder
+
+    with JobFolder.at(Path(handles(run_uri)[rank].data["dir"]), rank=rank, key=None) as folder:
+        supervisor = folder.read_record("supervisor.json")  # crc-checked (a signed run's HMAC is not checked here)
+    assert supervisor is not None, f"replica {rank} has no supervisor record"
     os.kill(int(supervisor["replica_pid"]), signal.SIGKILL)
 
 

@@ -34,6 +34,7 @@ from pydantic.dataclasses import dataclass
 from composer_cloud.registry import reference_for
 from composer_cloud.trainer.settings import (
     SETTINGS_CONFIG,
+    BatchSize,
     DatasetSettings,
     FiniteFloat,
     NonNegativeFloat,
@@ -243,7 +244,7 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     #: old ``[trainer]`` key -> new key; an old key is an error that names the new one.
     RENAMED: ClassVar[dict[str, str]] = {"alpha": "sdpo_weight", "beta": "dpo_weight", "kl_beta": "kl_coef"}
 
-    batch_size: PositiveInt = 8
+    batch_size: BatchSize = 8
     seq_len: PositiveInt = 64
     num_generations: Annotated[int, Field(ge=2)] = 4  # group-relative advantages need two or more
     temperature: PositiveFloat = 1.0
@@ -251,8 +252,8 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = True
     num_iterations: PositiveInt = 1
-    steps_per_generation: PositiveInt = 1
-    gradient_accumulation_steps: PositiveInt = 1
+    steps_per_generation: BatchSize = 1  # multiplies the generation batch: same bound
+    gradient_accumulation_steps: BatchSize = 1  # multiplies the optimizer step's batch: same bound
     # channel 2
     hint_source: str = "default"
     hint_template: str = DEFAULT_HINT_TEMPLATE
@@ -261,7 +262,7 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     sdpo_exclude_eos: bool = True
     max_teacher_prompt_length: PositiveInt = 1024
     # channel 3
-    replay_batch_size: PositiveInt = 2
+    replay_batch_size: BatchSize = 2
     pairs: Annotated[str, Field(min_length=1)] = "auto"
     pairs_storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # task
