@@ -536,3 +536,109 @@ def test_a_causal_lm_run_on_a_users_jsonl_completes(tmp_path):
     # report_to: the attached launch wrote the TensorBoard series when the run ended
     assert any((tmp_path / "tracking" / "ft" / "replica-0").glob("events.out.tfevents.*"))
     assert any((tmp_path / "tracking" / "ft" / "rounds").glob("events.out.tfevents.*"))
+
+
+# ------------------------------------------- issue 34, finding 1: the replicas' own checks at --dry-run
+def _replica_refusals_in_code() -> list[str]:
+    """Every ``raise ValueError("model.<field>: ..." / "trainer.rollout: ...")`` of the code a replica runs while
+    it builds its model and trainer (model.py, lora.py, trainer/): the constant text of each message."""
+    import ast
+
+    import composer_cloud
+
+    root = Path(composer_cloud.__file__).parent
+    found = []
+    for path in [root / "model.py", root / "lora.py", *sorted((root / "trainer").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and getattr(node.exc.func, "id", None) == "ValueError" and node.exc.args):
+                continue
+            arg = node.exc.args[0]
+            parts = [arg] if isinstance(arg, ast.Constant) else list(getattr(arg, "values", []))
+            if isinstance(arg, ast.BinOp):  # "a" "b" f"c" concatenations
+                parts = [n for n in ast.walk(arg) if isinstance(n, ast.Constant)]
+            text = "".join(p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str))
+            if text.startswith(("model.", "trainer.rollout:")):
+                found.append(text)
+    return found
+
+
+def _entry_for(message: str) -> str | None:
+    from composer_cloud.runs.preflight import REPLICA_REFUSALS
+
+    field = message.partition(":")[0]
+    for key in REPLICA_REFUSALS:
+        kfield, _, words = key.partition(": ")
+        if kfield == field and all(w in message for w in words.split()):
+            return key
+    return None
+
+
+def test_every_replica_side_settings_refusal_is_listed_with_what_launch_does():
+    """Finding 1's enumeration: a new replica-side refusal must be added to REPLICA_REFUSALS (checked at launch,
+    or why not), so the dry run cannot silently fall behind the replicas."""
+    from composer_cloud.runs.preflight import REPLICA_REFUSALS
+
+    messages = _replica_refusals_in_code()
+    assert len(messages) >= 6, messages  # the scan found the refusals at all
+    unlisted = [m for m in messages if _entry_for(m) is None]
+    assert not unlisted, unlisted
+    assert {_entry_for(m) for m in messages} == set(REPLICA_REFUSALS)  # no stale entry either
+    assert all(v.startswith(("launch", "cannot")) for v in REPLICA_REFUSALS.values())
+
+
+#: A spec that the replicas refuse, per REPLICA_REFUSALS entry (launch side): overrides and the fake GPU it needs.
+_REFUSED_BY_REPLICAS = {
+    "model.attention: flash_attention_2 needs a CUDA GPU": (
+        {"model.precision": "bf16", "model.attention": "flash_attention_2"}, None),
+    "model.attention: flash_attention_2 computes in half precision": ({"model.attention": "flash_attention_2"}, None),
+    "model.attention: flash_attention_2 needs the flash-attn package": (
+        {"model.precision": "bf16", "model.attention": "flash_attention_2"}, "A100"),
+    "model.precision: has no bfloat16 support": ({"model.precision": "bf16"}, "Tesla T4"),
+    "model.precision: use": ({"model.precision": "fp16"}, None),
+    "model.lora.target_modules: matches no module of this model": (
+        {"model.lora.r": 8, "model.lora.target_modules": ["q_prj"]}, None),
+    "model.lora.dropout: the three-channel trainer runs without dropout": (
+        {"model.lora.r": 8, "model.lora.dropout": 0.1}, None),
+    "trainer.rollout: needs": ({"trainer.rollout": "vllm"}, None),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_REFUSED_BY_REPLICAS))
+def test_each_replica_refusal_is_a_launch_refusal(entry, tmp_path, monkeypatch):
+    """Finding 1: bf16 + flash_attention_2 on a CPU-only local run, LoRA dropout with the three-channel trainer,
+    target modules the demo model lacks (and the rest of the table) are refused by the dry run, exit 2, with the
+    replica's own words, and nothing is written."""
+    import torch
+
+    from composer_cloud.runs.lifecycle import check_launch
+
+    overrides, gpu = _REFUSED_BY_REPLICAS[entry]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    if gpu is not None:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: gpu != "Tesla T4")
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: gpu)
+        monkeypatch.setattr("composer_cloud.model.flash_attention_installed", lambda: False)
+    field, _, words = entry.partition(": ")
+    with pytest.raises(SpecError) as refused:
+        check_launch(overrides={"store": f"file://{tmp_path}/store", **overrides})
+    message = str(refused.value)
+    assert field in message and all(w in message for w in words.split()), message
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_issues_three_dry_runs_exit_2(tmp_path, monkeypatch):
+    """Finding 1 as the user met it: each of the three reproduced `--dry-run`s exited 0, then the replicas refused."""
+    monkeypatch.chdir(tmp_path)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args, needle in [
+        (["--set", "model.precision=bf16", "--set", "model.attention=flash_attention_2"], "needs a CUDA GPU"),
+        (["--set", "model.lora.r=8", "--set", "model.lora.dropout=0.1"], "model.lora.dropout"),
+        (["--set", "model.lora.r=8", "--set", 'model.lora.target_modules=["q_prj"]'], "'q_proj'"),
+    ]:
+        res = _dry(tmp_path, *args)
+        assert res.exit_code == 2 and needle in res.output, res.output
+    ok = _dry(tmp_path, "--set", "model.lora.r=8", "--set", 'model.lora.target_modules=["q_proj", "v_proj"]')
+    assert ok.exit_code == 0, ok.output

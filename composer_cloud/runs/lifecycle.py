@@ -37,7 +37,13 @@ from composer_cloud.errors import (
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor, trusted_handles
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import signing, sync_state
-from composer_cloud.runs.preflight import check_dataset, check_hub_model, check_model_dir
+from composer_cloud.runs.preflight import (
+    check_dataset,
+    check_hub_model,
+    check_model_dir,
+    check_replica_build,
+    replica_device,
+)
 from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
 from composer_cloud.spec_paths import with_paths
@@ -243,6 +249,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         check_model_dir(local["model.name"])
     elif spec.model.name != "tiny":
         check_hub_model(spec.model.name, base_dir or Path.cwd())
+    devices = {p.executor: replica_device(spec, p.executor, p.gpus_per_replica) for p in plan(spec)}
+    check_replica_build(spec, devices, local.get("model.name"))  # what the replicas check as they start
     columns = check_dataset(settings, local, spec.trainer.name) if settings.get("dataset") else None
     from composer_cloud.runs.signal import launch_refusal
 

@@ -113,4 +113,122 @@ def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], traine
     return available
 
 
-__all__ = ["check_dataset", "check_hub_model", "check_model_dir"]
+# ---------------------------------------------------------------- the replica's own start-up checks
+#: What a replica refuses while it builds its model and trainer (``replica/runtime.Replica._build``), each
+#: with what the launcher does about it. ``tests/test_first_hour.py`` reads this table against the
+#: replica's code and proves each "launch" entry is refused by ``--dry-run``.
+REPLICA_REFUSALS: dict[str, str] = {
+    "model.attention: flash_attention_2 needs a CUDA GPU": "launch: local replicas on this machine's device, "
+                                                           "cloud replicas without a GPU",
+    "model.attention: flash_attention_2 computes in half precision": "launch: a spec check, every executor",
+    "model.attention: flash_attention_2 needs the flash-attn package": "launch for local replicas; cannot for "
+                                                                       "cloud replicas (their image decides)",
+    "model.precision: has no bfloat16 support": "launch for local replicas (this machine's GPU); cannot for cloud "
+                                                "replicas (the GPU model is known only in the job)",
+    "model.precision: use": "launch: the spec's type allows only fp32 and bf16",
+    "model.lora.target_modules: matches no module of this model": "launch for the demo model and local model "
+                                                                  "folders (built on the meta device); cannot for a "
+                                                                  "hub model (the launcher may be offline)",
+    "model.lora.dropout: the three-channel trainer runs without dropout": "launch: the trainer's check_model",
+    "trainer.rollout: needs": "launch for local replicas (_check_rollout); cloud replicas: in the job",
+}
+
+
+def replica_device(spec: Any, executor: str, gpus_per_replica: int) -> str:
+    """The device type the replicas of ``executor`` will compute on, as ``Replica._build`` picks it.
+
+    ``device = "auto"``: CUDA when the replica has a GPU (local: this machine's; cloud: its plan's GPUs).
+    """
+    if spec.device != "auto":
+        return str(spec.device)
+    if executor == "local":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if gpus_per_replica > 0 else "cpu"
+
+
+def _meta_model(spec: Any, local_model: Path | None) -> Any | None:
+    """The spec's model with no weights (meta device), for checks on its module names; None: not known here.
+
+    The demo model is built from its config; a local model folder from its ``config.json``; a hub model is
+    not fetched (the launcher may be offline) and its replicas check it.
+    """
+    import torch
+
+    if spec.model.name == "tiny":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from composer_cloud.model import TinyModelConfig
+
+        m = spec.model  # the module names do not depend on the vocabulary's size
+        config = Qwen2Config(vocab_size=TinyModelConfig().vocab_size, hidden_size=m.hidden_size,
+                             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                             num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
+                             tie_word_embeddings=True)
+        with torch.device("meta"):
+            return Qwen2ForCausalLM(config)
+    if local_model is not None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(local_model)
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # noqa: BLE001 - the replica loads it and says what is wrong
+            logger.warning("model.name %s: LoRA target modules not checked before launch (%s: %s)", local_model,
+                           type(exc).__name__, exc)
+    return None
+
+
+def check_replica_build(spec: Any, devices: Mapping[str, str], local_model: Path | None) -> None:
+    """The checks a replica runs while it builds its model and trainer, run here where they can be.
+
+    ``devices``: executor name -> the device type its replicas compute on (:func:`replica_device`).
+    Calls the replica's own functions (``model.resolve_attention``, ``model.check_precision``,
+    ``lora.apply_lora`` on a meta-device model, the trainer's ``check_model``), so the launcher refuses
+    with the replica's words. Raises :class:`SpecError` naming the field. :data:`REPLICA_REFUSALS` lists
+    what cannot be checked here and why.
+    """
+    from composer_cloud.trainer.settings import settings_class
+
+    def refuse(exc: ValueError, where: str) -> SpecError:
+        field, _, rest = str(exc).partition(": ")
+        return SpecError(field, f"{rest} ({where})")
+
+    check_model = getattr(settings_class(spec.trainer.name), "check_model", None)
+    if check_model is not None:
+        try:
+            check_model(spec.model)
+        except ValueError as exc:
+            raise refuse(exc, f"trainer {spec.trainer.name!r}") from None
+    for executor, device in devices.items():
+        if executor != "local" and device != "cpu":
+            continue  # a cloud GPU: its image and GPU model are known only in the job
+        from composer_cloud.model import check_precision, resolve_attention
+
+        where = f"the {executor} executor's replicas compute on {device}"
+        try:
+            check_precision(spec.model.precision, device)
+            resolve_attention(spec.model.attention, device=device, precision=spec.model.precision)
+        except ValueError as exc:
+            raise refuse(exc, where) from None
+    lora = spec.model.lora
+    if lora is not None and lora.target_modules != "all-linear":
+        model = _meta_model(spec, local_model)
+        if model is not None:
+            import warnings
+
+            from composer_cloud.lora import apply_lora
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                               target_modules=lora.target_modules, seed=spec.seed)
+                except ValueError as exc:
+                    raise refuse(exc, f"model {spec.model.name!r}") from None
+
+
+__all__ = ["REPLICA_REFUSALS", "check_dataset", "check_hub_model", "check_model_dir", "check_replica_build",
+           "replica_device"]
