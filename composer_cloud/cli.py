@@ -235,7 +235,10 @@ def launch(
             if failed:
                 raise _fail("launch would fail: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
             return
-        run = runs.launch(spec, base_dir=base_dir)
+        try:
+            run = runs.launch(spec, base_dir=base_dir)
+        except KeyboardInterrupt as exc:  # Ctrl-C before launch returned: say what was left, and what to do
+            raise _interrupted(exc, as_json=as_json) from None
     launched = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas}
     if as_json:
         if detach:
@@ -247,6 +250,20 @@ def launch(
         console.print(f"follow with: composer-cloud status {run.uri}")
         return
     raise typer.Exit(_watch(run))
+
+
+def _interrupted(exc: KeyboardInterrupt, *, as_json: bool) -> typer.Exit:
+    """Ctrl-C during ``launch``/``resume`` before it returned: one line saying what is left (exit 130)."""
+    if isinstance(exc, runs.LaunchInterrupted):
+        line = exc.advice()
+        out = {"run_uri": exc.run_uri, "interrupted": True, "written": exc.written, "started": exc.started}
+    else:
+        line = "interrupted before anything was written: nothing was launched"
+        out = {"interrupted": True, "written": False, "started": False}
+    err_console.print(line, highlight=False)
+    if as_json:
+        _print_json(out)
+    return typer.Exit(130)
 
 
 DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
@@ -460,7 +477,13 @@ def resume(
     """Continue a run from its latest valid checkpoint (attached: Ctrl-C detaches, the run goes on)."""
     run = _open(run_uri, store_option)
     with _user_errors():
-        result = runs.resume(run, executor=executor, replicas=replicas, force=force)
+        try:
+            result = runs.resume(run, executor=executor, replicas=replicas, force=force)
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted while resuming: `composer-cloud status {run.uri}` says what runs (not "
+                              f"started: resume it again); cancel with: composer-cloud cancel {run.uri}",
+                              highlight=False)
+            raise typer.Exit(130) from None
     if as_json:
         out = {"run_id": run.run_id, "run_uri": run.uri, "from_round": result.from_round,
                "ranks": [h.rank for h in result.handles], "warnings": result.warnings, "noop": result.noop}

@@ -317,3 +317,75 @@ def test_ctrl_c_while_watching_is_taken_at_the_next_poll_and_a_second_one_at_onc
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+# ------------------------------------------- issue 34, finding 2: Ctrl-C between spec.json and the jobs
+def _interrupt_before_jobs(monkeypatch) -> None:
+    """SIGINT lands after the spec is written and before any job starts (the issue's 1-3 s window)."""
+    import composer_cloud.runs.lifecycle as lifecycle
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle, "_start_jobs", interrupted)
+
+
+def test_ctrl_c_before_the_jobs_start_leaves_a_not_started_run_that_says_what_to_do(tmp_path, monkeypatch):
+    """Finding 2: the launcher printed nothing and left a run that status called "running — round 0/2" with no
+    replicas. Now: one line naming resume and cancel, exit 130, and status/ls say "not started"."""
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+    _interrupt_before_jobs(monkeypatch)
+    res = CliRunner().invoke(app, ["launch", "--config", str(cfg), "--run-id", "cut",
+                                   "--store", f"file://{tmp_path}/store"])
+    uri = f"file://{tmp_path}/store/cut"
+    assert res.exit_code == 130, res.output
+    assert f"composer-cloud resume {uri}" in res.output and f"composer-cloud cancel {uri}" in res.output
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    st = CliRunner().invoke(app, ["status", uri, "--json"])
+    assert json.loads(st.stdout)["state"] == "not started", st.output
+    listed = CliRunner().invoke(app, ["ls", f"file://{tmp_path}/store", "--json"])
+    assert "not started" in listed.stdout, listed.output
+    # cancel removes it (exit 0): the id is free again and nothing is listed
+    cancelled = CliRunner().invoke(app, ["cancel", uri])
+    assert cancelled.exit_code == 0 and "removed" in cancelled.output, cancelled.output
+    assert not (tmp_path / "store" / "cut" / "spec.json").exists()
+    assert not (tmp_path / "store" / "cut" / "model").exists()
+
+
+def test_resume_starts_a_run_whose_launch_was_interrupted(tmp_path, monkeypatch):
+    """Finding 2: plain `resume` refused it ("still running (replicas starting)"); now it starts its jobs."""
+    from composer_cloud import runs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+    _interrupt_before_jobs(monkeypatch)
+    with pytest.raises(runs.LaunchInterrupted) as cut:
+        runs.launch(config=cfg, overrides={"run_id": "cut", "store": f"file://{tmp_path}/store"})
+    assert cut.value.written and not cut.value.started
+    monkeypatch.undo()
+    assert runs.get_status(cut.value.run_uri).state == "not started"
+    resumed = runs.resume(cut.value.run_uri)
+    try:
+        assert [h.rank for h in resumed.handles] == [0] and resumed.from_round == -1
+        assert runs.get_status(cut.value.run_uri).state in ("running", "completed")
+    finally:
+        runs.cancel(cut.value.run_uri)
+
+
+def test_ctrl_c_while_uploading_leaves_nothing(tmp_path, monkeypatch):
+    """Before the spec is written nothing of the run stays, and the line says so."""
+    import composer_cloud.runs.lifecycle as lifecycle
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle, "_store_model_files", interrupted)
+    res = CliRunner().invoke(app, ["launch", "--config", str(cfg), "--run-id", "cut2",
+                                   "--store", f"file://{tmp_path}/store"])
+    assert res.exit_code == 130 and "nothing was launched" in res.output, res.output
+    assert not (tmp_path / "store" / "cut2" / "spec.json").exists()

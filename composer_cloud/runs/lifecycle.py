@@ -89,6 +89,32 @@ class CancelResult:
 RunRef = Run | str
 
 
+class LaunchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) while :func:`launch` was writing the run or starting its jobs.
+
+    ``written``: the run's spec is in the store (``status`` says "not started" until a job starts;
+    ``resume`` starts it, ``cancel`` removes it); ``started``: at least one replica job was started (the
+    run goes on; ``cancel`` stops it). Neither: nothing of the run was left in the store.
+    """
+
+    def __init__(self, run_uri: str, *, written: bool, started: bool) -> None:
+        super().__init__(run_uri)
+        self.run_uri = run_uri
+        self.written = written
+        self.started = started
+
+    def advice(self) -> str:
+        """What the person who pressed Ctrl-C should know, one line."""
+        uri = self.run_uri
+        if self.started:
+            return (f"interrupted: replicas of run {uri} were started and go on; cancel with: composer-cloud cancel "
+                    f"{uri}; follow with: composer-cloud status {uri}")
+        if self.written:
+            return (f"interrupted before any replica started: run {uri} is written but not started; start it with: "
+                    f"composer-cloud resume {uri}; remove it with: composer-cloud cancel {uri}")
+        return "interrupted: nothing was launched and nothing of the run was left in the store"
+
+
 def _as_run(ref: RunRef, storage_options: Mapping[str, Any] | None) -> Run:
     return ref if isinstance(ref, Run) else open_run(ref, storage_options=storage_options)
 
@@ -381,21 +407,36 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     if base_dir is None and config is not None:
         base_dir = Path(config).resolve().parent
     spec, bundle, packed, store, run_key = _prepare(_spec_of(spec, config, overrides), base_dir)
-    # Write-once: two launches racing on one run id cannot both start.
-    if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
-        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
-    signing.remember(store.uri, spec, run_key)
+    uploads = (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES)
+    # What the replicas need is uploaded before the spec (the claim on the run id) is written: a run in the
+    # store always has its code, files and model files, so one interrupted before its jobs started can be
+    # started by `resume` ("not started" in status).
     try:
         if bundle is not None:
             upload_code(store, bundle)
         for key, data, sha in packed:
             put_verified(store, key, data, sha)
         _store_model_files(store, spec)
+    except (StoreError, KeyboardInterrupt) as exc:
+        if not store.exists(layout.SPEC):  # another launch may have claimed the id meanwhile: leave its files
+            for prefix in uploads:
+                store.delete(prefix, recursive=True)
+        if isinstance(exc, KeyboardInterrupt):
+            raise LaunchInterrupted(store.uri, written=False, started=False) from None
+        raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
+    # Write-once: two launches racing on one run id cannot both start.
+    if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
+        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
+    signing.remember(store.uri, spec, run_key)
+    try:
         _start_jobs(store, spec, run_key)
+    except KeyboardInterrupt:
+        # Written, so the run is "not started" (no job) or running (some jobs): say which and what to do.
+        raise LaunchInterrupted(store.uri, written=True, started=bool(store.list(layout.HANDLES))) from None
     except (LaunchError, StoreError) as exc:
         if not store.list(layout.HANDLES):
             # No job started: roll back, so the id is free again and nothing claims to be running.
-            for prefix in (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES):
+            for prefix in uploads:
                 store.delete(prefix, recursive=True)
             store.delete(layout.SPEC)
             raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
@@ -490,10 +531,28 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
     return cancelled, warnings
 
 
+def _remove_not_started(run: Run, current: RunStatus) -> CancelResult:
+    """Cancel of a run no job was started for: a fresh one (nothing trained) is removed from the store (this
+    machine's run key record stays until `rm` exists); one with rounds (an interrupted resume) keeps them and is marked cancelled."""
+    _require_conforming_store(run)
+    store = run.store
+    if current.rounds_committed or store.list(layout.CHECKPOINTS) or store.list(layout.DECOUPLED):
+        request_cancel(store)
+        return CancelResult(run=run, cancelled=[], noop=(
+            f"run {run.run_id} had no replica job running; marked cancelled (its checkpoints are kept)"))
+    for prefix in (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES, layout.RESUMES, layout.HANDLES,
+                   layout.HEARTBEATS, layout.METRICS, layout.ROUNDS):
+        store.delete(prefix, recursive=True)
+    store.delete(layout.SPEC)  # last: until here the run is still listed and can be cancelled again
+    return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} was never started; removed it from the store")
+
+
 def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> CancelResult:
     """Record the cancellation and stop every replica job of the run."""
     run = _as_run(run, storage_options)
     current = run_status(run)
+    if current.state == "not started":
+        return _remove_not_started(run, current)
     if current.state != "running":
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     _require_conforming_store(run)
@@ -543,5 +602,5 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
                       on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
-__all__ = ["LaunchCheck", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "LaunchInterrupted", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

@@ -53,7 +53,7 @@ class ReplicaInfo:
 class RunStatus:
     run_id: str
     run_uri: str
-    state: str  # running | completed | failed | cancelled
+    state: str  # running | completed | failed | cancelled | not started (written, no job ever started)
     rounds: int
     rounds_committed: int
     replicas: list[ReplicaInfo] = field(default_factory=list)
@@ -196,6 +196,12 @@ class StatusTracker:
             state = "completed"
         elif finished:
             state = "failed"
+        elif not handles:
+            # Written, but no replica job was ever recorded (a launch or resume interrupted before its jobs
+            # started): nothing runs. `resume` starts it, `cancel` removes it.
+            state = "not started"
+            problems.append("no replica job was started (the launch was interrupted); start it with "
+                            "`composer-cloud resume`, or remove it with `composer-cloud cancel`")
         else:
             state = "running"
         total = spec.rounds * spec.inner_steps
