@@ -1,8 +1,9 @@
 """The ``composer-cloud`` command line: a thin typer layer over :mod:`composer_cloud.runs`.
 
-Exit codes: 0 success (for ``launch``/``resume``: the run completed), 1 the run
-failed or was cancelled, 2 bad input (nothing was written to the store), 130
-Ctrl-C on an attached ``launch``/``resume`` (detached: the run goes on).
+Exit codes: 0 success (for ``launch``/``resume`` attached, ``wait`` and ``status --wait``: the run
+completed), 1 the run failed or was cancelled, 2 bad input (nothing was written to the store), 130
+Ctrl-C on an attached ``launch``/``resume`` (detached: the run goes on). Plain ``status``: 0 running,
+not started or completed, 1 failed or cancelled.
 
 Every command that reads or reports something takes ``--json`` (one JSON
 document on stdout; ``logs --json``: one JSON object per line).
@@ -310,9 +311,21 @@ def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, 
 
 
 # ---------------------------------------------------------------- status / logs / cancel
+#: ``status``/``wait`` exit codes by the run's state (documented in README.md and the commands' help).
+STATE_EXIT = {"completed": 0, "running": 0, "not started": 0, "failed": 1, "cancelled": 1}
+
+
 @app.command()
-def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Show a run's state, committed rounds, progress (step, loss, reward, steps/s, elapsed, ETA) and replicas."""
+def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None,
+           wait_: Annotated[bool, typer.Option("--wait", help="follow the run until it ends; exit with its "
+                                                              "outcome (as `composer-cloud wait`)")] = False) -> None:
+    """Show a run's state, committed rounds, progress (step, loss, reward, steps/s, elapsed, ETA) and replicas.
+
+    Exit codes: 0 running, not started or completed; 1 failed or cancelled; 2 no such run or bad input.
+    With --wait: 0 completed, 1 failed or cancelled, 130 Ctrl-C (the run goes on).
+    """
+    if wait_:
+        raise typer.Exit(_wait_for(run_uri, as_json=as_json, store_option=store_option))
     run = _open(run_uri, store_option)
     with _user_errors():
         st = runs.get_status(run)
@@ -320,6 +333,27 @@ def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
         sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
     else:
         console.print(cli_views.status_table(st))
+    raise typer.Exit(STATE_EXIT.get(st.state, 1))
+
+
+@app.command("wait")
+def wait_cmd(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Follow a run until it ends and exit with its outcome: 0 completed, 1 failed or cancelled, 2 no such
+    run, 130 Ctrl-C (the run goes on). A run that is not started exits 1 at once (`resume` starts it)."""
+    raise typer.Exit(_wait_for(run_uri, as_json=as_json, store_option=store_option))
+
+
+def _wait_for(run_uri: str, *, as_json: bool, store_option: list[str] | None) -> int:
+    run = _open(run_uri, store_option)
+    try:
+        with _user_errors():
+            st = follow(run, console=None if as_json else console)
+    except KeyboardInterrupt:
+        err_console.print(DETACHED.format(uri=run.uri).replace("detached: ", "stopped watching: "), highlight=False)
+        return 130
+    if as_json:
+        sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
+    return 0 if st.state == "completed" else 1
 
 
 @app.command()
@@ -384,6 +418,16 @@ def metrics(run_uri: str,
     with _user_errors():
         rows = runs.read_metrics(run.store, rank=replica, kind=kind or (None if csv or as_json else "round"),
                                  superseded=all_)
+    if not rows:  # say why, not an empty line: the run has not trained yet, or it failed before it did
+        with _user_errors():
+            st = runs.get_status(run)
+        why = "; ".join(cli_views.reason_lines(st)[:3])
+        err_console.print(f"no {kind or ('round' if not (csv or as_json) else '')} metrics rows".replace("  ", " ")
+                          + f" in run {run.run_id}: it is {st.state}" + (f" ({why})" if why else ""),
+                          highlight=False, soft_wrap=False)
+        if as_json:
+            _print_json(rows)
+        raise typer.Exit(STATE_EXIT.get(st.state, 1))
     if as_json:
         _print_json(rows)
     elif csv:

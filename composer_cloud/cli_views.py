@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from composer_cloud import runs
 from composer_cloud.runs import Run, RunStatus
@@ -77,9 +78,16 @@ def print_summary(console: Console, err_console: Console, run: Run, status: RunS
         table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
                                                  f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
     table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB{s.synced_note}")
+    if s.failed_at_start_config:
+        table.add_row("failed at start (config)", ", ".join(map(str, s.failed_at_start_config)))
+    if set(s.failed_at_start) - set(s.failed_at_start_config):
+        table.add_row("failed at start", ", ".join(str(r) for r in s.failed_at_start
+                                                   if r not in s.failed_at_start_config))
     if s.lost_replicas:
-        table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
-    console.print(table)
+        table.add_row("lost replicas (died while training)", ", ".join(map(str, s.lost_replicas)))
+    if s.cancelled_replicas:
+        table.add_row("cancelled replicas", ", ".join(map(str, s.cancelled_replicas)))
+    console.print(table)  # why each replica ended is under the status table just above (reason_lines)
     for note in s.notes:
         console.print(f"note: {note}", highlight=False)
     for warning in s.warnings:
@@ -105,7 +113,29 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def status_table(status: RunStatus) -> Table:
+def _state_cell(r: Any) -> str:
+    """A replica's state as people read it: ``failed at start (config)`` and ``lost`` are different failures."""
+    from composer_cloud.runs.summary import replica_outcome
+
+    return replica_outcome(r)
+
+
+def reason_lines(status: RunStatus) -> list[str]:
+    """Why each replica that did not succeed ended (``r1 lost: ...``), then the run's problems and warnings:
+    printed under the table, full width and whole (a table cell of an 80-column terminal cuts them)."""
+    from composer_cloud.runs.summary import reason, replica_outcome
+
+    lines = [f"r{r.rank} {replica_outcome(r)}: {reason(r)}" for r in status.replicas
+             if r.message and r.state != "succeeded"]
+    lines += [*status.problems, *status.warnings]
+    if status.store_error:
+        lines.append(f"store unreachable, showing the last known state: {status.store_error}")
+    return lines
+
+
+def status_table(status: RunStatus) -> Group:
+    """The run's table (title: state and progress; a row per replica), and under it, full width, why replicas
+    ended and what keeps the run from completing (:func:`reason_lines`)."""
     title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
     if status.step is not None:
         title += f", step {status.step}/{status.total_steps}"
@@ -119,7 +149,7 @@ def status_table(status: RunStatus) -> Table:
     cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
     if len({r.executor for r in reps}) > 1:
         cols.append(("executor", lambda r: r.executor))
-    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
+    cols += [("state", _state_cell), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
              ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
     if any(r.reward is not None for r in reps):
         cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
@@ -128,14 +158,8 @@ def status_table(status: RunStatus) -> Table:
         cols.append(("exit", lambda r: exit_reason(r.exit_code, r.state)))
     if any(r.restarts or r.state == "failed" for r in reps):  # why it stopped: restarts used up, or none allowed
         cols.append(("restarts", lambda r: str(r.restarts)))
-    if any(r.message for r in reps):
-        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
     for name, _ in cols:
-        table.add_column(name)
+        table.add_column(name, no_wrap=name == "state")
     for r in reps:
         table.add_row(*[get(r) for _, get in cols])
-    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
-                                  if status.store_error else [])
-    if notes:
-        table.caption = "\n".join(notes)
-    return table
+    return Group(table, *[Text(line, no_wrap=False, overflow="fold") for line in reason_lines(status)])

@@ -389,3 +389,117 @@ def test_ctrl_c_while_uploading_leaves_nothing(tmp_path, monkeypatch):
                                    "--store", f"file://{tmp_path}/store"])
     assert res.exit_code == 130 and "nothing was launched" in res.output, res.output
     assert not (tmp_path / "store" / "cut2" / "spec.json").exists()
+
+
+# ------------------------------------------- issue 34, finding 4 and issue 33 item 4: failures where people look
+class _ScriptedJobs:
+    """An executor whose jobs go through given states, one per poll (the last one repeats)."""
+
+    def __init__(self, script: dict[int, list]) -> None:
+        self.script = script
+
+    def poll(self, handle):
+        states = self.script[handle.rank]
+        return states.pop(0) if len(states) > 1 else states[0]
+
+
+def _scripted_run(tmp_path, monkeypatch, script, beats, **spec_fields):
+    """A run in a store with handles, the given heartbeats (rank -> (state, error, step)) and scripted jobs."""
+    from composer_cloud.jobs import JobHandle
+    from composer_cloud.runs import status as status_mod
+    from composer_cloud.spec import RunSpec
+    from composer_cloud.storage import layout
+    from composer_cloud.storage.records import Heartbeat, HeartbeatState
+    from composer_cloud.storage.run import Run, save_handles
+
+    store = Store(f"file://{tmp_path}/store/run")
+    spec = RunSpec(run_id="run", **spec_fields)
+    save_handles(store, [JobHandle("local", r, f"j{r}") for r in range(spec.replicas)])
+    for rank, (state, error, step) in beats.items():
+        store.put_json(layout.heartbeat_key(rank), Heartbeat(rank=rank, state=HeartbeatState(state), time=time.time(),
+                                                             error=error, step=step).to_json())
+    jobs = _ScriptedJobs(script)
+    monkeypatch.setattr(status_mod, "get_executor", lambda name, spec: jobs)
+    run = Run(uri=store.uri, store=store, spec=spec)
+    monkeypatch.setattr(cli_module, "_open", lambda uri, options: run)
+    return run
+
+
+REFUSED = ("ValueError: model.lora.dropout: the three-channel trainer runs without dropout (GRPO's importance "
+           "ratios compare two forwards of the same tokens); set it to 0 (got 0.1)")
+
+
+def test_a_failed_runs_reason_is_whole_under_an_80_column_table_and_exit_codes_are_real(tmp_path, monkeypatch):
+    """Finding 4: the reason was one word per line, cut mid-word; the final table said exit `unknown` for replicas
+    that exited 1; the summary called replicas that refused their config "lost"."""
+    from composer_cloud import runs
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+    from composer_cloud.runs.summary import summarize
+
+    running, exited = ReplicaStatus(ReplicaState.RUNNING, restarts=0), ReplicaStatus(ReplicaState.FAILED, 1, "", 0)
+    # The failed heartbeat is written before the job exits: the first polls see the job still running.
+    run = _scripted_run(tmp_path, monkeypatch, {0: [running, running, exited], 1: [running, exited]},
+                        {0: ("failed", REFUSED, None), 1: ("failed", REFUSED, None)})
+    final = runs.wait(run, interval_s=0.01)
+    assert final.state == "failed" and [r.exit_code for r in final.replicas] == [1, 1]
+    out = io.StringIO()
+    Console(file=out, width=80, soft_wrap=True).print(cli_module.cli_views.status_table(final))
+    text = " ".join(out.getvalue().split())
+    assert "r0 failed at start (config): " + REFUSED in text, out.getvalue()
+    assert "unknown" not in out.getvalue()
+    s = summarize(run, final)
+    assert s.failed_at_start_config == [0, 1] and s.lost_replicas == [] and s.reasons[1] == REFUSED
+    summary = io.StringIO()
+    cli_module.cli_views.print_summary(Console(file=summary, width=80), Console(file=io.StringIO()), run, final)
+    assert "failed at start (config)" in summary.getvalue() and "lost" not in summary.getvalue()
+
+
+def test_status_wait_metrics_and_report_of_a_failed_run_say_why_and_exit_1(tmp_path, monkeypatch):
+    """Finding 4: `status` exited 0 for a failed run, there was no `wait`, `metrics` printed an empty line with
+    exit 0, and the report was four empty panels without the reason."""
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+
+    exited = ReplicaStatus(ReplicaState.FAILED, 1, "", 0)
+    run = _scripted_run(tmp_path, monkeypatch, {0: [exited], 1: [exited]},
+                        {0: ("failed", REFUSED, None), 1: ("failed", REFUSED, None)})
+    runner = CliRunner()
+    st = runner.invoke(app, ["status", run.uri])
+    assert st.exit_code == 1 and "failed at start (config)" in st.output, st.output
+    for args in (["wait", run.uri], ["status", run.uri, "--wait", "--json"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.output)
+    met = runner.invoke(app, ["metrics", run.uri])
+    assert met.exit_code == 1 and "model.lora.dropout" in met.output, met.output
+    rep = runner.invoke(app, ["report", run.uri, "--out", str(tmp_path / "rep")])
+    assert rep.exit_code == 0, rep.output
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "failed at start (config)" in page and "model.lora.dropout" in page
+
+
+def test_the_launcher_reports_the_run_not_its_first_sighting_of_a_crash(tmp_path, monkeypatch):
+    """Issue 33 item 4: a replica crashed (failed heartbeat) while its supervisor had a restart left, then the
+    run completed: `wait` (and so `launch`) said "failed" at the first sighting. Now it follows the run."""
+    from composer_cloud import runs
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+
+    running = ReplicaStatus(ReplicaState.RUNNING, restarts=0)
+    run = _scripted_run(tmp_path, monkeypatch, {0: [running], 1: [running]},
+                        {0: ("failed", "RuntimeError: the round has no valid commit", 3),
+                         1: ("failed", "RuntimeError: the round has no valid commit", 3)}, max_restarts=1)
+    seen = []
+
+    def restarted_and_completed(st):
+        seen.append(st.state)
+        assert [r.state for r in st.replicas] == ["running", "running"]
+        assert all(r.message.startswith("restarting after: ") for r in st.replicas)
+        raise StopIteration  # one poll is enough to show the state; the test ends the wait here
+
+    with pytest.raises(StopIteration):
+        runs.wait(run, interval_s=0.01, on_update=restarted_and_completed)
+    assert seen == ["running"]
+    # Restarts used up: the same crash is the replica's end.
+    used = ReplicaStatus(ReplicaState.RUNNING, restarts=1)
+    run = _scripted_run(tmp_path / "b", monkeypatch, {0: [used], 1: [used]},
+                        {0: ("failed", "RuntimeError: x", 3), 1: ("failed", "RuntimeError: x", 3)}, max_restarts=1)
+    st = runs.get_status(run)
+    assert st.state == "failed" and [r.state for r in st.replicas] == ["failed", "failed"]

@@ -570,17 +570,24 @@ def get_status(run: RunRef, *, storage_options: Mapping[str, Any] | None = None,
     return run_status(_as_run(run, storage_options), poll_executors=poll_executors)
 
 
+#: Seconds ``wait`` keeps polling a finished run for the exit codes of failed replicas: a replica's failed
+#: heartbeat is written before its job exits, and the executor records the exit code after it.
+EXIT_CODE_SETTLE_S = 10.0
+
+
 def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0,
          on_update: Callable[[RunStatus], None] | None = None,
          storage_options: Mapping[str, Any] | None = None) -> RunStatus:
     """Poll the run every ``interval_s`` until it is no longer running; return its final status.
 
     ``on_update`` sees every status (for progress displays). Raises
-    ``TimeoutError`` after ``timeout_s`` (None: no limit).
+    ``TimeoutError`` after ``timeout_s`` (None: no limit). A run whose failed replicas have no exit code yet
+    is polled up to :data:`EXIT_CODE_SETTLE_S` more, so the final status carries the real exit codes.
     """
     run = _as_run(run, storage_options)
     last: list[RunStatus] = []
     tracker = StatusTracker(run)
+    settle: list[float] = []
 
     def finished() -> RunStatus | None:
         try:
@@ -595,7 +602,13 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
         last[:] = [st]
         if on_update is not None:
             on_update(st)
-        return None if st.state == "running" or st.store_error else st
+        if st.state == "running" or st.store_error:
+            return None
+        if any(i.state == "failed" and i.exit_code is None for i in st.replicas):
+            settle[:] = settle or [time.monotonic() + EXIT_CODE_SETTLE_S]
+            if time.monotonic() < settle[0]:
+                return None
+        return st
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     return poll_until(finished, deadline=deadline, policy=PollPolicy(initial_s=interval_s, max_s=interval_s),

@@ -14,6 +14,7 @@ from typing import Any
 
 from composer_cloud.errors import BadObject
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor, trusted_handles
+from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs import sync_state
 from composer_cloud.stack import version_skew
@@ -154,20 +155,28 @@ class StatusTracker:
                 stacks.append({"rank": h.rank, "versions": beat.versions})
             status = self._job_status(h)
             state = status.state.value
-            if not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
+            restarts = status.restarts if status.restarts is not None else h.restarts
+            polled = self.poll_executors and not status.message.startswith("cannot poll")
+            restarting = (polled and beat is not None and beat.state is HeartbeatState.FAILED
+                          and not status.state.finished and restarts < relaunches(spec, h.executor))
+            if restarting:
+                # The replica failed but its job lives on and will start it again (issue 33: the run is
+                # judged by what it does next, not by the first crash seen).
+                pass
+            elif not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
                 state = _FINISHED_JOB_STATE[beat.state].value
             elif (status.state is ReplicaState.FAILED and status.exit_code is None and beat is not None
                   and beat.state is HeartbeatState.COMPLETED):
                 # The job's wrapper died without recording an exit (a killed local supervisor) after the
                 # replica itself finished: the replica's own word wins, the run did not fail.
                 state = ReplicaState.SUCCEEDED.value
-            restarts = status.restarts if status.restarts is not None else h.restarts
             beat_time = beat.time if beat is not None and beat.time > 0 else None
             loss = None if beat is None else beat.number("loss_ema")
             infos.append(ReplicaInfo(
                 rank=h.rank, executor=h.executor, state=state, last_round=beat.round if beat else None,
                 job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                message=(beat.error if beat else "") or status.message, step=beat.step if beat else None,
+                message=(f"restarting after: {beat.error}" if restarting and beat is not None else
+                         (beat.error if beat else "") or status.message), step=beat.step if beat else None,
                 loss=loss if loss is not None or beat is None else beat.number("loss"),
                 reward=beat.number("reward") if beat else None,
                 steps_per_s=beat.number("steps_per_s") if beat else None,
