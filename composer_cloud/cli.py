@@ -286,7 +286,7 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
             _print_json({**as_json, "detached": True})
         return 130
     if as_json is not None:
-        _print_json({**as_json, "status": status.to_json(), "summary": dataclasses.asdict(runs.summarize(run, status))})
+        _print_json({**as_json, "status": cli_views.status_json(status), "summary": dataclasses.asdict(runs.summarize(run, status))})
     else:
         console.line()
         cli_views.print_summary(console, err_console, run, status)
@@ -330,7 +330,7 @@ def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
     with _user_errors():
         st = runs.get_status(run)
     if as_json:
-        sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(cli_views.status_json(st), indent=2) + "\n")
     else:
         console.print(cli_views.status_table(st))
     raise typer.Exit(STATE_EXIT.get(st.state, 1))
@@ -352,7 +352,7 @@ def _wait_for(run_uri: str, *, as_json: bool, store_option: list[str] | None) ->
         err_console.print(DETACHED.format(uri=run.uri).replace("detached: ", "stopped watching: "), highlight=False)
         return 130
     if as_json:
-        sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(cli_views.status_json(st), indent=2) + "\n")
     return 0 if st.state == "completed" else 1
 
 

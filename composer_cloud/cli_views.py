@@ -61,7 +61,10 @@ def print_summary(console: Console, err_console: Console, run: Run, status: RunS
     table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
     table.add_column("")
     table.add_column("first round → last round (mean over replicas)")
-    table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
+    if run.spec.sync.mode == "decoupled":  # merges, against no round budget (docs/decoupled.md)
+        table.add_row("merges (versions committed)", str(s.rounds_committed))
+    else:
+        table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
     if s.loss_first is not None:
         table.add_row(f"train loss: {s.loss_name}", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
     for c in s.channels:
@@ -133,12 +136,58 @@ def reason_lines(status: RunStatus) -> list[str]:
     return lines
 
 
+def _decoupled(status: RunStatus) -> bool:
+    return status.sync_mode == "decoupled"
+
+
+def replica_round(r: Any, status: RunStatus) -> int | None:
+    """The round a lock-step replica is in (or ended in), counted from 1 as the logs count it.
+
+    Its heartbeat holds the 0-based index of the round in progress (the round count once it is done)."""
+    if r.last_round is None:
+        return None
+    return min(r.last_round + 1, status.rounds)
+
+
+def progress_title(status: RunStatus) -> str:
+    """``running — round 2/4 (1 committed), step 14/40`` (rounds counted from 1, as the logs count them);
+    a finished run ``completed — 4/4 rounds committed``; decoupled runs count contributions and merges
+    against the fleet's budget (``replicas × rounds`` contributions), never a round number."""
+    n, done = status.rounds, status.rounds_committed
+    if _decoupled(status):
+        budget = status.rounds * len(status.replicas or [None]) if status.replicas else status.rounds
+        made = sum(r.last_round or 0 for r in status.replicas)
+        return f"{status.state} — contributions {min(made, budget)}/{budget}, {done} merge{'s' if done != 1 else ''}"
+    if status.state == "running":
+        title = f"running — round {min(done + 1, n)}/{n} ({done} committed)"
+        if status.step is not None:
+            title += f", step {status.step}/{status.total_steps}"
+        return title
+    return f"{status.state} — {done}/{n} rounds committed"
+
+
+def status_json(status: RunStatus) -> dict[str, Any]:
+    """``status --json`` (and the status in ``launch``/``resume``/``wait --json``): the run's fields, with rounds
+    named for what they count and numbered from 1 like everything people read (docs/metrics.md):
+    ``rounds_committed`` (a count), ``latest_durable_round`` (the newest round whose global state is durable,
+    1-based; null before the first), per replica ``round`` (lock-step: the round it is in or ended in, 1-based)
+    or ``contributions`` (decoupled: how many it published)."""
+    out = status.to_json()
+    durable = out.pop("last_durable_round")
+    out["latest_durable_round"] = None if durable is None else durable + 1
+    for info, r in zip(status.replicas, out["replicas"]):
+        last = r.pop("last_round")
+        if _decoupled(status):
+            r["contributions"] = last
+        else:
+            r["round"] = replica_round(info, status)
+    return out
+
+
 def status_table(status: RunStatus) -> Group:
     """The run's table (title: state and progress; a row per replica), and under it, full width, why replicas
     ended and what keeps the run from completing (:func:`reason_lines`)."""
-    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
-    if status.step is not None:
-        title += f", step {status.step}/{status.total_steps}"
+    title = f"{status.run_id}: {progress_title(status)}"
     if status.elapsed_s is not None:
         title += f" — elapsed {_duration(status.elapsed_s)}"
     if status.eta_s is not None:
@@ -149,7 +198,11 @@ def status_table(status: RunStatus) -> Group:
     cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
     if len({r.executor for r in reps}) > 1:
         cols.append(("executor", lambda r: r.executor))
-    cols += [("state", _state_cell), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
+    if _decoupled(status):
+        where = ("contributions", lambda r: "-" if r.last_round is None else str(r.last_round))
+    else:
+        where = ("round", lambda r: "-" if r.last_round is None else f"{replica_round(r, status)}/{status.rounds}")
+    cols += [("state", _state_cell), where,
              ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
     if any(r.reward is not None for r in reps):
         cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))

@@ -73,6 +73,8 @@ class RunStatus:
     elapsed_s: float | None = None
     #: seconds left at the current rate (slowest running replica's steps/s); None when unknown
     eta_s: float | None = None
+    #: the spec's ``sync.mode``: decoupled runs count merges (``rounds_committed``) and contributions, not rounds
+    sync_mode: str = "lockstep"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -235,7 +237,7 @@ class StatusTracker:
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,
-                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta)
+                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta, sync_mode=spec.sync.mode)
 
 
 def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:

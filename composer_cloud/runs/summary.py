@@ -38,10 +38,20 @@ def replica_outcome(info: ReplicaInfo) -> str:
 
 
 def reason(info: ReplicaInfo) -> str:
-    """A replica's error in one line: the last non-empty line of its message (the exception), whole."""
+    """Why a replica ended, in one line, whole: the exception it reported (the last ``...Error: ...`` line of its
+    message), else the executor's own first line (``replica exited with code -9 after 0 restart(s)``), else
+    its exit (``exit killed (SIGKILL)``); ``""`` when nothing is known."""
+    from composer_cloud.runs.status import exit_reason
+
     lines = [line.strip() for line in (info.message or "").splitlines() if line.strip()]
     named = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)]
-    return (named or lines or [""])[-1]
+    if named:
+        return named[-1]
+    if lines and not re.match(r"^\d{4}-\d\d-\d\dT", lines[0]):  # not a log line of the tail
+        return lines[0]
+    if info.exit_code not in (None, 0):
+        return f"exit {exit_reason(info.exit_code, info.state)}"
+    return ""
 
 
 @dataclass
