@@ -187,7 +187,8 @@ def launch(
     store: Annotated[Optional[str], typer.Option(help="store URI: file://DIR or s3://bucket/prefix")] = None,
     run_id: Annotated[Optional[str], typer.Option(help="run id (default: generated)")] = None,
     trainer: Annotated[Optional[str], typer.Option(help="three-channel | causal-lm")] = None,
-    codec: Annotated[Optional[str], typer.Option(help="wire codec: fp32 | bf16 | int8")] = None,
+    codec: Annotated[Optional[str], typer.Option(help="wire codec: fp32 | bf16 | int8 | sparse (SparseLoCo top-k "
+                                                      "with error feedback, docs/sparse.md)")] = None,
     model: Annotated[Optional[str], typer.Option(help="'tiny', a Hugging Face model id or a local path")] = None,
     max_restarts: Annotated[Optional[int], typer.Option(help="restarts of a replica that dies (local: supervisor; hf-jobs: attempts; modal: retries)")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
@@ -198,6 +199,7 @@ def launch(
     parallelism: Annotated[Optional[str], typer.Option(
         help="how a replica's local ranks hold the model: ddp (replicated) | fsdp (sharded)")] = None,
     set_: SetFlag = None,
+    store_option: StoreOptionFlag = None,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     dry_run: Annotated[bool, typer.Option(help="print what would be launched; launch nothing")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable: the plan (--dry-run), the launch, "
@@ -217,6 +219,8 @@ def launch(
     }
     # Named flags win over --set for the same key (they are the more specific spelling).
     overrides = {**_set_overrides(set_), **{k: v for k, v in flags.items() if v is not None}}
+    if store_option:  # the spec's store_options (the replicas get them too): --store-option, as other commands take
+        overrides["store_options"] = {**overrides.get("store_options", {}), **(_storage_options(store_option) or {})}
     base_dir = config.resolve().parent if config is not None else None
     with _user_errors():
         spec = runs.build_spec(config=config, overrides=overrides)

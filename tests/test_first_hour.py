@@ -642,3 +642,20 @@ def test_the_issues_three_dry_runs_exit_2(tmp_path, monkeypatch):
         assert res.exit_code == 2 and needle in res.output, res.output
     ok = _dry(tmp_path, "--set", "model.lora.r=8", "--set", 'model.lora.target_modules=["q_proj", "v_proj"]')
     assert ok.exit_code == 0, ok.output
+
+
+def test_the_exported_model_card_records_no_absolute_path_or_store_uri(tmp_path):
+    """Issue 34 finding 5: the card recorded the machine's absolute dataset path and the store URI."""
+    from composer_cloud.runs.export import write_model_card
+    from composer_cloud.spec import spec_from_dict
+    from composer_cloud.storage.run import Run
+    from composer_cloud.storage.store import Store
+
+    secret_dir = tmp_path / "home" / "someone" / "private"
+    spec = spec_from_dict({"run_id": "card", "store": f"file://{secret_dir}/runs",
+                           "trainer": {"name": "three-channel", "dataset": f"{secret_dir}/qa.jsonl"}}, source="test")
+    store = Store(f"file://{secret_dir}/runs/card")
+    write_model_card(Run(uri=store.uri, store=store, spec=spec), tmp_path, round=0)
+    card = (tmp_path / "README.md").read_text()
+    assert str(secret_dir) not in card and "file://" not in card, card
+    assert "qa.jsonl" in card and "card" in card
