@@ -142,8 +142,14 @@ def doctor(store: Annotated[Optional[str], typer.Argument(help="store URI (s3://
     checks = check_credentials(executor or [], store or "", options)
     report = None
     if store is not None and all(c.ok for c in checks if c.name.startswith("s3 store")):
-        with _user_errors():
-            report = probe_store(runs.normalize_run_uri(store), storage_options=options)
+        from composer_cloud.runs.lifecycle import leaves_no_new_folders
+
+        uri = runs.normalize_run_uri(store)
+        if uri.startswith("file://") and not Path(uri[len("file://"):]).exists():
+            err_console.print(f"note: {uri[len('file://'):]} does not exist (yet); the probe ran in a folder it "
+                              "removed again, and `launch` would create it", highlight=False)
+        with _user_errors(), leaves_no_new_folders(uri):  # `doctor file:///typo` must not create the typo
+            report = probe_store(uri, storage_options=options)
     ok = all(c.ok for c in checks) and (report is None or report.ok)
     if as_json:
         _print_json({**(dataclasses.asdict(report) if report else {}),
@@ -224,6 +230,10 @@ def launch(
     base_dir = config.resolve().parent if config is not None else None
     with _user_errors():
         spec = runs.build_spec(config=config, overrides=overrides)
+        from composer_cloud.runs.lifecycle import launch_warnings
+
+        for warning in launch_warnings(spec, given=overrides):
+            err_console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
         if dry_run:  # launch's own checks (runs.check_launch), then the executors' credentials
             from composer_cloud.runs.doctor import spec_credentials
 
@@ -446,10 +456,12 @@ def metrics(run_uri: str,
         cols = [c for c in headers if c in present and (c != "launch" or len({r.get("launch") for r in rows}) > 1)]
         table = Table(title=f"{run.run_id}: {len(rows)} {kind or 'round'} rows"
                       + (" (--kind step: per-step rows; --csv/--json: every field)" if not kind else ""))
-        for c in cols:
-            table.add_column(headers[c], justify="right")
-        for r in rows:
-            table.add_row(*[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols])
+        cells = [[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols] for r in rows]
+        for i, c in enumerate(cols):  # a number is never cut ("0.0001…"): each column is as wide as its widest
+            table.add_column(headers[c], justify="right", no_wrap=True,
+                             min_width=max([len(headers[c]), *(len(row[i]) for row in cells)]))
+        for row in cells:
+            table.add_row(*row)
         console.print(table)
 
 

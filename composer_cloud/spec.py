@@ -508,19 +508,50 @@ def _walk_keys(d: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _error_from_validation(exc: ValidationError, source: str) -> SpecError:
-    err = exc.errors()[0]
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the spec table at ``loc`` (``("sync",)`` -> SyncSpec's), for "did you mean"."""
+    model: Any = RunSpec
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _one_error(err: Any, source: str, given: frozenset[str]) -> SpecError:
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, SpecError):  # a cross-field check that names its field itself
         return cause
     field = ".".join(str(p) for p in err["loc"]) or "<spec>"
-    msg = err["msg"]
+    msg = str(err["msg"]).removeprefix("Value error, ")  # pydantic's prefix says nothing to a user
     if err["type"] == "extra_forbidden":
-        msg = f"unknown key in {source}"
+        import difflib
+
+        # Blame what gave the key: a --set / override, or the file (or defaults, which never have one).
+        where = "--set" if field in given or any(field.startswith(g + ".") for g in given) else source
+        msg = f"unknown key (given by {where})"
+        close = difflib.get_close_matches(str(err["loc"][-1]), _fields_at(tuple(err["loc"][:-1])), n=1)
+        if close:
+            msg += f"; did you mean {'.'.join([*map(str, err['loc'][:-1]), close[0]])}?"
     elif "input" in err and err["type"] not in ("missing", "value_error") and err["loc"][:1] != ("store_options",):
         # Custom validators already say what is wrong; never echo store options (a rejected credential).
         msg = f"{msg} (got {err['input']!r})"
     return SpecError(field, msg)
+
+
+def _error_from_validation(exc: ValidationError, source: str, given: frozenset[str] = frozenset()) -> SpecError:
+    """One :class:`SpecError` naming the first field, its message listing every error of the spec (a user
+    fixes them all at once). ``given``: dotted keys set by ``--set``/overrides (so an unknown one is blamed
+    on them, not on the file)."""
+    errors = [_one_error(err, source, given) for err in exc.errors()]
+    first = errors[0]
+    if len(errors) == 1:
+        return first
+    rest = "; ".join(str(e) for e in errors[1:])
+    message = str(first).removeprefix(f"{first.field}: ") if first.field else str(first)
+    return SpecError(first.field, f"{message} (and {len(errors) - 1} more: {rest})")
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -533,11 +564,14 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def spec_from_dict(data: dict[str, Any], *, source: str = "spec") -> RunSpec:
+def spec_from_dict(data: dict[str, Any], *, source: str = "spec", given: frozenset[str] = frozenset()) -> RunSpec:
+    """Validate ``data``; :class:`SpecError` naming the first bad field and listing every other one.
+
+    ``given``: the dotted keys that came from ``--set``/overrides rather than from ``source``."""
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
-        raise _error_from_validation(exc, source) from None
+        raise _error_from_validation(exc, source, given) from None
 
 
 def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunSpec:
@@ -564,7 +598,8 @@ def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None =
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
-    spec = spec_from_dict(data, source=source)
+    spec = spec_from_dict(data, source=source,
+                          given=frozenset(k for k, v in (overrides or {}).items() if v is not None))
     # The launcher sets these from what it packaged and uploaded; a hand-set value would point the
     # replicas at code or files the launcher never checked.
     if spec.code.ref is not None:

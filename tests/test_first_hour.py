@@ -339,7 +339,10 @@ def test_cancel_that_found_no_job_handle_exits_1(tmp_path):
 
     for run_id in ("api", "cli"):
         spec = load_spec(None, {"run_id": run_id})
-        Store(f"file://{tmp_path}/store/{run_id}").create_json(layout.SPEC, spec.to_json_dict())
+        store = Store(f"file://{tmp_path}/store/{run_id}")
+        store.create_json(layout.SPEC, spec.to_json_dict())
+        # a replica reported (so the run was started), but no job handle is in the store
+        store.put_json(layout.heartbeat_key(0), {"rank": 0, "state": "running", "time": 0.0})
     result = cancel(open_run(f"file://{tmp_path}/store/api"))
     assert result.cancelled == [] and "no replica job handle" in result.warnings[0]
     res = cli("cancel", f"file://{tmp_path}/store/cli", cwd=tmp_path)
@@ -659,3 +662,100 @@ def test_the_exported_model_card_records_no_absolute_path_or_store_uri(tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert str(secret_dir) not in card and "file://" not in card, card
     assert "qa.jsonl" in card and "card" in card
+
+
+# ------------------------------------------- issue 34, finding 6: the smaller ones
+def test_unknown_keys_are_blamed_on_their_source_with_a_suggestion_and_every_error_is_reported(tmp_path):
+    with pytest.raises(SpecError) as given:
+        load_spec(None, {"sync.codek": "bf16"})
+    assert "given by --set" in str(given.value) and "did you mean sync.codec?" in str(given.value)
+    path = tmp_path / "qa.toml"
+    path.write_text("inner_step = 10\n")
+    with pytest.raises(SpecError) as in_file:
+        load_spec(path, {})
+    assert f"given by {path}" in str(in_file.value) and "did you mean inner_steps?" in str(in_file.value)
+    with pytest.raises(SpecError) as several:
+        load_spec(None, {"replicas": 0, "rounds": -1, "inner_step": 10})
+    assert all(f in str(several.value) for f in ("replicas:", "rounds:", "inner_step:")), str(several.value)
+    with pytest.raises(SpecError) as validator:
+        load_spec(None, {"model.lora.target_modules": []})
+    assert "Value error" not in str(validator.value)
+
+
+def test_an_unknown_hint_source_lists_every_value_the_setting_takes():
+    from composer_cloud.trainer import check_settings
+
+    with pytest.raises(ValueError) as refused:
+        check_settings("three-channel", {"hint_source": "bogus"})
+    assert all(v in str(refused.value) for v in ('"default"', "'none'", '"column:NAME"', "module:attribute"))
+
+
+def test_doctor_of_a_misspelt_local_store_does_not_create_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    typo = tmp_path / "tpyo" / "runs"
+    res = CliRunner().invoke(app, ["doctor", f"file://{typo}"])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "tpyo").exists() and "does not exist" in res.output
+
+
+def test_empty_pairs_and_broken_datasets_are_refused_once_with_the_line_number(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.jsonl").write_text("")
+    res = _dry(tmp_path, "--set", "trainer.pairs=pairs.jsonl")
+    assert res.exit_code == 2 and "trainer.pairs" in res.output and "empty" in res.output, res.output
+    (tmp_path / "empty.jsonl").write_text("")
+    res = _dry(tmp_path, "--set", "trainer.dataset=empty.jsonl")
+    assert res.exit_code == 2 and "is empty (0 bytes)" in res.output, res.output
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "answer": "b"}\n{bad\n')
+    res = _dry(tmp_path, "--set", "trainer.dataset=broken.jsonl")
+    assert res.exit_code == 2 and "line 2 is not JSON" in res.output, res.output
+    assert res.output.count("{bad") == 1 and "row 1" not in res.output, res.output
+
+
+def test_a_gpu_type_for_no_gpu_executor_and_more_replicas_than_cores_are_warned(tmp_path):
+    import os
+
+    from composer_cloud.runs.lifecycle import launch_warnings
+
+    spec = load_spec(None, {"replicas": (os.cpu_count() or 1) + 1})
+    warned = launch_warnings(spec, given={"modal.gpu": "H100"})
+    assert any("--gpu H100" in w for w in warned) and any("CPU core" in w for w in warned), warned
+    assert launch_warnings(load_spec(None, {"replicas": 1}), given={}) == []
+
+
+def test_the_metrics_table_never_cuts_a_number(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import composer_cloud.cli as cli_module
+    from composer_cloud.cli import app
+    from composer_cloud.spec import RunSpec
+    from composer_cloud.storage.run import Run
+    from composer_cloud.storage.store import Store
+
+    store = Store(f"file://{tmp_path}/r")
+    monkeypatch.setattr(cli_module, "_open", lambda uri, options: Run(uri=store.uri, store=store,
+                                                                    spec=RunSpec(run_id="r")))
+    row = {"kind": "round", "round": 0, "rank": 0, "committed": True, "train_loss": 0.000123456, "reward_mean": 0.5,
+           "eval_loss": 3.14159, "eval_reward_mean": 0.25, "compute_s": 12345.678, "sync_s": 0.000987654,
+           "superseded": False}
+    monkeypatch.setattr(cli_module.runs, "read_metrics", lambda *a, **k: [row, {**row, "rank": 1}])
+    res = CliRunner().invoke(app, ["metrics", "r"], terminal_width=60)
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output and "0.0001235" in res.output and "0.0009877" in res.output, res.output
+
+
+def test_no_doubled_prefixes_in_launch_errors(tmp_path, monkeypatch):
+    """`modal: modal: cannot launch ...` and `error: code: trainer.reward: ...` named their field twice."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qa.jsonl").write_text('{"q": "1+1", "answer": "2"}\n')
+    (tmp_path / "my_rewards.py").write_text("x = 1\n")
+    res = _dry(tmp_path, "--set", "trainer.dataset=qa.jsonl", "--set", "trainer.columns.prompt=q",
+               "--set", "trainer.reward=my_rewards:scroe")
+    assert res.exit_code == 2 and "error: trainer.reward:" in res.output and "code: trainer" not in res.output, \
+        res.output
+    pytest.importorskip("modal")
+    res = _dry(tmp_path, "--executor", "modal", "--replicas", "1")
+    assert res.exit_code == 2 and "modal: modal:" not in res.output, res.output

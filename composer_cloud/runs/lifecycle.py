@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ from composer_cloud.runs import signing, sync_state
 from composer_cloud.runs.preflight import (
     check_dataset,
     check_hub_model,
+    check_local_data_file,
     check_model_dir,
     check_replica_build,
     replica_device,
@@ -136,6 +139,27 @@ def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any]
     return spec
 
 
+def launch_warnings(spec: RunSpec, *, given: Mapping[str, Any] | None = None) -> list[str]:
+    """Settings that launch accepts but that likely do not do what was meant (printed, never refused): a GPU
+    type or flavor ``given`` (the settings the user set) for an executor no replica runs on, more local
+    replica processes than this machine's cores."""
+    executors = dict(assign_ranks(spec.executor, spec.replicas))
+    given = given or {}
+    out = []
+    for setting, flag, executor in (("modal.gpu", "--gpu", "modal"), ("hf_jobs.flavor", "--flavor", "hf-jobs")):
+        if given.get(setting) is not None and executor not in executors:
+            out.append(f"{flag} {given[setting]} ({setting}) applies to {executor} replicas, but none runs there "
+                       f"(executor {spec.executor!r}); local replicas use this machine's GPUs "
+                       "(device = \"auto\" | \"cuda\")")
+    local = len(executors.get("local", [])) * spec.gpus_per_replica
+    cores = os.cpu_count() or 1
+    if local > cores:
+        out.append(f"{local} local replica processes on {cores} CPU core{'s' if cores != 1 else ''}: they will "
+                   "share the cores and every round waits for the slowest; fewer replicas (--replicas) or a "
+                   "cloud executor train faster")
+    return out
+
+
 def plan(spec: RunSpec) -> list[LaunchPlan]:
     """What :func:`launch` would start, per executor, without starting or writing anything."""
     run_uri = join_uri(spec.store, spec.run_id)
@@ -144,7 +168,7 @@ def plan(spec: RunSpec) -> list[LaunchPlan]:
         try:
             plans.append(get_executor(name, spec).plan(run_uri, ranks))
         except (ExecutorError, ValueError) as exc:
-            raise SpecError("executor", f"{name}: {exc}") from None
+            raise SpecError("executor", f"{name}: {str(exc).removeprefix(name + ': ')}") from None
     return plans
 
 
@@ -259,7 +283,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     try:
         bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
     except UserCodeError as exc:
-        raise SpecError("code", str(exc)) from None
+        named = re.match(r"^((?:trainer|model|code)\.[\w.]+): (.*)$", str(exc), flags=re.S)
+        raise (SpecError(named.group(1), named.group(2)) if named else SpecError("code", str(exc))) from None
     paths = _spec_paths(spec, base_dir)
     if _has_cloud_executor(spec):
         from composer_cloud.runs.packaging import MAX_FILE_BYTES, path_size
@@ -277,6 +302,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         check_hub_model(spec.model.name, base_dir or Path.cwd())
     devices = {p.executor: replica_device(spec, p.executor, p.gpus_per_replica) for p in plan(spec)}
     check_replica_build(spec, devices, local.get("model.name"))  # what the replicas check as they start
+    if "trainer.pairs" in local:
+        check_local_data_file(local["trainer.pairs"], "trainer.pairs")  # e.g. `pairs` that no teacher answered
     columns = check_dataset(settings, local, spec.trainer.name) if settings.get("dataset") else None
     from composer_cloud.runs.signal import launch_refusal
 
@@ -287,8 +314,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     for name, ranks in assign_ranks(spec.executor, spec.replicas):
         try:
             get_executor(name, spec).preflight(run_uri, ranks)
-        except ExecutorError as exc:
-            raise SpecError(name.replace("-", "_"), str(exc)) from None
+        except ExecutorError as exc:  # its message may name the executor itself: never "modal: modal: ..."
+            raise SpecError(name.replace("-", "_"), str(exc).removeprefix(f"{name}: ")) from None
     return None if bundle.empty else bundle
 
 
@@ -372,14 +399,22 @@ def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = Non
     if base_dir is None and config is not None:
         base_dir = Path(config).resolve().parent
     spec = _spec_of(spec, config, overrides)
-    # The store probe of a new file:// store creates its folder: leave none behind (a dry run writes nothing).
-    local_root = Path(spec.store[len("file://"):]) if spec.store.startswith("file://") else None
-    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
-    try:
+    with leaves_no_new_folders(spec.store):  # a dry run writes nothing, not even the probe's folder
         spec, _, _, store, _ = _prepare(spec, base_dir)
         return LaunchCheck(spec=spec, run_uri=store.uri, plans=plan(spec))
+
+
+@contextmanager
+def leaves_no_new_folders(store_uri: str) -> Iterator[None]:
+    """The store probe of a new ``file://`` store creates its folder: remove the folders it created (deepest
+    first, only empty ones) when the block ends, so a check (``--dry-run``, ``doctor``) leaves no trace and a
+    misspelt path is not made real."""
+    local_root = Path(store_uri[len("file://"):]) if store_uri.startswith("file://") else None
+    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
+    try:
+        yield
     finally:
-        for folder in created:  # deepest first; only folders the probe left empty
+        for folder in created:
             try:
                 folder.rmdir()
             except OSError:
@@ -615,5 +650,5 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
                       on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
-__all__ = ["LaunchCheck", "LaunchInterrupted", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "LaunchInterrupted", "launch_warnings", "leaves_no_new_folders", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

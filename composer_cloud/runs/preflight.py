@@ -10,7 +10,8 @@ mapping, the reward, or (causal-lm) a text or a prompt and an answer. Each raise
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,47 @@ def _causal_lm_columns(columns: Mapping[str, str], available: list[str]) -> list
             f"{', '.join(available)}); map them with trainer.columns.text = \"<column>\" (or .prompt and .answer)"]
 
 
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """``datasets`` logs a broken file's error itself (twice, with a 0-based row): leave the telling to us."""
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
+
+
+def check_local_data_file(path: Path, setting: str) -> None:
+    """A local data file a spec names is not empty, and a JSON-lines file is JSON on every line.
+
+    Raises :class:`SpecError` naming ``setting``, the file and the first bad line (counted from 1, as
+    editors count). Folders (saved datasets) and other formats are left to their readers.
+    """
+    import json
+
+    if not path.is_file():
+        return
+    if path.stat().st_size == 0:
+        raise SpecError(setting, f"{str(path)!r} is empty (0 bytes); it needs one row per line")
+    if path.suffix not in (".jsonl", ".ndjson") and not (path.suffix == ".json" and setting == "trainer.pairs"):
+        return
+    rows = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as exc:
+                raise SpecError(setting, f"{str(path)!r} line {number} is not JSON ({exc}): "
+                                f"{line.strip()[:80]!r}") from None
+            rows += 1
+    if rows == 0:
+        raise SpecError(setting, f"{str(path)!r} has no rows (only blank lines)")
+
+
 def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], trainer: str = "three-channel"
                    ) -> list[str] | None:
     """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
@@ -93,15 +135,20 @@ def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], traine
             logger.warning("trainer.dataset %r: columns not checked before launch (the Hub said %s: %s)",
                            settings["dataset"], type(exc).__name__, str(exc)[:200])
             return None
+    if "trainer.dataset" in local:
+        for path in [Path(f) for f in (local_files or [])] or [local["trainer.dataset"]]:
+            check_local_data_file(path, "trainer.dataset")
     available: list[str] | None = None
     for sp in splits:
         try:
-            available = dataset_columns(name, sp, config=settings.get("dataset_config"), data_files=files)
+            with _quiet_datasets():  # its own log lines repeat the error we raise, with a 0-based "row"
+                available = dataset_columns(name, sp, config=settings.get("dataset_config"), data_files=files)
         except DatasetError as exc:
             raise SpecError("trainer.dataset", str(exc).removeprefix("trainer.dataset ")) from None
         except Exception as exc:  # noqa: BLE001 - a hub dataset we cannot reach from here: the replicas may
             if "trainer.dataset" in local:
-                raise SpecError("trainer.dataset", f"{name!r} cannot be read: {exc}") from None
+                raise SpecError("trainer.dataset", f"{name!r} cannot be read: {type(exc).__name__}: "
+                                f"{exc or 'no reason given'}") from None
             logger.warning("trainer.dataset %r: columns not checked before launch (%s: %s)", name,
                            type(exc).__name__, exc)
             return None
@@ -230,5 +277,5 @@ def check_replica_build(spec: Any, devices: Mapping[str, str], local_model: Path
                     raise refuse(exc, f"model {spec.model.name!r}") from None
 
 
-__all__ = ["REPLICA_REFUSALS", "check_dataset", "check_hub_model", "check_model_dir", "check_replica_build",
+__all__ = ["REPLICA_REFUSALS", "check_dataset", "check_local_data_file", "check_hub_model", "check_model_dir", "check_replica_build",
            "replica_device"]

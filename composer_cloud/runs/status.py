@@ -207,9 +207,9 @@ class StatusTracker:
             state = "completed"
         elif finished:
             state = "failed"
-        elif not handles:
-            # Written, but no replica job was ever recorded (a launch or resume interrupted before its jobs
-            # started): nothing runs. `resume` starts it, `cancel` removes it.
+        elif not handles and not store.list(layout.HEARTBEATS):
+            # Written, but no replica job was recorded and no replica ever reported (a launch or resume
+            # interrupted before its jobs started): nothing runs. `resume` starts it, `cancel` removes it.
             state = "not started"
             problems.append("no replica job was started (the launch was interrupted); start it with "
                             "`composer-cloud resume`, or remove it with `composer-cloud cancel`")
