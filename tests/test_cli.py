@@ -569,3 +569,27 @@ def test_the_quorum_log_line_counts_rounds_from_1(tmp_path, caplog):
         ar.allreduce(3, torch.ones(8))
     lines = [r.getMessage() for r in caplog.records if "quorum" in r.getMessage()]
     assert lines and lines[0].startswith("round 4 quorum [0]"), lines
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launchers_group_as_spec_json_appears_leaves_no_orphan(tmp_path):
+    """Finding 2 as reproduced: SIGINT to the process group just after spec.json is written printed nothing
+    and left a run called "running" with no replicas. Now the line says what was left, and status agrees."""
+    from support.cli import start_cli
+
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 2")
+    store = tmp_path / "store"
+    proc = start_cli("launch", "--config", str(cfg), "--run-id", "sig", "--store", f"file://{store}", cwd=tmp_path)
+    _wait(lambda: (store / "sig" / "spec.json").exists() or proc.poll() is not None, 120, "spec.json")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    uri = f"file://{store}/sig"
+    assert proc.returncode == 130, out
+    st = status_json(uri, tmp_path)
+    if "written but not started" in out:
+        assert st["state"] == "not started", st
+        assert cli("cancel", uri, cwd=tmp_path).returncode == 0 and not (store / "sig" / "spec.json").exists()
+    else:  # the jobs had started: the launcher says so, and they are recorded (cancel stops them)
+        assert f"composer-cloud cancel {uri}" in out and st["state"] in ("running", "completed"), (out, st)
+        assert [r["rank"] for r in st["replicas"]] == [0]
+        cli("cancel", uri, cwd=tmp_path)

@@ -198,15 +198,42 @@ def _require_conforming_store(run: Run) -> None:
     require_conformance(run.uri.rsplit("/", 1)[0], storage_options=run.store.storage_options)
 
 
+@contextmanager
+def _sigint_after() -> Iterator[None]:
+    """Ctrl-C (SIGINT) inside the block is raised as ``KeyboardInterrupt`` when the block ends, not in it.
+
+    Starting an executor's jobs and recording their handles is one step for Ctrl-C: a job is never left
+    running without its handle in the store (status would call the run "not started", and `resume` would
+    start a second job beside it). Off the main thread (no signal handler can be set) it does nothing.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def _start_jobs(store: Store, spec: RunSpec, run_key: str | None) -> list[JobHandle]:
-    """Start the jobs; a signed run's key goes to each executor, which delivers it to its jobs as a secret."""
+    """Start the jobs; a signed run's key goes to each executor, which delivers it to its jobs as a secret.
+
+    Ctrl-C lands between executors, never between starting jobs and recording their handles."""
     handles: list[JobHandle] = []
     for name, assigned in assign_ranks(spec.executor, spec.replicas):
-        try:
-            launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
-        except (ExecutorError, StoreError, OSError) as exc:
-            raise LaunchError(f"launch of ranks {assigned} on {name} failed: {exc}") from None
-        save_handles(store, launched)
+        with _sigint_after():
+            try:
+                launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
+            except (ExecutorError, StoreError, OSError) as exc:
+                raise LaunchError(f"launch of ranks {assigned} on {name} failed: {exc}") from None
+            save_handles(store, launched)
         handles.extend(launched)
     return handles
 
