@@ -175,7 +175,9 @@ def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path
     for col in ("run id", "state", "rounds", "age"):
         table.add_column(col)
     for r in found:
-        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", cli_views.age(r.launched_at))
+        progress = (f"{r.rounds_committed} merges" if r.sync_mode == "decoupled"  # no round budget to count against
+                    else f"{r.rounds_committed}/{r.rounds}")
+        table.add_row(r.run_id, r.state, progress, cli_views.age(r.launched_at))
     console.print(table)
     if found:
         console.print(f"details: composer-cloud status {found[0].uri}", highlight=False)

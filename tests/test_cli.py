@@ -593,3 +593,14 @@ def test_sigint_to_the_launchers_group_as_spec_json_appears_leaves_no_orphan(tmp
         assert f"composer-cloud cancel {uri}" in out and st["state"] in ("running", "completed"), (out, st)
         assert [r["rank"] for r in st["replicas"]] == [0]
         cli("cancel", uri, cwd=tmp_path)
+
+
+def test_ls_shows_a_decoupled_run_as_merges_not_rounds_of_its_budget(tmp_path, monkeypatch):
+    """Finding 3: `ls` put a decoupled run's merges over its round count ("7/3")."""
+    from composer_cloud.runs.listing import RunListing
+
+    listed = [RunListing("d", "file:///x/d", "completed", 7, 3, None, sync_mode="decoupled"),
+              RunListing("l", "file:///x/l", "completed", 3, 3, None)]
+    monkeypatch.setattr(cli_module.runs, "list_runs", lambda *a, **k: listed)
+    res = CliRunner().invoke(app, ["ls", str(tmp_path)])
+    assert "7/3" not in res.output and "7 merges" in res.output and "3/3" in res.output, res.output
