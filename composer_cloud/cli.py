@@ -523,6 +523,21 @@ def cancel(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
         raise typer.Exit(1)
 
 
+@app.command("rm")
+def remove(run_uri: str, force: Annotated[bool, typer.Option("--force", help="cancel a running run first")] = False,
+           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Delete a run: every object under its URI and this machine's record of its run key (irreversible;
+    `export` first what you want to keep). A running run needs --force."""
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        result = runs.remove(run, force=force)
+    if as_json:
+        _print_json(dataclasses.asdict(result))
+        return
+    console.print(f"removed run {run.run_id} ({run.uri})" + ("; its run key record too" if result.key_removed else ""),
+                  highlight=False)
+
+
 # ---------------------------------------------------------------- resume / export
 @app.command()
 def resume(

@@ -604,3 +604,28 @@ def test_ls_shows_a_decoupled_run_as_merges_not_rounds_of_its_budget(tmp_path, m
     monkeypatch.setattr(cli_module.runs, "list_runs", lambda *a, **k: listed)
     res = CliRunner().invoke(app, ["ls", str(tmp_path)])
     assert "7/3" not in res.output and "7 merges" in res.output and "3/3" in res.output, res.output
+
+
+def test_rm_deletes_a_run_and_its_key_record_and_refuses_a_running_one(tmp_path, monkeypatch):
+    """Issue 34 (what users expected): deleting runs and their keys (keys accumulated in run-keys/)."""
+    from composer_cloud import runs
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+    from composer_cloud.storage.runkeys import load_record
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+    _interrupt_before_jobs(monkeypatch)
+    with pytest.raises(runs.LaunchInterrupted) as cut:
+        runs.launch(config=cfg, overrides={"run_id": "gone", "store": f"file://{tmp_path}/store"})
+    monkeypatch.undo()
+    uri = cut.value.run_uri
+    assert load_record(uri) is not None
+    res = CliRunner().invoke(app, ["rm", uri])
+    assert res.exit_code == 0 and "run key record too" in res.output, res.output
+    assert not (tmp_path / "store" / "gone").exists() and load_record(uri) is None
+    running = ReplicaStatus(ReplicaState.RUNNING, restarts=0)
+    run = _scripted_run(tmp_path / "live", monkeypatch, {0: [running], 1: [running]},
+                        {0: ("running", "", 1, 0), 1: ("running", "", 1, 0)})
+    refused = CliRunner().invoke(app, ["rm", run.uri])
+    assert refused.exit_code == 2 and "--force" in refused.output, refused.output
+    assert run.store.exists("replicas/0.json")  # nothing deleted

@@ -595,18 +595,58 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
 
 def _remove_not_started(run: Run, current: RunStatus) -> CancelResult:
     """Cancel of a run no job was started for: a fresh one (nothing trained) is removed from the store (this
-    machine's run key record stays until `rm` exists); one with rounds (an interrupted resume) keeps them and is marked cancelled."""
+    machine's run key record stays: `composer-cloud rm` removes both); one with rounds (an interrupted resume) keeps them and is marked cancelled."""
     _require_conforming_store(run)
     store = run.store
     if current.rounds_committed or store.list(layout.CHECKPOINTS) or store.list(layout.DECOUPLED):
         request_cancel(store)
         return CancelResult(run=run, cancelled=[], noop=(
             f"run {run.run_id} had no replica job running; marked cancelled (its checkpoints are kept)"))
-    for prefix in (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES, layout.RESUMES, layout.HANDLES,
-                   layout.HEARTBEATS, layout.METRICS, layout.ROUNDS):
-        store.delete(prefix, recursive=True)
-    store.delete(layout.SPEC)  # last: until here the run is still listed and can be cancelled again
+    _delete_run_objects(run)
     return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} was never started; removed it from the store")
+
+
+@dataclass(frozen=True)
+class RemoveResult:
+    """What :func:`remove` did: the run's objects deleted, and whether this machine's run key record went too."""
+
+    run_uri: str
+    key_removed: bool
+    cancelled: list[int] = field(default_factory=list)
+
+
+def _delete_run_objects(run: Run) -> None:
+    """Every object of the run, ``spec.json`` last (until then the run is still listed and can be removed again)."""
+    store = run.store
+    for name in store.list_dirs():
+        store.delete(name, recursive=True)
+    store.delete(layout.SPEC)
+    if run.uri.startswith("file://"):  # the emptied run folder of a local store
+        try:
+            Path(run.uri[len("file://"):]).rmdir()
+        except OSError:
+            pass
+
+
+def remove(run: RunRef, *, force: bool = False, storage_options: Mapping[str, Any] | None = None) -> RemoveResult:
+    """Delete a run: every object under its URI and this machine's record of its run key.
+
+    Refuses (:class:`ConfigError`, nothing deleted) a running run unless ``force`` (its jobs are cancelled
+    first). Irreversible: export what you want to keep first.
+    """
+    from composer_cloud.storage.runkeys import delete_record
+
+    run = _as_run(run, storage_options)
+    current = run_status(run)
+    cancelled: list[int] = []
+    if current.state == "running":
+        if not force:
+            raise ConfigError(f"run {run.run_id} is still running; cancel it first (`composer-cloud cancel "
+                              f"{run.uri}`) or pass --force to cancel and remove it")
+        cancelled = cancel(run).cancelled
+    _require_conforming_store(run)
+    _delete_run_objects(run)
+    return RemoveResult(run_uri=run.uri, key_removed=delete_record(run.uri), cancelled=cancelled)
 
 
 def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> CancelResult:
@@ -677,5 +717,5 @@ def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0
                       on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
-__all__ = ["LaunchCheck", "LaunchInterrupted", "launch_warnings", "leaves_no_new_folders", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "LaunchInterrupted", "RemoveResult", "remove", "launch_warnings", "leaves_no_new_folders", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]
