@@ -23,10 +23,9 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from composer_cloud import cli_views, runs
-from composer_cloud.cli_watch import follow
+from composer_cloud import cli_args, cli_views, runs
+from composer_cloud.cli_watch import follow, follow_to_end
 from composer_cloud.errors import ConfigError, LaunchError, StoreError
 from composer_cloud.runs import Run
 from composer_cloud.spec import DEFAULT_STORE
@@ -65,44 +64,21 @@ def _user_errors() -> Iterator[None]:
 
 
 def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
-    if not pairs:
-        return None
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise _fail(f"--store-option {pair!r}: use KEY=VALUE")
-        options[key] = value
-    return options
+    try:
+        return cli_args.storage_options(pairs)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def _parse_value(raw: str) -> Any:
-    """A --set value: JSON, else a TOML value (1e-4, true, [1, 2], 'x'), else the string itself."""
-    import tomllib
-
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        pass
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
 def _set_overrides(pairs: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise _fail(f"--set {pair!r}: use KEY=VALUE, e.g. --set sync.codec=bf16")
-        out[key] = _parse_value(value.strip())
-    return out
+    try:
+        return cli_args.set_overrides(pairs)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _open(run_uri: str, store_option: list[str] | None) -> Run:
@@ -145,9 +121,8 @@ def doctor(store: Annotated[Optional[str], typer.Argument(help="store URI (s3://
         from composer_cloud.runs.lifecycle import leaves_no_new_folders
 
         uri = runs.normalize_run_uri(store)
-        if uri.startswith("file://") and not Path(uri[len("file://"):]).exists():
-            err_console.print(f"note: {uri[len('file://'):]} does not exist (yet); the probe ran in a folder it "
-                              "removed again, and `launch` would create it", highlight=False)
+        if uri.startswith("file://") and not Path(uri[7:]).exists():  # probed in a folder removed again
+            err_console.print(f"note: {uri[7:]} does not exist (yet); `launch` would create it", highlight=False)
         with _user_errors(), leaves_no_new_folders(uri):  # `doctor file:///typo` must not create the typo
             report = probe_store(uri, storage_options=options)
     ok = all(c.ok for c in checks) and (report is None or report.ok)
@@ -171,13 +146,7 @@ def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path
     if as_json:
         sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in found], indent=2) + "\n")
         return
-    table = Table(title=f"runs under {runs.normalize_run_uri(store)}")
-    for col in ("run id", "state", "rounds", "age"):
-        table.add_column(col)
-    for r in found:
-        progress = (f"{r.rounds_committed} merges" if r.sync_mode == "decoupled"  # no round budget to count against
-                    else f"{r.rounds_committed}/{r.rounds}")
-        table.add_row(r.run_id, r.state, progress, cli_views.age(r.launched_at))
+    table = cli_views.runs_table(runs.normalize_run_uri(store), found)
     console.print(table)
     if found:
         console.print(f"details: composer-cloud status {found[0].uri}", highlight=False)
@@ -240,15 +209,7 @@ def launch(
             from composer_cloud.runs.doctor import spec_credentials
 
             checked = runs.check_launch(spec, base_dir=base_dir)
-            checks = spec_credentials(checked.spec)
-            failed = [c for c in checks if not c.ok]
-            if as_json:
-                _print_json({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
-                             "spec": checked.spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in checked.plans],
-                             "credentials": [dataclasses.asdict(c) for c in checks]})
-            else:
-                cli_views.print_plan(console, checked.spec, checked.plans)
-                cli_views.print_checks(console, checks)
+            failed = cli_views.dry_run_report(console, checked, spec_credentials(checked.spec), as_json=as_json)
             if failed:
                 raise _fail("launch would fail: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
             return
@@ -270,13 +231,8 @@ def launch(
 
 
 def _interrupted(exc: KeyboardInterrupt, *, as_json: bool) -> typer.Exit:
-    """Ctrl-C during ``launch``/``resume`` before it returned: one line saying what is left (exit 130)."""
-    if isinstance(exc, runs.LaunchInterrupted):
-        line = exc.advice()
-        out = {"run_uri": exc.run_uri, "interrupted": True, "written": exc.written, "started": exc.started}
-    else:
-        line = "interrupted before anything was written: nothing was launched"
-        out = {"interrupted": True, "written": False, "started": False}
+    """Ctrl-C during ``launch`` before it returned: one line saying what is left (exit 130)."""
+    line, out = cli_views.interrupted(exc)
     err_console.print(line, highlight=False)
     if as_json:
         _print_json(out)
@@ -319,10 +275,7 @@ def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, 
     except (ValueError, ImportError) as exc:
         raise _fail(str(exc)) from None
     if not quiet:
-        where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
-        where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
-        console.print(f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
-                      f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where), highlight=False)
+        console.print(cli_views.tracking_line(result, logdir, project), highlight=False)
     return result
 
 
@@ -336,10 +289,8 @@ def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
            wait_: Annotated[bool, typer.Option("--wait", help="follow the run until it ends; exit with its "
                                                               "outcome (as `composer-cloud wait`)")] = False) -> None:
     """Show a run's state, committed rounds, progress (step, loss, reward, steps/s, elapsed, ETA) and replicas.
-
-    Exit codes: 0 running, not started or completed; 1 failed or cancelled; 2 no such run or bad input.
-    With --wait: 0 completed, 1 failed or cancelled, 130 Ctrl-C (the run goes on).
-    """
+    Exit codes: 0 running, not started or completed; 1 failed or cancelled; 2 no such run or bad input
+    (--wait: 0 completed, 1 failed or cancelled, 130 Ctrl-C: the run goes on)."""
     if wait_:
         raise typer.Exit(_wait_for(run_uri, as_json=as_json, store_option=store_option))
     run = _open(run_uri, store_option)
@@ -361,15 +312,8 @@ def wait_cmd(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionF
 
 def _wait_for(run_uri: str, *, as_json: bool, store_option: list[str] | None) -> int:
     run = _open(run_uri, store_option)
-    try:
-        with _user_errors():
-            st = follow(run, console=None if as_json else console)
-    except KeyboardInterrupt:
-        err_console.print(DETACHED.format(uri=run.uri).replace("detached: ", "stopped watching: "), highlight=False)
-        return 130
-    if as_json:
-        sys.stdout.write(json.dumps(cli_views.status_json(st), indent=2) + "\n")
-    return 0 if st.state == "completed" else 1
+    with _user_errors():
+        return follow_to_end(run, console=console, err_console=err_console, as_json=as_json)
 
 
 @app.command()
@@ -424,7 +368,7 @@ def metrics(run_uri: str,
             all_: Annotated[bool, typer.Option("--all", help="include rows a resume or restart superseded")] = False,
             store_option: StoreOptionFlag = None) -> None:
     """Per-step and per-round metrics of every replica (from the store's metrics/ objects)."""
-    from composer_cloud.runs.metrics import columns, to_csv
+    from composer_cloud.runs.metrics import to_csv
 
     if kind not in (None, "step", "round"):
         raise _fail(f"--kind {kind!r}: use step or round")
@@ -449,30 +393,7 @@ def metrics(run_uri: str,
     elif csv:
         sys.stdout.write(to_csv(rows))
     else:
-        # A narrow table of the fields that matter; --csv/--json carry every field.
-        headers = {"round": "round", "rank": "rank", "step": "step", "launch": "launch", "committed": "ok",
-                   "loss": "loss", "train_loss": "loss", "reward_mean": "reward", "eval_loss": "eval loss",
-                   "eval_reward_mean": "eval reward", "compute_s": "compute s", "sync_s": "sync s",
-                   "time_s": "step s", "superseded": "superseded"}
-        present = set(columns(rows))
-        cols = [c for c in headers if c in present and (c != "launch" or len({r.get("launch") for r in rows}) > 1)]
-        table = Table(title=f"{run.run_id}: {len(rows)} {kind or 'round'} rows"
-                      + (" (--kind step: per-step rows; --csv/--json: every field)" if not kind else ""))
-        cells = [[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols] for r in rows]
-        for i, c in enumerate(cols):  # a number is never cut ("0.0001…"): each column is as wide as its widest
-            table.add_column(headers[c], justify="right", no_wrap=True,
-                             min_width=max([len(headers[c]), *(len(row[i]) for row in cells)]))
-        for row in cells:
-            table.add_row(*row)
-        console.print(table)
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+        console.print(cli_views.metrics_table(run.run_id, rows, kind))
 
 
 @app.command()
@@ -521,6 +442,18 @@ def cancel(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
                   f"cancelled run {run.run_id}" + (f" (ranks {result.cancelled})" if result.warnings else ""))
     if result.warnings:
         raise typer.Exit(1)
+
+
+@app.command()
+def init(path: Annotated[Path, typer.Argument(help="where to write the spec")] = Path("composer-cloud.toml"),
+         force: Annotated[bool, typer.Option("--force", help="overwrite an existing file")] = False) -> None:
+    """Write a starter run spec: every setting at its default (the trainer's keys as comments)."""
+    from composer_cloud.runs.starter import starter_spec
+
+    if path.exists() and not force:
+        raise _fail(f"{path} exists; pass --force to overwrite it, or give another path")
+    path.write_text(starter_spec())
+    console.print(f"wrote {path}; check it with: composer-cloud launch --config {path} --dry-run", highlight=False)
 
 
 @app.command("rm")
@@ -595,7 +528,10 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
     if round is not None and round < 1:
         raise _fail(f"--round {round}: rounds are counted from 1")
     created = not out.exists()
-    _writable_dir(out)
+    try:
+        cli_args.writable_dir(out)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
     try:
         r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
     except (LookupError, StoreError) as exc:
@@ -606,19 +542,6 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
         _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})
         return
     console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
-
-
-def _writable_dir(out: Path) -> None:
-    """``--out`` must be a directory this process can create and write in: say so before any work."""
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".composer-cloud-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise _fail(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a directory you can write to")
 
 
 @app.command()

@@ -216,3 +216,83 @@ def status_table(status: RunStatus) -> Group:
     for r in reps:
         table.add_row(*[get(r) for _, get in cols])
     return Group(table, *[Text(line, no_wrap=False, overflow="fold") for line in reason_lines(status)])
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def metrics_table(run_id: str, rows: list[dict[str, Any]], kind: str | None) -> Table:
+    """``metrics``' table: the fields that matter (``--csv``/``--json`` carry every field); rounds from 1;
+    each column as wide as its widest cell, so a number is never cut (``0.0001…``)."""
+    from composer_cloud.runs.metrics import columns
+
+    headers = {"round": "round", "rank": "rank", "step": "step", "launch": "launch", "committed": "ok",
+               "loss": "loss", "train_loss": "loss", "reward_mean": "reward", "eval_loss": "eval loss",
+               "eval_reward_mean": "eval reward", "compute_s": "compute s", "sync_s": "sync s",
+               "time_s": "step s", "superseded": "superseded"}
+    present = set(columns(rows))
+    cols = [c for c in headers if c in present and (c != "launch" or len({r.get("launch") for r in rows}) > 1)]
+    table = Table(title=f"{run_id}: {len(rows)} {kind or 'round'} rows"
+                  + (" (--kind step: per-step rows; --csv/--json: every field)" if not kind else ""))
+    cells = [[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols] for r in rows]
+    for i, c in enumerate(cols):
+        table.add_column(headers[c], justify="right", no_wrap=True,
+                         min_width=max([len(headers[c]), *(len(row[i]) for row in cells)]))
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def runs_table(store_uri: str, found: list[Any]) -> Table:
+    """``ls``: id, state, progress (lock-step: rounds committed of the run's; decoupled: merges), age."""
+    table = Table(title=f"runs under {store_uri}")
+    for col in ("run id", "state", "rounds", "age"):
+        table.add_column(col)
+    for r in found:
+        progress = (f"{r.rounds_committed} merges" if r.sync_mode == "decoupled"  # no round budget to count against
+                    else f"{r.rounds_committed}/{r.rounds}")
+        table.add_row(r.run_id, r.state, progress, age(r.launched_at))
+    return table
+
+
+def tracking_line(result: Any, logdir: Any, project: str) -> str:
+    """What ``report_to`` wrote and how to look at it, one line."""
+    where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
+    where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
+    return (f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
+            f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where))
+
+
+def interrupted(exc: KeyboardInterrupt) -> tuple[str, dict[str, Any]]:
+    """Ctrl-C before ``launch`` returned: the line to print and its ``--json`` form."""
+    from composer_cloud.runs import LaunchInterrupted
+
+    if isinstance(exc, LaunchInterrupted):
+        return exc.advice(), {"run_uri": exc.run_uri, "interrupted": True, "written": exc.written,
+                              "started": exc.started}
+    return ("interrupted before anything was written: nothing was launched",
+            {"interrupted": True, "written": False, "started": False})
+
+
+def dry_run_report(console: Console, checked: Any, checks: list[Any], *, as_json: bool) -> list[Any]:
+    """``launch --dry-run``: the plan and the credential checks (or their JSON); returns the failed checks."""
+    import dataclasses
+    import json
+    import sys
+
+    failed = [c for c in checks if not c.ok]
+    if as_json:
+        sys.stdout.write(json.dumps({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
+                                     "spec": checked.spec.to_json_dict(),
+                                     "plans": [dataclasses.asdict(p) for p in checked.plans],
+                                     "credentials": [dataclasses.asdict(c) for c in checks]}, indent=2,
+                                    default=str) + "\n")
+    else:
+        print_plan(console, checked.spec, checked.plans)
+        print_checks(console, checks)
+    return failed

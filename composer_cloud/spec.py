@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from composer_cloud.errors import SpecError, url_has_credentials
+from composer_cloud.spec_errors import error_from_validation
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
@@ -508,52 +509,6 @@ def _walk_keys(d: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    """The field names of the spec table at ``loc`` (``("sync",)`` -> SyncSpec's), for "did you mean"."""
-    model: Any = RunSpec
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(getattr(model, "model_fields", {}))
-
-
-def _one_error(err: Any, source: str, given: frozenset[str]) -> SpecError:
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, SpecError):  # a cross-field check that names its field itself
-        return cause
-    field = ".".join(str(p) for p in err["loc"]) or "<spec>"
-    msg = str(err["msg"]).removeprefix("Value error, ")  # pydantic's prefix says nothing to a user
-    if err["type"] == "extra_forbidden":
-        import difflib
-
-        # Blame what gave the key: a --set / override, or the file (or defaults, which never have one).
-        where = "--set" if field in given or any(field.startswith(g + ".") for g in given) else source
-        msg = f"unknown key (given by {where})"
-        close = difflib.get_close_matches(str(err["loc"][-1]), _fields_at(tuple(err["loc"][:-1])), n=1)
-        if close:
-            msg += f"; did you mean {'.'.join([*map(str, err['loc'][:-1]), close[0]])}?"
-    elif "input" in err and err["type"] not in ("missing", "value_error") and err["loc"][:1] != ("store_options",):
-        # Custom validators already say what is wrong; never echo store options (a rejected credential).
-        msg = f"{msg} (got {err['input']!r})"
-    return SpecError(field, msg)
-
-
-def _error_from_validation(exc: ValidationError, source: str, given: frozenset[str] = frozenset()) -> SpecError:
-    """One :class:`SpecError` naming the first field, its message listing every error of the spec (a user
-    fixes them all at once). ``given``: dotted keys set by ``--set``/overrides (so an unknown one is blamed
-    on them, not on the file)."""
-    errors = [_one_error(err, source, given) for err in exc.errors()]
-    first = errors[0]
-    if len(errors) == 1:
-        return first
-    rest = "; ".join(str(e) for e in errors[1:])
-    message = str(first).removeprefix(f"{first.field}: ") if first.field else str(first)
-    return SpecError(first.field, f"{message} (and {len(errors) - 1} more: {rest})")
-
-
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = data
@@ -571,7 +526,7 @@ def spec_from_dict(data: dict[str, Any], *, source: str = "spec", given: frozens
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
-        raise _error_from_validation(exc, source, given) from None
+        raise error_from_validation(exc, source, given, root=RunSpec) from None
 
 
 def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunSpec:

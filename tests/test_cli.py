@@ -629,3 +629,19 @@ def test_rm_deletes_a_run_and_its_key_record_and_refuses_a_running_one(tmp_path,
     refused = CliRunner().invoke(app, ["rm", run.uri])
     assert refused.exit_code == 2 and "--force" in refused.output, refused.output
     assert run.store.exists("replicas/0.json")  # nothing deleted
+
+
+def test_init_writes_a_spec_with_every_default_that_launch_accepts(tmp_path, monkeypatch):
+    """Issue 34 (what users expected): a starter spec with every default (`init`)."""
+    from composer_cloud.spec import RunSpec, load_spec
+
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["init", "spec.toml"])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "spec.toml").read_text()
+    assert load_spec(tmp_path / "spec.toml").to_json_dict() == RunSpec().to_json_dict()
+    assert "quorum_timeout_s = 60.0" in text and "# hint_source = \"default\"" in text  # spec and trainer keys
+    again = CliRunner().invoke(app, ["init", "spec.toml"])
+    assert again.exit_code == 2 and "--force" in again.output
+    dry = CliRunner().invoke(app, ["launch", "--config", "spec.toml", "--dry-run", "--store", f"file://{tmp_path}/s"])
+    assert dry.exit_code == 0, dry.output

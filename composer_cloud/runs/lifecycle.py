@@ -16,13 +16,11 @@ raises :class:`~composer_cloud.errors.LaunchError` (exit code 1).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,17 +35,20 @@ from composer_cloud.errors import (
     StoreError,
 )
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor, trusted_handles
-from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import signing, sync_state
+from composer_cloud.runs.interrupts import LaunchInterrupted, sigint_after
 from composer_cloud.runs.preflight import (
     check_dataset,
     check_hub_model,
     check_local_data_file,
     check_model_dir,
     check_replica_build,
+    launch_warnings,
+    leaves_no_new_folders,
     replica_device,
 )
-from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
+from composer_cloud.runs.waiting import wait
+from composer_cloud.runs.status import RunStatus, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
 from composer_cloud.spec_paths import with_paths
 from composer_cloud.storage import layout
@@ -92,32 +93,6 @@ class CancelResult:
 RunRef = Run | str
 
 
-class LaunchInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) while :func:`launch` was writing the run or starting its jobs.
-
-    ``written``: the run's spec is in the store (``status`` says "not started" until a job starts;
-    ``resume`` starts it, ``cancel`` removes it); ``started``: at least one replica job was started (the
-    run goes on; ``cancel`` stops it). Neither: nothing of the run was left in the store.
-    """
-
-    def __init__(self, run_uri: str, *, written: bool, started: bool) -> None:
-        super().__init__(run_uri)
-        self.run_uri = run_uri
-        self.written = written
-        self.started = started
-
-    def advice(self) -> str:
-        """What the person who pressed Ctrl-C should know, one line."""
-        uri = self.run_uri
-        if self.started:
-            return (f"interrupted: replicas of run {uri} were started and go on; cancel with: composer-cloud cancel "
-                    f"{uri}; follow with: composer-cloud status {uri}")
-        if self.written:
-            return (f"interrupted before any replica started: run {uri} is written but not started; start it with: "
-                    f"composer-cloud resume {uri}; remove it with: composer-cloud cancel {uri}")
-        return "interrupted: nothing was launched and nothing of the run was left in the store"
-
-
 def _as_run(ref: RunRef, storage_options: Mapping[str, Any] | None) -> Run:
     return ref if isinstance(ref, Run) else open_run(ref, storage_options=storage_options)
 
@@ -137,27 +112,6 @@ def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any]
     except ValueError as exc:
         raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
     return spec
-
-
-def launch_warnings(spec: RunSpec, *, given: Mapping[str, Any] | None = None) -> list[str]:
-    """Settings that launch accepts but that likely do not do what was meant (printed, never refused): a GPU
-    type or flavor ``given`` (the settings the user set) for an executor no replica runs on, more local
-    replica processes than this machine's cores."""
-    executors = dict(assign_ranks(spec.executor, spec.replicas))
-    given = given or {}
-    out = []
-    for setting, flag, executor in (("modal.gpu", "--gpu", "modal"), ("hf_jobs.flavor", "--flavor", "hf-jobs")):
-        if given.get(setting) is not None and executor not in executors:
-            out.append(f"{flag} {given[setting]} ({setting}) applies to {executor} replicas, but none runs there "
-                       f"(executor {spec.executor!r}); local replicas use this machine's GPUs "
-                       "(device = \"auto\" | \"cuda\")")
-    local = len(executors.get("local", [])) * spec.gpus_per_replica
-    cores = os.cpu_count() or 1
-    if local > cores:
-        out.append(f"{local} local replica processes on {cores} CPU core{'s' if cores != 1 else ''}: they will "
-                   "share the cores and every round waits for the slowest; fewer replicas (--replicas) or a "
-                   "cloud executor train faster")
-    return out
 
 
 def plan(spec: RunSpec) -> list[LaunchPlan]:
@@ -198,37 +152,13 @@ def _require_conforming_store(run: Run) -> None:
     require_conformance(run.uri.rsplit("/", 1)[0], storage_options=run.store.storage_options)
 
 
-@contextmanager
-def _sigint_after() -> Iterator[None]:
-    """Ctrl-C (SIGINT) inside the block is raised as ``KeyboardInterrupt`` when the block ends, not in it.
-
-    Starting an executor's jobs and recording their handles is one step for Ctrl-C: a job is never left
-    running without its handle in the store (status would call the run "not started", and `resume` would
-    start a second job beside it). Off the main thread (no signal handler can be set) it does nothing.
-    """
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pressed: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
-
-
 def _start_jobs(store: Store, spec: RunSpec, run_key: str | None) -> list[JobHandle]:
     """Start the jobs; a signed run's key goes to each executor, which delivers it to its jobs as a secret.
 
     Ctrl-C lands between executors, never between starting jobs and recording their handles."""
     handles: list[JobHandle] = []
     for name, assigned in assign_ranks(spec.executor, spec.replicas):
-        with _sigint_after():
+        with sigint_after():
             try:
                 launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
             except (ExecutorError, StoreError, OSError) as exc:
@@ -429,23 +359,6 @@ def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = Non
     with leaves_no_new_folders(spec.store):  # a dry run writes nothing, not even the probe's folder
         spec, _, _, store, _ = _prepare(spec, base_dir)
         return LaunchCheck(spec=spec, run_uri=store.uri, plans=plan(spec))
-
-
-@contextmanager
-def leaves_no_new_folders(store_uri: str) -> Iterator[None]:
-    """The store probe of a new ``file://`` store creates its folder: remove the folders it created (deepest
-    first, only empty ones) when the block ends, so a check (``--dry-run``, ``doctor``) leaves no trace and a
-    misspelt path is not made real."""
-    local_root = Path(store_uri[len("file://"):]) if store_uri.startswith("file://") else None
-    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
-    try:
-        yield
-    finally:
-        for folder in created:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
 
 
 def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
@@ -670,51 +583,6 @@ def get_status(run: RunRef, *, storage_options: Mapping[str, Any] | None = None,
                poll_executors: bool = True) -> RunStatus:
     """The run's state now: rounds committed, and each replica's job state and last round."""
     return run_status(_as_run(run, storage_options), poll_executors=poll_executors)
-
-
-#: Seconds ``wait`` keeps polling a finished run for the exit codes of failed replicas: a replica's failed
-#: heartbeat is written before its job exits, and the executor records the exit code after it.
-EXIT_CODE_SETTLE_S = 10.0
-
-
-def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0,
-         on_update: Callable[[RunStatus], None] | None = None,
-         storage_options: Mapping[str, Any] | None = None) -> RunStatus:
-    """Poll the run every ``interval_s`` until it is no longer running; return its final status.
-
-    ``on_update`` sees every status (for progress displays). Raises
-    ``TimeoutError`` after ``timeout_s`` (None: no limit). A run whose failed replicas have no exit code yet
-    is polled up to :data:`EXIT_CODE_SETTLE_S` more, so the final status carries the real exit codes.
-    """
-    run = _as_run(run, storage_options)
-    last: list[RunStatus] = []
-    tracker = StatusTracker(run)
-    settle: list[float] = []
-
-    def finished() -> RunStatus | None:
-        try:
-            st = tracker.poll()
-        except StoreError as exc:
-            # The store may be down for a while (replicas ride outages out too): report and keep watching.
-            if not last:
-                raise
-            st = dataclasses.replace(last[-1], store_error=f"{type(exc).__name__}: {exc}")
-            if last[-1].store_error is None:
-                logger.warning("cannot read run %s from its store (%s); still watching", run.uri, exc)
-        last[:] = [st]
-        if on_update is not None:
-            on_update(st)
-        if st.state == "running" or st.store_error:
-            return None
-        if any(i.state == "failed" and i.exit_code is None for i in st.replicas):
-            settle[:] = settle or [time.monotonic() + EXIT_CODE_SETTLE_S]
-            if time.monotonic() < settle[0]:
-                return None
-        return st
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    return poll_until(finished, deadline=deadline, policy=PollPolicy(initial_s=interval_s, max_s=interval_s),
-                      on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
 
 
 __all__ = ["LaunchCheck", "LaunchInterrupted", "RemoveResult", "remove", "launch_warnings", "leaves_no_new_folders", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",

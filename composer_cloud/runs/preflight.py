@@ -10,12 +10,14 @@ mapping, the reward, or (causal-lm) a text or a prompt and an answer. Each raise
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from composer_cloud.errors import SpecError
+from composer_cloud.jobs import assign_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +162,44 @@ def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], traine
     return available
 
 
+def launch_warnings(spec: Any, *, given: Mapping[str, Any] | None = None) -> list[str]:
+    """Settings that launch accepts but that likely do not do what was meant (printed, never refused): a GPU
+    type or flavor ``given`` (the settings the user set) for an executor no replica runs on, more local
+    replica processes than this machine's cores."""
+    executors = dict(assign_ranks(spec.executor, spec.replicas))
+    given = given or {}
+    out = []
+    for setting, flag, executor in (("modal.gpu", "--gpu", "modal"), ("hf_jobs.flavor", "--flavor", "hf-jobs")):
+        if given.get(setting) is not None and executor not in executors:
+            out.append(f"{flag} {given[setting]} ({setting}) applies to {executor} replicas, but none runs there "
+                       f"(executor {spec.executor!r}); local replicas use this machine's GPUs "
+                       "(device = \"auto\" | \"cuda\")")
+    local = len(executors.get("local", [])) * spec.gpus_per_replica
+    cores = os.cpu_count() or 1
+    if local > cores:
+        out.append(f"{local} local replica processes on {cores} CPU core{'s' if cores != 1 else ''}: they will "
+                   "share the cores and every round waits for the slowest; fewer replicas (--replicas) or a "
+                   "cloud executor train faster")
+    return out
+
+
+@contextmanager
+def leaves_no_new_folders(store_uri: str) -> Iterator[None]:
+    """The store probe of a new ``file://`` store creates its folder: remove the folders it created (deepest
+    first, only empty ones) when the block ends, so a check (``--dry-run``, ``doctor``) leaves no trace and a
+    misspelt path is not made real."""
+    local_root = Path(store_uri[len("file://"):]) if store_uri.startswith("file://") else None
+    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
+    try:
+        yield
+    finally:
+        for folder in created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
 # ---------------------------------------------------------------- the replica's own start-up checks
 #: What a replica refuses while it builds its model and trainer (``replica/runtime.Replica._build``), each
 #: with what the launcher does about it. ``tests/test_first_hour.py`` reads this table against the
@@ -277,5 +317,5 @@ def check_replica_build(spec: Any, devices: Mapping[str, str], local_model: Path
                     raise refuse(exc, f"model {spec.model.name!r}") from None
 
 
-__all__ = ["REPLICA_REFUSALS", "check_dataset", "check_local_data_file", "check_hub_model", "check_model_dir", "check_replica_build",
+__all__ = ["REPLICA_REFUSALS", "check_dataset", "check_local_data_file", "launch_warnings", "leaves_no_new_folders", "check_hub_model", "check_model_dir", "check_replica_build",
            "replica_device"]
