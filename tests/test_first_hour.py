@@ -759,3 +759,17 @@ def test_no_doubled_prefixes_in_launch_errors(tmp_path, monkeypatch):
     pytest.importorskip("modal")
     res = _dry(tmp_path, "--executor", "modal", "--replicas", "1")
     assert res.exit_code == 2 and "modal: modal:" not in res.output, res.output
+
+
+def test_no_is_gradient_checkpointing_future_warning_in_replica_logs(tmp_path):
+    """Issue 34 finding 6: `FutureWarning: is_gradient_checkpointing` in every replica log and export (TRL reads
+    it at each generation, PEFT at each adapter). A fresh interpreter, as a replica starts."""
+    import subprocess
+    import sys
+
+    code = ("from composer_cloud.model import build_tiny_model, build_tokenizer\n"
+            "m = build_tiny_model(build_tokenizer(), seed=0)\n"
+            "print(m.is_gradient_checkpointing)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+    assert "FutureWarning" not in res.stderr, res.stderr
