@@ -341,16 +341,20 @@ def test_ctrl_c_before_the_jobs_start_leaves_a_not_started_run_that_says_what_to
                                    "--store", f"file://{tmp_path}/store"])
     uri = f"file://{tmp_path}/store/cut"
     assert res.exit_code == 130, res.output
-    assert f"composer-cloud resume {uri}" in res.output and f"composer-cloud cancel {uri}" in res.output
+    assert f"composer-cloud resume {uri}" in res.output and f"composer-cloud rm {uri}" in res.output
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     st = CliRunner().invoke(app, ["status", uri, "--json"])
     assert json.loads(st.stdout)["state"] == "not started", st.output
     listed = CliRunner().invoke(app, ["ls", f"file://{tmp_path}/store", "--json"])
     assert "not started" in listed.stdout, listed.output
-    # cancel removes it (exit 0): the id is free again and nothing is listed
+    # cancel marks it cancelled (exit 0, nothing deleted: a store's contents never decide a deletion) ...
     cancelled = CliRunner().invoke(app, ["cancel", uri])
-    assert cancelled.exit_code == 0 and "removed" in cancelled.output, cancelled.output
+    assert cancelled.exit_code == 0 and "marked cancelled" in cancelled.output, cancelled.output
+    assert json.loads(CliRunner().invoke(app, ["status", uri, "--json"]).stdout)["state"] == "cancelled"
+    # ... and `rm` deletes it: the id is free again
+    removed = CliRunner().invoke(app, ["rm", uri])
+    assert removed.exit_code == 0, removed.output
     assert not (tmp_path / "store" / "cut" / "spec.json").exists()
     assert not (tmp_path / "store" / "cut" / "model").exists()
 
@@ -588,7 +592,7 @@ def test_sigint_to_the_launchers_group_as_spec_json_appears_leaves_no_orphan(tmp
     st = status_json(uri, tmp_path)
     if "written but not started" in out:
         assert st["state"] == "not started", st
-        assert cli("cancel", uri, cwd=tmp_path).returncode == 0 and not (store / "sig" / "spec.json").exists()
+        assert cli("rm", uri, cwd=tmp_path).returncode == 0 and not (store / "sig" / "spec.json").exists()
     else:  # the jobs had started: the launcher says so, and they are recorded (cancel stops them)
         assert f"composer-cloud cancel {uri}" in out and st["state"] in ("running", "completed"), (out, st)
         assert [r["rank"] for r in st["replicas"]] == [0]

@@ -15,7 +15,7 @@ class LaunchInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) while :func:`launch` was writing the run or starting its jobs.
 
     ``written``: the run's spec is in the store (``status`` says "not started" until a job starts;
-    ``resume`` starts it, ``cancel`` removes it); ``started``: at least one replica job was started (the
+    ``resume`` starts it, ``rm`` deletes it); ``started``: at least one replica job was started (the
     run goes on; ``cancel`` stops it). Neither: nothing of the run was left in the store.
     """
 
@@ -33,7 +33,7 @@ class LaunchInterrupted(KeyboardInterrupt):
                     f"{uri}; follow with: composer-cloud status {uri}")
         if self.written:
             return (f"interrupted before any replica started: run {uri} is written but not started; start it with: "
-                    f"composer-cloud resume {uri}; remove it with: composer-cloud cancel {uri}")
+                    f"composer-cloud resume {uri}; delete it with: composer-cloud rm {uri}")
         return "interrupted: nothing was launched and nothing of the run was left in the store"
 
 

@@ -506,17 +506,14 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
     return cancelled, warnings
 
 
-def _remove_not_started(run: Run, current: RunStatus) -> CancelResult:
-    """Cancel of a run no job was started for: a fresh one (nothing trained) is removed from the store (this
-    machine's run key record stays: `composer-cloud rm` removes both); one with rounds (an interrupted resume) keeps them and is marked cancelled."""
+def _cancel_not_started(run: Run) -> CancelResult:
+    """Cancel of a run no job was started for: recorded (status: cancelled), nothing deleted. Deleting is
+    `composer-cloud rm`'s, asked for by name: never a decision read from the store, which a bucket writer
+    without the key could empty of handles and heartbeats."""
     _require_conforming_store(run)
-    store = run.store
-    if current.rounds_committed or store.list(layout.CHECKPOINTS) or store.list(layout.DECOUPLED):
-        request_cancel(store)
-        return CancelResult(run=run, cancelled=[], noop=(
-            f"run {run.run_id} had no replica job running; marked cancelled (its checkpoints are kept)"))
-    _delete_run_objects(run)
-    return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} was never started; removed it from the store")
+    request_cancel(run.store)
+    return CancelResult(run=run, cancelled=[], noop=(
+        f"run {run.run_id} had no replica job; marked cancelled (delete it with `composer-cloud rm {run.uri}`)"))
 
 
 @dataclass(frozen=True)
@@ -567,7 +564,7 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
     run = _as_run(run, storage_options)
     current = run_status(run)
     if current.state == "not started":
-        return _remove_not_started(run, current)
+        return _cancel_not_started(run)
     if current.state != "running":
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     _require_conforming_store(run)

@@ -144,7 +144,8 @@ class StatusTracker:
         """
         store, spec = self.run.store, self.run.spec
         problems: list[str] = []
-        handles = trusted_handles(load_handles(store), spec)
+        recorded = load_handles(store)
+        handles = trusted_handles(recorded, spec)
         progress = sync_state.progress(store, spec, start=self._committed)
         committed = self._committed = progress.committed
         infos: list[ReplicaInfo] = []
@@ -207,12 +208,12 @@ class StatusTracker:
             state = "completed"
         elif finished:
             state = "failed"
-        elif not handles and not store.list(layout.HEARTBEATS):
+        elif not recorded and not store.list(layout.HEARTBEATS):
             # Written, but no replica job was recorded and no replica ever reported (a launch or resume
-            # interrupted before its jobs started): nothing runs. `resume` starts it, `cancel` removes it.
+            # interrupted before its jobs started): nothing runs. `resume` starts it, `rm` deletes it.
             state = "not started"
             problems.append("no replica job was started (the launch was interrupted); start it with "
-                            "`composer-cloud resume`, or remove it with `composer-cloud cancel`")
+                            "`composer-cloud resume`, or delete it with `composer-cloud rm`")
         else:
             state = "running"
         total = spec.rounds * spec.inner_steps
