@@ -1,8 +1,9 @@
 """The ``composer-cloud`` command line: a thin typer layer over :mod:`composer_cloud.runs`.
 
-Exit codes: 0 success (for ``launch``/``resume``: the run completed), 1 the run
-failed or was cancelled, 2 bad input (nothing was written to the store), 130
-Ctrl-C on an attached ``launch``/``resume`` (detached: the run goes on).
+Exit codes: 0 success (for ``launch``/``resume`` attached, ``wait`` and ``status --wait``: the run
+completed), 1 the run failed or was cancelled, 2 bad input (nothing was written to the store), 130
+Ctrl-C on an attached ``launch``/``resume`` (detached: the run goes on). Plain ``status``: 0 running,
+not started or completed, 1 failed or cancelled.
 
 Every command that reads or reports something takes ``--json`` (one JSON
 document on stdout; ``logs --json``: one JSON object per line).
@@ -22,10 +23,9 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from composer_cloud import cli_views, runs
-from composer_cloud.cli_watch import follow
+from composer_cloud import cli_args, cli_views, runs
+from composer_cloud.cli_watch import follow, follow_to_end
 from composer_cloud.errors import ConfigError, LaunchError, StoreError, redact
 from composer_cloud.runs import Run
 from composer_cloud.spec import DEFAULT_STORE
@@ -65,44 +65,21 @@ def _user_errors() -> Iterator[None]:
 
 
 def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
-    if not pairs:
-        return None
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise _fail(f"--store-option {pair!r}: use KEY=VALUE")
-        options[key] = value
-    return options
+    try:
+        return cli_args.storage_options(pairs)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def _parse_value(raw: str) -> Any:
-    """A --set value: JSON, else a TOML value (1e-4, true, [1, 2], 'x'), else the string itself."""
-    import tomllib
-
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        pass
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
 def _set_overrides(pairs: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise _fail(f"--set {pair!r}: use KEY=VALUE, e.g. --set sync.codec=bf16")
-        out[key] = _parse_value(value.strip())
-    return out
+    try:
+        return cli_args.set_overrides(pairs)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _open(run_uri: str, store_option: list[str] | None) -> Run:
@@ -142,8 +119,13 @@ def doctor(store: Annotated[Optional[str], typer.Argument(help="store URI (s3://
     checks = check_credentials(executor or [], store or "", options)
     report = None
     if store is not None and all(c.ok for c in checks if c.name.startswith("s3 store")):
-        with _user_errors():
-            report = probe_store(runs.normalize_run_uri(store), storage_options=options)
+        from composer_cloud.runs.lifecycle import leaves_no_new_folders
+
+        uri = runs.normalize_run_uri(store)
+        if uri.startswith("file://") and not Path(uri[7:]).exists():  # probed in a folder removed again
+            err_console.print(f"note: {uri[7:]} does not exist (yet); `launch` would create it", highlight=False)
+        with _user_errors(), leaves_no_new_folders(uri):  # `doctor file:///typo` must not create the typo
+            report = probe_store(uri, storage_options=options)
     ok = all(c.ok for c in checks) and (report is None or report.ok)
     if as_json:
         _print_json({**(dataclasses.asdict(report) if report else {}),
@@ -165,11 +147,7 @@ def list_runs(store: Annotated[str, typer.Argument(help="store URI or local path
     if as_json:
         sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in found], indent=2) + "\n")
         return
-    table = Table(title=f"runs under {runs.normalize_run_uri(store)}")
-    for col in ("run id", "state", "rounds", "age"):
-        table.add_column(col)
-    for r in found:
-        table.add_row(r.run_id, r.state, f"{r.rounds_committed}/{r.rounds}", cli_views.age(r.launched_at))
+    table = cli_views.runs_table(runs.normalize_run_uri(store), found)
     console.print(table)
     if found:
         console.print(f"details: composer-cloud status {found[0].uri}", highlight=False)
@@ -187,7 +165,8 @@ def launch(
     store: Annotated[Optional[str], typer.Option(help="store URI: file://DIR or s3://bucket/prefix")] = None,
     run_id: Annotated[Optional[str], typer.Option(help="run id (default: generated)")] = None,
     trainer: Annotated[Optional[str], typer.Option(help="three-channel | causal-lm")] = None,
-    codec: Annotated[Optional[str], typer.Option(help="wire codec: fp32 | bf16 | int8")] = None,
+    codec: Annotated[Optional[str], typer.Option(help="wire codec: fp32 | bf16 | int8 | sparse (SparseLoCo top-k "
+                                                      "with error feedback, docs/sparse.md)")] = None,
     model: Annotated[Optional[str], typer.Option(help="'tiny', a Hugging Face model id or a local path")] = None,
     max_restarts: Annotated[Optional[int], typer.Option(help="restarts of a replica that dies (local: supervisor; hf-jobs: attempts; modal: retries)")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
@@ -198,6 +177,7 @@ def launch(
     parallelism: Annotated[Optional[str], typer.Option(
         help="how a replica's local ranks hold the model: ddp (replicated) | fsdp (sharded)")] = None,
     set_: SetFlag = None,
+    store_option: StoreOptionFlag = None,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     dry_run: Annotated[bool, typer.Option(help="print what would be launched; launch nothing")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable: the plan (--dry-run), the launch, "
@@ -217,26 +197,27 @@ def launch(
     }
     # Named flags win over --set for the same key (they are the more specific spelling).
     overrides = {**_set_overrides(set_), **{k: v for k, v in flags.items() if v is not None}}
+    if store_option:  # the spec's store_options (the replicas get them too): --store-option, as other commands take
+        overrides["store_options"] = {**overrides.get("store_options", {}), **(_storage_options(store_option) or {})}
     base_dir = config.resolve().parent if config is not None else None
     with _user_errors():
         spec = runs.build_spec(config=config, overrides=overrides)
+        from composer_cloud.runs.lifecycle import launch_warnings
+
+        for warning in launch_warnings(spec, given=overrides):
+            err_console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
         if dry_run:  # launch's own checks (runs.check_launch), then the executors' credentials
             from composer_cloud.runs.doctor import spec_credentials
 
             checked = runs.check_launch(spec, base_dir=base_dir)
-            checks = spec_credentials(checked.spec)
-            failed = [c for c in checks if not c.ok]
-            if as_json:
-                _print_json({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
-                             "spec": checked.spec.to_json_dict(), "plans": [dataclasses.asdict(p) for p in checked.plans],
-                             "credentials": [dataclasses.asdict(c) for c in checks]})
-            else:
-                cli_views.print_plan(console, checked.spec, checked.plans)
-                cli_views.print_checks(console, checks)
+            failed = cli_views.dry_run_report(console, checked, spec_credentials(checked.spec), as_json=as_json)
             if failed:
                 raise _fail("launch would fail: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
             return
-        run = runs.launch(spec, base_dir=base_dir)
+        try:
+            run = runs.launch(spec, base_dir=base_dir)
+        except KeyboardInterrupt as exc:  # Ctrl-C before launch returned: say what was left, and what to do
+            raise _interrupted(exc, as_json=as_json) from None
     launched = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas}
     if as_json:
         if detach:
@@ -248,6 +229,15 @@ def launch(
         console.print(f"follow with: composer-cloud status {run.uri}")
         return
     raise typer.Exit(_watch(run))
+
+
+def _interrupted(exc: KeyboardInterrupt, *, as_json: bool) -> typer.Exit:
+    """Ctrl-C during ``launch`` before it returned: one line saying what is left (exit 130)."""
+    line, out = cli_views.interrupted(exc)
+    err_console.print(line, highlight=False)
+    if as_json:
+        _print_json(out)
+    return typer.Exit(130)
 
 
 DETACHED = "detached: the run continues; cancel with: composer-cloud cancel {uri}; follow with: composer-cloud status {uri}"
@@ -269,7 +259,7 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
             _print_json({**as_json, "detached": True})
         return 130
     if as_json is not None:
-        _print_json({**as_json, "status": status.to_json(), "summary": dataclasses.asdict(runs.summarize(run, status))})
+        _print_json({**as_json, "status": cli_views.status_json(status), "summary": dataclasses.asdict(runs.summarize(run, status))})
     else:
         console.line()
         cli_views.print_summary(console, err_console, run, status)
@@ -286,24 +276,45 @@ def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, 
     except (ValueError, ImportError) as exc:
         raise _fail(str(exc)) from None
     if not quiet:
-        where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
-        where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
-        console.print(f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
-                      f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where), highlight=False)
+        console.print(cli_views.tracking_line(result, logdir, project), highlight=False)
     return result
 
 
 # ---------------------------------------------------------------- status / logs / cancel
+#: ``status``/``wait`` exit codes by the run's state (documented in README.md and the commands' help).
+STATE_EXIT = {"completed": 0, "running": 0, "not started": 0, "failed": 1, "cancelled": 1}
+
+
 @app.command()
-def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Show a run's state, committed rounds, progress (step, loss, reward, steps/s, elapsed, ETA) and replicas."""
+def status(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None,
+           wait_: Annotated[bool, typer.Option("--wait", help="follow the run until it ends; exit with its "
+                                                              "outcome (as `composer-cloud wait`)")] = False) -> None:
+    """Show a run's state, committed rounds, progress (step, loss, reward, steps/s, elapsed, ETA) and replicas.
+    Exit codes: 0 running, not started or completed; 1 failed or cancelled; 2 no such run or bad input
+    (--wait: 0 completed, 1 failed or cancelled, 130 Ctrl-C: the run goes on)."""
+    if wait_:
+        raise typer.Exit(_wait_for(run_uri, as_json=as_json, store_option=store_option))
     run = _open(run_uri, store_option)
     with _user_errors():
         st = runs.get_status(run)
     if as_json:
-        sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(cli_views.status_json(st), indent=2) + "\n")
     else:
         console.print(cli_views.status_table(st))
+    raise typer.Exit(STATE_EXIT.get(st.state, 1))
+
+
+@app.command("wait")
+def wait_cmd(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Follow a run until it ends and exit with its outcome: 0 completed, 1 failed or cancelled, 2 no such
+    run, 130 Ctrl-C (the run goes on). A run that is not started exits 1 at once (`resume` starts it)."""
+    raise typer.Exit(_wait_for(run_uri, as_json=as_json, store_option=store_option))
+
+
+def _wait_for(run_uri: str, *, as_json: bool, store_option: list[str] | None) -> int:
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        return follow_to_end(run, console=console, err_console=err_console, as_json=as_json)
 
 
 @app.command()
@@ -358,7 +369,7 @@ def metrics(run_uri: str,
             all_: Annotated[bool, typer.Option("--all", help="include rows a resume or restart superseded")] = False,
             store_option: StoreOptionFlag = None) -> None:
     """Per-step and per-round metrics of every replica (from the store's metrics/ objects)."""
-    from composer_cloud.runs.metrics import columns, to_csv
+    from composer_cloud.runs.metrics import to_csv
 
     if kind not in (None, "step", "round"):
         raise _fail(f"--kind {kind!r}: use step or round")
@@ -368,33 +379,22 @@ def metrics(run_uri: str,
     with _user_errors():
         rows = runs.read_metrics(run.store, rank=replica, kind=kind or (None if csv or as_json else "round"),
                                  superseded=all_)
+    if not rows:  # say why, not an empty line: the run has not trained yet, or it failed before it did
+        with _user_errors():
+            st = runs.get_status(run)
+        why = "; ".join(cli_views.reason_lines(st)[:3])
+        err_console.print(f"no {kind or ('round' if not (csv or as_json) else '')} metrics rows".replace("  ", " ")
+                          + f" in run {run.run_id}: it is {st.state}" + (f" ({why})" if why else ""),
+                          highlight=False, soft_wrap=False)
+        if as_json:
+            _print_json(rows)
+        raise typer.Exit(STATE_EXIT.get(st.state, 1))
     if as_json:
         _print_json(rows)
     elif csv:
         sys.stdout.write(to_csv(rows))
     else:
-        # A narrow table of the fields that matter; --csv/--json carry every field.
-        headers = {"round": "round", "rank": "rank", "step": "step", "launch": "launch", "committed": "ok",
-                   "loss": "loss", "train_loss": "loss", "reward_mean": "reward", "eval_loss": "eval loss",
-                   "eval_reward_mean": "eval reward", "compute_s": "compute s", "sync_s": "sync s",
-                   "time_s": "step s", "superseded": "superseded"}
-        present = set(columns(rows))
-        cols = [c for c in headers if c in present and (c != "launch" or len({r.get("launch") for r in rows}) > 1)]
-        table = Table(title=f"{run.run_id}: {len(rows)} {kind or 'round'} rows"
-                      + (" (--kind step: per-step rows; --csv/--json: every field)" if not kind else ""))
-        for c in cols:
-            table.add_column(headers[c], justify="right")
-        for r in rows:
-            table.add_row(*[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols])
-        console.print(table)
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+        console.print(cli_views.metrics_table(run.run_id, rows, kind))
 
 
 @app.command()
@@ -445,6 +445,33 @@ def cancel(run_uri: str, as_json: JsonFlag = False, store_option: StoreOptionFla
         raise typer.Exit(1)
 
 
+@app.command()
+def init(path: Annotated[Path, typer.Argument(help="where to write the spec")] = Path("composer-cloud.toml"),
+         force: Annotated[bool, typer.Option("--force", help="overwrite an existing file")] = False) -> None:
+    """Write a starter run spec: every setting at its default (the trainer's keys as comments)."""
+    from composer_cloud.runs.starter import starter_spec
+
+    if path.exists() and not force:
+        raise _fail(f"{path} exists; pass --force to overwrite it, or give another path")
+    path.write_text(starter_spec())
+    console.print(f"wrote {path}; check it with: composer-cloud launch --config {path} --dry-run", highlight=False)
+
+
+@app.command("rm")
+def remove(run_uri: str, force: Annotated[bool, typer.Option("--force", help="cancel a running run first")] = False,
+           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
+    """Delete a run: every object under its URI and this machine's record of its run key (irreversible;
+    `export` first what you want to keep). A running run needs --force."""
+    run = _open(run_uri, store_option)
+    with _user_errors():
+        result = runs.remove(run, force=force)
+    if as_json:
+        _print_json(dataclasses.asdict(result))
+        return
+    console.print(f"removed run {run.run_id} ({run.uri})" + ("; its run key record too" if result.key_removed else ""),
+                  highlight=False)
+
+
 # ---------------------------------------------------------------- resume / export
 @app.command()
 def resume(
@@ -461,7 +488,13 @@ def resume(
     """Continue a run from its latest valid checkpoint (attached: Ctrl-C detaches, the run goes on)."""
     run = _open(run_uri, store_option)
     with _user_errors():
-        result = runs.resume(run, executor=executor, replicas=replicas, force=force)
+        try:
+            result = runs.resume(run, executor=executor, replicas=replicas, force=force)
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted while resuming: `composer-cloud status {run.uri}` says what runs (not "
+                              f"started: resume it again); cancel with: composer-cloud cancel {run.uri}",
+                              highlight=False)
+            raise typer.Exit(130) from None
     if as_json:
         out = {"run_id": run.run_id, "run_uri": run.uri, "from_round": result.from_round,
                "ranks": [h.rank for h in result.handles], "warnings": result.warnings, "noop": result.noop}
@@ -496,7 +529,10 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
     if round is not None and round < 1:
         raise _fail(f"--round {round}: rounds are counted from 1")
     created = not out.exists()
-    _writable_dir(out)
+    try:
+        cli_args.writable_dir(out)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
     try:
         r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
     except (LookupError, StoreError) as exc:
@@ -507,19 +543,6 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
         _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})
         return
     console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
-
-
-def _writable_dir(out: Path) -> None:
-    """``--out`` must be a directory this process can create and write in: say so before any work."""
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is an existing file; give a directory (new or empty)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".composer-cloud-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise _fail(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a directory you can write to")
 
 
 @app.command()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from composer_cloud import runs
 from composer_cloud.runs import Run, RunStatus
@@ -60,7 +61,10 @@ def print_summary(console: Console, err_console: Console, run: Run, status: RunS
     table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
     table.add_column("")
     table.add_column("first round → last round (mean over replicas)")
-    table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
+    if run.spec.sync.mode == "decoupled":  # merges, against no round budget (docs/decoupled.md)
+        table.add_row("merges (versions committed)", str(s.rounds_committed))
+    else:
+        table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
     if s.loss_first is not None:
         table.add_row(f"train loss: {s.loss_name}", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
     for c in s.channels:
@@ -77,9 +81,16 @@ def print_summary(console: Console, err_console: Console, run: Run, status: RunS
         table.add_row("inner steps / syncing", f"{s.compute_s:.1f}s / {s.sync_s:.1f}s "
                                                  f"({100 * s.sync_s / total:.1f}% syncing, all replicas)")
     table.add_row("store bytes moved (sync)", f"{s.bytes_moved / 1e6:.1f} MB{s.synced_note}")
+    if s.failed_at_start_config:
+        table.add_row("failed at start (config)", ", ".join(map(str, s.failed_at_start_config)))
+    if set(s.failed_at_start) - set(s.failed_at_start_config):
+        table.add_row("failed at start", ", ".join(str(r) for r in s.failed_at_start
+                                                   if r not in s.failed_at_start_config))
     if s.lost_replicas:
-        table.add_row("lost replicas", ", ".join(map(str, s.lost_replicas)))
-    console.print(table)
+        table.add_row("lost replicas (died while training)", ", ".join(map(str, s.lost_replicas)))
+    if s.cancelled_replicas:
+        table.add_row("cancelled replicas", ", ".join(map(str, s.cancelled_replicas)))
+    console.print(table)  # why each replica ended is under the status table just above (reason_lines)
     for note in s.notes:
         console.print(f"note: {note}", highlight=False)
     for warning in s.warnings:
@@ -105,10 +116,78 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def status_table(status: RunStatus) -> Table:
-    title = f"{status.run_id}: {status.state} — round {status.rounds_committed}/{status.rounds}"
-    if status.step is not None:
-        title += f", step {status.step}/{status.total_steps}"
+def _state_cell(r: Any) -> str:
+    """A replica's state as people read it: ``failed at start (config)`` and ``lost`` are different failures."""
+    from composer_cloud.runs.summary import replica_outcome
+
+    return replica_outcome(r)
+
+
+def reason_lines(status: RunStatus) -> list[str]:
+    """Why each replica that did not succeed ended (``r1 lost: ...``), then the run's problems and warnings:
+    printed under the table, full width and whole (a table cell of an 80-column terminal cuts them)."""
+    from composer_cloud.runs.summary import reason, replica_outcome
+
+    lines = [f"r{r.rank} {replica_outcome(r)}: {reason(r)}" for r in status.replicas
+             if r.message and r.state != "succeeded"]
+    lines += [*status.problems, *status.warnings]
+    if status.store_error:
+        lines.append(f"store unreachable, showing the last known state: {status.store_error}")
+    return lines
+
+
+def _decoupled(status: RunStatus) -> bool:
+    return status.sync_mode == "decoupled"
+
+
+def replica_round(r: Any, status: RunStatus) -> int | None:
+    """The round a lock-step replica is in (or ended in), counted from 1 as the logs count it.
+
+    Its heartbeat holds the 0-based index of the round in progress (the round count once it is done)."""
+    if r.last_round is None:
+        return None
+    return min(r.last_round + 1, status.rounds)
+
+
+def progress_title(status: RunStatus) -> str:
+    """``running — round 2/4 (1 committed), step 14/40`` (rounds counted from 1, as the logs count them);
+    a finished run ``completed — 4/4 rounds committed``; decoupled runs count contributions and merges
+    against the fleet's budget (``replicas × rounds`` contributions), never a round number."""
+    n, done = status.rounds, status.rounds_committed
+    if _decoupled(status):
+        budget = status.rounds * len(status.replicas or [None]) if status.replicas else status.rounds
+        made = sum(r.last_round or 0 for r in status.replicas)
+        return f"{status.state} — contributions {min(made, budget)}/{budget}, {done} merge{'s' if done != 1 else ''}"
+    if status.state == "running":
+        title = f"running — round {min(done + 1, n)}/{n} ({done} committed)"
+        if status.step is not None:
+            title += f", step {status.step}/{status.total_steps}"
+        return title
+    return f"{status.state} — {done}/{n} rounds committed"
+
+
+def status_json(status: RunStatus) -> dict[str, Any]:
+    """``status --json`` (and the status in ``launch``/``resume``/``wait --json``): the run's fields, with rounds
+    named for what they count and numbered from 1 like everything people read (docs/metrics.md):
+    ``rounds_committed`` (a count), ``latest_durable_round`` (the newest round whose global state is durable,
+    1-based; null before the first), per replica ``round`` (lock-step: the round it is in or ended in, 1-based)
+    or ``contributions`` (decoupled: how many it published)."""
+    out = status.to_json()
+    durable = out.pop("last_durable_round")
+    out["latest_durable_round"] = None if durable is None else durable + 1
+    for info, r in zip(status.replicas, out["replicas"]):
+        last = r.pop("last_round")
+        if _decoupled(status):
+            r["contributions"] = last
+        else:
+            r["round"] = replica_round(info, status)
+    return out
+
+
+def status_table(status: RunStatus) -> Group:
+    """The run's table (title: state and progress; a row per replica), and under it, full width, why replicas
+    ended and what keeps the run from completing (:func:`reason_lines`)."""
+    title = f"{status.run_id}: {progress_title(status)}"
     if status.elapsed_s is not None:
         title += f" — elapsed {_duration(status.elapsed_s)}"
     if status.eta_s is not None:
@@ -119,7 +198,11 @@ def status_table(status: RunStatus) -> Table:
     cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
     if len({r.executor for r in reps}) > 1:
         cols.append(("executor", lambda r: r.executor))
-    cols += [("state", lambda r: r.state), ("round", lambda r: "-" if r.last_round is None else str(r.last_round)),
+    if _decoupled(status):
+        where = ("contributions", lambda r: "-" if r.last_round is None else str(r.last_round))
+    else:
+        where = ("round", lambda r: "-" if r.last_round is None else f"{replica_round(r, status)}/{status.rounds}")
+    cols += [("state", _state_cell), where,
              ("step", lambda r: "-" if r.step is None else str(r.step)), ("loss", lambda r: _fmt(r.loss, ".4f"))]
     if any(r.reward is not None for r in reps):
         cols.append(("reward", lambda r: _fmt(r.reward, ".3f")))
@@ -128,14 +211,88 @@ def status_table(status: RunStatus) -> Table:
         cols.append(("exit", lambda r: exit_reason(r.exit_code, r.state)))
     if any(r.restarts or r.state == "failed" for r in reps):  # why it stopped: restarts used up, or none allowed
         cols.append(("restarts", lambda r: str(r.restarts)))
-    if any(r.message for r in reps):
-        cols.append(("message", lambda r: (r.message or "").strip().splitlines()[-1][:80] if r.message else ""))
     for name, _ in cols:
-        table.add_column(name)
+        table.add_column(name, no_wrap=name == "state")
     for r in reps:
         table.add_row(*[get(r) for _, get in cols])
-    notes = [*status.problems, *status.warnings] + ([f"store unreachable, showing the last known state: {status.store_error}"]
-                                  if status.store_error else [])
-    if notes:
-        table.caption = "\n".join(notes)
+    return Group(table, *[Text(line, no_wrap=False, overflow="fold") for line in reason_lines(status)])
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def metrics_table(run_id: str, rows: list[dict[str, Any]], kind: str | None) -> Table:
+    """``metrics``' table: the fields that matter (``--csv``/``--json`` carry every field); rounds from 1;
+    each column as wide as its widest cell, so a number is never cut (``0.0001…``)."""
+    from composer_cloud.runs.metrics import columns
+
+    headers = {"round": "round", "rank": "rank", "step": "step", "launch": "launch", "committed": "ok",
+               "loss": "loss", "train_loss": "loss", "reward_mean": "reward", "eval_loss": "eval loss",
+               "eval_reward_mean": "eval reward", "compute_s": "compute s", "sync_s": "sync s",
+               "time_s": "step s", "superseded": "superseded"}
+    present = set(columns(rows))
+    cols = [c for c in headers if c in present and (c != "launch" or len({r.get("launch") for r in rows}) > 1)]
+    table = Table(title=f"{run_id}: {len(rows)} {kind or 'round'} rows"
+                  + (" (--kind step: per-step rows; --csv/--json: every field)" if not kind else ""))
+    cells = [[_cell(r.get(c) if c != "round" else r["round"] + 1) for c in cols] for r in rows]
+    for i, c in enumerate(cols):
+        table.add_column(headers[c], justify="right", no_wrap=True,
+                         min_width=max([len(headers[c]), *(len(row[i]) for row in cells)]))
+    for row in cells:
+        table.add_row(*row)
     return table
+
+
+def runs_table(store_uri: str, found: list[Any]) -> Table:
+    """``ls``: id, state, progress (lock-step: rounds committed of the run's; decoupled: merges), age."""
+    table = Table(title=f"runs under {store_uri}")
+    for col in ("run id", "state", "rounds", "age"):
+        table.add_column(col)
+    for r in found:
+        progress = (f"{r.rounds_committed} merges" if r.sync_mode == "decoupled"  # no round budget to count against
+                    else f"{r.rounds_committed}/{r.rounds}")
+        table.add_row(r.run_id, r.state, progress, age(r.launched_at))
+    return table
+
+
+def tracking_line(result: Any, logdir: Any, project: str) -> str:
+    """What ``report_to`` wrote and how to look at it, one line."""
+    where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
+    where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
+    return (f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
+            f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where))
+
+
+def interrupted(exc: KeyboardInterrupt) -> tuple[str, dict[str, Any]]:
+    """Ctrl-C before ``launch`` returned: the line to print and its ``--json`` form."""
+    from composer_cloud.runs import LaunchInterrupted
+
+    if isinstance(exc, LaunchInterrupted):
+        return exc.advice(), {"run_uri": exc.run_uri, "interrupted": True, "written": exc.written,
+                              "started": exc.started}
+    return ("interrupted before anything was written: nothing was launched",
+            {"interrupted": True, "written": False, "started": False})
+
+
+def dry_run_report(console: Console, checked: Any, checks: list[Any], *, as_json: bool) -> list[Any]:
+    """``launch --dry-run``: the plan and the credential checks (or their JSON); returns the failed checks."""
+    import dataclasses
+    import json
+    import sys
+
+    failed = [c for c in checks if not c.ok]
+    if as_json:
+        sys.stdout.write(json.dumps({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
+                                     "spec": checked.spec.to_json_dict(),
+                                     "plans": [dataclasses.asdict(p) for p in checked.plans],
+                                     "credentials": [dataclasses.asdict(c) for c in checks]}, indent=2,
+                                    default=str) + "\n")
+    else:
+        print_plan(console, checked.spec, checked.plans)
+        print_checks(console, checks)
+    return failed

@@ -61,3 +61,20 @@ def ctrl_c_between_polls() -> Iterator[Callable[[], None]]:
         yield check
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def follow_to_end(run: Run, *, console: Console, err_console: Console, as_json: bool) -> int:
+    """``wait`` and ``status --wait``: follow ``run`` to its end; the exit code is its outcome (0 completed,
+    1 failed or cancelled, 130 Ctrl-C: the run goes on). ``as_json``: the final status as JSON on stdout."""
+    import json
+    import sys
+
+    try:
+        st = follow(run, console=None if as_json else console)
+    except KeyboardInterrupt:
+        err_console.print(f"stopped watching: the run continues; cancel with: composer-cloud cancel {run.uri}",
+                          highlight=False)
+        return 130
+    if as_json:
+        sys.stdout.write(json.dumps(cli_views.status_json(st), indent=2) + "\n")
+    return 0 if st.state == "completed" else 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -23,6 +24,10 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+# TRL (each generation) and PEFT (each adapter) read `model.is_gradient_checkpointing`, which transformers
+# deprecates: a FutureWarning in every replica log and export that is theirs to fix and tells a user nothing.
+warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 TINY = "tiny"
 #: Attribute of a loaded model that records its ``[model] precision`` (read with :func:`compute_precision`).

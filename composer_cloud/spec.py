@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from composer_cloud.errors import SpecError, url_has_credentials
+from composer_cloud.spec_errors import error_from_validation
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
@@ -532,21 +533,6 @@ def _walk_keys(d: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _error_from_validation(exc: ValidationError, source: str) -> SpecError:
-    err = exc.errors()[0]
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, SpecError):  # a cross-field check that names its field itself
-        return cause
-    field = ".".join(str(p) for p in err["loc"]) or "<spec>"
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = f"unknown key in {source}"
-    elif "input" in err and err["type"] not in ("missing", "value_error") and err["loc"][:1] != ("store_options",):
-        # Custom validators already say what is wrong; never echo store options (a rejected credential).
-        msg = f"{msg} (got {err['input']!r})"
-    return SpecError(field, msg)
-
-
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = data
@@ -557,11 +543,14 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def spec_from_dict(data: dict[str, Any], *, source: str = "spec") -> RunSpec:
+def spec_from_dict(data: dict[str, Any], *, source: str = "spec", given: frozenset[str] = frozenset()) -> RunSpec:
+    """Validate ``data``; :class:`SpecError` naming the first bad field and listing every other one.
+
+    ``given``: the dotted keys that came from ``--set``/overrides rather than from ``source``."""
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
-        raise _error_from_validation(exc, source) from None
+        raise error_from_validation(exc, source, given, root=RunSpec) from None
 
 
 def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunSpec:
@@ -588,7 +577,8 @@ def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None =
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
-    spec = spec_from_dict(data, source=source)
+    spec = spec_from_dict(data, source=source,
+                          given=frozenset(k for k, v in (overrides or {}).items() if v is not None))
     # The launcher sets these from what it packaged and uploaded; a hand-set value would point the
     # replicas at code or files the launcher never checked.
     if spec.code.ref is not None:

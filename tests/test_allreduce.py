@@ -132,10 +132,16 @@ def _diloco_kw(q, index, uri, rank, world, rounds, sync_every, fragments, bucket
 
 
 def _late_kw(q, index, uri, rank, world):
-    # Rank 2 stalls before its first sync for longer than the quorum deadline
-    # (3 s) but returns while round 1's quorum is still open (3 s .. 6 s).
-    diloco_worker(q, index, uri, rank, world, rounds=3, sync_every=3, min_replicas=2, quorum_timeout_s=3.0,
-                  delay_before_step={2: 4.5} if rank == 2 else None)
+    # Ordered by events, not by a wall-clock window (issue 34, finding 7): rank 2 starts only once round 0's
+    # quorum was decided without it (ranks 0 and 1 decide at the quorum deadline), so it is late for round 0
+    # whatever the machine's load; ranks 0 and 1 take their last step of round 1 only once rank 2 has joined
+    # round 1, so round 1's quorum has all three. The quorum deadline only has to cover one inner step of a
+    # tiny model between rank 2's join and theirs.
+    from composer_cloud.storage import layout
+
+    wait = {0: [layout.quorum_key(0, 0)]} if rank == 2 else {5: [layout.join_key(1, 0, 2)]}
+    diloco_worker(q, index, uri, rank, world, rounds=3, sync_every=3, min_replicas=2, quorum_timeout_s=6.0,
+                  wait_before_step=wait)
 
 
 def test_late_replica_does_not_commit_and_heals(store_uri):

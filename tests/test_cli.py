@@ -34,7 +34,7 @@ def small_config(tmp_path: Path, extra: str = "") -> Path:
 
 def status_json(run_uri: str, cwd: Path) -> dict:
     res = cli("status", run_uri, "--json", cwd=cwd)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode in (0, 1), res.stderr  # 1: the run failed or was cancelled
     return json.loads(res.stdout)
 
 
@@ -49,7 +49,7 @@ def test_three_replicas_three_rounds_end_to_end(tmp_path):
     st = status_json(run_uri, tmp_path)
     assert st["run_id"] == "e2e" and st["state"] == "completed" and st["rounds_committed"] == 3
     assert [r["state"] for r in st["replicas"]] == ["succeeded"] * 3
-    assert [r["last_round"] for r in st["replicas"]] == [3, 3, 3]
+    assert [r["round"] for r in st["replicas"]] == [3, 3, 3]  # 1-based: the last of 3 rounds
     digests = {json.loads((tmp_path / f"store/e2e/replicas/{r}.json").read_bytes()[16:])["params_sha256"]
                for r in range(3)}
     assert len(digests) == 1  # bitwise-identical global parameters on every replica
@@ -85,7 +85,8 @@ def test_killed_replica_run_survives(tmp_path, max_restarts):
     if max_restarts == 0:
         assert lost["state"] == "failed" and lost["exit_code"] == -9, lost
         out = cli("status", run_uri, cwd=tmp_path).stdout
-        assert "failed" in out
+        # died while training: "lost" (not "failed at start"), and why, whole, under the table
+        assert "r2 lost: replica exited with code -9" in " ".join(out.split()), out
     else:
         assert lost["state"] == "succeeded" and lost["restarts"] == 1, lost
         # It rejoined: a round after the kill committed with rank 2 among the participants.
@@ -317,3 +318,334 @@ def test_ctrl_c_while_watching_is_taken_at_the_next_poll_and_a_second_one_at_onc
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+# ------------------------------------------- issue 34, finding 2: Ctrl-C between spec.json and the jobs
+def _interrupt_before_jobs(monkeypatch) -> None:
+    """SIGINT lands after the spec is written and before any job starts (the issue's 1-3 s window)."""
+    import composer_cloud.runs.lifecycle as lifecycle
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle, "_start_jobs", interrupted)
+
+
+def test_ctrl_c_before_the_jobs_start_leaves_a_not_started_run_that_says_what_to_do(tmp_path, monkeypatch):
+    """Finding 2: the launcher printed nothing and left a run that status called "running — round 0/2" with no
+    replicas. Now: one line naming resume and cancel, exit 130, and status/ls say "not started"."""
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+    _interrupt_before_jobs(monkeypatch)
+    res = CliRunner().invoke(app, ["launch", "--config", str(cfg), "--run-id", "cut",
+                                   "--store", f"file://{tmp_path}/store"])
+    uri = f"file://{tmp_path}/store/cut"
+    assert res.exit_code == 130, res.output
+    assert f"composer-cloud resume {uri}" in res.output and f"composer-cloud rm {uri}" in res.output
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    st = CliRunner().invoke(app, ["status", uri, "--json"])
+    assert json.loads(st.stdout)["state"] == "not started", st.output
+    listed = CliRunner().invoke(app, ["ls", f"file://{tmp_path}/store", "--json"])
+    assert "not started" in listed.stdout, listed.output
+    # cancel marks it cancelled (exit 0, nothing deleted: a store's contents never decide a deletion) ...
+    cancelled = CliRunner().invoke(app, ["cancel", uri])
+    assert cancelled.exit_code == 0 and "marked cancelled" in cancelled.output, cancelled.output
+    assert json.loads(CliRunner().invoke(app, ["status", uri, "--json"]).stdout)["state"] == "cancelled"
+    # ... and `rm` deletes it: the id is free again
+    removed = CliRunner().invoke(app, ["rm", uri])
+    assert removed.exit_code == 0, removed.output
+    assert not (tmp_path / "store" / "cut" / "spec.json").exists()
+    assert not (tmp_path / "store" / "cut" / "model").exists()
+
+
+def test_resume_starts_a_run_whose_launch_was_interrupted(tmp_path, monkeypatch):
+    """Finding 2: plain `resume` refused it ("still running (replicas starting)"); now it starts its jobs."""
+    from composer_cloud import runs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+    _interrupt_before_jobs(monkeypatch)
+    with pytest.raises(runs.LaunchInterrupted) as cut:
+        runs.launch(config=cfg, overrides={"run_id": "cut", "store": f"file://{tmp_path}/store"})
+    assert cut.value.written and not cut.value.started
+    monkeypatch.undo()
+    assert runs.get_status(cut.value.run_uri).state == "not started"
+    resumed = runs.resume(cut.value.run_uri)
+    try:
+        assert [h.rank for h in resumed.handles] == [0] and resumed.from_round == -1
+        assert runs.get_status(cut.value.run_uri).state in ("running", "completed")
+    finally:
+        runs.cancel(cut.value.run_uri)
+
+
+def test_ctrl_c_while_uploading_leaves_nothing(tmp_path, monkeypatch):
+    """Before the spec is written nothing of the run stays, and the line says so."""
+    import composer_cloud.runs.lifecycle as lifecycle
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle, "_store_model_files", interrupted)
+    res = CliRunner().invoke(app, ["launch", "--config", str(cfg), "--run-id", "cut2",
+                                   "--store", f"file://{tmp_path}/store"])
+    assert res.exit_code == 130 and "nothing was launched" in res.output, res.output
+    assert not (tmp_path / "store" / "cut2" / "spec.json").exists()
+
+
+# ------------------------------------------- issue 34, finding 4 and issue 33 item 4: failures where people look
+class _ScriptedJobs:
+    """An executor whose jobs go through given states, one per poll (the last one repeats)."""
+
+    def __init__(self, script: dict[int, list]) -> None:
+        self.script = script
+
+    def poll(self, handle):
+        states = self.script[handle.rank]
+        return states.pop(0) if len(states) > 1 else states[0]
+
+
+def _scripted_run(tmp_path, monkeypatch, script, beats, **spec_fields):
+    """A run in a store with handles, the given heartbeats (rank -> (state, error, step)) and scripted jobs."""
+    from composer_cloud.jobs import JobHandle
+    from composer_cloud.runs import status as status_mod
+    from composer_cloud.spec import RunSpec
+    from composer_cloud.storage import layout
+    from composer_cloud.storage.records import Heartbeat, HeartbeatState
+    from composer_cloud.storage.run import Run, save_handles
+
+    store = Store(f"file://{tmp_path}/store/run")
+    spec = RunSpec(run_id="run", **spec_fields)
+    save_handles(store, [JobHandle("local", r, f"j{r}") for r in range(spec.replicas)])
+    for rank, (state, error, step, *rnd) in beats.items():
+        store.put_json(layout.heartbeat_key(rank), Heartbeat(rank=rank, state=HeartbeatState(state), time=time.time(),
+                                                             error=error, step=step,
+                                                             round=rnd[0] if rnd else None).to_json())
+    jobs = _ScriptedJobs(script)
+    monkeypatch.setattr(status_mod, "get_executor", lambda name, spec: jobs)
+    run = Run(uri=store.uri, store=store, spec=spec)
+    monkeypatch.setattr(cli_module, "_open", lambda uri, options: run)
+    return run
+
+
+REFUSED = ("ValueError: model.lora.dropout: the three-channel trainer runs without dropout (GRPO's importance "
+           "ratios compare two forwards of the same tokens); set it to 0 (got 0.1)")
+
+
+def test_a_failed_runs_reason_is_whole_under_an_80_column_table_and_exit_codes_are_real(tmp_path, monkeypatch):
+    """Finding 4: the reason was one word per line, cut mid-word; the final table said exit `unknown` for replicas
+    that exited 1; the summary called replicas that refused their config "lost"."""
+    from composer_cloud import runs
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+    from composer_cloud.runs.summary import summarize
+
+    running, exited = ReplicaStatus(ReplicaState.RUNNING, restarts=0), ReplicaStatus(ReplicaState.FAILED, 1, "", 0)
+    # The failed heartbeat is written before the job exits: the first polls see the job still running.
+    run = _scripted_run(tmp_path, monkeypatch, {0: [running, running, exited], 1: [running, exited]},
+                        {0: ("failed", REFUSED, None), 1: ("failed", REFUSED, None)})
+    final = runs.wait(run, interval_s=0.01)
+    assert final.state == "failed" and [r.exit_code for r in final.replicas] == [1, 1]
+    out = io.StringIO()
+    Console(file=out, width=80, soft_wrap=True).print(cli_module.cli_views.status_table(final))
+    text = " ".join(out.getvalue().split())
+    assert "r0 failed at start (config): " + REFUSED in text, out.getvalue()
+    assert "unknown" not in out.getvalue()
+    s = summarize(run, final)
+    assert s.failed_at_start_config == [0, 1] and s.lost_replicas == [] and s.reasons[1] == REFUSED
+    summary = io.StringIO()
+    cli_module.cli_views.print_summary(Console(file=summary, width=80), Console(file=io.StringIO()), run, final)
+    assert "failed at start (config)" in summary.getvalue() and "lost" not in summary.getvalue()
+
+
+def test_status_wait_metrics_and_report_of_a_failed_run_say_why_and_exit_1(tmp_path, monkeypatch):
+    """Finding 4: `status` exited 0 for a failed run, there was no `wait`, `metrics` printed an empty line with
+    exit 0, and the report was four empty panels without the reason."""
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+
+    exited = ReplicaStatus(ReplicaState.FAILED, 1, "", 0)
+    run = _scripted_run(tmp_path, monkeypatch, {0: [exited], 1: [exited]},
+                        {0: ("failed", REFUSED, None), 1: ("failed", REFUSED, None)})
+    runner = CliRunner()
+    st = runner.invoke(app, ["status", run.uri])
+    assert st.exit_code == 1 and "failed at start (config)" in st.output, st.output
+    for args in (["wait", run.uri], ["status", run.uri, "--wait", "--json"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.output)
+    met = runner.invoke(app, ["metrics", run.uri])
+    assert met.exit_code == 1 and "model.lora.dropout" in met.output, met.output
+    rep = runner.invoke(app, ["report", run.uri, "--out", str(tmp_path / "rep")])
+    assert rep.exit_code == 0, rep.output
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "failed at start (config)" in page and "model.lora.dropout" in page
+
+
+def test_the_launcher_reports_the_run_not_its_first_sighting_of_a_crash(tmp_path, monkeypatch):
+    """Issue 33 item 4: a replica crashed (failed heartbeat) while its supervisor had a restart left, then the
+    run completed: `wait` (and so `launch`) said "failed" at the first sighting. Now it follows the run."""
+    from composer_cloud import runs
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+
+    running = ReplicaStatus(ReplicaState.RUNNING, restarts=0)
+    run = _scripted_run(tmp_path, monkeypatch, {0: [running], 1: [running]},
+                        {0: ("failed", "RuntimeError: the round has no valid commit", 3),
+                         1: ("failed", "RuntimeError: the round has no valid commit", 3)}, max_restarts=1)
+    seen = []
+
+    def restarted_and_completed(st):
+        seen.append(st.state)
+        assert [r.state for r in st.replicas] == ["running", "running"]
+        assert all(r.message.startswith("restarting after: ") for r in st.replicas)
+        raise StopIteration  # one poll is enough to show the state; the test ends the wait here
+
+    with pytest.raises(StopIteration):
+        runs.wait(run, interval_s=0.01, on_update=restarted_and_completed)
+    assert seen == ["running"]
+    # Restarts used up: the same crash is the replica's end.
+    used = ReplicaStatus(ReplicaState.RUNNING, restarts=1)
+    run = _scripted_run(tmp_path / "b", monkeypatch, {0: [used], 1: [used]},
+                        {0: ("failed", "RuntimeError: x", 3), 1: ("failed", "RuntimeError: x", 3)}, max_restarts=1)
+    st = runs.get_status(run)
+    assert st.state == "failed" and [r.state for r in st.replicas] == ["failed", "failed"]
+
+
+# ------------------------------------------- issue 34, finding 3: one round numbering, from 1
+def test_status_counts_rounds_from_1_as_the_logs_do_and_json_names_what_it_counts(tmp_path, monkeypatch):
+    """Finding 3: the table said `round 0/2` while the logs said `round 1/2 step 6/20`; `status --json` had
+    `last_durable_round: 3` next to `last_round: 4` for the same round."""
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+
+    running = ReplicaStatus(ReplicaState.RUNNING, restarts=0)
+    run = _scripted_run(tmp_path, monkeypatch, {0: [running], 1: [running]},
+                        {0: ("running", "", 6, 0), 1: ("running", "", 5, 0)}, rounds=2, inner_steps=10)
+    res = CliRunner().invoke(app, ["status", run.uri])
+    assert res.exit_code == 0, res.output
+    assert "round 1/2 (0 committed)" in res.output and "round 0/2" not in res.output, res.output
+    assert "1/2" in res.output.split("steps/s")[1]  # each replica's row: round 1 of 2
+    st = json.loads(CliRunner().invoke(app, ["status", run.uri, "--json"]).stdout)
+    assert "last_durable_round" not in st and st["latest_durable_round"] is None and st["rounds_committed"] == 0
+    assert [r["round"] for r in st["replicas"]] == [1, 1] and "last_round" not in st["replicas"][0]
+
+
+def test_a_decoupled_run_is_shown_as_contributions_and_merges_never_round_7_of_3():
+    """Finding 3: decoupled mode showed `completed — round 7/3` and "rounds committed 7/3"."""
+    from composer_cloud.runs.status import ReplicaInfo, RunStatus
+
+    st = RunStatus(run_id="d", run_uri="file:///x/d", state="completed", rounds=3, rounds_committed=7,
+                   replicas=[ReplicaInfo(0, "local", "succeeded", 3, step=33),
+                             ReplicaInfo(1, "local", "succeeded", 3, step=27)],
+                   last_durable_round=6, sync_mode="decoupled")
+    out = io.StringIO()
+    Console(file=out, width=80).print(cli_module.cli_views.status_table(st))
+    assert "7/3" not in out.getvalue() and "round" not in out.getvalue().split("\n")[0], out.getvalue()
+    assert "contributions 6/6, 7 merges" in out.getvalue()
+    js = cli_module.cli_views.status_json(st)
+    assert [r["contributions"] for r in js["replicas"]] == [3, 3] and js["latest_durable_round"] == 7
+
+
+def test_no_log_line_prints_a_round_as_index_dot_attempt():
+    """Finding 3: `logs` printed `round 3.0 quorum [0, 1]` (a 0-based index and the attempt, read as a float)
+    between `round 4/4` lines. Every log format that names a round and an attempt keeps them apart."""
+    import re
+
+    import composer_cloud
+
+    root = Path(composer_cloud.__file__).parent
+    dotted = [f"{p.relative_to(root)}: {m.group(0)}" for p in root.rglob("*.py")
+              for m in re.finditer(r"round %d\.%d[^\"]*", p.read_text())]
+    assert not dotted, dotted
+
+
+def test_the_quorum_log_line_counts_rounds_from_1(tmp_path, caplog):
+    """The quorum line of round index 3 says `round 4 quorum`, as the step lines of that round say `round 4/4`."""
+    import logging
+
+    import torch
+
+    from composer_cloud.sync.lockstep.allreduce import ObjectStoreAllReduce
+    from workers import allreduce_config
+
+    ar = ObjectStoreAllReduce(Store(f"file://{tmp_path}/ar"), 0, allreduce_config(
+        1, min_replicas=1, quorum_timeout_s=30, round_timeout_s=60))
+    with caplog.at_level(logging.INFO, logger="composer_cloud.sync.lockstep.allreduce"):
+        ar.allreduce(3, torch.ones(8))
+    lines = [r.getMessage() for r in caplog.records if "quorum" in r.getMessage()]
+    assert lines and lines[0].startswith("round 4 quorum [0]"), lines
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launchers_group_as_spec_json_appears_leaves_no_orphan(tmp_path):
+    """Finding 2 as reproduced: SIGINT to the process group just after spec.json is written printed nothing
+    and left a run called "running" with no replicas. Now the line says what was left, and status agrees."""
+    from support.cli import start_cli
+
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 2")
+    store = tmp_path / "store"
+    proc = start_cli("launch", "--config", str(cfg), "--run-id", "sig", "--store", f"file://{store}", cwd=tmp_path)
+    _wait(lambda: (store / "sig" / "spec.json").exists() or proc.poll() is not None, 120, "spec.json")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    uri = f"file://{store}/sig"
+    assert proc.returncode == 130, out
+    st = status_json(uri, tmp_path)
+    if "written but not started" in out:
+        assert st["state"] == "not started", st
+        assert cli("rm", uri, cwd=tmp_path).returncode == 0 and not (store / "sig" / "spec.json").exists()
+    else:  # the jobs had started: the launcher says so, and they are recorded (cancel stops them)
+        assert f"composer-cloud cancel {uri}" in out and st["state"] in ("running", "completed"), (out, st)
+        assert [r["rank"] for r in st["replicas"]] == [0]
+        cli("cancel", uri, cwd=tmp_path)
+
+
+def test_ls_shows_a_decoupled_run_as_merges_not_rounds_of_its_budget(tmp_path, monkeypatch):
+    """Finding 3: `ls` put a decoupled run's merges over its round count ("7/3")."""
+    from composer_cloud.runs.listing import RunListing
+
+    listed = [RunListing("d", "file:///x/d", "completed", 7, 3, None, sync_mode="decoupled"),
+              RunListing("l", "file:///x/l", "completed", 3, 3, None)]
+    monkeypatch.setattr(cli_module.runs, "list_runs", lambda *a, **k: listed)
+    res = CliRunner().invoke(app, ["ls", str(tmp_path)])
+    assert "7/3" not in res.output and "7 merges" in res.output and "3/3" in res.output, res.output
+
+
+def test_rm_deletes_a_run_and_its_key_record_and_refuses_a_running_one(tmp_path, monkeypatch):
+    """Issue 34 (what users expected): deleting runs and their keys (keys accumulated in run-keys/)."""
+    from composer_cloud import runs
+    from composer_cloud.jobs import ReplicaState, ReplicaStatus
+    from composer_cloud.storage.runkeys import load_record
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, "replicas = 1\nrounds = 1\ninner_steps = 1")
+    _interrupt_before_jobs(monkeypatch)
+    with pytest.raises(runs.LaunchInterrupted) as cut:
+        runs.launch(config=cfg, overrides={"run_id": "gone", "store": f"file://{tmp_path}/store"})
+    monkeypatch.undo()
+    uri = cut.value.run_uri
+    assert load_record(uri) is not None
+    res = CliRunner().invoke(app, ["rm", uri])
+    assert res.exit_code == 0 and "run key record too" in res.output, res.output
+    assert not (tmp_path / "store" / "gone").exists() and load_record(uri) is None
+    running = ReplicaStatus(ReplicaState.RUNNING, restarts=0)
+    run = _scripted_run(tmp_path / "live", monkeypatch, {0: [running], 1: [running]},
+                        {0: ("running", "", 1, 0), 1: ("running", "", 1, 0)})
+    refused = CliRunner().invoke(app, ["rm", run.uri])
+    assert refused.exit_code == 2 and "--force" in refused.output, refused.output
+    assert run.store.exists("replicas/0.json")  # nothing deleted
+
+
+def test_init_writes_a_spec_with_every_default_that_launch_accepts(tmp_path, monkeypatch):
+    """Issue 34 (what users expected): a starter spec with every default (`init`)."""
+    from composer_cloud.spec import RunSpec, load_spec
+
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["init", "spec.toml"])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "spec.toml").read_text()
+    assert load_spec(tmp_path / "spec.toml").to_json_dict() == RunSpec().to_json_dict()
+    assert "quorum_timeout_s = 60.0" in text and "# hint_source = \"default\"" in text  # spec and trainer keys
+    again = CliRunner().invoke(app, ["init", "spec.toml"])
+    assert again.exit_code == 2 and "--force" in again.output
+    dry = CliRunner().invoke(app, ["launch", "--config", "spec.toml", "--dry-run", "--store", f"file://{tmp_path}/s"])
+    assert dry.exit_code == 0, dry.output

@@ -31,6 +31,6 @@ def test_leader_killed_during_global_upload_run_completes_exactly(kind, round, t
     assert launcher.returncode == 0, out
     run_uri = f"{store}/{run_id}"
     st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
-    assert st["state"] == "completed" and st["last_durable_round"] == 3, st
+    assert st["state"] == "completed" and st["latest_durable_round"] == 4, st  # 1-based (docs/metrics.md)
     assert st["replicas"][0]["restarts"] == 1, st
     assert same_weights(export_weights(tmp_path, run_uri, "model"), expected)

@@ -72,7 +72,7 @@ def test_the_survivor_exits_promptly_when_the_leader_dies_in_the_last_rounds_sta
     assert launcher.returncode == 0, out
     run_uri = f"{store}/exit"
     st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
-    assert st["state"] == "completed" and st["last_durable_round"] == 3, st
+    assert st["state"] == "completed" and st["latest_durable_round"] == 4, st  # 1-based (docs/metrics.md)
     assert st["replicas"][0]["restarts"] == 1 and st["replicas"][1]["restarts"] == 0, st
     survivor = Store(run_uri).get_json(layout.heartbeat_key(1))
     assert survivor["state"] == "completed"

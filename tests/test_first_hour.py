@@ -339,7 +339,10 @@ def test_cancel_that_found_no_job_handle_exits_1(tmp_path):
 
     for run_id in ("api", "cli"):
         spec = load_spec(None, {"run_id": run_id})
-        Store(f"file://{tmp_path}/store/{run_id}").create_json(layout.SPEC, spec.to_json_dict())
+        store = Store(f"file://{tmp_path}/store/{run_id}")
+        store.create_json(layout.SPEC, spec.to_json_dict())
+        # a replica reported (so the run was started), but no job handle is in the store
+        store.put_json(layout.heartbeat_key(0), {"rank": 0, "state": "running", "time": 0.0})
     result = cancel(open_run(f"file://{tmp_path}/store/api"))
     assert result.cancelled == [] and "no replica job handle" in result.warnings[0]
     res = cli("cancel", f"file://{tmp_path}/store/cli", cwd=tmp_path)
@@ -536,3 +539,237 @@ def test_a_causal_lm_run_on_a_users_jsonl_completes(tmp_path):
     # report_to: the attached launch wrote the TensorBoard series when the run ended
     assert any((tmp_path / "tracking" / "ft" / "replica-0").glob("events.out.tfevents.*"))
     assert any((tmp_path / "tracking" / "ft" / "rounds").glob("events.out.tfevents.*"))
+
+
+# ------------------------------------------- issue 34, finding 1: the replicas' own checks at --dry-run
+def _replica_refusals_in_code() -> list[str]:
+    """Every ``raise ValueError("model.<field>: ..." / "trainer.rollout: ...")`` of the code a replica runs while
+    it builds its model and trainer (model.py, lora.py, trainer/): the constant text of each message."""
+    import ast
+
+    import composer_cloud
+
+    root = Path(composer_cloud.__file__).parent
+    found = []
+    for path in [root / "model.py", root / "lora.py", *sorted((root / "trainer").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and getattr(node.exc.func, "id", None) == "ValueError" and node.exc.args):
+                continue
+            arg = node.exc.args[0]
+            parts = [arg] if isinstance(arg, ast.Constant) else list(getattr(arg, "values", []))
+            if isinstance(arg, ast.BinOp):  # "a" "b" f"c" concatenations
+                parts = [n for n in ast.walk(arg) if isinstance(n, ast.Constant)]
+            text = "".join(p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str))
+            if text.startswith(("model.", "trainer.rollout:")):
+                found.append(text)
+    return found
+
+
+def _entry_for(message: str) -> str | None:
+    from composer_cloud.runs.preflight import REPLICA_REFUSALS
+
+    field = message.partition(":")[0]
+    for key in REPLICA_REFUSALS:
+        kfield, _, words = key.partition(": ")
+        if kfield == field and all(w in message for w in words.split()):
+            return key
+    return None
+
+
+def test_every_replica_side_settings_refusal_is_listed_with_what_launch_does():
+    """Finding 1's enumeration: a new replica-side refusal must be added to REPLICA_REFUSALS (checked at launch,
+    or why not), so the dry run cannot silently fall behind the replicas."""
+    from composer_cloud.runs.preflight import REPLICA_REFUSALS
+
+    messages = _replica_refusals_in_code()
+    assert len(messages) >= 6, messages  # the scan found the refusals at all
+    unlisted = [m for m in messages if _entry_for(m) is None]
+    assert not unlisted, unlisted
+    assert {_entry_for(m) for m in messages} == set(REPLICA_REFUSALS)  # no stale entry either
+    assert all(v.startswith(("launch", "cannot")) for v in REPLICA_REFUSALS.values())
+
+
+#: A spec that the replicas refuse, per REPLICA_REFUSALS entry (launch side): overrides and the fake GPU it needs.
+_REFUSED_BY_REPLICAS = {
+    "model.attention: flash_attention_2 needs a CUDA GPU": (
+        {"model.precision": "bf16", "model.attention": "flash_attention_2"}, None),
+    "model.attention: flash_attention_2 computes in half precision": ({"model.attention": "flash_attention_2"}, None),
+    "model.attention: flash_attention_2 needs the flash-attn package": (
+        {"model.precision": "bf16", "model.attention": "flash_attention_2"}, "A100"),
+    "model.precision: has no bfloat16 support": ({"model.precision": "bf16"}, "Tesla T4"),
+    "model.precision: use": ({"model.precision": "fp16"}, None),
+    "model.lora.target_modules: matches no module of this model": (
+        {"model.lora.r": 8, "model.lora.target_modules": ["q_prj"]}, None),
+    "model.lora.dropout: the three-channel trainer runs without dropout": (
+        {"model.lora.r": 8, "model.lora.dropout": 0.1}, None),
+    "trainer.rollout: needs": ({"trainer.rollout": "vllm"}, None),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_REFUSED_BY_REPLICAS))
+def test_each_replica_refusal_is_a_launch_refusal(entry, tmp_path, monkeypatch):
+    """Finding 1: bf16 + flash_attention_2 on a CPU-only local run, LoRA dropout with the three-channel trainer,
+    target modules the demo model lacks (and the rest of the table) are refused by the dry run, exit 2, with the
+    replica's own words, and nothing is written."""
+    import torch
+
+    from composer_cloud.runs.lifecycle import check_launch
+
+    overrides, gpu = _REFUSED_BY_REPLICAS[entry]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    if gpu is not None:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: gpu != "Tesla T4")
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: gpu)
+        monkeypatch.setattr("composer_cloud.model.flash_attention_installed", lambda: False)
+    field, _, words = entry.partition(": ")
+    with pytest.raises(SpecError) as refused:
+        check_launch(overrides={"store": f"file://{tmp_path}/store", **overrides})
+    message = str(refused.value)
+    assert field in message and all(w in message for w in words.split()), message
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_issues_three_dry_runs_exit_2(tmp_path, monkeypatch):
+    """Finding 1 as the user met it: each of the three reproduced `--dry-run`s exited 0, then the replicas refused."""
+    monkeypatch.chdir(tmp_path)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args, needle in [
+        (["--set", "model.precision=bf16", "--set", "model.attention=flash_attention_2"], "needs a CUDA GPU"),
+        (["--set", "model.lora.r=8", "--set", "model.lora.dropout=0.1"], "model.lora.dropout"),
+        (["--set", "model.lora.r=8", "--set", 'model.lora.target_modules=["q_prj"]'], "'q_proj'"),
+    ]:
+        res = _dry(tmp_path, *args)
+        assert res.exit_code == 2 and needle in res.output, res.output
+    ok = _dry(tmp_path, "--set", "model.lora.r=8", "--set", 'model.lora.target_modules=["q_proj", "v_proj"]')
+    assert ok.exit_code == 0, ok.output
+
+
+def test_the_exported_model_card_records_no_absolute_path_or_store_uri(tmp_path):
+    """Issue 34 finding 5: the card recorded the machine's absolute dataset path and the store URI."""
+    from composer_cloud.runs.export import write_model_card
+    from composer_cloud.spec import spec_from_dict
+    from composer_cloud.storage.run import Run
+    from composer_cloud.storage.store import Store
+
+    secret_dir = tmp_path / "home" / "someone" / "private"
+    spec = spec_from_dict({"run_id": "card", "store": f"file://{secret_dir}/runs",
+                           "trainer": {"name": "three-channel", "dataset": f"{secret_dir}/qa.jsonl"}}, source="test")
+    store = Store(f"file://{secret_dir}/runs/card")
+    write_model_card(Run(uri=store.uri, store=store, spec=spec), tmp_path, round=0)
+    card = (tmp_path / "README.md").read_text()
+    assert str(secret_dir) not in card and "file://" not in card, card
+    assert "qa.jsonl" in card and "card" in card
+
+
+# ------------------------------------------- issue 34, finding 6: the smaller ones
+def test_unknown_keys_are_blamed_on_their_source_with_a_suggestion_and_every_error_is_reported(tmp_path):
+    with pytest.raises(SpecError) as given:
+        load_spec(None, {"sync.codek": "bf16"})
+    assert "given by --set" in str(given.value) and "did you mean sync.codec?" in str(given.value)
+    path = tmp_path / "qa.toml"
+    path.write_text("inner_step = 10\n")
+    with pytest.raises(SpecError) as in_file:
+        load_spec(path, {})
+    assert f"given by {path}" in str(in_file.value) and "did you mean inner_steps?" in str(in_file.value)
+    with pytest.raises(SpecError) as several:
+        load_spec(None, {"replicas": 0, "rounds": -1, "inner_step": 10})
+    assert all(f in str(several.value) for f in ("replicas:", "rounds:", "inner_step:")), str(several.value)
+    with pytest.raises(SpecError) as validator:
+        load_spec(None, {"model.lora.target_modules": []})
+    assert "Value error" not in str(validator.value)
+
+
+def test_an_unknown_hint_source_lists_every_value_the_setting_takes():
+    from composer_cloud.trainer import check_settings
+
+    with pytest.raises(ValueError) as refused:
+        check_settings("three-channel", {"hint_source": "bogus"})
+    assert all(v in str(refused.value) for v in ('"default"', "'none'", '"column:NAME"', "module:attribute"))
+
+
+def test_doctor_of_a_misspelt_local_store_does_not_create_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    typo = tmp_path / "tpyo" / "runs"
+    res = CliRunner().invoke(app, ["doctor", f"file://{typo}"])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "tpyo").exists() and "does not exist" in res.output
+
+
+def test_empty_pairs_and_broken_datasets_are_refused_once_with_the_line_number(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.jsonl").write_text("")
+    res = _dry(tmp_path, "--set", "trainer.pairs=pairs.jsonl")
+    assert res.exit_code == 2 and "trainer.pairs" in res.output and "empty" in res.output, res.output
+    (tmp_path / "empty.jsonl").write_text("")
+    res = _dry(tmp_path, "--set", "trainer.dataset=empty.jsonl")
+    assert res.exit_code == 2 and "is empty (0 bytes)" in res.output, res.output
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "answer": "b"}\n{bad\n')
+    res = _dry(tmp_path, "--set", "trainer.dataset=broken.jsonl")
+    assert res.exit_code == 2 and "line 2 is not JSON" in res.output, res.output
+    assert res.output.count("{bad") == 1 and "row 1" not in res.output, res.output
+
+
+def test_a_gpu_type_for_no_gpu_executor_and_more_replicas_than_cores_are_warned(tmp_path):
+    import os
+
+    from composer_cloud.runs.lifecycle import launch_warnings
+
+    spec = load_spec(None, {"replicas": (os.cpu_count() or 1) + 1})
+    warned = launch_warnings(spec, given={"modal.gpu": "H100"})
+    assert any("--gpu H100" in w for w in warned) and any("CPU core" in w for w in warned), warned
+    assert launch_warnings(load_spec(None, {"replicas": 1}), given={}) == []
+
+
+def test_the_metrics_table_never_cuts_a_number(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import composer_cloud.cli as cli_module
+    from composer_cloud.cli import app
+    from composer_cloud.spec import RunSpec
+    from composer_cloud.storage.run import Run
+    from composer_cloud.storage.store import Store
+
+    store = Store(f"file://{tmp_path}/r")
+    monkeypatch.setattr(cli_module, "_open", lambda uri, options: Run(uri=store.uri, store=store,
+                                                                    spec=RunSpec(run_id="r")))
+    row = {"kind": "round", "round": 0, "rank": 0, "committed": True, "train_loss": 0.000123456, "reward_mean": 0.5,
+           "eval_loss": 3.14159, "eval_reward_mean": 0.25, "compute_s": 12345.678, "sync_s": 0.000987654,
+           "superseded": False}
+    monkeypatch.setattr(cli_module.runs, "read_metrics", lambda *a, **k: [row, {**row, "rank": 1}])
+    res = CliRunner().invoke(app, ["metrics", "r"], terminal_width=60)
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output and "0.0001235" in res.output and "0.0009877" in res.output, res.output
+
+
+def test_no_doubled_prefixes_in_launch_errors(tmp_path, monkeypatch):
+    """`modal: modal: cannot launch ...` and `error: code: trainer.reward: ...` named their field twice."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qa.jsonl").write_text('{"q": "1+1", "answer": "2"}\n')
+    (tmp_path / "my_rewards.py").write_text("x = 1\n")
+    res = _dry(tmp_path, "--set", "trainer.dataset=qa.jsonl", "--set", "trainer.columns.prompt=q",
+               "--set", "trainer.reward=my_rewards:scroe")
+    assert res.exit_code == 2 and "error: trainer.reward:" in res.output and "code: trainer" not in res.output, \
+        res.output
+    pytest.importorskip("modal")
+    res = _dry(tmp_path, "--executor", "modal", "--replicas", "1")
+    assert res.exit_code == 2 and "modal: modal:" not in res.output, res.output
+
+
+def test_no_is_gradient_checkpointing_future_warning_in_replica_logs(tmp_path):
+    """Issue 34 finding 6: `FutureWarning: is_gradient_checkpointing` in every replica log and export (TRL reads
+    it at each generation, PEFT at each adapter). A fresh interpreter, as a replica starts."""
+    import subprocess
+    import sys
+
+    code = ("from composer_cloud.model import build_tiny_model, build_tokenizer\n"
+            "m = build_tiny_model(build_tokenizer(), seed=0)\n"
+            "print(m.is_gradient_checkpointing)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+    assert "FutureWarning" not in res.stderr, res.stderr

@@ -253,12 +253,13 @@ KNOWN_PACKAGE_CYCLES: list[list[str]] = []
 
 #: The floors of composer_cloud/, lowest first: a module imports only from its own floor or below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "spec_paths", "stack", "archive")),
+    ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "spec_errors", "spec_paths", "stack",
+                    "archive")),
     ("storage", ("storage",)),
     ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer")),
     ("replica and executors", ("replica", "jobs", "images")),
     ("client", ("runs",)),
-    ("command line", ("cli", "cli_views", "cli_watch")),
+    ("command line", ("cli", "cli_args", "cli_views", "cli_watch")),
 ]
 
 

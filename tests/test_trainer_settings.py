@@ -92,7 +92,7 @@ def test_defaults_and_the_shipped_example_are_valid():
         ("three-channel", {"hint_template": "{prompt}\n{hint}"}, r"trainer\.hint_template must contain '\{hint\}' and end with"),
         ("three-channel", {"hint_template": "{hint} {x} {prompt}"}, r"trainer\.hint_template: KeyError"),
         ("three-channel", {"task": "my_tasks"}, r"trainer\.task: unknown task 'my_tasks'; choose one of \['python-functions'\]"),
-        ("three-channel", {"hint_source": "nope"}, r"trainer\.hint_source: unknown hint source 'nope'; choose one of \['none'\]"),
+        ("three-channel", {"hint_source": "nope"}, r"trainer\.hint_source: unknown hint source 'nope'; use \"default\".*'none'.*column:NAME"),
         ("three-channel", {"dataset": "d.jsonl", "reward": "f1"}, r"trainer\.reward: unknown reward 'f1'; choose one of \['contains', 'exact_match', 'python_tests'\]"),
         ("three-channel", {"hint_source": "column:"}, r"trainer\.hint_source 'column:'"),
         ("causal-lm", {"seq_len": 0}, r"trainer\.seq_len: .*greater than 0"),

@@ -81,8 +81,12 @@ OUTER = dict(lr=0.7, momentum=0.9, nesterov=True)
 def diloco_worker(q, index: int, uri: str, rank: int, world: int, *, rounds: int, sync_every: int,
                   fragments: int = 1, min_replicas: int | None = None, quorum_timeout_s: float = 30,
                   delay_before_step: dict[int, float] | None = None, codec: str = "fp32",
-                  bucketize: bool = False) -> None:
-    """Runs torchft's DiLoCo on the object-store manager; reports params after every sync."""
+                  bucketize: bool = False, wait_before_step: dict[int, list[str]] | None = None) -> None:
+    """Runs torchft's DiLoCo on the object-store manager; reports params after every sync.
+
+    ``wait_before_step``: step -> store keys that must exist before that step (an event another replica
+    writes, so a test orders replicas by what they did, not by wall-clock windows; 120 s only guard a hang).
+    """
     from composer_cloud.sync.lockstep.diloco import LockstepConfig, build_diloco
 
     try:
@@ -102,6 +106,12 @@ def diloco_worker(q, index: int, uri: str, rank: int, world: int, *, rounds: int
             for step in range(steps):
                 if delay_before_step and step in delay_before_step:
                     time.sleep(delay_before_step[step])
+                for key in (wait_before_step or {}).get(step, []):
+                    guard = time.monotonic() + 120
+                    while not Store(uri).exists(key):
+                        if time.monotonic() > guard:
+                            raise TimeoutError(f"rank {rank}: {key} never appeared")
+                        time.sleep(0.05)
                 inner_step(model, inner, rank, step)
                 if (step + 1) % (sync_every // fragments) == 0:
                     snapshots.append([p.detach().numpy().copy() for p in model.parameters()])

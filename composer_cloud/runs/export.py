@@ -258,6 +258,13 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         return f"{sum(vals) / len(vals):.4f}" if vals else "-"
 
+    def public(value: str) -> str:
+        """A card may be published: a local path or a store URI becomes its last name (no machine's layout)."""
+        if os.path.isabs(value) or value.startswith((".", "file://")) or "://" in value:
+            return f"{value.rstrip('/').rsplit('/', 1)[-1]} (a local file of the run)"
+        return value
+
+    data = public(str(data))
     card_data = ModelCardData(library_name="transformers", base_model=None if local else spec.model.name,
                               tags=["composer-cloud", "diloco", spec.trainer.name])
     lines = [
@@ -265,7 +272,7 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
         f"Trained with composer-cloud (DiLoCo across serverless jobs, synced through an "
         f"object store) by the `{spec.trainer.name}` trainer.", "",
         "| | |", "|---|---|",
-        f"| base model | `{spec.model.name}`{' (freshly initialised)' if spec.model.name == 'tiny' else ''} |",
+        f"| base model | `{public(spec.model.name)}`{' (freshly initialised)' if spec.model.name == 'tiny' else ''} |",
         f"| data | `{data}` |",
         f"| rounds | {round + 1} of {spec.rounds} (this export), {spec.inner_steps} inner steps each |",
         f"| replicas | {spec.replicas} (executor `{spec.executor}`) |",
@@ -274,7 +281,7 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
         f"| train loss, round {round + 1} (mean over replicas) | {mean('train_loss')} |",
         f"| held-out loss, round {round + 1} | {mean('eval_loss')} |",
         f"| reward, round {round + 1} | {mean('reward_mean')} |",
-        "", f"Run: `{run.uri}`", "",
+        "", f"Run id: `{spec.run_id}`", "",
     ]
     card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
     path = out / "README.md"

@@ -16,11 +16,11 @@ raises :class:`~composer_cloud.errors.LaunchError` (exit code 1).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,20 @@ from composer_cloud.errors import (
     StoreError,
 )
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor, trusted_handles
-from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.runs import signing, sync_state
-from composer_cloud.runs.preflight import check_dataset, check_hub_model, check_model_dir
-from composer_cloud.runs.status import RunStatus, StatusTracker, run_status
+from composer_cloud.runs.interrupts import LaunchInterrupted, sigint_after
+from composer_cloud.runs.preflight import (
+    check_dataset,
+    check_hub_model,
+    check_local_data_file,
+    check_model_dir,
+    check_replica_build,
+    launch_warnings,
+    leaves_no_new_folders,
+    replica_device,
+)
+from composer_cloud.runs.waiting import wait
+from composer_cloud.runs.status import RunStatus, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
 from composer_cloud.spec_paths import with_paths
 from composer_cloud.storage import layout
@@ -138,7 +148,7 @@ def plan(spec: RunSpec) -> list[LaunchPlan]:
         try:
             plans.append(get_executor(name, spec).plan(run_uri, ranks))
         except (ExecutorError, ValueError) as exc:
-            raise SpecError("executor", f"{name}: {exc}") from None
+            raise SpecError("executor", f"{name}: {str(exc).removeprefix(name + ': ')}") from None
     return plans
 
 
@@ -169,14 +179,17 @@ def _require_conforming_store(run: Run) -> None:
 
 
 def _start_jobs(store: Store, spec: RunSpec, run_key: str | None) -> list[JobHandle]:
-    """Start the jobs; a signed run's key goes to each executor, which delivers it to its jobs as a secret."""
+    """Start the jobs; a signed run's key goes to each executor, which delivers it to its jobs as a secret.
+
+    Ctrl-C lands between executors, never between starting jobs and recording their handles."""
     handles: list[JobHandle] = []
     for name, assigned in assign_ranks(spec.executor, spec.replicas):
-        try:
-            launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
-        except (ExecutorError, StoreError, OSError) as exc:
-            raise LaunchError(f"launch of ranks {assigned} on {name} failed: {exc}") from None
-        save_handles(store, launched)
+        with sigint_after():
+            try:
+                launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
+            except (ExecutorError, StoreError, OSError) as exc:
+                raise LaunchError(f"launch of ranks {assigned} on {name} failed: {exc}") from None
+            save_handles(store, launched)
         handles.extend(launched)
     return handles
 
@@ -254,7 +267,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     try:
         bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
     except UserCodeError as exc:
-        raise SpecError("code", str(exc)) from None
+        named = re.match(r"^((?:trainer|model|code)\.[\w.]+): (.*)$", str(exc), flags=re.S)
+        raise (SpecError(named.group(1), named.group(2)) if named else SpecError("code", str(exc))) from None
     paths = _spec_paths(spec, base_dir)
     if _has_cloud_executor(spec):
         from composer_cloud.runs.packaging import MAX_FILE_BYTES, path_size
@@ -270,6 +284,10 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
         check_model_dir(local["model.name"])
     elif spec.model.name != "tiny":
         check_hub_model(spec.model.name, base_dir or Path.cwd())
+    devices = {p.executor: replica_device(spec, p.executor, p.gpus_per_replica) for p in plan(spec)}
+    check_replica_build(spec, devices, local.get("model.name"))  # what the replicas check as they start
+    if "trainer.pairs" in local:
+        check_local_data_file(local["trainer.pairs"], "trainer.pairs")  # e.g. `pairs` that no teacher answered
     columns = check_dataset(settings, local, spec.trainer.name) if settings.get("dataset") else None
     from composer_cloud.runs.signal import launch_refusal
 
@@ -280,8 +298,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     for name, ranks in assign_ranks(spec.executor, spec.replicas):
         try:
             get_executor(name, spec).preflight(run_uri, ranks)
-        except ExecutorError as exc:
-            raise SpecError(name.replace("-", "_"), str(exc)) from None
+        except ExecutorError as exc:  # its message may name the executor itself: never "modal: modal: ..."
+            raise SpecError(name.replace("-", "_"), str(exc).removeprefix(f"{name}: ")) from None
     return None if bundle.empty else bundle
 
 
@@ -365,18 +383,9 @@ def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = Non
     if base_dir is None and config is not None:
         base_dir = Path(config).resolve().parent
     spec = _spec_of(spec, config, overrides)
-    # The store probe of a new file:// store creates its folder: leave none behind (a dry run writes nothing).
-    local_root = Path(spec.store[len("file://"):]) if spec.store.startswith("file://") else None
-    created = [p for p in ([local_root, *local_root.parents] if local_root else []) if not p.exists()]
-    try:
+    with leaves_no_new_folders(spec.store):  # a dry run writes nothing, not even the probe's folder
         spec, _, _, store, _ = _prepare(spec, base_dir)
         return LaunchCheck(spec=spec, run_uri=store.uri, plans=plan(spec))
-    finally:
-        for folder in created:  # deepest first; only folders the probe left empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
 
 
 def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
@@ -400,21 +409,36 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
     if base_dir is None and config is not None:
         base_dir = Path(config).resolve().parent
     spec, bundle, packed, store, run_key = _prepare(_spec_of(spec, config, overrides), base_dir)
-    # Write-once: two launches racing on one run id cannot both start.
-    if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
-        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
-    signing.remember(store.uri, spec, run_key)
+    uploads = (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES)
+    # What the replicas need is uploaded before the spec (the claim on the run id) is written: a run in the
+    # store always has its code, files and model files, so one interrupted before its jobs started can be
+    # started by `resume` ("not started" in status).
     try:
         if bundle is not None:
             upload_code(store, bundle)
         for key, data, sha in packed:
             put_verified(store, key, data, sha)
         _store_model_files(store, spec)
+    except (StoreError, KeyboardInterrupt) as exc:
+        if not store.exists(layout.SPEC):  # another launch may have claimed the id meanwhile: leave its files
+            for prefix in uploads:
+                store.delete(prefix, recursive=True)
+        if isinstance(exc, KeyboardInterrupt):
+            raise LaunchInterrupted(store.uri, written=False, started=False) from None
+        raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
+    # Write-once: two launches racing on one run id cannot both start.
+    if store.exists(layout.SPEC) or not store.create_json(layout.SPEC, spec.to_json_dict()):
+        raise RunExists(f"run {store.uri} already exists; continue it with `composer-cloud resume {store.uri}`")
+    signing.remember(store.uri, spec, run_key)
+    try:
         _start_jobs(store, spec, run_key)
+    except KeyboardInterrupt:
+        # Written, so the run is "not started" (no job) or running (some jobs): say which and what to do.
+        raise LaunchInterrupted(store.uri, written=True, started=bool(store.list(layout.HANDLES))) from None
     except (LaunchError, StoreError) as exc:
         if not store.list(layout.HANDLES):
             # No job started: roll back, so the id is free again and nothing claims to be running.
-            for prefix in (layout.CODE, layout.FILES, layout.DIRS, layout.MODEL_FILES):
+            for prefix in uploads:
                 store.delete(prefix, recursive=True)
             store.delete(layout.SPEC)
             raise LaunchError(f"{exc} (nothing was left in the store; fix it and launch again)") from None
@@ -509,10 +533,65 @@ def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:
     return cancelled, warnings
 
 
+def _cancel_not_started(run: Run) -> CancelResult:
+    """Cancel of a run no job was started for: recorded (status: cancelled), nothing deleted. Deleting is
+    `composer-cloud rm`'s, asked for by name: never a decision read from the store, which a bucket writer
+    without the key could empty of handles and heartbeats."""
+    _require_conforming_store(run)
+    request_cancel(run.store)
+    return CancelResult(run=run, cancelled=[], noop=(
+        f"run {run.run_id} had no replica job; marked cancelled (delete it with `composer-cloud rm {run.uri}`)"))
+
+
+@dataclass(frozen=True)
+class RemoveResult:
+    """What :func:`remove` did: the run's objects deleted, and whether this machine's run key record went too."""
+
+    run_uri: str
+    key_removed: bool
+    cancelled: list[int] = field(default_factory=list)
+
+
+def _delete_run_objects(run: Run) -> None:
+    """Every object of the run, ``spec.json`` last (until then the run is still listed and can be removed again)."""
+    store = run.store
+    for name in store.list_dirs():
+        store.delete(name, recursive=True)
+    store.delete(layout.SPEC)
+    if run.uri.startswith("file://"):  # the emptied run folder of a local store
+        try:
+            Path(run.uri[len("file://"):]).rmdir()
+        except OSError:
+            pass
+
+
+def remove(run: RunRef, *, force: bool = False, storage_options: Mapping[str, Any] | None = None) -> RemoveResult:
+    """Delete a run: every object under its URI and this machine's record of its run key.
+
+    Refuses (:class:`ConfigError`, nothing deleted) a running run unless ``force`` (its jobs are cancelled
+    first). Irreversible: export what you want to keep first.
+    """
+    from composer_cloud.storage.runkeys import delete_record
+
+    run = _as_run(run, storage_options)
+    current = run_status(run)
+    cancelled: list[int] = []
+    if current.state == "running":
+        if not force:
+            raise ConfigError(f"run {run.run_id} is still running; cancel it first (`composer-cloud cancel "
+                              f"{run.uri}`) or pass --force to cancel and remove it")
+        cancelled = cancel(run).cancelled
+    _require_conforming_store(run)
+    _delete_run_objects(run)
+    return RemoveResult(run_uri=run.uri, key_removed=delete_record(run.uri), cancelled=cancelled)
+
+
 def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> CancelResult:
     """Record the cancellation and stop every replica job of the run."""
     run = _as_run(run, storage_options)
     current = run_status(run)
+    if current.state == "not started":
+        return _cancel_not_started(run)
     if current.state != "running":
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     _require_conforming_store(run)
@@ -530,37 +609,5 @@ def get_status(run: RunRef, *, storage_options: Mapping[str, Any] | None = None,
     return run_status(_as_run(run, storage_options), poll_executors=poll_executors)
 
 
-def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0,
-         on_update: Callable[[RunStatus], None] | None = None,
-         storage_options: Mapping[str, Any] | None = None) -> RunStatus:
-    """Poll the run every ``interval_s`` until it is no longer running; return its final status.
-
-    ``on_update`` sees every status (for progress displays). Raises
-    ``TimeoutError`` after ``timeout_s`` (None: no limit).
-    """
-    run = _as_run(run, storage_options)
-    last: list[RunStatus] = []
-    tracker = StatusTracker(run)
-
-    def finished() -> RunStatus | None:
-        try:
-            st = tracker.poll()
-        except StoreError as exc:
-            # The store may be down for a while (replicas ride outages out too): report and keep watching.
-            if not last:
-                raise
-            st = dataclasses.replace(last[-1], store_error=f"{type(exc).__name__}: {exc}")
-            if last[-1].store_error is None:
-                logger.warning("cannot read run %s from its store (%s); still watching", run.uri, exc)
-        last[:] = [st]
-        if on_update is not None:
-            on_update(st)
-        return None if st.state == "running" or st.store_error else st
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    return poll_until(finished, deadline=deadline, policy=PollPolicy(initial_s=interval_s, max_s=interval_s),
-                      on_timeout=lambda waited: TimeoutError(f"run {run.uri} still running after {waited:.0f}s"))
-
-
-__all__ = ["LaunchCheck", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
+__all__ = ["LaunchCheck", "LaunchInterrupted", "RemoveResult", "remove", "launch_warnings", "leaves_no_new_folders", "check_launch", "CancelResult", "LaunchError", "ResumeResult", "RunExists", "build_spec", "cancel", "get_status",
            "launch", "normalize_run_uri", "plan", "resume", "wait", "StoreConfigError"]

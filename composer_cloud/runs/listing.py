@@ -33,6 +33,8 @@ class RunListing:
     rounds: int
     #: epoch seconds the run was created (its launch; a resume does not change it); None when unknown
     launched_at: float | None = None
+    #: the spec's ``sync.mode`` (decoupled: ``rounds_committed`` counts merges, not rounds)
+    sync_mode: str = "lockstep"
 
 
 def _created(root: Store, name: str) -> float | None:
@@ -78,7 +80,7 @@ def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
             run = open_run(run_uri, storage_options=storage_options)
             st = run_status(run, poll_executors=poll_executors)
             out.append(RunListing(run.run_id, run.uri, st.state, st.rounds_committed, st.rounds,
-                                  _created(root, name)))
+                                  _created(root, name), sync_mode=run.spec.sync.mode))
         except (StoreError, ConfigError) as exc:
             logger.warning("cannot read run %s: %s", run_uri, exc)
             out.append(RunListing(name, run_uri, "unreadable", 0, 0, _created(root, name)))

@@ -60,13 +60,13 @@ def _series(rows: Sequence[dict[str, Any]], keys: tuple[str, ...], *, x: str = "
     return None, {}
 
 
-def replica_labels(run: Run) -> dict[int, str]:
+def replica_labels(run: Run, status: Any | None = None) -> dict[int, str]:
     """``r1 (failed, killed (SIGKILL))``, ``r0 (2 restarts)``: each replica's legend label, marking a dead or
-    restarted one (from the run's status, executors polled)."""
+    restarted one (from the run's status, executors polled, unless ``status`` is given)."""
     from composer_cloud.runs.status import exit_reason, run_status
 
     labels = {}
-    for info in run_status(run).replicas:
+    for info in (status or run_status(run)).replicas:
         notes = []
         if info.state in ("failed", "cancelled"):
             code = info.exit_code
@@ -99,7 +99,14 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
     every = read_metrics(run.store)
     rows = [r for r in every if r["kind"] == "round"]
     steps = [r for r in every if r["kind"] == "step" and isinstance(r.get("step"), int)]
-    labels = replica_labels(run)
+    from composer_cloud.runs.status import run_status
+    from composer_cloud.runs.summary import reason, replica_outcome
+
+    status = run_status(run)
+    labels = replica_labels(run, status)
+    # Why the run ended short, on the figure and the page (a failed run's panels may all be empty).
+    why = [f"r{i.rank} {replica_outcome(i)}: {reason(i)}" for i in status.replicas
+           if i.state in ("failed", "cancelled") and reason(i)] + list(status.problems)
     out = Path(out_dir) if out_dir is not None else default_out_dir(run)
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
@@ -120,15 +127,20 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
                     linestyle="--" if label != f"r{rank}" else "-")
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{run.run_id}: {run.spec.replicas} replicas, {run.spec.rounds} rounds x {run.spec.inner_steps} "
-                 f"inner steps")
+    fig.suptitle(f"{run.run_id} ({status.state}): {run.spec.replicas} replicas, {run.spec.rounds} rounds x "
+                 f"{run.spec.inner_steps} inner steps")
+    if why:
+        import textwrap
+
+        fig.text(0.5, 0.5, "\n".join(textwrap.fill(w, 110) for w in why[:4]), ha="center", va="center",
+                 fontsize="small", color="darkred", bbox={"facecolor": "white", "edgecolor": "darkred", "alpha": 0.9})
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     png = out / "report.png"
     png.write_bytes(buf.getvalue())
     page = out / "report.html"
-    page.write_text(_html(run, rows, buf.getvalue()))
+    page.write_text(_html(run, rows, buf.getvalue(), state=status.state, why=why))
     return Report(png=png, html=page, rounds=len({r["round"] for r in rows}), replicas=sorted({r["rank"] for r in rows}),
                   labels=labels)
 
@@ -143,7 +155,7 @@ def _cell(v: Any) -> str:
     return "" if v is None else html.escape(str(v))
 
 
-def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes) -> str:
+def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes, *, state: str = "", why: Sequence[str] = ()) -> str:
     cols = [c for c in _TABLE if any(c in r for r in rows)]
     head = "".join(f"<th>{c}</th>" for c in cols)
     body = "\n".join("<tr>" + "".join(f"<td>{_cell(r.get(c) if c != 'round' else r['round'] + 1)}</td>"
@@ -154,7 +166,8 @@ def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes) -> str:
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head>
 <body><h1>{title}</h1>
-<p>{html.escape(run.uri)} &mdash; {run.spec.replicas} replicas, {run.spec.rounds} rounds x {run.spec.inner_steps} inner steps</p>
+<p>{html.escape(run.uri)} &mdash; {html.escape(state)}: {run.spec.replicas} replicas, {run.spec.rounds} rounds x {run.spec.inner_steps} inner steps</p>
+{"".join(f'<p style="color:darkred">{html.escape(w)}</p>' for w in why)}
 <img alt="loss, reward, eval and sync time per round and replica" src="data:image/png;base64,{base64.b64encode(png).decode()}">
 <h2>Rounds (one row per replica)</h2>
 <table><tr>{head}</tr>

@@ -14,6 +14,7 @@ from typing import Any
 
 from composer_cloud.errors import BadObject
 from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor, trusted_handles
+from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs import sync_state
 from composer_cloud.stack import version_skew
@@ -53,7 +54,7 @@ class ReplicaInfo:
 class RunStatus:
     run_id: str
     run_uri: str
-    state: str  # running | completed | failed | cancelled
+    state: str  # running | completed | failed | cancelled | not started (written, no job ever started)
     rounds: int
     rounds_committed: int
     replicas: list[ReplicaInfo] = field(default_factory=list)
@@ -72,6 +73,8 @@ class RunStatus:
     elapsed_s: float | None = None
     #: seconds left at the current rate (slowest running replica's steps/s); None when unknown
     eta_s: float | None = None
+    #: the spec's ``sync.mode``: decoupled runs count merges (``rounds_committed``) and contributions, not rounds
+    sync_mode: str = "lockstep"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,7 +181,8 @@ class StatusTracker:
         """
         store, spec = self.run.store, self.run.spec
         problems: list[str] = []
-        handles = trusted_handles(load_handles(store), spec)
+        recorded = load_handles(store)
+        handles = trusted_handles(recorded, spec)
         progress = sync_state.progress(store, spec, start=self._committed)
         committed = self._committed = progress.committed
         infos: list[ReplicaInfo] = []
@@ -191,20 +195,28 @@ class StatusTracker:
                 stacks.append({"rank": h.rank, "versions": beat.versions})
             status = self._job_status(h)
             state = status.state.value
-            if not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
+            restarts = status.restarts if status.restarts is not None else h.restarts
+            polled = self.poll_executors and not status.message.startswith("cannot poll")
+            restarting = (polled and beat is not None and beat.state is HeartbeatState.FAILED
+                          and not status.state.finished and restarts < relaunches(spec, h.executor))
+            if restarting:
+                # The replica failed but its job lives on and will start it again (issue 33: the run is
+                # judged by what it does next, not by the first crash seen).
+                pass
+            elif not status.state.finished and beat is not None and beat.state is not HeartbeatState.RUNNING:
                 state = _FINISHED_JOB_STATE[beat.state].value
             elif (status.state is ReplicaState.FAILED and status.exit_code is None and beat is not None
                   and beat.state is HeartbeatState.COMPLETED):
                 # The job's wrapper died without recording an exit (a killed local supervisor) after the
                 # replica itself finished: the replica's own word wins, the run did not fail.
                 state = ReplicaState.SUCCEEDED.value
-            restarts = status.restarts if status.restarts is not None else h.restarts
             beat_time = beat.time if beat is not None and beat.time > 0 else None
             loss = None if beat is None else beat.number("loss_ema")
             infos.append(ReplicaInfo(
                 rank=h.rank, executor=h.executor, state=state, last_round=beat.round if beat else None,
                 job_id=h.job_id, exit_code=status.exit_code, restarts=restarts,
-                message=(beat.error if beat else "") or status.message, step=beat.step if beat else None,
+                message=(f"restarting after: {beat.error}" if restarting and beat is not None else
+                         (beat.error if beat else "") or status.message), step=beat.step if beat else None,
                 loss=loss if loss is not None or beat is None else beat.number("loss"),
                 reward=beat.number("reward") if beat else None,
                 steps_per_s=beat.number("steps_per_s") if beat else None,
@@ -233,6 +245,12 @@ class StatusTracker:
             state = "completed"
         elif finished:
             state = "failed"
+        elif not recorded and not store.list(layout.HEARTBEATS):
+            # Written, but no replica job was recorded and no replica ever reported (a launch or resume
+            # interrupted before its jobs started): nothing runs. `resume` starts it, `rm` deletes it.
+            state = "not started"
+            problems.append("no replica job was started (the launch was interrupted); start it with "
+                            "`composer-cloud resume`, or delete it with `composer-cloud rm`")
         else:
             state = "running"
         total = spec.rounds * spec.inner_steps
@@ -257,7 +275,7 @@ class StatusTracker:
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,
-                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta)
+                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta, sync_mode=spec.sync.mode)
 
 
 def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:

@@ -7,17 +7,51 @@ are counted from 1 here, as everywhere users read them (``docs/metrics.md``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs.signal import CHANNELS, diagnose_rounds, hint_note
-from composer_cloud.runs.status import RunStatus
+from composer_cloud.runs.status import ReplicaInfo, RunStatus
 from composer_cloud.storage.run import Run
 
 #: What ``train_loss`` is, per trainer (the summary names it).
 LOSS_NAMES = {"three-channel": "three-channel loss (pg_weight·pg + sdpo_weight·sdpo + dpo_weight·dpo)",
               "causal-lm": "next-token cross-entropy, nats/token"}
+
+
+#: A replica error that is its settings' fault (the replica refused its config), by the exception's name.
+_CONFIG_ERROR = re.compile(r"^(ValueError|SpecError|ConfigError|StoreConfigError|RunKeyError|RunNotFound|"
+                           r"UserCodeError|DatasetError)\b")
+
+
+def replica_outcome(info: ReplicaInfo) -> str:
+    """How a replica ended, for people: ``failed at start (config)`` (it refused its settings before its first
+    step), ``failed at start`` (it died before its first step), ``lost`` (it died while training),
+    ``cancelled``, or its state (``succeeded``, ``running``...)."""
+    if info.state == "failed":
+        if info.step is None:
+            return "failed at start (config)" if _CONFIG_ERROR.match(reason(info)) else "failed at start"
+        return "lost"
+    return info.state
+
+
+def reason(info: ReplicaInfo) -> str:
+    """Why a replica ended, in one line, whole: the exception it reported (the last ``...Error: ...`` line of its
+    message), else the executor's own first line (``replica exited with code -9 after 0 restart(s)``), else
+    its exit (``exit killed (SIGKILL)``); ``""`` when nothing is known."""
+    from composer_cloud.runs.status import exit_reason
+
+    lines = [line.strip() for line in (info.message or "").splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)]
+    if named:
+        return named[-1]
+    if lines and not re.match(r"^\d{4}-\d\d-\d\dT", lines[0]):  # not a log line of the tail
+        return lines[0]
+    if info.exit_code not in (None, 0):
+        return f"exit {exit_reason(info.exit_code, info.state)}"
+    return ""
 
 
 @dataclass
@@ -40,6 +74,7 @@ class RunSummary:
     compute_s: float
     sync_s: float
     bytes_moved: int
+    #: replicas that died while training (not those that failed at start, nor cancelled ones)
     lost_replicas: list[int]
     reward_first: float | None = None
     reward_last: float | None = None
@@ -54,6 +89,12 @@ class RunSummary:
     notes: list[str] = field(default_factory=list)
     #: bytes DiLoCo syncs vs a full fine-tune's (LoRA: the adapters' share); None when not reported
     synced_fraction: float | None = None
+    #: replicas that failed before their first step (``failed_at_start_config``: because of their settings)
+    failed_at_start: list[int] = field(default_factory=list)
+    failed_at_start_config: list[int] = field(default_factory=list)
+    cancelled_replicas: list[int] = field(default_factory=list)
+    #: rank -> why it ended (the error's line, whole), for every replica that did not succeed
+    reasons: dict[int, str] = field(default_factory=dict)
 
     @property
     def synced_note(self) -> str:
@@ -126,7 +167,11 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         compute_s=sum(m.get("compute_s", 0.0) for m in rounds),
         sync_s=sum(m.get("sync_s", 0.0) for m in rounds),
         bytes_moved=sum(m.get("bytes_read", 0) + m.get("bytes_written", 0) for m in rounds),
-        lost_replicas=[i.rank for i in status.replicas if i.state in ("failed", "cancelled")],
+        lost_replicas=[i.rank for i in status.replicas if replica_outcome(i) == "lost"],
+        failed_at_start=[i.rank for i in status.replicas if replica_outcome(i).startswith("failed at start")],
+        failed_at_start_config=[i.rank for i in status.replicas if replica_outcome(i) == "failed at start (config)"],
+        cancelled_replicas=[i.rank for i in status.replicas if i.state == "cancelled"],
+        reasons={i.rank: reason(i) for i in status.replicas if i.state in ("failed", "cancelled") and reason(i)},
         reward_first=_round_mean(rounds, "reward_mean", first=True),
         reward_last=_round_mean(rounds, "reward_mean", first=False),
         eval_reward_first=eval_rewards[0] if eval_rewards else None,
@@ -139,4 +184,4 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
     )
 
 
-__all__ = ["ChannelMean", "LOSS_NAMES", "RunSummary", "summarize"]
+__all__ = ["ChannelMean", "LOSS_NAMES", "RunSummary", "reason", "replica_outcome", "summarize"]

@@ -69,6 +69,15 @@ def save_record(record: RunRecord, *, directory: Path | None = None) -> Path:
     return path
 
 
+def delete_record(uri: str, *, directory: Path | None = None) -> bool:
+    """Remove the record (and so the run key) of run ``uri`` from this machine; False when none was kept."""
+    try:
+        _path(uri, directory).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def load_record(uri: str, *, directory: Path | None = None) -> RunRecord | None:
     """The record of run ``uri``, or None (none kept here, or a file that is not a valid record for it)."""
     path = _path(uri, directory)
@@ -88,4 +97,4 @@ def load_record(uri: str, *, directory: Path | None = None) -> RunRecord | None:
     return RunRecord(uri=uri.rstrip("/"), spec_sha256=sha, run_key=key or None, run_salt=salt)
 
 
-__all__ = ["RunRecord", "load_record", "save_record", "spec_digest"]
+__all__ = ["RunRecord", "delete_record", "load_record", "save_record", "spec_digest"]

@@ -230,7 +230,7 @@ class ObjectStoreAllReduce:
                             decided_by=self.rank, time=time.time(),
                             reason="all joined" if everyone else "quorum deadline")
             if self.store.create_json(key, record.to_json(), settle=False):  # decided() reads the winner
-                logger.info("round %d.%d quorum %s (%s)", round, attempt, joined, record.reason)
+                logger.info("round %d quorum %s (attempt %d, %s)", round + 1, joined, attempt, record.reason)
             return decided()  # whichever record won the race
 
         # The probe decides at the quorum deadline itself; the poll deadline is only a backstop.
@@ -272,7 +272,7 @@ class ObjectStoreAllReduce:
             if not retry:
                 break
             logger.warning("round %d attempt %d aborted (%s); retrying at once as attempt %d",
-                           round, attempt, result.reason, attempt + 1)
+                           round + 1, attempt, result.reason, attempt + 1)
             attempt += 1
         result.attempts = tries
         result.wall_s = time.monotonic() - t0
@@ -436,8 +436,8 @@ class ObjectStoreAllReduce:
             out = self._gather(round, attempt, participants, slots, my_norms,
                                time.monotonic() + self.config.round_timeout_s)
         except (RoundTimeout, RejectedPayload) as again:
-            logger.warning("round %d.%d committed, but replica %d cannot verify its result (%s); healing from the "
-                           "committed state", round, attempt, self.rank, again)
+            logger.warning("round %d (attempt %d) committed, but replica %d cannot verify its result (%s); healing "
+                           "from the committed state", round + 1, attempt, self.rank, again)
             return final
         flat.copy_(out)
         result.committed, result.heal, result.reason = True, False, ""
@@ -570,7 +570,7 @@ class ObjectStoreAllReduce:
                          excluded=sorted(excluded), check=check, retry=retry, by=self.rank, slot=slot,
                          time=time.time())
         if self.store.create_json(layout.outcome_key(round, attempt), record.to_json(), settle=False):
-            logger.warning("round %d.%d aborted: %s", round, attempt, reason)
+            logger.warning("round %d (attempt %d) aborted: %s", round + 1, attempt, reason)
         out = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         return out or Outcome(round=round, attempt=attempt, committed=False, reason=reason, check=check, retry=retry,
                               by=self.rank)

@@ -391,9 +391,8 @@ def build_three_channel_trainer(ctx: TrainerContext) -> ThreeChannelTrainer:
 
         check_vllm_rollout(torch.device(ctx.device).type)
     lora = ctx.model.peft_config["default"] if is_lora_model(ctx.model) else None
-    if lora is not None and lora.lora_dropout:
-        raise ValueError("model.lora.dropout: the three-channel trainer runs without dropout (GRPO's importance "
-                         f"ratios compare two forwards of the same tokens); set it to 0 (got {lora.lora_dropout})")
+    if lora is not None:
+        ThreeChannelSettings.check_lora_dropout(lora.lora_dropout)
     task_options = dict(s.task_options)
     if s.task == "python-functions":
         task_options.setdefault(

@@ -329,6 +329,24 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         """From a ``[trainer]`` table; ``ValueError`` naming ``trainer.<key>`` on bad input."""
         return parse_settings(cls, settings, trainer=cls.TRAINER)
 
+    @staticmethod
+    def check_lora_dropout(dropout: float) -> None:
+        """Refuse LoRA dropout: GRPO's importance ratios compare two forwards of the same tokens.
+
+        One check for both sides: the replica's factory calls it on the built model's adapter config,
+        the launcher (``--dry-run`` included) on ``[model.lora] dropout`` through :meth:`check_model`.
+        """
+        if dropout:
+            raise ValueError("model.lora.dropout: the three-channel trainer runs without dropout (GRPO's importance "
+                             f"ratios compare two forwards of the same tokens); set it to 0 (got {dropout})")
+
+    @classmethod
+    def check_model(cls, model: Any) -> None:
+        """Refuse a ``[model]`` table this trainer cannot train (``ValueError`` naming the field); no torch."""
+        lora = getattr(model, "lora", None)
+        if lora is not None:
+            cls.check_lora_dropout(lora.dropout)
+
     @property
     def effective_task(self) -> str:
         """``"dataset"`` when ``dataset`` is set, else ``task``."""

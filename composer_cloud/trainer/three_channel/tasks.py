@@ -124,6 +124,10 @@ def hint_source_reference(spec: str) -> str | None:
         return None
     if spec == "column:":
         raise ValueError("trainer.hint_source 'column:': name the column, e.g. 'column:hint'")
+    if ":" not in spec and spec not in HINT_SOURCES:  # every value the setting takes, not only the registry's
+        raise ValueError(f"trainer.hint_source: unknown hint source {spec!r}; use \"default\" (the task's own), "
+                         f"{', '.join(repr(n) for n in sorted(HINT_SOURCES))}, \"column:NAME\" (a dataset column) "
+                         "or \"package.module:attribute\"")
     return reference_for(spec, HINT_SOURCES, setting="trainer.hint_source", kind="hint source")
 
 
