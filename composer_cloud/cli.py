@@ -46,7 +46,6 @@ StoreOptionFlag = Annotated[Optional[list[str]], typer.Option(
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    # "[hf_jobs]" is not markup; a URL's credentials are never echoed, whichever error carried the URL.
     err_console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False)
     return typer.Exit(code)
 

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 EXIT_CODE_SETTLE_S = 10.0
 
 
-def wait(run: RunRef, *, timeout_s: float | None = None, interval_s: float = 1.0,
+def wait(run: Run | str, *, timeout_s: float | None = None, interval_s: float = 1.0,
          on_update: Callable[[RunStatus], None] | None = None,
          storage_options: Mapping[str, Any] | None = None) -> RunStatus:
     """Poll the run every ``interval_s`` until it is no longer running; return its final status.
