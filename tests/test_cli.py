@@ -425,7 +425,7 @@ def _scripted_run(tmp_path, monkeypatch, script, beats, **spec_fields):
                                                              error=error, step=step,
                                                              round=rnd[0] if rnd else None).to_json())
     jobs = _ScriptedJobs(script)
-    monkeypatch.setattr(status_mod, "get_executor", lambda name, spec: jobs)
+    monkeypatch.setattr(status_mod, "get_executor", lambda name, spec, **kw: jobs)
     run = Run(uri=store.uri, store=store, spec=spec)
     monkeypatch.setattr(cli_module, "_open", lambda uri, options: run)
     return run

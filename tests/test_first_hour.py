@@ -604,6 +604,7 @@ _REFUSED_BY_REPLICAS = {
     "model.lora.dropout: the three-channel trainer runs without dropout": (
         {"model.lora.r": 8, "model.lora.dropout": 0.1}, None),
     "trainer.rollout: needs": ({"trainer.rollout": "vllm"}, None),
+    "trainer.rollout: should be": ({"trainer.rollout": "fast"}, None),
 }
 
 

@@ -270,7 +270,10 @@ def test_the_spec_shown_in_docs_gpu_md_loads(tmp_path):
     from composer_cloud.spec import load_spec
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
-    (block,) = re.findall(r"```toml\n(.*?)```", text, re.S)
+    block, *others = re.findall(r"```toml\n(.*?)```", text, re.S)
+    for i, other in enumerate(others):  # every other block the page shows loads too
+        (tmp_path / f"other{i}.toml").write_text(other)
+        ThreeChannelSettings.from_settings(load_spec(tmp_path / f"other{i}.toml").trainer.settings())
     (tmp_path / "gpu.toml").write_text(block)
     spec = load_spec(tmp_path / "gpu.toml")
     assert spec.model.precision == "bf16" and spec.model.gradient_checkpointing

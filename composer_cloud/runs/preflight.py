@@ -218,6 +218,7 @@ REPLICA_REFUSALS: dict[str, str] = {
                                                                   "hub model (the launcher may be offline)",
     "model.lora.dropout: the three-channel trainer runs without dropout": "launch: the trainer's check_model",
     "trainer.rollout: needs": "launch for local replicas (_check_rollout); cloud replicas: in the job",
+    "trainer.rollout: should be": "launch: the spec's type allows only the listed modes",
 }
 
 

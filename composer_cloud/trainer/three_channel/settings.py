@@ -68,7 +68,7 @@ def resolve_rollout(rollout: str, device_type: str) -> str:
     before the fast mode existed); any other mode is returned as it is.
     """
     if rollout not in ROLLOUTS:
-        raise ValueError(f"trainer.rollout: {rollout!r}; use one of {', '.join(ROLLOUTS)}")
+        raise ValueError(f"trainer.rollout: {rollout!r} should be one of {', '.join(ROLLOUTS)}")
     if rollout != "auto":
         return rollout
     return "hf-fast" if device_type == "cuda" else "hf"
