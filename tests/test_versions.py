@@ -7,18 +7,23 @@ sides of transformers 5.23's rename of gradient to activation checkpointing.
 
 from __future__ import annotations
 
+import tomllib
 import warnings
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from composer_cloud import compat_transformers as compat
 from composer_cloud import stack
 from composer_cloud.errors import SpecError
 from composer_cloud.spec import spec_from_dict
 
-REQUIRES = ["torch>=2.7", "transformers<6,>=5.17", "peft>=0.18", 's3fs>=2024.10; extra == "s3"',
+REQUIRES = ["torch>=2.7", "transformers<6,>=5.0", "peft>=0.18", 's3fs>=2024.10; extra == "s3"',
             'composer-cloud[s3]; extra == "cloud"']
 
 
@@ -104,13 +109,13 @@ def test_a_too_old_package_is_one_line_naming_package_found_and_needed():
     reqs = stack.declared_requirements((), requires=REQUIRES)
     assert [r.name for r in reqs] == ["torch", "transformers", "peft"]  # core only: no extra, no self-reference
     assert [r.name for r in stack.declared_requirements(("s3",), requires=REQUIRES)][-1] == "s3fs"
-    problems = stack.too_old(reqs, version_of=_fake_versions(transformers="5.16.0"))
+    problems = stack.too_old(reqs, version_of=_fake_versions(transformers="4.57.6", torch="2.13.0", peft="0.18.0"))
     assert len(problems) == 1 and "\n" not in problems[0]
     line = problems[0]
-    assert line.startswith("transformers 5.16.0 is too old")
-    assert "found 5.16.0" in line and ">=5.17" in line
+    assert line.startswith("transformers 4.57.6 is too old")
+    assert "found 4.57.6" in line and ">=5.0" in line
     # Above the cap is a warning (it may work), not a refusal; a missing package is someone else's check.
-    assert stack.too_old(reqs, version_of=_fake_versions(transformers="6.1.0")) == []
+    assert stack.too_old(reqs, version_of=_fake_versions(transformers="6.1.0", torch="2.13.0", peft="0.18.0")) == []
 
 
 def test_the_spec_decides_which_extras_are_checked():
@@ -174,3 +179,42 @@ def test_hf_jobs_refuses_a_hub_without_the_jobs_api_in_one_line():
     assert "huggingface_hub>=" + HUB_JOBS_MIN in message and "found 1.33.0" in message
     require_jobs_hub(HUB_JOBS_MIN)
     require_jobs_hub("2.4.0")
+
+
+# ---------------------------------------------------------------- the floors CI tests are pyproject's floors
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Constraint lines that are not the pyproject floor, each explained in .ci/lowest-constraints.txt.
+NOT_THE_FLOOR = {"torch", "fsspec"}
+
+
+def _constraints() -> dict[str, Requirement]:
+    lines = (ROOT / ".ci" / "lowest-constraints.txt").read_text().splitlines()
+    reqs = [Requirement(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def test_the_lowest_constraints_pin_every_direct_dependency_at_its_pyproject_floor():
+    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    pins = _constraints()
+    assert set(pins) == {canonicalize_name(d.name) for d in deps}, "one line per direct dependency, no more"
+    text = (ROOT / ".ci" / "lowest-constraints.txt").read_text()
+    for dep in deps:
+        name = canonicalize_name(dep.name)
+        (pin,) = pins[name].specifier
+        assert pin.operator == "==", f"{pins[name]}: pin the floor with =="
+        assert dep.specifier.contains(pin.version), f"{pins[name]} is outside pyproject's {dep}"
+        if name in NOT_THE_FLOOR:
+            assert f"not the floor: {dep.name}" in text, f"say in the file why {name} is not at its floor"
+        else:
+            assert Version(pin.version) == stack._lowest(dep), f"{pins[name]} is not pyproject's floor ({dep})"
+
+
+def test_ci_runs_the_readme_test_command_then_the_lowest_versions_stage():
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if 'pip install -e ".[test]"' in line).split(" && ")[-1]
+    assert command.startswith("python -m pytest")
+    run = (ROOT / ".ci" / "run").read_text()
+    assert run.index(command) < run.index("bash .ci/lowest"), "the README's command first, as written"
+    lowest = (ROOT / ".ci" / "lowest").read_text()
+    assert "-c .ci/lowest-constraints.txt" in lowest and '-m "not slow"' in lowest
