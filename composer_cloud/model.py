@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from composer_cloud.compat_transformers import enable_activation_checkpointing
+
 logger = logging.getLogger(__name__)
 
 # TRL (each generation) and PEFT (each adapter) read `model.is_gradient_checkpointing`, which transformers
@@ -209,7 +211,7 @@ def load_spec_model(model_spec: Any, *, seed: int, device: torch.device | str = 
     model, tokenizer = load_model(model_spec.name, seed=seed, device=device, tiny=tiny, attention=attention,
                                   dtype=dtype)
     if getattr(model_spec, "gradient_checkpointing", False):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, {"use_reentrant": False})
     if lora is not None:
         from composer_cloud.lora import apply_lora
 

@@ -17,6 +17,13 @@ Each replica reports :func:`runtime_versions` (in its heartbeat); the
 launcher compares them with :func:`version_skew` and warns when replicas of
 one run differ. A skew is a warning, not an error: a user may mix stacks on
 purpose, but should know that bit-exact resume across them is not expected.
+
+A package *older* than what a run needs is an error, though: :func:`check_packages`
+compares the installed distributions with composer-cloud's own declared requirements
+(its installed metadata, i.e. ``pyproject.toml``: the core dependencies plus the extras the
+spec uses, :func:`spec_extras`) and raises :class:`PackageTooOldError` with one line naming
+the package, the version found and the version needed. A replica runs it before loading
+anything; ``launch`` runs it before starting local replicas.
 """
 
 from __future__ import annotations
@@ -24,8 +31,13 @@ from __future__ import annotations
 import logging
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import metadata
+from typing import Any
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +167,102 @@ def stack_mismatch(versions: Mapping[str, str]) -> list[str]:
     if cuda != "none" and _major(cuda) != CUDA_MAJOR:
         out.append(f"CUDA {cuda} (default images: CUDA {CUDA_MAJOR}.x)")
     return out
+
+
+DISTRIBUTION = "composer-cloud"
+
+
+class PackageTooOldError(RuntimeError):
+    """An installed package is older than a run needs; the message is one line naming package, found and needed."""
+
+
+def spec_extras(spec: Any) -> tuple[str, ...]:
+    """The ``composer-cloud[...]`` extras whose packages a replica of ``spec`` imports.
+
+    ``s3`` for an ``s3://`` store, ``vllm`` for ``trainer.rollout = "vllm"``, ``tracking`` for a
+    non-empty ``report_to``. (The executors' SDKs, ``modal`` and ``hf``, run in the launcher only;
+    :mod:`composer_cloud.jobs` checks those itself.)
+    """
+    extras = []
+    if str(getattr(spec, "store", "")).startswith(("s3://", "s3a://")):
+        extras.append("s3")
+    trainer = getattr(spec, "trainer", None)
+    if ((getattr(trainer, "model_extra", None) or {}).get("rollout")) == "vllm":
+        extras.append("vllm")
+    if getattr(spec, "report_to", None):
+        extras.append("tracking")
+    return tuple(extras)
+
+
+def declared_requirements(extras: Iterable[str] = (), *, requires: Sequence[str] | None = None) -> list[Requirement]:
+    """composer-cloud's declared requirements: the core ones plus those of ``extras`` (``[]`` if not installed).
+
+    ``requires`` defaults to the installed distribution's metadata (``importlib.metadata.requires``);
+    references to composer-cloud's own extras (``composer-cloud[s3]``) are left out.
+    """
+    if requires is None:
+        try:
+            requires = metadata.requires(DISTRIBUTION) or []
+        except metadata.PackageNotFoundError:
+            logger.debug("%s is not installed as a distribution: no requirements to check", DISTRIBUTION)
+            return []
+    wanted = [{"extra": ""}] + [{"extra": e} for e in extras]
+    out = []
+    for line in requires:
+        req = Requirement(line)
+        if canonicalize_name(req.name) == DISTRIBUTION:
+            continue
+        if req.marker is None or any(req.marker.evaluate(env) for env in wanted):
+            out.append(req)
+    return out
+
+
+def _lowest(req: Requirement) -> Version | None:
+    """The lowest version ``req`` allows by its ``>=``, ``==``, ``~=`` (or ``>``) clauses; ``None`` when unbounded."""
+    lows = []
+    for spec in req.specifier:
+        if spec.operator in (">=", "==", "~=", ">", "==="):
+            try:
+                lows.append(Version(spec.version.removesuffix(".*")))
+            except InvalidVersion:
+                continue
+    return max(lows) if lows else None
+
+
+def too_old(requirements: Iterable[Requirement], version_of: Callable[[str], str] | None = None) -> list[str]:
+    """One line per installed package below what its requirement allows (not installed: not this check's job).
+
+    A version above the requirement's cap is logged as a warning, not returned: it may work, and the
+    TRL guard (:mod:`composer_cloud.trainer.three_channel.compat`) checks what must match.
+    Each line reads ``transformers 5.16.0 is too old: found 5.16.0, needs transformers>=5.17,<6 (pip install
+    "transformers>=5.17,<6")``.
+    """
+    version_of = version_of or metadata.version  # looked up per call (tests replace it)
+    out = []
+    for req in requirements:
+        try:
+            found = version_of(req.name)
+        except metadata.PackageNotFoundError:
+            continue
+        try:
+            version = Version(found)
+        except InvalidVersion:
+            continue
+        low = _lowest(req)
+        needed = f"{req.name}{req.specifier}"
+        if low is not None and version < low:
+            out.append(f"{req.name} {found} is too old: found {found}, needs {needed} (pip install \"{needed}\")")
+        elif not req.specifier.contains(version, prereleases=True):
+            logger.warning("%s %s is outside the range composer-cloud was tested with (%s)", req.name, found, needed)
+    return out
+
+
+def check_packages(spec: Any, *, version_of: Callable[[str], str] | None = None,
+                   requires: Sequence[str] | None = None) -> None:
+    """Raise :class:`PackageTooOldError` (one line) when an installed package is older than ``spec`` needs."""
+    problems = too_old(declared_requirements(spec_extras(spec), requires=requires), version_of=version_of)
+    if problems:
+        raise PackageTooOldError("; ".join(problems))
 
 
 if __name__ == "__main__":  # python -m composer_cloud.stack: this machine's stack

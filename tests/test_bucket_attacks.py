@@ -143,6 +143,7 @@ def test_a_forged_hf_handle_in_a_local_run_sends_no_request_anywhere(tmp_path, a
     assert attacker.requests == []
 
 
+@pytest.mark.jobs_hub
 @pytest.mark.parametrize("signed", [True, False])
 def test_an_hf_handle_naming_another_endpoint_talks_only_to_the_configured_one(tmp_path, attacker, monkeypatch,
                                                                                  signed):

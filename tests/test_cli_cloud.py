@@ -74,6 +74,7 @@ def test_cancel_through_hf_jobs(hf_env, wheel, tmp_path):
     assert all(r["state"] == "cancelled" for r in st["replicas"]), st
 
 
+@pytest.mark.jobs_hub
 def test_dry_run_launches_nothing_and_names_no_secret_values(tmp_path, monkeypatch, s3_server_moto):
     # The dry run runs launch's own checks (the store probe included), so it gets a store it can reach.
     canary = "sk-canary-" + os.urandom(6).hex()
@@ -126,6 +127,7 @@ def test_modal_dry_run_shows_n_gpus_per_replica_and_their_price(tmp_path, monkey
     assert res.exit_code == 2 and "at most 4 A10 GPUs" in res.output, res.output
 
 
+@pytest.mark.jobs_hub
 def test_hf_jobs_dry_run_shows_the_xn_flavor_and_its_price(hf_env, tmp_path, monkeypatch):
     from composer_cloud.cli import app
     from typer.testing import CliRunner

@@ -173,6 +173,7 @@ def test_the_dry_run_refuses_a_taken_run_id(tmp_path, monkeypatch):
     assert json.loads(ok.stdout)["ok"] is True and not (tmp_path / "store" / "fresh").exists()
 
 
+@pytest.mark.jobs_hub
 def test_hf_jobs_example_without_its_secrets_fails_the_dry_run(tmp_path, monkeypatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
         monkeypatch.delenv(name, raising=False)

@@ -37,6 +37,8 @@ from hf_jobs_server import HARDWARE
 from support.executors import code_argv, executor_spec, wait_finished, wait_state
 from support.hf_jobs import NAMESPACE, TOKEN
 
+pytestmark = pytest.mark.jobs_hub  # skipped where huggingface_hub predates the executor's (tests/conftest.py)
+
 # A job that proves it runs the *installed* wheel and can use the store.
 PROBE = """
 import json, sys, composer_cloud

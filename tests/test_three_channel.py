@@ -86,12 +86,14 @@ def _pair_settings(loss_type: str, **kw) -> ThreeChannelSettings:
 def _grpo_args(loss_type: str, **kw):
     from trl import GRPOConfig
 
+    from composer_cloud.compat_transformers import activation_checkpointing_args
+
     return GRPOConfig(
         output_dir="/tmp/composer-cloud-test-grpo",
         **_pair_settings(loss_type).grpo_kwargs(),  # per_device_train_batch_size=8, num_generations=4, ...
         use_cpu=True,
         bf16=False,
-        activation_checkpointing=False,
+        **activation_checkpointing_args(False),  # the names this transformers knows (5.23 renamed them)
         report_to="none",
         seed=0,
         **kw,

@@ -154,6 +154,7 @@ secrets = {json.dumps(AWS)}
     assert steps and all(r["dpo"] == 0.0 for r in steps)  # pairs auto: no demo pairs
 
 
+@pytest.mark.jobs_hub
 def test_hf_jobs_with_an_s3_store_and_no_secrets_exits_2_and_writes_nothing(tmp_path, s3_endpoint, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     store = "s3://cc-test/no-secrets"

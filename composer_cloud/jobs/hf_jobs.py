@@ -109,6 +109,28 @@ STAGE_STATES: dict[str, ReplicaState] = {
     "DELETED": ReplicaState.CANCELLED,
 }
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+#: The first huggingface_hub whose Jobs API has ``run_job(attempts=...)`` (the ``[hf]`` extra's floor;
+#: composer-cloud's core needs less, so a plain install may have an older hub).
+HUB_JOBS_MIN = "2.1"
+
+
+def require_jobs_hub(found: str | None = None) -> None:
+    """Raise :class:`ExecutorError` (one line: package, found, needed) when huggingface_hub predates :data:`HUB_JOBS_MIN`.
+
+    ``found`` defaults to the installed distribution's version.
+    """
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    if found is None:
+        try:
+            found = metadata.version("huggingface_hub")
+        except metadata.PackageNotFoundError:
+            found = "not installed"
+    if found == "not installed" or Version(found) < Version(HUB_JOBS_MIN):
+        raise ExecutorError(f"--executor hf-jobs needs huggingface_hub>={HUB_JOBS_MIN} (found {found}): "
+                            f"pip install \"composer-cloud[hf]\"")
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
 
 
@@ -199,6 +221,7 @@ class HFJobsExecutor(RemoteExecutor):
 
     # ------------------------------------------------------------------ plumbing
     def _api(self, endpoint: str | None = None) -> Any:
+        require_jobs_hub()
         from huggingface_hub import HfApi
 
         ep = (endpoint or self.endpoint).rstrip("/")
@@ -296,9 +319,10 @@ class HFJobsExecutor(RemoteExecutor):
         Checks what the launcher can see without talking to anyone: the jobs
         can reach the store, an S3 store's credentials are among the secrets,
         every secret named in the spec has a value here, the flavor offers
-        ``gpus_per_replica`` GPUs. Raises :class:`ExecutorError` naming each
-        missing setting.
+        ``gpus_per_replica`` GPUs, huggingface_hub is new enough (:func:`require_jobs_hub`).
+        Raises :class:`ExecutorError` naming each missing setting.
         """
+        require_jobs_hub()
         self.flavor()  # raises on a flavor that does not fit gpus_per_replica
         super().preflight(run_uri, ranks)
 

@@ -67,8 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         replica.run()
         return 0
     except Exception as exc:
-        logger.error("replica %d failed: %s", args.rank, exc)
-        traceback.print_exc()
+        from composer_cloud.stack import PackageTooOldError
+
+        if isinstance(exc, PackageTooOldError):  # one line: the package, the version found, the version needed
+            logger.error("replica %d cannot start: %s", args.rank, exc)
+        else:
+            logger.error("replica %d failed: %s", args.rank, exc)
+            traceback.print_exc()
         if replica is not None:
             try:
                 replica.report_failure(exc)

@@ -41,7 +41,7 @@ from composer_cloud.replica.lockstep import LockstepBoundary
 from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.replica.usercode import install_code, localize_spec
 from composer_cloud.spec import SyncSpec
-from composer_cloud.stack import runtime_versions
+from composer_cloud.stack import check_packages, runtime_versions
 from composer_cloud.storage.records import CodeRef, HeartbeatState
 from composer_cloud.storage.run import Run, open_run
 from composer_cloud.sync.lockstep.sharded import LocalShard
@@ -121,6 +121,8 @@ class Replica:
                               hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 
     def run(self) -> None:
+        # Before anything loads: a package older than the run needs fails here in one line, not mid-build.
+        check_packages(self.opened.spec)
         self.install_user_code()
         ctx = self._build()
         spec = ctx.spec

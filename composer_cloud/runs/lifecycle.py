@@ -241,7 +241,9 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     to ``base_dir`` or on ``sys.path``, and is packaged), local paths the spec names (exist; under the upload
     limit when a cloud executor will fetch them; a local model folder has a ``config.json`` with a
     ``model_type``), a dataset's columns against ``trainer.columns`` and the reward (a hub dataset that cannot
-    be reached from here is a warning), each executor's own preflight (credentials, reachable store).
+    be reached from here is a warning), each executor's own preflight (credentials, reachable store), and,
+    when replicas run locally, this environment's packages against composer-cloud's requirements
+    (:func:`composer_cloud.stack.check_packages`: one line naming a package that is too old).
     Raises :class:`SpecError` naming the field.
     """
     from composer_cloud.runs.packaging import UserCodeError, collect_code
@@ -256,6 +258,14 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     missing = missing_sdks([name for name, _ in assign_ranks(spec.executor, spec.replicas)], spec.store)
     if missing:
         raise SpecError("executor", "; ".join(missing))
+    if any(name == "local" for name, _ in assign_ranks(spec.executor, spec.replicas)):
+        # Local replicas run this environment's packages: one too old fails each of them at start; say it now.
+        from composer_cloud.stack import PackageTooOldError, check_packages
+
+        try:
+            check_packages(spec)
+        except PackageTooOldError as exc:
+            raise SpecError("", str(exc)) from None
     settings = spec.trainer.settings()
     try:
         check_settings(spec.trainer.name, settings)

@@ -25,6 +25,7 @@ import trl
 from trl import GRPOConfig
 from trl.trainer.utils import pad
 
+from composer_cloud.compat_transformers import activation_checkpointing_args, is_activation_checkpointing
 from composer_cloud.lora import is_lora_model
 from composer_cloud.model import compute_precision
 from composer_cloud.trainer.base import TrainerContext
@@ -129,8 +130,7 @@ class ThreeChannelTrainer:
             bf16=precision == "bf16",
             fp16=False,
             # As the model was loaded (load_spec_model); TRL then turns it off around its no-grad forwards.
-            activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)),
-            activation_checkpointing_kwargs={"use_reentrant": False},
+            **activation_checkpointing_args(is_activation_checkpointing(model), {"use_reentrant": False}),
             disable_dropout=True,
             shuffle_dataset=False,
             report_to="none",
