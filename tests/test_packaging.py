@@ -296,6 +296,32 @@ def test_the_layer_checks_find_what_they_look_for():
         "composer_cloud.runs.status")
 
 
+# --------------------------------------------------------------------------- plug-ins own their knowledge
+def test_the_client_imports_no_particular_trainer():
+    """``runs/`` asks the registered trainer (``trainer/plugin.py``, ``trainer/settings.py``) and never imports
+    one trainer's package (lazy imports included): adding a trainer touches its package and one registry line."""
+    reached = [f"{m} -> {e}" for m, edges in _graph().items() if m.startswith("composer_cloud.runs")
+               for e in edges if e.startswith("composer_cloud.trainer.three_channel")]
+    assert not reached, reached
+    # the check sees lazy imports: a function-level import of the kind it forbids is an edge
+    assert "composer_cloud.runs.status" in _graph() and any(
+        e.startswith("composer_cloud.trainer") for e in _graph()["composer_cloud.runs.status"])
+
+
+def test_the_settings_that_name_code_are_declared_once():
+    """One literal lists ``task``, ``hint_source`` and ``reward`` together: the trainer's ``CODE_SETTINGS``,
+    which ``launch`` (packaging) and ``runs/signing`` (what an unvouched spec may set) both ask."""
+    listed = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                if {"task", "hint_source"} <= names:
+                    listed.append(f"{module}:{node.lineno}")
+    assert listed == [l for l in listed if l.startswith("composer_cloud.trainer.three_channel.settings:")], listed
+    assert len(listed) == 1, listed
+
+
 # --------------------------------------------------------------------------- one owner per concept
 def _code_strings(path: Path) -> list[tuple[int, str]]:
     """String constants of a module that are not docstrings (f-string parts included), with their lines."""

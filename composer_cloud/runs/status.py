@@ -13,8 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composer_cloud.errors import BadObject
-from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor, trusted_handles
-from composer_cloud.jobs.restarts import relaunches
+from composer_cloud.jobs import ReplicaState, ReplicaStatus, executor_class, get_executor, trusted_handles
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs import sync_state
 from composer_cloud.stack import version_skew
@@ -198,7 +197,7 @@ class StatusTracker:
             restarts = status.restarts if status.restarts is not None else h.restarts
             polled = self.poll_executors and not status.message.startswith("cannot poll")
             restarting = (polled and beat is not None and beat.state is HeartbeatState.FAILED
-                          and not status.state.finished and restarts < relaunches(spec, h.executor))
+                          and not status.state.finished and restarts < executor_class(h.executor).relaunches(spec))
             if restarting:
                 # The replica failed but its job lives on and will start it again (issue 33: the run is
                 # judged by what it does next, not by the first crash seen).
@@ -270,8 +269,10 @@ class StatusTracker:
         warnings = [f"replicas run different stacks: {w}" for w in version_skew(stacks)]
         if state != "running":  # once, at the end: did it train at all (runs/signal.py)?
             from composer_cloud.runs.signal import diagnose_rounds
+            from composer_cloud.trainer.settings import declared_settings
 
-            warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"), spec.trainer.settings())
+            warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"),
+                                        declared_settings(spec.trainer.name, spec.trainer.settings()))
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,
