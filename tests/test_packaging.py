@@ -323,6 +323,30 @@ def test_the_settings_that_name_code_are_declared_once():
 
 
 # --------------------------------------------------------------------------- one owner per concept
+#: Exception classes outside ``ComposerCloudError`` on purpose: a Ctrl-C that must stay a KeyboardInterrupt,
+#: and private control-flow signals that never leave their module.
+OUTSIDE_THE_ERROR_TREE = {"composer_cloud.runs.interrupts.LaunchInterrupted", "composer_cloud.retry._Deadline",
+                          "composer_cloud.jobs.local._StillAlive", "composer_cloud.sync.checkpoint.manifests._ManifestExists"}
+
+
+def test_every_exception_class_is_in_the_one_error_tree():
+    """``errors.py``'s promise, checked on the imported package: every exception class defined in
+    composer_cloud derives from ``ComposerCloudError`` (keeping the builtin bases callers catch)."""
+    from composer_cloud.errors import ComposerCloudError
+
+    found, outside = set(), []
+    for module in MODULES:
+        mod = importlib.import_module(module)
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == module:
+                name = f"{module}.{obj.__qualname__}"
+                found.add(name)
+                if not issubclass(obj, ComposerCloudError) and name not in OUTSIDE_THE_ERROR_TREE:
+                    outside.append(name)
+    assert not outside, f"exception classes outside ComposerCloudError (see errors.py): {outside}"
+    assert len(found) >= 40 and OUTSIDE_THE_ERROR_TREE <= found, OUTSIDE_THE_ERROR_TREE - found  # no stale entry
+
+
 def _code_strings(path: Path) -> list[tuple[int, str]]:
     """String constants of a module that are not docstrings (f-string parts included), with their lines."""
     tree = ast.parse(path.read_text())
@@ -358,6 +382,18 @@ def test_each_key_prefix_of_a_run_is_spelled_in_one_module():
     in_layout = [text for _, text in _code_strings(owner)]
     missing = [p for p in RUN_PREFIXES if not any(t == p or t.startswith(f"{p}/") for t in in_layout)]
     assert not missing, f"layout.py no longer spells {missing}"
+
+
+#: Modules that still spell torchft's fragment key themselves. ``sync/decoupled/`` is being rewritten as one
+#: protocol object (issue 35, item 3); it takes ``sync/state_tree.fragment_key`` then, and leaves this set.
+_FRAGMENT_KEY_SPELLED_ALSO = {"composer_cloud/sync/decoupled/outer.py"}
+
+
+def test_the_global_state_tree_key_is_spelled_in_one_module():
+    """torchft's ``StreamingDiLoCoFragment_<i>``: ``sync/state_tree.py`` spells it, everyone else asks it."""
+    spelled = {str(path.relative_to(ROOT)) for module, path in MODULES.items()
+               for _, text in _code_strings(path) if "StreamingDiLoCoFragment" in text}
+    assert spelled - _FRAGMENT_KEY_SPELLED_ALSO == {"composer_cloud/sync/state_tree.py"}, spelled
 
 
 #: Modules that may read the process environment: the env module, and entry points that run before

@@ -139,7 +139,7 @@ class CallState:
     message: str = ""
 
 
-class PartialSpawnError(RuntimeError):
+class PartialSpawnError(ExecutorError):
     """Spawning stopped part-way; ``call_ids`` were spawned and must be cleaned up."""
 
     def __init__(self, app_id: str | None, call_ids: list[str], cause: BaseException) -> None:

@@ -48,6 +48,7 @@ from composer_cloud.runs.preflight import (
     replica_device,
 )
 from composer_cloud.runs.waiting import wait
+from composer_cloud.runs.states import RunState
 from composer_cloud.runs.status import RunStatus, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
 from composer_cloud.spec_paths import with_paths
@@ -456,8 +457,8 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     spec = run.spec
     latest: Checkpoint | None = None
     current = run_status(run)
-    finished = current.state == "completed"
-    if current.state == "running" and not force:
+    finished = current.state == RunState.COMPLETED
+    if current.state == RunState.RUNNING and not force:
         alive = [i.rank for i in current.replicas if i.state in ("running", "pending")]
         raise ConfigError(f"run {run.run_id} is still running (replicas {alive or 'starting'}); resuming would "
                           f"stop them and redo the rounds since its last checkpoint. Wait for it "
@@ -564,7 +565,7 @@ def remove(run: RunRef, *, force: bool = False, storage_options: Mapping[str, An
     run = _as_run(run, storage_options)
     current = run_status(run)
     cancelled: list[int] = []
-    if current.state == "running":
+    if current.state == RunState.RUNNING:
         if not force:
             raise ConfigError(f"run {run.run_id} is still running; cancel it first (`composer-cloud cancel "
                               f"{run.uri}`) or pass --force to cancel and remove it")
@@ -580,7 +581,7 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
     current = run_status(run)
     if current.state == "not started":
         return _cancel_not_started(run)
-    if current.state != "running":
+    if current.state != RunState.RUNNING:
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     _require_conforming_store(run)
     request_cancel(run.store)

@@ -57,6 +57,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from composer_cloud.errors import BadObject
+
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
 
@@ -110,7 +112,7 @@ class SparseSettings(BaseModel):
         return 1 << (self.value_bits - 1)
 
 
-class SparsePayloadError(ValueError):
+class SparsePayloadError(BadObject, ValueError):
     """A sparse payload is malformed, forged, or encoded with other settings.
 
     ``key`` names the object, ``problem`` what is wrong (with the field); a payload read from the store is
@@ -118,9 +120,8 @@ class SparsePayloadError(ValueError):
     """
 
     def __init__(self, key: str, problem: str) -> None:
-        self.key = key
         self.problem = problem
-        super().__init__(f"{key}: {problem}")
+        super().__init__(key, problem, message=f"{key}: {problem}")
 
 
 @dataclass(frozen=True)
