@@ -421,9 +421,77 @@ def test_only_the_env_module_and_entry_points_read_the_environment():
     assert below_the_replica <= {"composer_cloud.env"}, below_the_replica
 
 
-MAX_MODULE_LINES = 600
+#: A module's line budget: above ``SOFT`` a warning (look for a second concept), above ``HARD`` a failure.
+#: Not a cap to squeeze under: splitting one concept in two to save lines is worse than a long module.
+SOFT_MODULE_LINES, HARD_MODULE_LINES = 600, 800
 
 
-def test_no_module_is_over_600_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not long, f"split these modules (one concept per file): {long}"
+def test_module_sizes_stay_within_the_budget():
+    sizes = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    long = {m: n for m, n in sizes.items() if n > SOFT_MODULE_LINES}
+    if long:
+        import warnings
+
+        warnings.warn(f"modules over {SOFT_MODULE_LINES} lines (one concept each? split only along a concept): "
+                      f"{dict(sorted(long.items(), key=lambda kv: -kv[1]))}", stacklevel=1)
+    too_long = {m: n for m, n in long.items() if n > HARD_MODULE_LINES}
+    assert not too_long, f"over the {HARD_MODULE_LINES}-line budget (one concept per file): {too_long}"
+
+
+# --------------------------------------------------------------------------- private names stay private
+def _private_imports(files: dict[str, Path]) -> list[str]:
+    """``from a import _b`` where ``a`` is one of ``files``' modules other than the importer (its own
+    ``_b`` re-exported under another name counts too): a private name crossing a module boundary."""
+    out = []
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and node.module != module:
+                        out.append(f"{module}:{node.lineno} imports {node.module}.{alias.name}")
+    return out
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A private name (``_x``) is its module's own; a second module that needs it makes it public or moves next
+    to it (the cap once made ``_Immediate`` travel between modules). Package re-exports of private names
+    count too (``from .a import _x`` in an ``__init__``)."""
+    found = _private_imports(MODULES)
+    relative = [f"{m}:{n.lineno}" for m, p in MODULES.items() for n in ast.walk(ast.parse(p.read_text()))
+                if isinstance(n, ast.ImportFrom) and n.level and any(a.name.startswith("_") and
+                                                                      not a.name.startswith("__") for a in n.names)]
+    assert not found + relative, found + relative
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    (tmp_path / "a.py").write_text("from composer_cloud.x import _y\nfrom composer_cloud.x import __version__\n")
+    assert _private_imports({"composer_cloud.a": tmp_path / "a.py"}) == ["composer_cloud.a:1 imports composer_cloud.x._y"]
+
+
+# --------------------------------------------------------------------------- benchmarks
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def test_benchmarks_have_no_import_circle():
+    """The benchmark scripts import each other one way (a shared harness below the scripts that use it)."""
+    names = {p.stem: p for p in BENCHMARKS.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                edges.add(node.module.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                edges |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        graph[name] = {e for e in edges if e in names and e != name}
+    circles = [sorted(c) for c in _cycles(graph)]
+    assert [c for c in circles if c not in _KNOWN_BENCHMARK_CIRCLES] == [], circles
+    assert all(c in circles for c in _KNOWN_BENCHMARK_CIRCLES), "a known circle is gone: drop it from the list"
+
+
+#: The one circle left (issue 35, item 5, not done yet): convergence.py's main() imports the report and the
+#: store engine, which import the simulation's pieces from convergence.py. Fix: move the shared pieces into a
+#: module both import, and drop this entry (the test then holds the benchmarks to no circle at all).
+_KNOWN_BENCHMARK_CIRCLES = [["convergence", "convergence_report", "convergence_store"]]
