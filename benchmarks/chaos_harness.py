@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from chaos import Config, Event, Schedule, account_rows, duty_cycle, goodput
+from chaos_schedule import Config, Event, Schedule, account_rows, duty_cycle, goodput
 
 
 class Proc:

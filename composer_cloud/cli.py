@@ -264,7 +264,7 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
         cli_views.print_summary(console, err_console, run, status)
     if run.spec.report_to:  # the spec's trackers, from the store's metrics, on this machine
         _write_tracking(run, list(run.spec.report_to), Path("tracking"), "composer-cloud", quiet=as_json is not None)
-    return 0 if status.state == "completed" else 1
+    return 0 if status.state == runs.RunState.COMPLETED else 1
 
 
 def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, *, quiet: bool = False) -> Any:
@@ -281,7 +281,7 @@ def _write_tracking(run: Run, report_to: list[str], logdir: Path, project: str, 
 
 # ---------------------------------------------------------------- status / logs / cancel
 #: ``status``/``wait`` exit codes by the run's state (documented in README.md and the commands' help).
-STATE_EXIT = {"completed": 0, "running": 0, "not started": 0, "failed": 1, "cancelled": 1}
+STATE_EXIT = {s: int(s in (runs.RunState.FAILED, runs.RunState.CANCELLED, runs.RunState.UNREADABLE)) for s in runs.RunState}
 
 
 @app.command()

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from composer_cloud import runs
-from composer_cloud.runs import Run, RunStatus
+from composer_cloud.runs import Run, RunState, RunStatus
 from composer_cloud.runs.status import exit_reason
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.store import join_uri
@@ -158,7 +158,7 @@ def progress_title(status: RunStatus) -> str:
         budget = status.rounds * len(status.replicas or [None]) if status.replicas else status.rounds
         made = sum(r.last_round or 0 for r in status.replicas)
         return f"{status.state} — contributions {min(made, budget)}/{budget}, {done} merge{'s' if done != 1 else ''}"
-    if status.state == "running":
+    if status.state == RunState.RUNNING:
         title = f"running — round {min(done + 1, n)}/{n} ({done} committed)"
         if status.step is not None:
             title += f", step {status.step}/{status.total_steps}"

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.live import Live
 
 from composer_cloud import cli_views, runs
-from composer_cloud.runs import Run, RunStatus
+from composer_cloud.runs import Run, RunState, RunStatus
 
 def follow(run: Run, *, console: Console | None) -> RunStatus:
     """Poll ``run`` (every second) until it is no longer running; return its final status.
@@ -77,4 +77,4 @@ def follow_to_end(run: Run, *, console: Console, err_console: Console, as_json: 
         return 130
     if as_json:
         sys.stdout.write(json.dumps(cli_views.status_json(st), indent=2) + "\n")
-    return 0 if st.state == "completed" else 1
+    return 0 if st.state == RunState.COMPLETED else 1

@@ -9,7 +9,9 @@
     │   │   └── RunKeyError    a signed run opened without the run key, or an unsigned one with it
     │   ├── BadReference       a ``"module:attr"`` setting that does not resolve
     │   ├── RunNotFound        no run at a URI
-    │   └── RunExists          a run id that is taken
+    │   ├── RunExists          a run id that is taken
+    │   └── (elsewhere: DatasetError, TeachersError, TRLCompatibilityError (an ImportError too),
+    │        ReportUnavailable, UserCodeError)
     ├── StoreError             the store during a run (CLI exit 1)
     │   ├── StoreUnavailable   unreachable for the whole outage budget: propagates, never tolerated
     │   ├── StoreTimeout       a wait passed its deadline
@@ -17,10 +19,18 @@
     │   ├── BadObject          an object read from the store is unusable (corrupt, forged, foreign, malformed)
     │   │   ├── ChecksumMismatch   its bytes fail the frame's magic, length or crc32
     │   │   │   └── SignatureMismatch  unsigned or mis-signed under the run key
-    │   │   └── CorruptCheckpoint  a checkpoint object is missing, damaged or disagrees with its marker
+    │   │   ├── CorruptCheckpoint  a checkpoint object is missing, damaged or disagrees with its marker
+    │   │   └── PayloadError, SparsePayloadError  an encoded payload its codec would not write (ValueErrors too)
     │   └── SyncError          a sync could not complete (a round's deadline, a heal without state)
-    └── ExecutorError          a backend refused or failed an operation
-        └── LaunchError        a backend failed while replica jobs were being started
+    ├── ExecutorError          a backend refused or failed an operation
+    │   ├── LaunchError        a backend failed while replica jobs were being started
+    │   └── (elsewhere: PartialSpawnError, ReplicaFailed)
+    └── MalformedResponse      a teacher endpoint answered, but not with a completion
+
+Every public exception class of the package is in this tree (``tests/test_packaging.py`` walks the package);
+the exceptions are ``LaunchInterrupted`` (a ``KeyboardInterrupt``: no ``except Exception`` may swallow a
+Ctrl-C) and private control-flow signals that never leave their module (``_Deadline``, ``_StillAlive``,
+``_ManifestExists``).
 
 Readers that tolerate bad objects catch :class:`BadObject` (and
 :class:`ObjectNotFound` where absence is fine); :class:`StoreUnavailable` is a

@@ -30,8 +30,9 @@ _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|credential|key$|^key
 
 DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs/
 MAX_STORE_BYTES = 768  # a store URI's bound: a run's keys (~80 more) must fit S3's 1,024-byte keys
-# ``[trainer]`` settings that may be a "module:factory" reference (besides ``name``).
-_FACTORY_SETTINGS = ("task", "hint_source", "reward")
+# A "module:attribute" reference as a ``[trainer]`` string value could spell it (the trainer's settings class
+# declares which settings do: ``TrainerPlugin.CODE_SETTINGS``; this check needs no list).
+_REFERENCE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 class _Strict(BaseModel):
@@ -280,9 +281,8 @@ class TrainerSpec(_Strict):
     def _no_stdlib_factories(self) -> "TrainerSpec":
         # A "module:factory" setting is called in every replica: a stdlib function (os:system) is never
         # a trainer, task, hint source or reward, and calling one with the settings' arguments is harmful.
-        for key in ("name", *_FACTORY_SETTINGS):
-            value = self.name if key == "name" else (self.model_extra or {}).get(key)
-            if isinstance(value, str) and ":" in value:
+        for key, value in {"name": self.name, **(self.model_extra or {})}.items():
+            if isinstance(value, str) and _REFERENCE.fullmatch(value):
                 top = value.partition(":")[0].split(".")[0]
                 if top in sys.stdlib_module_names or top in sys.builtin_module_names:
                     raise SpecError(f"trainer.{key}", f"{value!r} names the standard library module {top!r}; "

@@ -127,12 +127,12 @@ def test_corpus_setting_is_checked():
         check_settings("causal-lm", {"corpus": "wikipedia"})
 
 
-# ----------------------------------------------------------------------------- chaos.py accounting
+# ----------------------------------------------------------------------------- the chaos benchmark's accounting
 @pytest.fixture(scope="module")
 def chaos():
-    spec = importlib.util.spec_from_file_location("chaos_bench", ROOT / "benchmarks" / "chaos.py")
+    spec = importlib.util.spec_from_file_location("chaos_schedule_bench", ROOT / "benchmarks" / "chaos_schedule.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["chaos_bench"] = mod
+    sys.modules["chaos_schedule_bench"] = mod
     spec.loader.exec_module(mod)
     return mod
 

@@ -16,7 +16,8 @@ from composer_cloud.jobs.hf_jobs import is_transient as hf_transient
 from composer_cloud.jobs.local import LocalProcessExecutor
 from composer_cloud.jobs.modal_jobs import is_transient as modal_transient
 from composer_cloud.jobs.remote import RemoteExecutor, parse_exit_code
-from composer_cloud.jobs.restarts import MODAL_MAX_RETRIES, attempts, relaunches
+from composer_cloud.jobs import executor_class
+from composer_cloud.jobs.modal_jobs import MODAL_MAX_RETRIES
 from composer_cloud.retry import RetryPolicy
 from composer_cloud.spec import spec_from_dict
 
@@ -32,8 +33,17 @@ class ScriptedExecutor(RemoteExecutor):
     """A backend whose status and cancel calls follow a script: a value is returned, an exception raised."""
 
     name = "scripted"
+    sdk = None
     transient = staticmethod(lambda exc: isinstance(exc, Flaky))
     retry = RetryPolicy(attempts=3, base_s=0.0, cap_s=0.0)
+
+    @classmethod
+    def check_credentials(cls) -> list:
+        return []
+
+    @classmethod
+    def relaunches(cls, spec) -> int:
+        return spec.max_restarts
 
     def __init__(self, spec, statuses: list, cancels: list | None = None, problems: Sequence[str] = ()):
         super().__init__(spec)
@@ -180,17 +190,25 @@ def test_local_preflight_refuses_a_job_directory_that_cannot_be_created(tmp_path
     assert not (tmp_path / "store").exists()  # a preflight creates nothing
 
 
-# ---------------------------------------------------------------------- the one max_restarts mapping
+# ---------------------------------------------------------------------- each executor's max_restarts mapping
+def relaunches(spec, name: str) -> int:
+    return executor_class(name).relaunches(spec)
+
+
 def test_max_restarts_mapping_per_executor():
     spec = _spec(max_restarts=3, modal={"retries": 1})
     assert relaunches(spec, "local") == 3 and relaunches(spec, "hf-jobs") == 3
-    assert relaunches(spec, "modal") == 3 and attempts(spec, "modal") == 4
+    assert relaunches(spec, "modal") == 3
     assert relaunches(_spec(max_restarts=1, modal={"retries": 5}), "modal") == 5  # Modal's own setting wins
     assert relaunches(_spec(max_restarts=50), "modal") == MODAL_MAX_RETRIES
     assert LocalProcessExecutor(spec).max_restarts == 3
     with pytest.raises(ValueError, match="unknown executor 'nope'"):
         relaunches(spec, "nope")
-    assert set(EXECUTORS) <= {"local", "hf-jobs", "modal"}  # every registered executor has a mapping
+    for name in EXECUTORS:  # every registered executor declares what the launcher asks of it
+        cls = executor_class(name)
+        assert relaunches(_spec(max_restarts=2), name) >= 2  # max_restarts means at least what it says
+        assert cls.sdk is None or len(cls.sdk) == 2
+        assert all(c.name.startswith(f"{name}: ") for c in cls.check_credentials())
 
 
 # ---------------------------------------------------------------------- classifiers, environment, names

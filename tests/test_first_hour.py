@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_cloud.runs.signal import diagnose_rounds, hint_note, launch_refusal
+from composer_cloud.runs.signal import diagnose_rounds
+from composer_cloud.trainer.settings import declared_settings
 from composer_cloud.spec import SpecError, load_spec
 from composer_cloud.trainer.three_channel.dataset_task import AnswerHints, DatasetTask
 from support.cli import cli
@@ -45,8 +46,9 @@ def test_a_dataset_without_a_hint_column_distils_from_its_answers():
     source = task.default_hints()
     assert isinstance(source, AnswerHints)
     assert source.hints([{"answer": "7"}, {"answer": None}]) == ["Answer: 7", None]
-    note = hint_note({"dataset": "x", "columns": {"answer": "solution"}}, ["question", "solution"])
-    assert note is not None and "reference answer (column 'solution')" in note
+    trainer = declared_settings("three-channel", {"dataset": "x", "columns": {"answer": "solution"}})
+    (note,) = trainer.launch_notes(["question", "solution"])
+    assert "reference answer (column 'solution')" in note
 
 
 def test_answer_hints_give_a_fresh_model_a_gradient(tmp_path):
@@ -68,12 +70,15 @@ def test_answer_hints_give_a_fresh_model_a_gradient(tmp_path):
 def test_a_spec_in_which_no_channel_can_learn_is_refused_with_what_to_change(tmp_path):
     settings = {"dataset": "qa.jsonl", "pg_weight": 0.0, "hint_source": "none", "pairs": "none",
                 "columns": {"prompt": "question", "answer": "solution"}}
-    message = launch_refusal("three-channel", settings, ["question", "solution"])
+    def launch_refusal(settings: dict, columns: list[str]) -> str | None:
+        return declared_settings("three-channel", settings).launch_refusal(columns)
+
+    message = launch_refusal(settings, ["question", "solution"])
     assert message is not None and "no channel can produce a gradient" in message
     assert "trainer.pg_weight = 0" in message and "trainer.hint_source = 'none'" in message
-    assert launch_refusal("three-channel", {**settings, "hint_source": "default"}, ["question", "solution"]) is None
+    assert launch_refusal({**settings, "hint_source": "default"}, ["question", "solution"]) is None
     assert "neither a hint nor an answer" in launch_refusal(
-        "three-channel", {**settings, "hint_source": "default", "columns": {"prompt": "question"}}, ["question", "x"])
+        {**settings, "hint_source": "default", "columns": {"prompt": "question"}}, ["question", "x"])
     # the CLI: launch and the dry run refuse it alike, exit 2, nothing written
     spec = qa_spec(tmp_path, extra='pg_weight = 0.0\nhint_source = "none"\n')
     for dry in ([], ["--dry-run"]):
@@ -88,12 +93,12 @@ def test_rounds_without_a_gradient_are_diagnosed_per_channel():
     step = {"kind": "step", "grad_norm": 0.0, "pg": 0.0, "sdpo": 0.0, "dpo": 0.0, "frac_reward_zero_std": 1.0,
             "reward_mean": 0.0, "clipped_ratio": 1.0}
     rows = [{**step, "round": r, "rank": k} for r in range(2) for k in range(2)]
-    (msg,) = diagnose_rounds(rows, {"max_completion_length": 4})
+    (msg,) = diagnose_rounds(rows, declared_settings("three-channel", {"max_completion_length": 4}))
     assert msg.startswith("no training signal in every round")
     assert "frac_reward_zero_std 1.0" in msg and "max_completion_length (4)" in msg and "no pairs" in msg
     rows[0] = {**rows[0], "grad_norm": 0.5}  # round 1 moved: only round 2 is flagged, counted from 1
     (msg,) = diagnose_rounds(rows)
-    assert "no training signal in rounds 2:" in msg
+    assert "no training signal in rounds 2:" in msg and "grad_norm 0 on every step" in msg  # no trainer: no claim
     assert diagnose_rounds([{**r, "grad_norm": 1.0} for r in rows]) == []
     assert diagnose_rounds([{"kind": "step", "round": 0, "loss": 1.0}]) == []  # no grad_norm: no claim
 

@@ -121,7 +121,8 @@ def _fsdp_chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 def test_export_reassembles_fsdp_shards_into_the_full_parameters():
     from composer_cloud.errors import CorruptCheckpoint
-    from composer_cloud.sync.lockstep.sharded import load_fsdp_shards, shard_key
+    from composer_cloud.sync.lockstep.sharded import load_fsdp_shards
+    from composer_cloud.sync.state_tree import fragment_key as shard_key
 
     torch.manual_seed(0)
     source = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))  # uneven chunks, a 1-row weight

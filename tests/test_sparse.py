@@ -152,8 +152,6 @@ def test_mean_total_and_merge_are_exact_and_ordered() -> None:
     merged = sp.merge(ups)
     assert torch.equal(merged.to_dense(), expected)
     assert merged.indices.numel() == int((expected != 0).sum()) or merged.indices.numel() >= ups[0].indices.numel()
-    back, contributors = sp.decode_sum(sp.encode_sum(merged, contributors=4), key="g", numel=1000)
-    assert contributors == 4 and torch.equal(back.indices, merged.indices) and torch.equal(back.values, merged.values)
     with pytest.raises(ValueError, match="different lengths"):
         sp.merge([ups[0], sp.decode(sp.encode(_x(999), None, S).payload)])
 
@@ -230,26 +228,6 @@ def test_decode_without_expectations_accepts_any_honest_settings() -> None:
     assert got.numel == 50 and got.indices.numel() == sp.nnz_of(50, other)
     with pytest.raises(sp.SparsePayloadError, match="settings"):
         sp.decode(sp.encode(_x(50), None, other).payload, settings=S)
-
-
-@pytest.mark.parametrize("case, field", [
-    ("unsorted", "ascending"), ("out of range", "ascending"), ("nan", "values"), ("contributors", "contributors"),
-])
-def test_decode_sum_rejects_forged_partial_sums(case: str, field: str) -> None:
-    idx = torch.tensor([1, 5, 9], dtype=torch.int32)
-    vals = torch.tensor([1.0, 2.0, 3.0])
-    meta = {"codec": sp.SUM_CODEC, "version": sp.FORMAT_VERSION, "numel": 10, "contributors": 2}
-    if case == "unsorted":
-        idx = torch.tensor([5, 1, 9], dtype=torch.int32)
-    elif case == "out of range":
-        idx = torch.tensor([1, 5, 10], dtype=torch.int32)
-    elif case == "nan":
-        vals[1] = float("nan")
-    else:
-        meta["contributors"] = 9
-    with pytest.raises(sp.SparsePayloadError) as err:
-        sp.decode_sum(sp._save({"indices": idx, "values": vals}, meta), key="g/0", numel=10, max_contributors=4)
-    assert field in err.value.problem and "g/0" in str(err.value)
 
 
 def test_the_api_example_in_docs_runs() -> None:

@@ -3,7 +3,7 @@
 This is the container side of the executors: the Modal function's body
 (:func:`run_replica_body`) and the shape of a replica failure
 (:class:`ReplicaFailed`, :func:`failure_message`). It imports only the
-standard library, so the launch side (``composer_cloud.jobs``) may import it
+standard library and ``composer_cloud.errors`` (itself standard library only), so the launch side (``composer_cloud.jobs``) may import it
 while nothing here imports the launch side: imports go ``jobs -> images`` only.
 
 Invariant: a replica that exits non-zero raises :class:`ReplicaFailed`, which
@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from composer_cloud.errors import ExecutorError
+
 logger = logging.getLogger(__name__)
 
 #: How many trailing log lines a failed replica's status message carries.
@@ -38,7 +40,7 @@ def failure_message(head: str, tail: Iterable[str]) -> str:
     return head + "\nlast log lines:\n" + "\n".join(f"  | {ln}" for ln in lines)
 
 
-class ReplicaFailed(RuntimeError):
+class ReplicaFailed(ExecutorError):
     """A replica process exited non-zero. Picklable, so it crosses Modal intact."""
 
     def __init__(self, exit_code: int, tail: Sequence[str] = ()) -> None:

@@ -1,8 +1,8 @@
 """Executors: where replica jobs run. Looked up by name, imported lazily.
 
 Modules: ``base`` (the :class:`ServerlessExecutor` protocol and its records),
-``remote`` (the plumbing every remote executor shares), ``restarts`` (the one
-mapping of ``max_restarts``), ``environment`` (what a job's environment holds),
+``remote`` (the plumbing every remote executor shares), ``credentials`` (what an
+executor's launch needs on this machine), ``environment`` (what a job's environment holds),
 one module per backend (``local``, ``modal_jobs``, ``hf_jobs``), ``wheel``
 (the package wheel HF Jobs install).
 """
@@ -10,7 +10,7 @@ one module per backend (``local``, ``modal_jobs``, ``hf_jobs``), ``wheel``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from composer_cloud.jobs.base import (
     CostEstimate,
@@ -36,12 +36,19 @@ EXECUTORS: dict[str, str] = {
 }
 
 
+def executor_class(name: str) -> type[ServerlessExecutor]:
+    """The class of executor ``name``: what it needs (``sdk``, ``check_credentials``) and how it restarts
+    (``relaunches``) are asked of it, never switched on by name. Imports its module, not its SDK."""
+    if name not in EXECUTORS:
+        raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+    cls: type[ServerlessExecutor] = load_object(EXECUTORS[name], setting="executor")
+    return cls
+
+
 def get_executor(name: str, spec: "RunSpec", *, run_key: str | None = None) -> ServerlessExecutor:
     """Instantiate executor ``name`` for ``spec`` (``cls(spec)``; ``cls(spec, run_key=...)`` for a signed run's
     launch: the executor delivers the key to its jobs as a secret)."""
-    if name not in EXECUTORS:
-        raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
-    cls = load_object(EXECUTORS[name], setting="executor")
+    cls: Any = executor_class(name)
     return cls(spec) if run_key is None else cls(spec, run_key=run_key)
 
 
@@ -96,6 +103,7 @@ def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:
 
 __all__ = [
     "EXECUTORS",
+    "executor_class",
     "CostEstimate",
     "ExecutorError",
     "JobHandle",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from composer_cloud.errors import ExecutorError  # noqa: F401 - what executors raise
+from composer_cloud.jobs.credentials import Check
 from composer_cloud.storage.records import JobHandle  # noqa: F401 - the record a launch returns
 
 
@@ -131,6 +132,20 @@ class ServerlessExecutor(Protocol):
     re-create from a stored :class:`JobHandle` in another process."""
 
     name: ClassVar[str]
+    #: ``(module, extra)``: the SDK the launcher needs for this executor and the ``composer-cloud[extra]`` that
+    #: installs it; None: nothing beyond the core install.
+    sdk: ClassVar[tuple[str, str] | None]
+
+    @classmethod
+    def check_credentials(cls) -> list[Check]:
+        """Whether this machine holds what the backend's SDK would send (never the values); no backend call."""
+        ...
+
+    @classmethod
+    def relaunches(cls, spec: Any) -> int:
+        """How many times this backend starts a failed replica job of ``spec`` again (``max_restarts`` mapped
+        onto the backend's own mechanism: the local supervisor, HF Jobs' ``attempts``, ``modal.Retries``)."""
+        ...
 
     def plan(self, run_uri: str, ranks: Sequence[int]) -> LaunchPlan:
         """Describe the launch without doing it. Problems :meth:`preflight` would raise are notes here."""

@@ -74,8 +74,7 @@ from composer_cloud.jobs.base import (
 )
 from composer_cloud.jobs.hf_flavors import flavor_gpus, resolve_flavor  # noqa: F401 - flavor_gpus re-exported
 from composer_cloud.jobs.remote import RemoteExecutor, parse_exit_code
-from composer_cloud.jobs.restarts import attempts as attempts_of
-from composer_cloud.jobs.restarts import relaunches
+from composer_cloud.jobs.credentials import Check
 from composer_cloud.jobs.wheel import WHEEL_PREFIX, StagedWheel, build_and_stage_wheel
 from composer_cloud.storage.store import Store
 from composer_cloud.spec import RunSpec
@@ -195,7 +194,23 @@ class HFJobsExecutor(RemoteExecutor):
     """
 
     name: ClassVar[str] = "hf-jobs"
+    sdk: ClassVar[tuple[str, str] | None] = ("httpx", "hf")
     transient = staticmethod(is_transient)
+
+    @classmethod
+    def check_credentials(cls) -> list[Check]:
+        """A Hugging Face token where the Hub client finds one (``HF_TOKEN`` or the saved login)."""
+        from huggingface_hub import get_token
+
+        if get_token():
+            return [Check("hf-jobs: token", True, "a Hugging Face token (HF_TOKEN or the saved login)")]
+        return [Check("hf-jobs: token", False, "no Hugging Face token: export HF_TOKEN=hf_... (a token that may run "
+                                               "jobs) or run `hf auth login`")]
+
+    @classmethod
+    def relaunches(cls, spec: RunSpec) -> int:
+        """The Jobs server starts a failed job again ``max_restarts`` times (sent as ``attempts = n + 1``)."""
+        return spec.max_restarts
 
     def __init__(
         self,
@@ -355,7 +370,7 @@ class HFJobsExecutor(RemoteExecutor):
         """
         hf = self.spec.hf_jobs
         flavor = self.flavor()
-        attempts = attempts_of(self.spec, self.name)
+        attempts = self.relaunches(self.spec) + 1  # starts of one job at most, the first included
         source = f"{self.endpoint}/api/jobs/hardware"
         try:
             info = self.hardware_prices().get(flavor)
@@ -396,8 +411,8 @@ class HFJobsExecutor(RemoteExecutor):
             *self._resolution_note(),
             *self._flavor_notes(),
         ]
-        if relaunches(self.spec, self.name):
-            notes.append(f"attempts={attempts_of(self.spec, self.name)} per job (max_restarts)")
+        if self.relaunches(self.spec):
+            notes.append(f"attempts={self.relaunches(self.spec) + 1} per job (max_restarts)")
         notes.extend(self._problem_notes())
         cost = self.cost_estimate(len(ranks))
         return LaunchPlan(
@@ -442,7 +457,7 @@ class HFJobsExecutor(RemoteExecutor):
         env = self._job_env(staged)
         bootstrap = bootstrap_source()
         run_id = run_id_of(run_uri)
-        attempts = attempts_of(self.spec, self.name) if relaunches(self.spec, self.name) else None
+        attempts = self.relaunches(self.spec) + 1 if self.relaunches(self.spec) else None
         api = self._api()
         handles: list[JobHandle] = []
         for rank in ranks:

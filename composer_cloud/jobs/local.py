@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from composer_cloud import env
+from composer_cloud.jobs.credentials import Check
 from composer_cloud.jobs.base import (
     ExecutorError,
     JobHandle,
@@ -64,7 +65,6 @@ from composer_cloud.jobs.base import (
 )
 from composer_cloud.jobs.environment import job_env, job_secrets
 from composer_cloud.jobs.jobfiles import JobFolder, UnsafeJobFolder, records_key
-from composer_cloud.jobs.restarts import relaunches
 from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.storage.run import run_signing_key
 
@@ -201,6 +201,17 @@ class LocalProcessExecutor:
     """
 
     name: ClassVar[str] = "local"
+    sdk: ClassVar[tuple[str, str] | None] = None
+
+    @classmethod
+    def check_credentials(cls) -> list[Check]:
+        """Nothing to sign in to: the jobs run on this machine."""
+        return [Check(f"{cls.name}: nothing to sign in to", True, "runs on this machine")]
+
+    @classmethod
+    def relaunches(cls, spec: "RunSpec") -> int:
+        """The supervisor process starts a failed replica again ``max_restarts`` times."""
+        return spec.max_restarts
 
     def __init__(self, spec: "RunSpec | None" = None, *, run_key: str | None = None,
                  cuda_devices: Callable[[], int] | None = None) -> None:
@@ -210,7 +221,7 @@ class LocalProcessExecutor:
         # The job folders' records are signed in a signed run (an unsigned run's carry a crc32 only).
         self._records_key = (records_key(run_signing_key(spec.run_id, run_key, spec.run_salt))
                              if spec is not None and run_key is not None and spec.run_id else None)
-        self.max_restarts = relaunches(spec, self.name) if spec is not None else 0
+        self.max_restarts = self.relaunches(spec) if spec is not None else 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
 
     def _job_env(self) -> dict[str, str]:

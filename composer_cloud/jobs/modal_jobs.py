@@ -56,8 +56,7 @@ from composer_cloud.jobs.base import (
     run_id_of,
 )
 from composer_cloud.jobs.remote import RemoteExecutor, parse_exit_code
-from composer_cloud.jobs.restarts import attempts as attempts_of
-from composer_cloud.jobs.restarts import relaunches
+from composer_cloud.jobs.credentials import Check, install_hint, sdk_installed
 from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -65,6 +64,8 @@ logger = logging.getLogger(__name__)
 #: GPU types Modal documents; others are passed through with a warning (Modal decides).
 KNOWN_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S", "H100", "H100!", "H200", "B200")
 _NO_GPU = ("", "cpu", "none")
+#: The most retries ``modal.Retries`` accepts.
+MODAL_MAX_RETRIES = 10
 _APP_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]")
 #: Errors of the Modal client (``modal.exception``) that a later identical call can succeed on.
 _TRANSIENT_MODAL_ERRORS = frozenset({"ConnectionError", "InternalFailure"})
@@ -138,7 +139,7 @@ class CallState:
     message: str = ""
 
 
-class PartialSpawnError(RuntimeError):
+class PartialSpawnError(ExecutorError):
     """Spawning stopped part-way; ``call_ids`` were spawned and must be cleaned up."""
 
     def __init__(self, app_id: str | None, call_ids: list[str], cause: BaseException) -> None:
@@ -304,7 +305,26 @@ class ModalExecutor(RemoteExecutor):
     """
 
     name: ClassVar[str] = "modal"
+    sdk: ClassVar[tuple[str, str] | None] = ("modal", "modal")
     transient = staticmethod(is_transient)
+
+    @classmethod
+    def check_credentials(cls) -> list[Check]:
+        """A Modal token where the SDK finds one (``MODAL_TOKEN_ID``/``MODAL_TOKEN_SECRET`` or ``~/.modal.toml``)."""
+        if not sdk_installed("modal"):
+            return [Check("modal: modal SDK", False, f"modal is not installed; {install_hint('modal', 's3')}")]
+        from modal.config import config
+
+        if config.get("token_id") and config.get("token_secret"):
+            return [Check("modal: token", True, f"token id {config.get('token_id')[:6]}… (profile or MODAL_TOKEN_ID)")]
+        return [Check("modal: token", False, "no Modal token: run `modal token new`, or export MODAL_TOKEN_ID and "
+                                             "MODAL_TOKEN_SECRET")]
+
+    @classmethod
+    def relaunches(cls, spec: RunSpec) -> int:
+        """Modal's retry policy (``modal.Retries``): the larger of ``[modal] retries`` and ``max_restarts``, so that
+        ``max_restarts`` means at least what it says, capped at the :data:`MODAL_MAX_RETRIES` Modal accepts."""
+        return min(MODAL_MAX_RETRIES, max(spec.modal.retries, spec.max_restarts))
 
     def __init__(self, spec: RunSpec, *, seam: ModalSeam | None = None, run_key: str | None = None,
                  replica_argv: Callable[[str, int], list[str]] = replica_command) -> None:
@@ -316,8 +336,7 @@ class ModalExecutor(RemoteExecutor):
     def function_options(self) -> FunctionOptions:
         """GPU ``TYPE[:N]`` (N = ``gpus_per_replica``), timeout, retries and secret names from the spec.
 
-        Retries are :func:`~composer_cloud.jobs.restarts.relaunches` (``max(modal.retries, max_restarts)``,
-        at most 10).
+        Retries are :meth:`relaunches` (``max(modal.retries, max_restarts)``, at most 10).
         """
         m = self.spec.modal
         empty = [n for n in m.secrets if not n.strip()]
@@ -325,7 +344,7 @@ class ModalExecutor(RemoteExecutor):
             raise ExecutorError("modal.secrets has an empty name; list Modal secret names "
                                 "(see `modal secret list`)")
         return FunctionOptions(gpu=self._gpu(), timeout_s=m.timeout_s,
-                               retries=relaunches(self.spec, self.name),
+                               retries=self.relaunches(self.spec),
                                secret_names=tuple(m.secrets), secret_values=self.job_secrets())
 
     def _gpu(self) -> str | None:
@@ -398,7 +417,7 @@ class ModalExecutor(RemoteExecutor):
         """Dollars for ``jobs`` calls from :data:`MODAL_GPU_PRICE_PER_S` (GPU time only): a call costs
         ``gpus_per_replica`` x the per-GPU price. Raises only on options :meth:`function_options` refuses."""
         opts = self.function_options()
-        attempts = attempts_of(self.spec, self.name)
+        attempts = self.relaunches(self.spec) + 1  # starts of one call at most, the first included
         if opts.gpu is None:
             return CostEstimate.of(jobs=jobs, price_per_job_hour_usd=None, timeout_s=opts.timeout_s,
                                    attempts=attempts, basis="no GPU price: CPU-only calls (CPU and memory are "

@@ -22,6 +22,7 @@ from composer_cloud.runs.lifecycle import (
     wait,
 )
 from composer_cloud.runs.listing import RunListing, list_runs
+from composer_cloud.runs.states import RunState
 from composer_cloud.runs.status import ReplicaInfo, RunStatus, read_metrics
 from composer_cloud.runs.summary import RunSummary, summarize
 from composer_cloud.storage.run import Run, RunNotFound, load_handles, normalize_run_uri, open_run
@@ -38,6 +39,7 @@ __all__ = [
     "RunExists",
     "RunListing",
     "RunNotFound",
+    "RunState",
     "RunStatus",
     "RunSummary",
     "build_spec",

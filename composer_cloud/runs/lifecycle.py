@@ -48,6 +48,7 @@ from composer_cloud.runs.preflight import (
     replica_device,
 )
 from composer_cloud.runs.waiting import wait
+from composer_cloud.runs.states import RunState
 from composer_cloud.runs.status import RunStatus, run_status
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
 from composer_cloud.spec_paths import with_paths
@@ -221,18 +222,6 @@ def _check_device(spec: RunSpec) -> None:
     check_device(spec, executors=executors, local_cuda=local_cuda)
 
 
-def _check_rollout(spec: RunSpec) -> None:
-    """``rollout = "vllm"`` where local replicas cannot run it (no vLLM: the install command; no GPU)."""
-    if (spec.trainer.model_extra or {}).get("rollout") != "vllm":
-        return  # nothing of the three-channel trainer (TRL) is imported for other runs
-    from composer_cloud.trainer.three_channel.rollout import check_rollout_before_launch
-
-    try:
-        check_rollout_before_launch(spec)
-    except ValueError as exc:
-        raise SpecError("", str(exc)) from None
-
-
 def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     """Everything checkable before anything is written; returns the user-code bundle (or None).
 
@@ -247,8 +236,9 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     Raises :class:`SpecError` naming the field.
     """
     from composer_cloud.runs.packaging import UserCodeError, collect_code
-    from composer_cloud.trainer import check_settings
     from composer_cloud.trainer.parallel import check_local_ranks
+    from composer_cloud.trainer.plugin import TrainerPlugin
+    from composer_cloud.trainer.settings import code_references, settings_class
 
     _check_store_shared(spec)
     _check_device(spec)
@@ -268,12 +258,13 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
             raise SpecError("", str(exc)) from None
     settings = spec.trainer.settings()
     try:
-        check_settings(spec.trainer.name, settings)
+        parsed = settings_class(spec.trainer.name).from_settings(settings)
+        trainer = parsed if isinstance(parsed, TrainerPlugin) else TrainerPlugin()  # a user trainer may declare none
+        trainer.check_launch(spec)
     except ValueError as exc:
         raise SpecError("", str(exc)) from None
-    _check_rollout(spec)
-    references = {f"trainer.{k}": v for k, v in settings.items()
-                  if k in ("task", "hint_source", "reward") and isinstance(v, str)} | {"trainer.name": spec.trainer.name}
+    references = code_references(spec.trainer.name, settings, import_user_class=True) | \
+        {"trainer.name": spec.trainer.name}
     try:
         bundle = collect_code(references, include=spec.code.include, base_dir=base_dir or Path.cwd())
     except UserCodeError as exc:
@@ -298,10 +289,8 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     check_replica_build(spec, devices, local.get("model.name"))  # what the replicas check as they start
     if "trainer.pairs" in local:
         check_local_data_file(local["trainer.pairs"], "trainer.pairs")  # e.g. `pairs` that no teacher answered
-    columns = check_dataset(settings, local, spec.trainer.name) if settings.get("dataset") else None
-    from composer_cloud.runs.signal import launch_refusal
-
-    refusal = launch_refusal(spec.trainer.name, settings, columns)
+    columns = check_dataset(settings, local, trainer) if settings.get("dataset") else None
+    refusal = trainer.launch_refusal(columns)
     if refusal:
         raise SpecError("trainer", refusal)
     run_uri = join_uri(spec.store, spec.run_id)
@@ -478,8 +467,8 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     spec = run.spec
     latest: Checkpoint | None = None
     current = run_status(run)
-    finished = current.state == "completed"
-    if current.state == "running" and not force:
+    finished = current.state == RunState.COMPLETED
+    if current.state == RunState.RUNNING and not force:
         alive = [i.rank for i in current.replicas if i.state in ("running", "pending")]
         raise ConfigError(f"run {run.run_id} is still running (replicas {alive or 'starting'}); resuming would "
                           f"stop them and redo the rounds since its last checkpoint. Wait for it "
@@ -586,7 +575,7 @@ def remove(run: RunRef, *, force: bool = False, storage_options: Mapping[str, An
     run = _as_run(run, storage_options)
     current = run_status(run)
     cancelled: list[int] = []
-    if current.state == "running":
+    if current.state == RunState.RUNNING:
         if not force:
             raise ConfigError(f"run {run.run_id} is still running; cancel it first (`composer-cloud cancel "
                               f"{run.uri}`) or pass --force to cancel and remove it")
@@ -602,7 +591,7 @@ def cancel(run: RunRef, *, storage_options: Mapping[str, Any] | None = None) -> 
     current = run_status(run)
     if current.state == "not started":
         return _cancel_not_started(run)
-    if current.state != "running":
+    if current.state != RunState.RUNNING:
         return CancelResult(run=run, cancelled=[], noop=f"run {run.run_id} already {current.state}; nothing to cancel")
     _require_conforming_store(run)
     request_cancel(run.store)

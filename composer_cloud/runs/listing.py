@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_cloud.errors import ConfigError, StoreConfigError, StoreError
+from composer_cloud.runs.states import RunState
 from composer_cloud.runs.status import run_status
 from composer_cloud.storage import layout
 from composer_cloud.storage.run import normalize_run_uri, open_run
@@ -28,7 +29,7 @@ class RunListing:
 
     run_id: str
     uri: str
-    state: str
+    state: RunState
     rounds_committed: int
     rounds: int
     #: epoch seconds the run was created (its launch; a resume does not change it); None when unknown
@@ -83,7 +84,7 @@ def list_runs(store: str, *, storage_options: Mapping[str, Any] | None = None,
                                   _created(root, name), sync_mode=run.spec.sync.mode))
         except (StoreError, ConfigError) as exc:
             logger.warning("cannot read run %s: %s", run_uri, exc)
-            out.append(RunListing(name, run_uri, "unreadable", 0, 0, _created(root, name)))
+            out.append(RunListing(name, run_uri, RunState.UNREADABLE, 0, 0, _created(root, name)))
     return sorted(out, key=lambda r: (r.launched_at or 0.0, r.run_id), reverse=True)
 
 

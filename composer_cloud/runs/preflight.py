@@ -18,6 +18,7 @@ from typing import Any
 
 from composer_cloud.errors import SpecError
 from composer_cloud.jobs import assign_ranks
+from composer_cloud.trainer.plugin import TrainerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +62,6 @@ def check_hub_model(name: str, base_dir: Path) -> None:
 _BUILDER_NAMES = {"json", "csv", "parquet", "text", "arrow"}
 
 
-def _causal_lm_columns(columns: Mapping[str, str], available: list[str]) -> list[str]:
-    """The causal-LM trainer needs a text column, or a prompt and an answer column (empty: fine)."""
-    has = {c for c in ("text", "prompt", "answer") if columns.get(c, c) in available}
-    if "text" in has or {"prompt", "answer"} <= has:
-        return []
-    return [f"the causal-lm trainer needs a 'text' column, or 'prompt' and 'answer' (its columns: "
-            f"{', '.join(available)}); map them with trainer.columns.text = \"<column>\" (or .prompt and .answer)"]
-
-
 @contextmanager
 def _quiet_datasets() -> Iterator[None]:
     """``datasets`` logs a broken file's error itself (twice, with a 0-based row): leave the telling to us."""
@@ -111,11 +103,12 @@ def check_local_data_file(path: Path, setting: str) -> None:
         raise SpecError(setting, f"{str(path)!r} has no rows (only blank lines)")
 
 
-def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], trainer: str = "three-channel"
+def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], trainer: TrainerPlugin
                    ) -> list[str] | None:
-    """The dataset's columns cover the mapping and the reward (local datasets: read here; hub ids: a
-    warning when they cannot be reached from here). Returns the columns read (None: not read)."""
-    from composer_cloud.trainer.three_channel.dataset_task import REWARD_NEEDS, DatasetError, dataset_columns, missing_columns
+    """The dataset's columns are what ``trainer`` needs (:meth:`TrainerPlugin.dataset_problems`: the mapping, a
+    reward's column; local datasets: read here; hub ids: a warning when they cannot be reached from here).
+    Returns the columns read (None: not read)."""
+    from composer_cloud.trainer.data import DatasetError, dataset_columns
 
     name = str(local.get("trainer.dataset", settings["dataset"]))
     files = settings.get("data_files")
@@ -124,9 +117,6 @@ def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], traine
         files = local_files
     split = settings.get("dataset_split", "train")
     splits = [split] + ([settings["eval_split"]] if settings.get("eval_split") else [])
-    columns = dict(settings.get("columns") or {})
-    reward = settings.get("reward") or "exact_match"
-    needed = [REWARD_NEEDS[reward]] if reward in REWARD_NEEDS else []
     if "trainer.dataset" not in local and settings["dataset"] not in _BUILDER_NAMES:
         # A hub dataset: one quick request first, so an unreachable Hub costs a warning, not datasets' retries.
         try:
@@ -154,8 +144,7 @@ def check_dataset(settings: Mapping[str, Any], local: Mapping[str, Path], traine
             logger.warning("trainer.dataset %r: columns not checked before launch (%s: %s)", name,
                            type(exc).__name__, exc)
             return None
-        problems = (_causal_lm_columns(columns, available) if trainer == "causal-lm"
-                    else missing_columns(columns, available, needed=needed))
+        problems = trainer.dataset_problems(available)
         if problems:
             field = "trainer.columns" if any(p.startswith("trainer.columns") for p in problems) else "trainer.dataset"
             raise SpecError(field, f"split {sp!r} of {settings['dataset']!r}: " + "; ".join(problems))
@@ -217,7 +206,7 @@ REPLICA_REFUSALS: dict[str, str] = {
                                                                   "folders (built on the meta device); cannot for a "
                                                                   "hub model (the launcher may be offline)",
     "model.lora.dropout: the three-channel trainer runs without dropout": "launch: the trainer's check_model",
-    "trainer.rollout: needs": "launch for local replicas (_check_rollout); cloud replicas: in the job",
+    "trainer.rollout: needs": "launch for local replicas (the trainer's check_launch); cloud replicas: in the job",
     "trainer.rollout: should be": "launch: the spec's type allows only the listed modes",
 }
 

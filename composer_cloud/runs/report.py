@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_cloud.errors import ConfigError
+
 from composer_cloud.runs.metrics import read_metrics
 from composer_cloud.storage.run import Run
 
@@ -31,7 +33,7 @@ PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 LOSS_UNITS = {"causal-lm": "cross-entropy, nats/token", "three-channel": "three-channel loss (weighted sum)"}
 
 
-class ReportUnavailable(RuntimeError):
+class ReportUnavailable(ConfigError, RuntimeError):
     """matplotlib is not installed."""
 
 

@@ -33,6 +33,7 @@ from composer_cloud.spec import RunSpec
 from composer_cloud.storage.framing import new_run_salt
 from composer_cloud.storage.run import Run, run_signing_key
 from composer_cloud.storage.runkeys import RunRecord, load_record, save_record, spec_digest
+from composer_cloud.trainer.settings import code_references
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +90,10 @@ def remember(run_uri: str, spec: RunSpec, run_key: str | None) -> None:
 
 
 def _names_code(spec: RunSpec) -> list[str]:
-    """The settings of ``spec`` that choose code a replica imports or files it reads."""
+    """The settings of ``spec`` that choose code a replica imports or files it reads (imports no user code)."""
     out = ["code.ref"] if spec.code.ref else []
     out += ["code.files"] if spec.code.files else []
-    out += [f"trainer.{k}" for k, v in spec.trainer.settings().items() if isinstance(v, str) and ":" in v
-            and k in ("task", "hint_source", "reward")]
-    return out
+    return out + sorted(code_references(spec.trainer.name, spec.trainer.settings()))
 
 
 def vouched_spec(run: Run) -> None:

@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composer_cloud.errors import BadObject
-from composer_cloud.jobs import ReplicaState, ReplicaStatus, get_executor, trusted_handles
-from composer_cloud.jobs.restarts import relaunches
+from composer_cloud.jobs import ReplicaState, ReplicaStatus, executor_class, get_executor, trusted_handles
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs import sync_state
+from composer_cloud.runs.states import RunState
 from composer_cloud.stack import version_skew
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState
@@ -54,7 +54,7 @@ class ReplicaInfo:
 class RunStatus:
     run_id: str
     run_uri: str
-    state: str  # running | completed | failed | cancelled | not started (written, no job ever started)
+    state: RunState
     rounds: int
     rounds_committed: int
     replicas: list[ReplicaInfo] = field(default_factory=list)
@@ -198,7 +198,7 @@ class StatusTracker:
             restarts = status.restarts if status.restarts is not None else h.restarts
             polled = self.poll_executors and not status.message.startswith("cannot poll")
             restarting = (polled and beat is not None and beat.state is HeartbeatState.FAILED
-                          and not status.state.finished and restarts < relaunches(spec, h.executor))
+                          and not status.state.finished and restarts < executor_class(h.executor).relaunches(spec))
             if restarting:
                 # The replica failed but its job lives on and will start it again (issue 33: the run is
                 # judged by what it does next, not by the first crash seen).
@@ -240,38 +240,40 @@ class StatusTracker:
         cancelled = cancel_requested(store)
         finished = all(i.state in ("succeeded", "failed", "cancelled") for i in infos) if infos else False
         if cancelled:
-            state = "cancelled"
+            state = RunState.CANCELLED
         elif final_durable and (finished or not infos):
-            state = "completed"
+            state = RunState.COMPLETED
         elif finished:
-            state = "failed"
+            state = RunState.FAILED
         elif not recorded and not store.list(layout.HEARTBEATS):
             # Written, but no replica job was recorded and no replica ever reported (a launch or resume
             # interrupted before its jobs started): nothing runs. `resume` starts it, `rm` deletes it.
-            state = "not started"
+            state = RunState.NOT_STARTED
             problems.append("no replica job was started (the launch was interrupted); start it with "
                             "`composer-cloud resume`, or delete it with `composer-cloud rm`")
         else:
-            state = "running"
+            state = RunState.RUNNING
         total = spec.rounds * spec.inner_steps
         steps = [i.step for i in infos if i.step is not None]
         step = max(steps) if steps else None
-        if state == "completed":
+        if state == RunState.COMPLETED:
             step = total
         rates = [i.steps_per_s for i in infos if i.state == "running" and i.steps_per_s]
         eta = None
-        if state == "running" and rates and steps:
+        if state == RunState.RUNNING and rates and steps:
             # The run ends when its slowest replica does (every round waits for the quorum).
             eta = _metrics.eta_s(step=min(s for s in steps), total_steps=total, steps_per_s=min(rates))
         elapsed = None
         if starts:  # until now, or until the last heartbeat of a finished run
-            end = time.time() if state == "running" or not beats else max(beats)
+            end = time.time() if state == RunState.RUNNING or not beats else max(beats)
             elapsed = max(0.0, end - min(starts))
         warnings = [f"replicas run different stacks: {w}" for w in version_skew(stacks)]
-        if state != "running":  # once, at the end: did it train at all (runs/signal.py)?
+        if state.is_terminal:  # once, at the end: did it train at all (runs/signal.py)?
             from composer_cloud.runs.signal import diagnose_rounds
+            from composer_cloud.trainer.settings import declared_settings
 
-            warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"), spec.trainer.settings())
+            warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"),
+                                        declared_settings(spec.trainer.name, spec.trainer.settings()))
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,

@@ -12,13 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_cloud.runs import metrics as _metrics
-from composer_cloud.runs.signal import CHANNELS, diagnose_rounds, hint_note
+from composer_cloud.runs.signal import diagnose_rounds
 from composer_cloud.runs.status import ReplicaInfo, RunStatus
 from composer_cloud.storage.run import Run
-
-#: What ``train_loss`` is, per trainer (the summary names it).
-LOSS_NAMES = {"three-channel": "three-channel loss (pg_weight·pg + sdpo_weight·sdpo + dpo_weight·dpo)",
-              "causal-lm": "next-token cross-entropy, nats/token"}
+from composer_cloud.trainer.data import dataset_columns, is_local_dataset
+from composer_cloud.trainer.settings import declared_settings
 
 
 #: A replica error that is its settings' fault (the replica refused its config), by the exception's name.
@@ -125,8 +123,6 @@ def _step_mean(steps: list[dict[str, Any]], committed: set[int], key: str, *, fi
 
 def _dataset_columns(settings: dict[str, Any]) -> list[str] | None:
     """The columns of a run's dataset when this process can read them quickly (a local file), else None."""
-    from composer_cloud.trainer.three_channel.dataset_task import dataset_columns, is_local_dataset
-
     name = settings.get("dataset")
     if not name or not is_local_dataset(str(name)):
         return None
@@ -147,17 +143,14 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
     evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
     eval_rewards = [m["eval_reward_mean"] for m in rounds if "eval_reward_mean" in m]
     settings = spec.trainer.settings()
+    trainer = declared_settings(spec.trainer.name, settings)
     channels = []
-    if spec.trainer.name == "three-channel":
-        for key, name in CHANNELS.items():
-            first = _step_mean(steps, committed, key, first=True)
-            last = _step_mean(steps, committed, key, first=False)
-            if first is not None and last is not None:
-                channels.append(ChannelMean(key, name, first, last))
-    notes = []
-    note = hint_note(settings, _dataset_columns(settings)) if spec.trainer.name == "three-channel" else None
-    if note:
-        notes.append(note)
+    for key, name in trainer.LOSS_CHANNELS.items():
+        first = _step_mean(steps, committed, key, first=True)
+        last = _step_mean(steps, committed, key, first=False)
+        if first is not None and last is not None:
+            channels.append(ChannelMean(key, name, first, last))
+    notes = trainer.launch_notes(_dataset_columns(settings))
     return RunSummary(
         rounds_committed=status.rounds_committed,
         loss_first=_round_mean(rounds, "train_loss", first=True),
@@ -176,12 +169,12 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         reward_last=_round_mean(rounds, "reward_mean", first=False),
         eval_reward_first=eval_rewards[0] if eval_rewards else None,
         eval_reward_last=eval_rewards[-1] if eval_rewards else None,
-        loss_name=LOSS_NAMES.get(spec.trainer.name, f"{spec.trainer.name} loss"),
+        loss_name=trainer.LOSS_NAME or f"{spec.trainer.name} loss",
         channels=channels,
-        warnings=diagnose_rounds(steps, settings),
+        warnings=diagnose_rounds(steps, trainer),
         notes=notes,
         synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
     )
 
 
-__all__ = ["ChannelMean", "LOSS_NAMES", "RunSummary", "reason", "replica_outcome", "summarize"]
+__all__ = ["ChannelMean", "RunSummary", "reason", "replica_outcome", "summarize"]

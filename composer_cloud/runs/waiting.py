@@ -10,6 +10,7 @@ from typing import Any
 
 from composer_cloud.errors import StoreError
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.runs.states import RunState
 from composer_cloud.runs.status import RunStatus, StatusTracker
 from composer_cloud.storage.run import Run, open_run
 
@@ -48,7 +49,7 @@ def wait(run: Run | str, *, timeout_s: float | None = None, interval_s: float = 
         last[:] = [st]
         if on_update is not None:
             on_update(st)
-        if st.state == "running" or st.store_error:
+        if st.state == RunState.RUNNING or st.store_error:
             return None
         if any(i.state == "failed" and i.exit_code is None for i in st.replicas):
             settle[:] = settle or [time.monotonic() + EXIT_CODE_SETTLE_S]

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,13 +56,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from composer_cloud.errors import BadObject
+
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
 CODEC = "sparse"
-SUM_CODEC = "sparse-sum"
 FORMAT_VERSION = 1
 #: The one ``__metadata__`` key of our safetensors payloads (sorted JSON, so bytes depend on content only).
 METADATA_KEY = "composer_cloud"
@@ -110,7 +110,7 @@ class SparseSettings(BaseModel):
         return 1 << (self.value_bits - 1)
 
 
-class SparsePayloadError(ValueError):
+class SparsePayloadError(BadObject, ValueError):
     """A sparse payload is malformed, forged, or encoded with other settings.
 
     ``key`` names the object, ``problem`` what is wrong (with the field); a payload read from the store is
@@ -118,9 +118,8 @@ class SparsePayloadError(ValueError):
     """
 
     def __init__(self, key: str, problem: str) -> None:
-        self.key = key
         self.problem = problem
-        super().__init__(f"{key}: {problem}")
+        super().__init__(key, problem, message=f"{key}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -466,8 +465,7 @@ def total(updates: Sequence[SparseUpdate], *, numel: int | None = None) -> torch
 def merge(updates: Sequence[SparseUpdate]) -> SparseUpdate:
     """The exact sparse sum (union of the supports), added in the given order in float32.
 
-    Bitwise equal to ``total(updates)`` restricted to the union: a partial sum a group aggregator can
-    forward (:func:`encode_sum`) without loss.
+    Bitwise equal to ``total(updates)`` restricted to the union (the convergence benchmark's union density).
     """
     if not updates:
         raise ValueError("no updates to merge")
@@ -479,33 +477,6 @@ def merge(updates: Sequence[SparseUpdate]) -> SparseUpdate:
     for u in updates:
         values[torch.searchsorted(union, u.indices)] += u.values
     return SparseUpdate(n, union, values)
-
-
-def encode_sum(update: SparseUpdate, *, contributors: int) -> bytes:
-    """Lossless payload of a partial sum: int32 flat indices (ascending) and float32 values."""
-    if update.numel > (1 << 31) - 1:
-        raise ValueError(f"sparse-sum payloads hold at most 2**31 - 1 elements, got {update.numel}")
-    meta = {"codec": SUM_CODEC, "version": FORMAT_VERSION, "numel": update.numel, "contributors": contributors}
-    return _save({"indices": update.indices.to(torch.int32), "values": update.values.to(torch.float32)}, meta)
-
-
-def decode_sum(data: bytes | bytearray | memoryview, *, key: str = "<payload>", numel: int | None = None,
-               max_contributors: int | None = None) -> tuple[SparseUpdate, int]:
-    """Decode and validate a partial sum; returns it and its number of contributors."""
-    tensors, meta = _load(data, key, SUM_CODEC, {"indices": torch.int32, "values": torch.float32})
-    n = _meta_int(meta, "numel", key, 1, (1 << 31) - 1)
-    contributors = _meta_int(meta, "contributors", key, 1, max_contributors or 1 << 20)
-    if numel is not None and n != numel:
-        raise SparsePayloadError(key, f"numel: {n} elements, expected {numel}")
-    idx, vals = tensors["indices"], tensors["values"]
-    if idx.dim() != 1 or vals.shape != idx.shape:
-        raise SparsePayloadError(key, f"values: shape {tuple(vals.shape)} does not match indices {tuple(idx.shape)}")
-    idx = idx.to(torch.int64)
-    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= n or bool((idx[1:] <= idx[:-1]).any())):
-        raise SparsePayloadError(key, f"indices: must be strictly ascending within [0, {n})")
-    if not bool(torch.isfinite(vals).all()):
-        raise SparsePayloadError(key, "values: not finite")
-    return SparseUpdate(n, idx, vals), contributors
 
 
 # --------------------------------------------------------------------------- safetensors framing
@@ -588,11 +559,5 @@ def settings_of(spec: RunSpec) -> SparseSettings | None:
     return SparseSettings(**spec.sync.sparse.model_dump(exclude=exchange_keys)) if spec.sync.codec == CODEC else None
 
 
-def compression_ratio(numel: int, payload_bytes: int) -> float:
-    """fp32 bytes of ``numel`` elements over ``payload_bytes``."""
-    return 4 * numel / payload_bytes if payload_bytes else math.inf
-
-
-__all__ = ["CODEC", "ErrorFeedback", "SUM_CODEC", "SparseEncoding", "SparsePayloadError", "SparseSettings",
-           "SparseUpdate", "chunk_layout", "compression_ratio", "decode", "decode_sum", "encode", "encode_sum",
-           "estimate_bytes", "mean", "merge", "nnz_of", "settings_of", "total"]
+__all__ = ["CODEC", "ErrorFeedback", "SparseEncoding", "SparsePayloadError", "SparseSettings",
+           "SparseUpdate", "chunk_layout", "decode", "encode", "estimate_bytes", "mean", "merge", "nnz_of", "settings_of", "total"]

@@ -12,11 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from composer_cloud.errors import ConfigError
+
 #: Local file extensions and the ``datasets`` builder that reads them.
 BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-class DatasetError(ValueError):
+class DatasetError(ConfigError, ValueError):
     """A dataset cannot be loaded or lacks a column; the message names the setting and what exists."""
 
 

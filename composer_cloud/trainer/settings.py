@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-from typing import Annotated, Any, ClassVar, Literal, Mapping, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
-from composer_cloud.registry import resolve
+from composer_cloud.registry import is_reference, resolve
+from composer_cloud.trainer.plugin import TrainerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +123,42 @@ def settings_class(name: str) -> Any:
     return resolve(name, TRAINERS, setting="trainer.name", kind="trainer")
 
 
+def code_references(name: str, settings: Mapping[str, Any], *, import_user_class: bool = False) -> dict[str, str]:
+    """``{"setting": "module:attr"}``: what a run's ``[trainer]`` table names as code a replica imports.
+
+    ``trainer.name`` when it is a reference, and the settings its class declares
+    (:meth:`TrainerPlugin.code_references`). A registered trainer's class is always asked; a user trainer's
+    class only with ``import_user_class`` (the launcher, which imports it anyway), never for a spec nothing
+    vouches for (``runs/signing``). The one answer ``launch`` packages and ``signing`` refuses by.
+    """
+    out = {"trainer.name": name} if is_reference(name) else {}
+    if name in TRAINERS or (import_user_class and out):
+        cls = settings_class(name)
+        if isinstance(cls, type) and issubclass(cls, TrainerPlugin):
+            out |= cls.code_references(settings)
+    return out
+
+
+def declared_settings(name: str, settings: Mapping[str, Any]) -> TrainerPlugin:
+    """The parsed settings of a run's trainer, as the client asks its questions of them (:class:`TrainerPlugin`).
+
+    Only a registered trainer is imported: a ``"module:Class"`` trainer (user code, maybe from a spec read
+    from the store) and settings that no longer parse (an older run) get :class:`TrainerPlugin`'s defaults,
+    which claim nothing. For the launch's own checks use :func:`settings_class` (which raises).
+    """
+    if name not in TRAINERS:
+        return TrainerPlugin()
+    try:
+        parsed = settings_class(name).from_settings(settings)
+    except ValueError:
+        logger.debug("trainer %r: settings do not parse; the client says nothing trainer-specific", name)
+        return TrainerPlugin()
+    return parsed if isinstance(parsed, TrainerPlugin) else TrainerPlugin()
+
+
 # --------------------------------------------------------------------------- causal-lm
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
-class DatasetSettings:
+class DatasetSettings(TrainerPlugin):
     """The ``[trainer]`` keys of a run on the user's own dataset (``docs/datasets.md``), one set for every trainer.
 
     Attributes:
@@ -181,6 +215,7 @@ class CausalLMSettings(DatasetSettings):
 
     TRAINER: ClassVar[str] = "causal-lm"
     FACTORY: ClassVar[str] = "composer_cloud.trainer.causal_lm:build_causal_lm_trainer"
+    LOSS_NAME: ClassVar[str | None] = "next-token cross-entropy, nats/token"
 
     batch_size: BatchSize = 8
     seq_len: PositiveInt = 64
@@ -196,6 +231,14 @@ class CausalLMSettings(DatasetSettings):
         self.check_dataset_keys(self.COLUMNS, describe=f"the causal-lm trainer's columns are "
                                 f"{', '.join(self.COLUMNS)} (the text, or a prompt and its answer)")
 
+    def dataset_problems(self, available: Sequence[str]) -> list[str]:
+        """A text column, or a prompt and an answer column (after ``columns``); empty: fine."""
+        has = {c for c in self.COLUMNS if self.columns.get(c, c) in available}
+        if "text" in has or {"prompt", "answer"} <= has:
+            return []
+        return [f"the causal-lm trainer needs a 'text' column, or 'prompt' and 'answer' (its columns: "
+                f"{', '.join(available)}); map them with trainer.columns.text = \"<column>\" (or .prompt and .answer)"]
+
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "CausalLMSettings":
         """From a ``[trainer]`` table; ``ValueError`` naming ``trainer.<key>`` on bad input."""
@@ -210,6 +253,8 @@ __all__ = [
     "CausalLMSettings",
     "DatasetSettings",
     "check_settings",
+    "code_references",
+    "declared_settings",
     "parse_settings",
     "settings_class",
 ]

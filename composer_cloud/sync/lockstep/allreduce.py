@@ -60,10 +60,21 @@ from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_out
                                         verify_reduced)
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.lockstep.config import AllReduceConfig
-from composer_cloud.sync.lockstep.results import BehindError, RoundResult, RoundTimeout, _Immediate
+from composer_cloud.sync.lockstep.results import BehindError, RoundResult, RoundTimeout
 from composer_cloud.sync.lockstep.rounds import join_rank, moved_past, read_outcome, read_quorum
 
 logger = logging.getLogger(__name__)
+
+
+class InlineFuture:
+    """A future-like that runs ``fn(*args)`` when asked for its result: a fetch done inline, where the exchanges
+    would otherwise submit it to their thread pool (so both kinds are read with ``.result()``)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._fn, self._args = fn, args
+
+    def result(self) -> Any:
+        return self._fn(*self._args)
 
 
 @dataclass(frozen=True)
@@ -475,7 +486,7 @@ class ObjectStoreAllReduce:
         if parallel:
             futures = [self._pool.submit(fetch, p) for p in participants]
         else:
-            futures = [_Immediate(fetch, p) for p in participants]
+            futures = [InlineFuture(fetch, p) for p in participants]
         acc: torch.Tensor | None = None
         missing: list[int] = []
         norms: list[float] = []
@@ -599,4 +610,4 @@ class ObjectStoreAllReduce:
                                                                         f"round_timeout_s ({waited:.1f}s)"))
 
 
-__all__ = ["AllReduceConfig", "BehindError", "ObjectStoreAllReduce", "RoundResult", "RoundTimeout"]
+__all__ = ["AllReduceConfig", "BehindError", "InlineFuture", "ObjectStoreAllReduce", "RoundResult", "RoundTimeout"]

@@ -27,6 +27,7 @@ import numpy.ctypeslib  # noqa: F401 - safetensors imports it lazily; racing fir
 import torch
 from safetensors.torch import load as st_load
 
+from composer_cloud.errors import BadObject
 from composer_cloud.storage.tensors import save_tensors
 
 CodecName = Literal["fp32", "bf16", "int8"]
@@ -50,7 +51,7 @@ def encode(codec: str, x: torch.Tensor) -> bytes:
     raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
 
 
-class PayloadError(ValueError):
+class PayloadError(BadObject, ValueError):
     """An encoded payload is not what its codec writes (wrong tensors, dtypes or sizes).
 
     Raised by :func:`decode` with the object's key; a payload read from the
@@ -58,9 +59,8 @@ class PayloadError(ValueError):
     """
 
     def __init__(self, key: str, problem: str) -> None:
-        self.key = key
         self.problem = problem
-        super().__init__(f"{key}: {problem}")
+        super().__init__(key, problem, message=f"{key}: {problem}")
 
 
 def decode(codec: str, data: bytes | memoryview, *, key: str = "<payload>", numel: int | None = None) -> torch.Tensor:

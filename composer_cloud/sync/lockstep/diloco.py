@@ -35,6 +35,7 @@ from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.lockstep.durable import model_attempt_of
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
+from composer_cloud.sync.state_tree import ORIGINAL_PARAMETERS, fragment_key
 from composer_cloud.sync.lockstep.grouped import sparse_allreduce
 from composer_cloud.sync.sparse import settings_of
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager, SyncRecord
@@ -86,16 +87,11 @@ def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return [ParameterGroup(g) for g in groups]
 
 
-def fragment_key(index: int) -> str:
-    """torchft's state-dict key of fragment ``index`` (what the global state is keyed by)."""
-    return f"StreamingDiLoCoFragment_{index}"
-
-
 def load_global_parameters(fragments: Sequence[torch.nn.Module], tree: Mapping[str, Any]) -> None:
     """Copy the global parameters of a stored global state into ``fragments`` (export, inspection)."""
     with torch.no_grad():
         for i, frag in enumerate(fragments):
-            params = tree[fragment_key(i)]["original_parameters"]
+            params = tree[fragment_key(i)][ORIGINAL_PARAMETERS]
             sources = getattr(frag, "source_names", {})
             for name, p in frag.named_parameters():
                 # Lock-step states are keyed by the fragment's names; decoupled ones by the model's.

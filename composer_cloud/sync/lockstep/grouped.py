@@ -55,7 +55,7 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.records import SlotDigest
 from composer_cloud.sync import sparse
 from composer_cloud.sync.checks import RejectedPayload, check_outliers
-from composer_cloud.sync.lockstep.allreduce import (AllReduceConfig, RoundResult, RoundTimeout, _Immediate,
+from composer_cloud.sync.lockstep.allreduce import (AllReduceConfig, RoundResult, RoundTimeout, InlineFuture,
                                                    publish_with_digest)
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
 
@@ -194,7 +194,7 @@ class GroupedSparseAllReduce(SparseGatherAllReduce):
         futures: dict[int, Any] = {}
         for p in group:
             if own is None or p != self.rank:
-                futures[p] = self._pool.submit(fetch, p) if parallel else _Immediate(fetch, p)
+                futures[p] = self._pool.submit(fetch, p) if parallel else InlineFuture(fetch, p)
         updates: list[sparse.SparseUpdate] = []
         missing: list[int] = []
         for p in group:

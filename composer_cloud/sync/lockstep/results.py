@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from composer_cloud.errors import SyncError
 
@@ -21,16 +20,6 @@ class RoundTimeout(SyncError):
         self.missing_ranks = sorted(missing_ranks)
         self.aborted = False
         super().__init__(f"round {round}: {what}; missing replicas: {self.missing_ranks}")
-
-
-class _Immediate:
-    """A future-like that runs its function when asked for the result (inline fetches)."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self._fn, self._args = fn, args
-
-    def result(self) -> Any:
-        return self._fn(*self._args)
 
 
 class BehindError(SyncError):

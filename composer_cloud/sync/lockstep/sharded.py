@@ -53,11 +53,12 @@ from composer_cloud.sync.lockstep.config import AllReduceConfig
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager
 from composer_cloud.sync.lockstep.results import RoundTimeout
 from composer_cloud.sync.lockstep.rounds import read_quorum
+from composer_cloud.sync.state_tree import fragment_key
 
 logger = logging.getLogger(__name__)
 
 #: torchft's state-dict key of a DiLoCo that syncs a single fragment (what each local rank's DiLoCo registers).
-_OWN_FRAGMENT = "StreamingDiLoCoFragment_0"
+_OWN_FRAGMENT = fragment_key(0)
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,6 @@ class LocalShard:
     @property
     def fsdp(self) -> bool:
         return self.parallelism == "fsdp"
-
-
-def shard_key(index: int) -> str:
-    """The global-state key of shard ``index`` (torchft's key of fragment ``index``)."""
-    return f"StreamingDiLoCoFragment_{index}"
 
 
 class ShardedAllReduce(ObjectStoreAllReduce):
@@ -156,7 +152,7 @@ class ShardedManager(ObjectStoreManager):
         """Register DiLoCo's state under shard ``k``'s key; stored as plain local tensors (FSDP: the shards)."""
         if key != _OWN_FRAGMENT:
             raise SyncError(f"a multi-GPU replica's rank syncs one fragment; DiLoCo registered {key!r}")
-        super().register_state_dict_fn(shard_key(self.shard.index), lambda state: load_fn(self._as_params(state)),
+        super().register_state_dict_fn(fragment_key(self.shard.index), lambda state: load_fn(self._as_params(state)),
                                        lambda: _local_tensors(save_fn()))
 
     def _as_params(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +180,7 @@ class ShardedManager(ObjectStoreManager):
         own = self.own_state()
         if self.shard.index != 0:
             return own
-        return {shard_key(j): own[shard_key(j)] if j == 0 else self.mirror[shard_key(j)]
+        return {fragment_key(j): own[fragment_key(j)] if j == 0 else self.mirror[fragment_key(j)]
                 for j in range(self.shard.count)}
 
     def _maybe_publish_state(self, after: Any = None) -> None:
@@ -195,7 +191,7 @@ class ShardedManager(ObjectStoreManager):
 
     def adopt(self, tree: dict[str, Any]) -> None:
         """The other shards' entries of a loaded global state become the mirror (resume)."""
-        self.mirror = {k: v for k, v in tree.items() if k != shard_key(self.shard.index)}
+        self.mirror = {k: v for k, v in tree.items() if k != fragment_key(self.shard.index)}
 
 
 def _local_tensors(tree: Any) -> Any:
@@ -261,7 +257,7 @@ def share_shards(manager: ShardedManager, shards: list[torch.nn.Module]) -> None
         if j == me:
             continue
         tree = decode_state(data)
-        params = tree[shard_key(j)]["original_parameters"]
+        params = tree[fragment_key(j)]["original_parameters"]
         with torch.no_grad():
             for name, p in module.named_parameters():
                 p.copy_(params[name])
@@ -278,7 +274,7 @@ def load_fsdp_shards(model: torch.nn.Module, tree: dict[str, Any], count: int) -
     with torch.no_grad():
         for name, p in model.named_parameters():
             try:
-                full = torch.cat([tree[shard_key(k)]["original_parameters"][name] for k in range(count)])
+                full = torch.cat([tree[fragment_key(k)]["original_parameters"][name] for k in range(count)])
             except KeyError as exc:
                 raise CorruptCheckpoint(layout.CHECKPOINTS, f"the global state has no shard entry {exc} of "
                                         f"parameter {name}") from None
@@ -288,4 +284,4 @@ def load_fsdp_shards(model: torch.nn.Module, tree: dict[str, Any], count: int) -
             p.copy_(full)
 
 
-__all__ = ["LocalShard", "ShardedAllReduce", "ShardedManager", "load_fsdp_shards", "share_shards", "shard_key"]
+__all__ = ["LocalShard", "ShardedAllReduce", "ShardedManager", "load_fsdp_shards", "share_shards"]

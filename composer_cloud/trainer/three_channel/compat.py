@@ -18,6 +18,8 @@ import trl
 from packaging.version import Version
 from trl import GRPOTrainer
 
+from composer_cloud.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 TRL_SUPPORTED = ">=1.16,<1.17"  # keep in sync with pyproject.toml
@@ -60,7 +62,7 @@ EXPECTED_ATTRS: tuple[str, ...] = (
 EXPECTED_MODULE_NAMES: tuple[str, ...] = ("create_model_from_path",)
 
 
-class TRLCompatibilityError(ImportError):
+class TRLCompatibilityError(ConfigError, ImportError):
     """The installed TRL's ``GRPOTrainer`` no longer matches what the three-channel trainer overrides."""
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Annotated, Any, ClassVar, Literal, Mapping, get_args
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence, get_args
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -43,7 +43,8 @@ from composer_cloud.trainer.settings import (
     PositiveInt,
     parse_settings,
 )
-from composer_cloud.trainer.three_channel.dataset_task import CANONICAL, REWARDS
+from composer_cloud.trainer.three_channel import signal
+from composer_cloud.trainer.three_channel.dataset_task import CANONICAL, REWARD_NEEDS, REWARDS, missing_columns
 from composer_cloud.trainer.three_channel.tasks import DEFAULT_HINT_TEMPLATE, TASKS, hint_source_reference
 
 logger = logging.getLogger(__name__)
@@ -243,6 +244,10 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     FACTORY: ClassVar[str] = "composer_cloud.trainer.three_channel.adapter:build_three_channel_trainer"
     #: old ``[trainer]`` key -> new key; an old key is an error that names the new one.
     RENAMED: ClassVar[dict[str, str]] = {"alpha": "sdpo_weight", "beta": "dpo_weight", "kl_beta": "kl_coef"}
+    #: the settings that may name code a replica imports (``hint_source = "column:NAME"`` names a column).
+    CODE_SETTINGS: ClassVar[tuple[str, ...]] = ("task", "hint_source", "reward")
+    LOSS_CHANNELS: ClassVar[dict[str, str]] = signal.CHANNELS
+    LOSS_NAME: ClassVar[str | None] = "three-channel loss (pg_weight·pg + sdpo_weight·sdpo + dpo_weight·dpo)"
 
     batch_size: BatchSize = 8
     seq_len: PositiveInt = 64
@@ -346,6 +351,39 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         lora = getattr(model, "lora", None)
         if lora is not None:
             cls.check_lora_dropout(lora.dropout)
+
+    @classmethod
+    def names_code(cls, key: str, value: str) -> bool:
+        """A ``"module:attr"`` value names code, except ``hint_source = "column:NAME"`` (a dataset column)."""
+        if key == "hint_source" and value.startswith("column:"):
+            return False
+        return super().names_code(key, value)
+
+    def check_launch(self, spec: Any) -> None:
+        """``rollout = "vllm"`` only where local replicas can run it (vLLM installed, a GPU); ``ValueError``."""
+        if self.rollout != "vllm":
+            return  # nothing of TRL is imported for other runs
+        from composer_cloud.trainer.three_channel.rollout import check_rollout_before_launch
+
+        check_rollout_before_launch(spec)
+
+    def dataset_problems(self, available: Sequence[str]) -> list[str]:
+        """The mapped columns exist, and the reward's column (``REWARD_NEEDS``) is there."""
+        needed = [REWARD_NEEDS[self.effective_reward]] if self.effective_reward in REWARD_NEEDS else []
+        return missing_columns(self.columns, available, needed=needed)
+
+    def launch_refusal(self, columns: Sequence[str] | None) -> str | None:
+        """No channel can produce a gradient (:func:`~composer_cloud.trainer.three_channel.signal.launch_refusal`)."""
+        return signal.launch_refusal(self, columns)
+
+    def launch_notes(self, columns: Sequence[str] | None) -> list[str]:
+        """What channel 2 distils from on a dataset run (:func:`~.signal.hint_note`)."""
+        note = signal.hint_note(self, columns)
+        return [note] if note else []
+
+    def silence_reasons(self, steps: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Each silent channel and what to change (:func:`~.signal.channel_reasons`)."""
+        return signal.channel_reasons(self, steps)
 
     @property
     def effective_task(self) -> str:

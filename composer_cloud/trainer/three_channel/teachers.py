@@ -48,6 +48,7 @@ import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from composer_cloud import env as cc_env
+from composer_cloud.errors import ComposerCloudError, ConfigError
 from composer_cloud.trainer.three_channel.replay import (
     PairFilters,
     TraceStep,
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 CHAT_OVERHEAD_TOKENS = 64
 
 
-class TeachersError(ValueError):
+class TeachersError(ConfigError, ValueError):
     """The trace or the teachers file is not usable; the message names the file, the teacher and the field."""
 
 
@@ -284,7 +285,7 @@ class Teacher:
         logger.info("teacher %s failed: %s", self.config.name, self.stats.last_error)
 
 
-class MalformedResponse(RuntimeError):
+class MalformedResponse(ComposerCloudError, RuntimeError):
     """The endpoint answered, but not with a completion."""
 
 
