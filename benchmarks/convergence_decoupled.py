@@ -85,8 +85,8 @@ def _store_class() -> type:
                 acc[0] += self.bytes_read - r0
                 acc[1] += self.bytes_written - w0
 
-        def get_plain(self, key: str) -> bytes:
-            return self._tally(key, lambda: super(KeyedStore, self).get_plain(key))
+        def get_plain(self, key: str, *, max_bytes: int | None = None) -> bytes:
+            return self._tally(key, lambda: super(KeyedStore, self).get_plain(key, max_bytes=max_bytes))
 
         def put(self, key: str, payload: Any, *, durable: bool = True) -> int:
             return self._tally(key, lambda: super(KeyedStore, self).put(key, payload, durable=durable))
