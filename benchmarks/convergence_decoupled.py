@@ -292,7 +292,7 @@ def codec_worker(q: Any, index: int, codec: str, cfg_dict: dict[str, Any], base_
 
 def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # "--h" is H, not help
-    p.add_argument("--codecs", nargs="+", choices=["fp32", "bf16", "int8", "sparse", *VARIANTS],
+    p.add_argument("--codecs", nargs="+", choices=["fp32", "sparse", *VARIANTS],
                    default=["fp32", "sparse"])
     p.add_argument("--drive", choices=["interleaved", "processes"], default="interleaved")
     p.add_argument("--grace-s", type=float, default=60.0, help="interleaved: grace_min_s = grace_max_s")

@@ -76,7 +76,10 @@ def test_spec_refuses_fragments_with_decoupled_and_names_the_field():
         spec_from_dict({"replicas": 2, "sync": {"mode": "decoupled", "min_quorum": 3}})
     assert err.value.field == "sync.min_quorum"
     with pytest.raises(SpecError) as err:
-        spec_from_dict({"sync": {"fragment_update_alpha": 0.0}})
+        spec_from_dict({"sync": {"mode": "decoupled", "adopt_global_weight": 0.0}})
+    assert err.value.field == "sync.adopt_global_weight"
+    with pytest.raises(SpecError, match="renamed sync.adopt_global_weight") as err:  # torchft's name, other meaning
+        spec_from_dict({"sync": {"mode": "decoupled", "fragment_update_alpha": 0.5}})
     assert err.value.field == "sync.fragment_update_alpha"
     spec = spec_from_dict({"sync": {"mode": "decoupled"}})
     assert spec.sync.mode == "decoupled" and spec_from_dict({}).sync.mode == "lockstep"

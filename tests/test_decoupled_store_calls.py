@@ -1,9 +1,9 @@
 """The store calls of one decoupled merging boundary grow at most linearly in W, and no folder is listed twice.
 
 The bounds are the ones docs/decoupled.md states ("Store calls of a boundary"). The boundary is the leader's
-sequence in ``replica/decoupled.py``: look for the run's end, publish, merge, adopt, read the adopted record,
-then (as the next segment starts) the run's end and the fleet's budget again, all through one
-:class:`BoundaryView`.
+sequence in ``replica/decoupled.py`` (``after_step``): look for the run's end, publish, merge, adopt, read the
+adopted record, all through one :class:`BoundaryView`. The check that starts the next segment (the run's end, the
+fleet's budget) takes a look of its own: other replicas publish meanwhile.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _delta() -> dict[str, torch.Tensor]:
     return {"w": torch.full((3,), 0.1), "b": torch.full((2,), -0.1)}
 
 
-def _boundary_calls(tmp_path: Any, replicas: int) -> CountingBackend:
+def _boundary_calls(tmp_path: Any, replicas: int) -> tuple[CountingBackend, CountingBackend]:
     """Replica 0's boundary at version 1 with every other replica's contribution pending: it merges all W."""
     cfg = dc.DecoupledConfig.from_spec(spec_from_dict({"run_id": "run", "replicas": replicas,
                                                        "sync": {"mode": "decoupled"}}))
@@ -75,19 +75,24 @@ def _boundary_calls(tmp_path: Any, replicas: int) -> CountingBackend:
     assert v == 2
     dc.load_version(view, v, SHAPES)
     assert dc.read_merge(view, cfg, v).ranks == list(range(replicas))
+    store.backend = start = CountingBackend(counting.inner)
+    view = BoundaryView(store)
     assert dc.read_final(view) is None
     assert dc.published_total(view, cfg) == 2 * replicas
-    return counting
+    return counting, start
 
 
 @pytest.mark.parametrize("replicas", [4, 16, 64])
 def test_one_merging_boundary_lists_each_folder_once_and_reads_linearly_in_w(tmp_path, replicas):
-    calls = _boundary_calls(tmp_path, replicas)
+    calls, start = _boundary_calls(tmp_path, replicas)
     assert max(calls.lists.values()) == 1, f"folders listed more than once: {calls.lists}"
     assert sum(calls.lists.values()) <= 3  # decoupled/contrib/ and checkpoints/ (recursive), decoupled/merge/
     # Each pending meta and blob once (2W), plus the newest record, two globals and their markers/manifests.
     assert sum(calls.gets.values()) <= 8 + 2 * replicas, calls.gets
     assert max(calls.gets.values()) == 1, f"objects read more than once: {calls.gets}"
+    # The next segment's check: final.json, decoupled/contrib/ and decoupled/merge/, the newest record.
+    assert sum(start.lists.values()) <= 2 and max(start.lists.values()) == 1, start.lists
+    assert sum(start.gets.values()) <= 2 + replicas, start.gets
 
 
 def test_a_lost_create_makes_the_view_look_again(tmp_path):

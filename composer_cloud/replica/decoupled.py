@@ -127,7 +127,6 @@ class DecoupledBoundary:
         self._base: dict[str, torch.Tensor] = {}  # the parameters the next contribution is measured from
         self._last_look = time.monotonic()
         self._stopped = False
-        self._view: BoundaryView | None = None  # this boundary's look at the store, until the next segment starts
         self.leader = ctx.leader  # local rank 0 of a multi-GPU replica does the store work for it
         self.local = LeaderDecides(ctx, self.synced)
 
@@ -194,9 +193,9 @@ class DecoupledBoundary:
     def _running(self, segment: Segment) -> bool:
         if self._stopped:
             return False
-        if segment.steps == 0:  # a boundary: is there still work for the fleet? (the boundary's own view)
+        if segment.steps == 0:  # a segment starts: is there still work for the fleet? (a look of its own)
             self._last_look = time.monotonic()
-            view, self._view = self._view or BoundaryView(self.store), None
+            view = BoundaryView(self.store)
             return protocol.read_final(view) is None and protocol.published_total(view, self.cfg) < self.budget
         # Between boundaries, one small GET every FINISH_CHECK_S: once the run finished, the rest of this
         # segment could never be merged, so stop computing (billing) it now rather than at the boundary.
@@ -222,7 +221,7 @@ class DecoupledBoundary:
         if not self.leader:
             return self._follow()
         # One look at the store per folder for the whole boundary (docs/decoupled.md, "Store calls").
-        view = self._view = BoundaryView(self.store)
+        view = BoundaryView(self.store)
         final = protocol.read_final(view) is not None
         self.local.ints(int(final))
         if final:
@@ -238,7 +237,7 @@ class DecoupledBoundary:
         self.seq += 1
         outcome = self._merge(view)
         adopted_before = self.adopted
-        self._adopt(alpha=self.spec.sync.fragment_update_alpha, store=view)
+        self._adopt(alpha=self.spec.sync.adopt_global_weight, store=view)
         self.local.ints(self.seq, self.adopted)  # then the adopted parameters: the other ranks' _follow
         self.local.params()
         self._base = cpu_params(self.ctx.model)
