@@ -10,12 +10,13 @@ No secret value is ever part of a spec: secrets are referred to by name only.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import re
 import secrets as _secrets
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -33,6 +34,32 @@ DEFAULT_STORE = "file://./runs"  # a no-flag launch stores its runs under ./runs
 MAX_STORE_BYTES = 768  # a store URI's bound: a run's keys (~80 more) must fit S3's 1,024-byte keys
 # ``[trainer]`` settings that may be a "module:factory" reference (besides ``name``).
 _FACTORY_SETTINGS = ("task", "hint_source", "reward")
+
+
+class ExecutorShare(NamedTuple):
+    """One entry of ``executor``: a backend and how many replicas it runs (None: all of them)."""
+
+    backend: str
+    replicas: int | None
+
+
+@functools.cache
+def parse_executor(text: str) -> tuple[ExecutorShare, ...]:
+    """``executor`` as typed shares, parsed once per distinct string: ``"local"`` -> ``(("local", None),)``,
+    ``"local:1,modal:2"`` -> ``(("local", 1), ("modal", 2))``. Raises ``ValueError`` naming ``executor`` for a
+    malformed one. Backend names are checked against the registry by ``jobs.assign_ranks``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("executor: empty executor name")
+    if len(parts) == 1 and ":" not in parts[0]:
+        return (ExecutorShare(parts[0], None),)
+    shares = []
+    for part in parts:
+        name, sep, count = part.partition(":")
+        if not sep or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"executor: {part!r} must be NAME:COUNT with COUNT >= 1")
+        shares.append(ExecutorShare(name, int(count)))
+    return tuple(shares)
 
 
 class LoraSpec(Strict):
@@ -219,6 +246,7 @@ class RunSpec(Strict):
     #: Set by ``launch`` (signed runs), kept by ``resume``: with the run id it derives the signing key from the run
     #: key, so another run's objects never verify here, even under one key and id (docs/store.md).
     run_salt: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
+    #: ``"NAME"`` or ``"NAME:COUNT,NAME:COUNT"`` in TOML, on the CLI and in ``spec.json``; typed: :attr:`executors`.
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
@@ -332,6 +360,11 @@ class RunSpec(Strict):
         return self
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def executors(self) -> tuple[ExecutorShare, ...]:
+        """``executor`` as typed ``(backend, replicas)`` shares (:func:`parse_executor`, cached)."""
+        return parse_executor(self.executor)
+
     def with_run_id(self) -> "RunSpec":
         """Return a copy with a generated ``run_id`` if none was given."""
         if self.run_id:
