@@ -69,7 +69,7 @@ from support.processes import run_processes  # noqa: E402
 
 from allreduce_worker import MIB, STORE_METHODS, worker  # noqa: E402  (the replica side)
 from composer_cloud.retry import PollPolicy  # noqa: E402
-from composer_cloud.spec import SyncSpec  # noqa: E402
+from composer_cloud.spec_sync import SyncSpec  # noqa: E402
 from composer_cloud.storage.store import Store  # noqa: E402
 from composer_cloud.sync.lockstep import codec as wire  # noqa: E402
 

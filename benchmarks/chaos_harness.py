@@ -76,9 +76,10 @@ class Harness:
             # The round leader evaluates after each commit; we evaluate offline, so keep that cheap.
             "trainer.eval_rows": 4,
             "sync.quorum_timeout_s": c.quorum_timeout_s, "sync.round_timeout_s": c.round_timeout_s,
-            "sync.heal_timeout_s": c.round_timeout_s,
             "sync.mode": self.mode,
         }
+        if self.mode == "lockstep":  # a setting decoupled mode never reads is refused (spec_sync.MODE_IGNORES)
+            o["sync.heal_timeout_s"] = c.round_timeout_s
         o.update(c.mode_overrides.get(self.mode, {}))
         return o
 

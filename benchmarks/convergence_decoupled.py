@@ -85,8 +85,8 @@ def _store_class() -> type:
                 acc[0] += self.bytes_read - r0
                 acc[1] += self.bytes_written - w0
 
-        def get_plain(self, key: str, **kwargs: Any) -> bytes:
-            return self._tally(key, lambda: super(KeyedStore, self).get_plain(key, **kwargs))
+        def get_plain(self, key: str, *, max_bytes: int | None = None) -> bytes:
+            return self._tally(key, lambda: super(KeyedStore, self).get_plain(key, max_bytes=max_bytes))
 
         def put(self, key: str, payload: Any, *, durable: bool = True) -> int:
             return self._tally(key, lambda: super(KeyedStore, self).put(key, payload, durable=durable))
@@ -292,7 +292,7 @@ def codec_worker(q: Any, index: int, codec: str, cfg_dict: dict[str, Any], base_
 
 def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # "--h" is H, not help
-    p.add_argument("--codecs", nargs="+", choices=["fp32", "bf16", "int8", "sparse", *VARIANTS],
+    p.add_argument("--codecs", nargs="+", choices=["fp32", "sparse", *VARIANTS],
                    default=["fp32", "sparse"])
     p.add_argument("--drive", choices=["interleaved", "processes"], default="interleaved")
     p.add_argument("--grace-s", type=float, default=60.0, help="interleaved: grace_min_s = grace_max_s")

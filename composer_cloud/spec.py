@@ -10,17 +10,19 @@ No secret value is ever part of a spec: secrets are referred to by name only.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import re
 import secrets as _secrets
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from composer_cloud.errors import SpecError, url_has_credentials
 from composer_cloud.spec_errors import error_from_validation
+from composer_cloud.spec_sync import GATHER_MAX_REPLICAS, Strict, SyncSpec
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # use fullmatch: "$" accepts a trailing "\n"
 # Option names that would carry a secret if written into a spec.
@@ -35,12 +37,33 @@ MAX_STORE_BYTES = 768  # a store URI's bound: a run's keys (~80 more) must fit S
 _REFERENCE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
-class _Strict(BaseModel):
-    # allow_inf_nan=False: a timeout of inf or nan is a typo, never a setting.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
+class ExecutorShare(NamedTuple):
+    """One entry of ``executor``: a backend and how many replicas it runs (None: all of them)."""
+
+    backend: str
+    replicas: int | None
 
 
-class LoraSpec(_Strict):
+@functools.cache
+def parse_executor(text: str) -> tuple[ExecutorShare, ...]:
+    """``executor`` as typed shares, parsed once per distinct string: ``"local"`` -> ``(("local", None),)``,
+    ``"local:1,modal:2"`` -> ``(("local", 1), ("modal", 2))``. Raises ``ValueError`` naming ``executor`` for a
+    malformed one. Backend names are checked against the registry by ``jobs.assign_ranks``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("executor: empty executor name")
+    if len(parts) == 1 and ":" not in parts[0]:
+        return (ExecutorShare(parts[0], None),)
+    shares = []
+    for part in parts:
+        name, sep, count = part.partition(":")
+        if not sep or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"executor: {part!r} must be NAME:COUNT with COUNT >= 1")
+        shares.append(ExecutorShare(name, int(count)))
+    return tuple(shares)
+
+
+class LoraSpec(Strict):
     """``[model.lora]``: train low-rank adapters (PEFT LoRA) instead of the whole model.
 
     Only the adapter parameters are trained, synced and checkpointed; the base
@@ -62,7 +85,7 @@ class LoraSpec(_Strict):
         return v
 
 
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     """``name`` is ``"tiny"`` (built in) or a Hugging Face model id / local directory.
 
     ``precision = "bf16"`` computes forwards and backwards in bfloat16 under
@@ -106,7 +129,7 @@ class ModelSpec(_Strict):
         return v
 
 
-class InnerOptimizerSpec(_Strict):
+class InnerOptimizerSpec(Strict):
     """AdamW, stepped once per inner step on each replica."""
 
     #: <= 1: AdamW moves each weight by ~lr per step whatever the gradient's scale (fine-tuning: 1e-6..1e-3).
@@ -135,7 +158,7 @@ class InnerOptimizerSpec(_Strict):
 OUTER_DEFAULTS: dict[str, tuple[float, float]] = {"lockstep": (0.7, 0.9), "decoupled": (1.0, 0.3)}
 
 
-class OuterOptimizerSpec(_Strict):
+class OuterOptimizerSpec(Strict):
     """Nesterov SGD on the averaged pseudo-gradient, once per round (per merge in decoupled mode).
 
     ``lr`` and ``momentum`` left unset take the sync mode's defaults (:data:`OUTER_DEFAULTS`);
@@ -148,127 +171,7 @@ class OuterOptimizerSpec(_Strict):
     nesterov: bool = True
 
 
-class SparseSpec(_Strict):
-    """``[sync.sparse]``: the sparse codec (``sync.codec = "sparse"``; SparseLoCo, see ``docs/sparse.md``).
-
-    Defaults are the recipes measured best in ``docs/sparse.md`` at >= 50x fewer bytes: 2-bit values, chunks
-    of 4096, and density and error-feedback decay by sync mode (:data:`SPARSE_RECIPES`: 3/64 and 0.95 in
-    lock-step, 11/128 and 0.9 in decoupled mode), filled in when the spec is parsed.
-    """
-
-    #: Fraction of each chunk sent (top-k of the error-feedback accumulator, k = density x chunk); null: the
-    #: sync mode's recipe.
-    density: float | None = Field(default=None, gt=0, le=1)
-    #: Bits per sent value: a sign bit and value_bits - 1 bits of per-chunk magnitude level.
-    value_bits: int = Field(default=2, ge=1, le=8)
-    #: Error-feedback decay beta in e <- beta e + delta (0: no memory); null: the sync mode's recipe.
-    decay: float | None = Field(default=None, ge=0, le=1)
-    #: Elements per chunk (positions Rice-coded within it). >= 64: below, each chunk's codebook (2 ** (value_bits
-    #: - 1) bf16 levels) costs more bits per element than bf16 itself.
-    chunk: int = Field(default=4096, ge=64, le=1 << 20)
-    #: The exchange: "gather" (flat: every replica reads every contribution, exact), "two_level" (groups
-    #: of ~sqrt(W); a group's sum is re-sparsified, its residual fed back), "auto" (two_level from 235
-    #: replicas on, where the gather's requests on one key prefix need > 10 s a round; docs/scale.md).
-    exchange: Literal["auto", "gather", "two_level"] = "auto"
-    #: Members per group of the two-level exchange (null: ceil(sqrt(participants))).
-    group_size: int | None = Field(default=None, ge=2)
-
-    @model_validator(mode="after")
-    def _one_value_per_chunk(self) -> "SparseSpec":  # below 1/2 a chunk the codec would silently send one
-        if self.density is not None and self.density * self.chunk < 0.5:
-            raise SpecError("sync.sparse.density", f"{self.density:g} x sync.sparse.chunk ({self.chunk}) is less "
-                            f"than one value per chunk; use at least {1 / self.chunk:.3g} (the recipes: 3/64, 11/128)")
-        return self
-
-
-#: ``[sync.sparse]`` density and decay where the spec leaves them out, by ``sync.mode`` (docs/sparse.md, W = 4,
-#: H = 50, 40 syncs, stdlib corpus): lock-step -1.36 % held-out loss against fp32 DiLoCo at 56.5x fewer bytes;
-#: decoupled +1.75 % / +1.53 % (two seeds) at 51x fewer contribution bytes. Asynchronous merges of stale
-#: contributions need denser contributions and an accumulator that forgets faster (decay 0.99 / 0.95 / 0.9 / 0.8
-#: at density 1/16: +3.36 / +2.60 / +2.20 / +2.93 %).
-SPARSE_RECIPES: dict[str, dict[str, float]] = {
-    "lockstep": {"density": 3 / 64, "decay": 0.95},
-    "decoupled": {"density": 11 / 128, "decay": 0.9},
-}
-
-#: Most replicas the sparse codec's flat gather serves: beyond ~293 it moves more bytes per replica than
-#: bf16 scatter-reduce (docs/scale.md, crossovers), and its 2W reads per replica grow with W. The
-#: two-level exchange (``sync.sparse.exchange``) serves every run size (about 2 sqrt(W) reads per replica).
-GATHER_MAX_REPLICAS = 256
-
-
-class SyncSpec(_Strict):
-    """How replicas exchange pseudo-gradients through the store.
-
-    Deadlines are in seconds. ``quorum_timeout_s`` is how long a replica that
-    reached a sync waits for the others before the round proceeds with those
-    present (at least ``min_replicas``); ``round_timeout_s`` bounds every other
-    wait of a round (payloads, reduced slots, the commit record).
-    ``store_outage_s`` is the store outage a replica rides out (see
-    ``docs/store.md``).
-    """
-
-    #: ``sparse``: chunk-wise top-k of an error-feedback accumulator, exchanged by a flat gather
-    #: (``[sync.sparse]``; its outer step defaults to plain SGD, lr 1, no momentum: docs/sparse.md).
-    codec: Literal["fp32", "bf16", "int8", "sparse"] = "fp32"
-    sparse: SparseSpec = Field(default_factory=SparseSpec)
-    fragments: int = Field(default=1, ge=1)
-    fragment_sync_delay: int = Field(default=0, ge=0)
-    quorum_timeout_s: float = Field(default=60.0, gt=0, le=7 * 86400)
-    round_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
-    heal_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
-    io_threads: int = Field(default=8, ge=1, le=128)
-    #: How long (seconds) a replica keeps retrying a store that fails with transient errors (connection
-    #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
-    #: <= a week, like every deadline here: longer, a replica holds its GPU waiting on a dead store.
-    store_outage_s: float = Field(default=600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
-    #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median
-    #: aborts the attempt and is left out of its retry (null: no outlier check; applies with >= 3 participants).
-    outlier_factor: float | None = Field(default=10.0, gt=1)
-    #: Attempts of a round run back to back within one sync after an integrity check failed.
-    max_attempts: int = Field(default=3, ge=1, le=100)
-    #: ``lockstep``: every round is a barrier (torchft's DiLoCo over the object-store manager).
-    #: ``decoupled``: no barrier; each replica publishes its pseudo-gradient every ``inner_steps`` steps
-    #: and merges/adopts whatever has arrived (see ``docs/decoupled.md``). The keys below apply to it only.
-    mode: Literal["lockstep", "decoupled"] = "lockstep"
-    #: Decoupled: distinct replicas with pending contributions that trigger a merge (null: ceil(replicas / 2)).
-    min_quorum: int | None = Field(default=None, ge=1)
-    #: Decoupled: bounds (seconds) of the adaptive grace window: a pending contribution older than the
-    #: window is merged even without a quorum. The window is 1.5x the median gap between recent
-    #: contributions, clamped to [grace_min_s, grace_max_s]; also how old an unfinished merge must be
-    #: before another replica completes it.
-    grace_min_s: float = Field(default=1.0, gt=0, le=86400)
-    grace_max_s: float = Field(default=60.0, gt=0, le=7 * 86400)
-    #: Decoupled: at adoption, new_local = alpha * global + (1 - alpha) * local (1.0: replace).
-    fragment_update_alpha: float = Field(default=1.0, gt=0, le=1)
-
-    @model_validator(mode="after")
-    def _sparse_recipe_of_the_mode(self) -> "SyncSpec":
-        # Filled in here, so the stored spec (and a resumed run) holds the values the run used.
-        sparse = self.sparse
-        unset = {k: v for k, v in SPARSE_RECIPES[self.mode].items() if getattr(sparse, k) is None}
-        if unset:
-            self.sparse = sparse.model_copy(update=unset)  # assigning re-validates once, with both set
-        return self
-
-    @model_validator(mode="after")
-    def _survivors_finish_before_a_healer_voids(self) -> "SyncSpec":
-        # Lock-step ordering: a committed round's survivors write a lost participant's state slice after
-        # quorum_timeout_s; a replica that restarts and heals voids a commit whose state is not durable after
-        # min(round_timeout_s, heal_timeout_s / 2) (sync/lockstep/diloco.py). A healer that gives up first
-        # voids a round the survivors were about to finish, and the run fails.
-        void_after_s = min(self.round_timeout_s, 0.5 * self.heal_timeout_s)
-        if self.mode == "lockstep" and self.quorum_timeout_s > void_after_s:
-            raise SpecError("sync.quorum_timeout_s", f"{self.quorum_timeout_s:g} s is longer than a restarted "
-                            f"replica waits for a committed round's state before voiding it: min(sync.round_timeout_s, "
-                            f"sync.heal_timeout_s / 2) = {void_after_s:g} s; the round's survivors, who finish a lost "
-                            f"replica's state after quorum_timeout_s, would lose the race. Lower quorum_timeout_s, or "
-                            f"raise sync.round_timeout_s and sync.heal_timeout_s to at least "
-                            f"{self.quorum_timeout_s:g} and {2 * self.quorum_timeout_s:g}")
-        return self
-
-
-class TrainerSpec(_Strict):
+class TrainerSpec(Strict):
     """``name`` selects the trainer; other keys are that trainer's settings."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -293,7 +196,7 @@ class TrainerSpec(_Strict):
         return dict(self.model_extra or {}) | {"batch_size": self.batch_size, "seq_len": self.seq_len}
 
 
-class CodeSpec(_Strict):
+class CodeSpec(Strict):
     """User code that travels with the run (packed by :mod:`composer_cloud.runs.packaging`, installed by :mod:`composer_cloud.replica.usercode`).
 
     Modules named by ``"module:factory"`` settings (``trainer.task``,
@@ -310,20 +213,17 @@ class CodeSpec(_Strict):
     files: dict[str, str] = Field(default_factory=dict)
 
 
-class ModalSpec(_Strict):
+class ModalSpec(Strict):
     #: Modal GPU type of each replica's container ("H100", "A100-80GB", ...; "cpu" for none). Each call gets
     #: ``gpus_per_replica`` of them (``"H100:8"`` is accepted when the count agrees).
     gpu: str = "H100"
-    #: Deprecated: ``gpus_per_replica`` is the one GPU count of a replica. 1 (the default) follows it; any
-    #: other value must equal it (a launch with both would otherwise pay for GPUs no rank uses).
-    gpu_count: int = Field(default=1, ge=1, le=8)
     timeout_s: int = Field(default=24 * 3600, gt=0)
     retries: int = Field(default=0, ge=0, le=10)
     secrets: list[str] = Field(default_factory=list)
     app_name: str = "composer-cloud"
 
 
-class HFJobsSpec(_Strict):
+class HFJobsSpec(Strict):
     flavor: str = "a10g-small"
     namespace: str | None = None
     # Python 3.11 with uv; the bootstrap installs torch 2.13.0 (CUDA 13) and the rest from the pinned
@@ -333,7 +233,7 @@ class HFJobsSpec(_Strict):
     secrets: list[str] = Field(default_factory=list)
 
 
-class RunSpec(_Strict):
+class RunSpec(Strict):
     """A composer-cloud run. See ``examples/*.toml`` for a commented example."""
 
     run_id: str = ""
@@ -346,6 +246,7 @@ class RunSpec(_Strict):
     #: Set by ``launch`` (signed runs), kept by ``resume``: with the run id it derives the signing key from the run
     #: key, so another run's objects never verify here, even under one key and id (docs/store.md).
     run_salt: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
+    #: ``"NAME"`` or ``"NAME:COUNT,NAME:COUNT"`` in TOML, on the CLI and in ``spec.json``; typed: :attr:`executors`.
     executor: str = "local"
     replicas: int = Field(default=2, ge=1, le=1024)
     min_replicas: int = Field(default=1, ge=1)
@@ -438,7 +339,6 @@ class RunSpec(_Strict):
             raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
                             "(it merges whole models); set sync.fragments = 1")
         _check_compute(self)
-        _check_gpu_count(self)
         if sync.codec == "sparse" and sync.sparse.exchange == "gather" and self.replicas > GATHER_MAX_REPLICAS:
             raise SpecError("sync.sparse.exchange", f"the flat gather serves at most {GATHER_MAX_REPLICAS} "
                             f"replicas ({self.replicas} asked); use \"two_level\" or \"auto\" (docs/scale.md)")
@@ -460,6 +360,11 @@ class RunSpec(_Strict):
         return self
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def executors(self) -> tuple[ExecutorShare, ...]:
+        """``executor`` as typed ``(backend, replicas)`` shares (:func:`parse_executor`, cached)."""
+        return parse_executor(self.executor)
+
     def with_run_id(self) -> "RunSpec":
         """Return a copy with a generated ``run_id`` if none was given."""
         if self.run_id:
@@ -483,19 +388,6 @@ def _check_compute(spec: "RunSpec") -> None:
     rollout = (spec.trainer.model_extra or {}).get("rollout")
     if rollout == "vllm" and spec.device == "cpu":
         raise SpecError("trainer.rollout", '"vllm" generates on a CUDA GPU; use rollout = "hf" with device = "cpu"')
-
-
-def _check_gpu_count(spec: "RunSpec") -> None:
-    """``gpus_per_replica`` is the one GPU count of a replica: the deprecated ``modal.gpu_count`` may only agree.
-
-    Its default 1 means "follow ``gpus_per_replica``", so specs that never set it (and stored specs, which
-    carry the default) stay valid. ``device = "cpu"`` with more than one rank is allowed (gloo processes).
-    """
-    count = spec.modal.gpu_count
-    if count != 1 and count != spec.gpus_per_replica:
-        raise SpecError("modal.gpu_count", f"is deprecated and disagrees with gpus_per_replica ({count} vs "
-                        f"{spec.gpus_per_replica}); remove modal.gpu_count and set gpus_per_replica = {count} "
-                        "(it sets both the GPUs of each replica's job and its local ranks)")
 
 
 def check_device(spec: "RunSpec", *, executors: list[str], local_cuda: bool) -> None:

@@ -39,6 +39,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from composer_cloud.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 #: torch of every default image (the PyPI wheel; Linux x86_64 builds bundle CUDA 13.0 libraries).
@@ -172,7 +174,7 @@ def stack_mismatch(versions: Mapping[str, str]) -> list[str]:
 DISTRIBUTION = "composer-cloud"
 
 
-class PackageTooOldError(RuntimeError):
+class PackageTooOldError(ConfigError, RuntimeError):
     """An installed package is older than a run needs; the message is one line naming package, found and needed."""
 
 

@@ -21,7 +21,7 @@ from composer_cloud.env import JobEnv
 from composer_cloud.errors import BadObject, ConfigError
 from composer_cloud.hooks import NO_HOOKS
 from composer_cloud.replica.faults import EnvFaults
-from composer_cloud.spec import SpecError, spec_from_dict
+from composer_cloud.spec import SpecError, load_spec, spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.decoupled import outer
@@ -76,10 +76,28 @@ def test_spec_refuses_fragments_with_decoupled_and_names_the_field():
         spec_from_dict({"replicas": 2, "sync": {"mode": "decoupled", "min_quorum": 3}})
     assert err.value.field == "sync.min_quorum"
     with pytest.raises(SpecError) as err:
-        spec_from_dict({"sync": {"fragment_update_alpha": 0.0}})
+        spec_from_dict({"sync": {"mode": "decoupled", "adopt_global_weight": 0.0}})
+    assert err.value.field == "sync.adopt_global_weight"
+    with pytest.raises(SpecError, match="renamed sync.adopt_global_weight") as err:  # torchft's name, other meaning
+        spec_from_dict({"sync": {"mode": "decoupled", "fragment_update_alpha": 0.5}})
     assert err.value.field == "sync.fragment_update_alpha"
     spec = spec_from_dict({"sync": {"mode": "decoupled"}})
     assert spec.sync.mode == "decoupled" and spec_from_dict({}).sync.mode == "lockstep"
+
+
+@pytest.mark.parametrize(("mode", "setting", "value"), [
+    ("decoupled", "codec", '"bf16"'), ("decoupled", "codec", '"int8"'), ("decoupled", "max_attempts", "5"),
+    ("decoupled", "heal_timeout_s", "100.0"), ("lockstep", "min_quorum", "1"), ("lockstep", "grace_max_s", "5.0"),
+    ("lockstep", "adopt_global_weight", "0.5")])
+def test_a_sync_setting_its_mode_never_reads_is_refused_at_load_by_name(tmp_path, mode, setting, value):
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[sync]\nmode = "{mode}"\n{setting} = {value}\n')
+    with pytest.raises(SpecError) as err:
+        load_spec(toml)
+    assert err.value.field == f"sync.{setting}" and mode in str(err.value)
+    # What the mode reads is accepted, and a stored spec (every default written out) loads again.
+    spec = load_spec(None, {"sync.mode": mode})
+    assert spec_from_dict(spec.to_json_dict()).sync.mode == mode
 
 
 def test_the_decoupled_config_takes_the_spec_defaults_of_its_mode():

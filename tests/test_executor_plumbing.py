@@ -239,3 +239,18 @@ def test_run_id_and_exit_code_parsing():
     assert run_id_of("s3://bucket/prefix/run-1/") == "run-1" and run_id_of("s3://run-2") == "run-2"
     assert parse_exit_code("process exited with code 3") == 3 and parse_exit_code("exit code: -9") == -9
     assert parse_exit_code("boom") is None and parse_exit_code(None) is None
+
+
+def test_executor_is_typed_once_and_keeps_its_string_form_in_spec_json():
+    from composer_cloud.jobs import assign_ranks
+    from composer_cloud.spec import ExecutorShare, parse_executor, spec_from_dict
+
+    spec = spec_from_dict({"executor": "local:1,hf-jobs:2", "replicas": 3})
+    assert spec.executors == (ExecutorShare("local", 1), ExecutorShare("hf-jobs", 2))
+    assert spec.to_json_dict()["executor"] == "local:1,hf-jobs:2"  # spec.json as before
+    assert spec_from_dict({}).executors == (ExecutorShare("local", None),)
+    before = parse_executor.cache_info().hits
+    assert assign_ranks(spec.executor, 3) == [("local", [0]), ("hf-jobs", [1, 2])]
+    assert parse_executor.cache_info().hits > before  # parsed once, then looked up
+    with pytest.raises(ValueError, match=r"executor: 'hf-jobs:0' must be NAME:COUNT"):
+        parse_executor("local:1,hf-jobs:0")

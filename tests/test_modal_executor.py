@@ -116,8 +116,7 @@ def test_function_options_from_the_spec():
     assert ModalExecutor(make_spec(gpu="A10G")).function_options().gpu == "A10G"
     assert ModalExecutor(make_spec(gpu="cpu")).function_options().gpu is None
     assert ModalExecutor(make_spec(gpus_per_replica=4, gpu="H100:4")).function_options().gpu == "H100:4"
-    # The deprecated modal.gpu_count may only agree with gpus_per_replica.
-    assert ModalExecutor(make_spec(gpus_per_replica=2, gpu="L4", gpu_count=2)).function_options().gpu == "L4:2"
+    assert ModalExecutor(make_spec(gpus_per_replica=2, gpu="L4")).function_options().gpu == "L4:2"
     # max_restarts raises the retry count; Modal allows at most 10.
     spec = make_spec(retries=1).model_copy(update={"max_restarts": 3})
     assert ModalExecutor(spec).function_options().retries == 3
@@ -150,14 +149,12 @@ def test_each_call_asks_for_gpus_per_replica_gpus_and_refuses_what_modal_cannot_
     assert any('device = "cpu"' in n and "go unused" in n for n in ModalExecutor(wasted).plan(RUN_URI, [0]).notes)
 
 
-def test_the_deprecated_gpu_count_must_agree_with_gpus_per_replica():
+def test_modal_gpu_count_is_gone_and_refused_by_name():
     from composer_cloud.errors import SpecError
 
-    with pytest.raises(SpecError, match=r"modal.gpu_count.*deprecated.*\(2 vs 1\).*gpus_per_replica = 2"):
+    with pytest.raises(SpecError) as err:
         make_spec(gpu="H100", gpu_count=2)
-    with pytest.raises(SpecError, match=r"modal.gpu_count.*\(2 vs 4\)"):
-        make_spec(gpu="H100", gpu_count=2, gpus_per_replica=4)
-    assert make_spec(gpu="H100", gpus_per_replica=4).modal.gpu_count == 1  # its default follows gpus_per_replica
+    assert err.value.field == "modal.gpu_count"
 
 
 def test_dry_run_plan_shows_n_gpus_and_the_price_per_replica_hour():

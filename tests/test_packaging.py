@@ -253,8 +253,8 @@ KNOWN_PACKAGE_CYCLES: list[list[str]] = []
 
 #: The floors of composer_cloud/, lowest first: a module imports only from its own floor or below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "spec_errors", "spec_paths", "stack",
-                    "archive", "compat_transformers")),
+    ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "spec_errors", "spec_paths", "spec_sync",
+                    "stack", "archive", "compat_transformers")),
     ("storage", ("storage",)),
     ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer")),
     ("replica and executors", ("replica", "jobs", "images")),

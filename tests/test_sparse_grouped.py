@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from composer_cloud.errors import SpecError
-from composer_cloud.spec import GATHER_MAX_REPLICAS, spec_from_dict
+from composer_cloud.spec import spec_from_dict
+from composer_cloud.spec_sync import GATHER_MAX_REPLICAS
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync import sparse

@@ -23,6 +23,7 @@ from composer_cloud.jobs.base import (
     replica_command,
 )
 from composer_cloud.registry import load_object
+from composer_cloud.spec import parse_executor
 
 if TYPE_CHECKING:
     from composer_cloud.spec import RunSpec
@@ -77,23 +78,16 @@ def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:
     rank 0 to ``local`` and ranks 1-2 to ``hf-jobs`` (the counts must add up to
     ``replicas``).
     """
-    parts = [p.strip() for p in executor.split(",") if p.strip()]
-    if not parts:
-        raise ValueError("executor: empty executor name")
-    if len(parts) == 1 and ":" not in parts[0]:
-        name = parts[0]
+    shares = parse_executor(executor)
+    for name, _ in shares:
         if name not in EXECUTORS:
             raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
-        return [(name, list(range(replicas)))]
+    if shares[0].replicas is None:
+        return [(shares[0].backend, list(range(replicas)))]
     out: list[tuple[str, list[int]]] = []
     next_rank = 0
-    for part in parts:
-        name, sep, count_s = part.partition(":")
-        if name not in EXECUTORS:
-            raise ValueError(f"executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
-        if not sep or not count_s.isdigit() or int(count_s) < 1:
-            raise ValueError(f"executor: {part!r} must be NAME:COUNT with COUNT >= 1")
-        count = int(count_s)
+    for name, count in shares:
+        assert count is not None  # parse_executor: every share of a list has its count
         out.append((name, list(range(next_rank, next_rank + count))))
         next_rank += count
     if next_rank != replicas:

@@ -53,6 +53,7 @@ from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, repl
 from composer_cloud.sync.decoupled.contributions import ContributionEncoder
 from composer_cloud.sync.decoupled import protocol
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
+from composer_cloud.sync.decoupled.view import BoundaryView
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +159,14 @@ class DecoupledBoundary:
         self._base = cpu_params(self.ctx.model)
         return {"round": self.seq, "version": self.adopted}
 
-    def _adopt(self, *, alpha: float) -> bool:
+    def _adopt(self, *, alpha: float, store: BoundaryView | None = None) -> bool:
         """Adopt the newest durable global newer than mine; False if none (or none readable)."""
-        v = protocol.newest_version(self.store, floor=self.adopted)
+        store = store or BoundaryView(self.store)
+        v = protocol.newest_version(store, floor=self.adopted)
         if v is None:
             return False
         try:
-            tree = protocol.load_version(self.store, v, self.shapes)
+            tree = protocol.load_version(store, v, self.shapes)
         except BadObject as exc:  # never adopt an unverified object
             logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
                            exc, self.adopted)
@@ -191,10 +193,10 @@ class DecoupledBoundary:
     def _running(self, segment: Segment) -> bool:
         if self._stopped:
             return False
-        if segment.steps == 0:  # a boundary: is there still work for the fleet?
+        if segment.steps == 0:  # a segment starts: is there still work for the fleet? (a look of its own)
             self._last_look = time.monotonic()
-            return protocol.read_final(self.store) is None and protocol.published_total(self.store, self.cfg) < \
-                self.budget
+            view = BoundaryView(self.store)
+            return protocol.read_final(view) is None and protocol.published_total(view, self.cfg) < self.budget
         # Between boundaries, one small GET every FINISH_CHECK_S: once the run finished, the rest of this
         # segment could never be merged, so stop computing (billing) it now rather than at the boundary.
         if time.monotonic() - self._last_look >= FINISH_CHECK_S:
@@ -218,7 +220,9 @@ class DecoupledBoundary:
         t_sync = time.monotonic()
         if not self.leader:
             return self._follow()
-        final = protocol.read_final(self.store) is not None
+        # One look at the store per folder for the whole boundary (docs/decoupled.md, "Store calls").
+        view = BoundaryView(self.store)
+        final = protocol.read_final(view) is not None
         self.local.ints(int(final))
         if final:
             self._drop(segment)
@@ -226,14 +230,14 @@ class DecoupledBoundary:
         local = cpu_params(self.ctx.model)
         delta = {n: self._base[n] - local[n] for n in local}
         read0, written0 = self.store.bytes_read, self.store.bytes_written
-        contrib = protocol.publish_contribution(self.store, self.cfg, rank=self.rank, seq=self.seq + 1,
+        contrib = protocol.publish_contribution(view, self.cfg, rank=self.rank, seq=self.seq + 1,
                                                 base_version=self.adopted, tokens=segment.tokens,
                                                 inner_steps=self.spec.inner_steps, delta=delta,
                                                 encoder=self.encoder)
         self.seq += 1
-        outcome = self._merge()
+        outcome = self._merge(view)
         adopted_before = self.adopted
-        self._adopt(alpha=self.spec.sync.fragment_update_alpha)
+        self._adopt(alpha=self.spec.sync.adopt_global_weight, store=view)
         self.local.ints(self.seq, self.adopted)  # then the adopted parameters: the other ranks' _follow
         self.local.params()
         self._base = cpu_params(self.ctx.model)
@@ -246,7 +250,7 @@ class DecoupledBoundary:
             "merge_reason": outcome.reason if outcome else "error",
             "grace_s": outcome.grace_s if outcome else None,
             "staleness": (outcome.base if outcome else self.adopted) - contrib.base_version,
-            "participants": self._participants(), "tokens": segment.tokens,
+            "participants": self._participants(view), "tokens": segment.tokens,
             "sync_s": time.monotonic() - t_sync, "wait_s": 0.0, "quorum_wait_s": 0.0,
             "bytes_read": self.store.bytes_read - read0, "bytes_written": self.store.bytes_written - written0,
         }
@@ -276,21 +280,21 @@ class DecoupledBoundary:
             params_replaced(self.ctx.trainer)
         return {"round": self.seq - 1, "committed": True, "merged_version": self.adopted}
 
-    def _merge(self) -> protocol.MergeOutcome | None:
+    def _merge(self, view: BoundaryView) -> protocol.MergeOutcome | None:
         """:func:`~composer_cloud.sync.decoupled.protocol.try_merge`, where a bad object costs this boundary's
         merge attempt, never the replica."""
         try:
-            return protocol.try_merge(self.store, self.cfg, self.shapes, rank=self.rank)
+            return protocol.try_merge(view, self.cfg, self.shapes, rank=self.rank)
         except BadObject as exc:
             logger.warning("replica %d: no merge at this boundary (%s)", self.rank, exc)
             return None
 
-    def _participants(self) -> list[int]:
+    def _participants(self, view: BoundaryView) -> list[int]:
         """Replicas merged into the adopted version (from its record; [] for version 0 or if unreadable)."""
         if self.adopted <= 0:
             return []
         try:
-            rec = protocol.read_merge(self.store, self.cfg, self.adopted)
+            rec = protocol.read_merge(view, self.cfg, self.adopted)
         except BadObject:
             return []
         return rec.ranks if rec else []

@@ -40,7 +40,7 @@ from composer_cloud.replica.launch import LocalRanks, init_local_group
 from composer_cloud.replica.lockstep import LockstepBoundary
 from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.replica.usercode import install_code, localize_spec
-from composer_cloud.spec import SyncSpec
+from composer_cloud.spec_sync import SyncSpec
 from composer_cloud.stack import check_packages, runtime_versions
 from composer_cloud.storage.records import CodeRef, HeartbeatState
 from composer_cloud.storage.run import Run, open_run

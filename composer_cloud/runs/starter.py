@@ -14,8 +14,8 @@ from typing import Any
 
 from composer_cloud.spec import RunSpec
 
-#: Settings never written: set by launch (code.ref, code.files), generated (run_id), deprecated (modal.gpu_count).
-_LEFT_OUT = {"run_id", "code.ref", "code.files", "modal.gpu_count"}
+#: Settings never written: set by launch (code.ref, code.files), generated (run_id).
+_LEFT_OUT = {"run_id", "code.ref", "code.files"}
 #: Tables written as comments: their defaults depend on other settings.
 _COMMENTED = {"outer_optimizer": "defaults depend on sync.mode (lock-step: lr 0.7, momentum 0.9; decoupled: 1.0, 0.3)"}
 

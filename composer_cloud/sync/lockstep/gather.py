@@ -13,7 +13,7 @@ Why a gather, not the scatter-reduce: the sum of W sparse contributions is W tim
 scatter-reduce of sparse payloads must send dense reduced slots back; the gather moves ``P`` up and
 ``(W - 1) P`` down per replica (``P`` = one contribution, ~1/80 of fp32 at the defaults) and costs
 ``2W`` reads (contributions and digests of the others, quorum, outcome). It moves fewer bytes than bf16 scatter-reduce up to W ~ 290 at 1.56 % density (measured
-crossovers: ``docs/scale.md``); above ``spec.GATHER_MAX_REPLICAS`` the
+crossovers: ``docs/scale.md``); above ``spec_sync.GATHER_MAX_REPLICAS`` the
 spec refuses it (``grouped.py``'s two-level exchange serves larger runs). The
 contributions of a round spread over ``ceil(W / 32)`` key prefixes (``layout.sparse_key``).
 

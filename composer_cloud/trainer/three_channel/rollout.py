@@ -59,7 +59,12 @@ def check_vllm_rollout(device_type: str) -> None:
 
 def runs_replicas_here(executor: str) -> bool:
     """Whether ``executor`` (``"local"``, ``"local:1,modal:2"``...) puts any replica on the launching machine."""
-    return any(part.split(":", 1)[0].strip() == "local" for part in executor.split(","))
+    from composer_cloud.spec import parse_executor
+
+    try:
+        return any(share.backend == "local" for share in parse_executor(executor))
+    except ValueError:  # malformed: launch's rank assignment refuses it, naming the setting
+        return False
 
 
 def check_rollout_before_launch(spec: Any, *, cuda_available: bool | None = None) -> None:
