@@ -325,22 +325,23 @@ def logs(run_uri: str,
          as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line: rank, line, time")] = False,
          verbose: Annotated[bool, typer.Option("--verbose", "-v", help="also the libraries' INFO/DEBUG lines "
                                                                         "(torchft, transformers, ...)")] = False,
+         samples: Annotated[bool, typer.Option(help="each round's sample completions, prompt and reward")] = False,
          store_option: StoreOptionFlag = None) -> None:
     """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...).
 
-    By default composer-cloud's own lines (steps, rounds, checkpoints), every warning and error, and
-    tracebacks; --verbose adds the libraries' chatter.
-    """
+    By default composer-cloud's own lines (steps, rounds, checkpoints), every warning and error, and tracebacks;
+    --verbose adds the libraries' chatter. --samples: each round's sample completions (trainer.log_samples)."""
     from composer_cloud.runs.logs import parse_since, replica_logs, without_rank
 
     run = _open(run_uri, store_option)
-    ranks = {h.rank for h in runs.load_handles(run.store)}
-    if not ranks:
-        raise _fail("the run has no replica jobs recorded")
-    if replica and not set(replica) <= ranks:
-        raise _fail(f"no replica {sorted(set(replica) - ranks)} in run {run.uri} (ranks: {sorted(ranks)})")
     if tail is not None and tail < 0:
         raise _fail("--tail must be >= 0")
+    if samples:  # the store's samples/ objects (cli_views.print_samples); --since and --follow do not apply
+        raise typer.Exit(cli_views.print_samples(run, ranks=replica, tail=tail, as_json=as_json))
+    ranks = {h.rank for h in runs.load_handles(run.store)}
+    if not ranks or (replica and not set(replica) <= ranks):
+        raise _fail(f"no replica {sorted(set(replica or []) - ranks)} in run {run.uri} (ranks: {sorted(ranks)})"
+                    if ranks else "the run has no replica jobs recorded")
     try:
         since_t = parse_since(since) if since else None
     except ValueError as exc:
@@ -355,8 +356,7 @@ def logs(run_uri: str,
         pass
     for e in errors:
         err_console.print(f"could not read logs of {escape(str(e))}", highlight=False)
-    if errors:
-        raise typer.Exit(1)
+    raise typer.Exit(1 if errors else 0)
 
 
 @app.command()

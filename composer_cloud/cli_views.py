@@ -296,3 +296,25 @@ def dry_run_report(console: Console, checked: Any, checks: list[Any], *, as_json
         print_plan(console, checked.spec, checked.plans)
         print_checks(console, checks)
     return failed
+
+
+def print_samples(run: Run, *, ranks: list[int] | None, tail: int | None, as_json: bool) -> int:
+    """``logs --samples``: each replica's sample completions per round (``--tail N``: the last N rounds), every
+    text made printable; one JSON object per line with ``--json``. Returns the exit code (1: none written)."""
+    import json
+    import sys
+
+    from composer_cloud.runs.samples import one_line, read_samples
+
+    rows = [s for s in read_samples(run.store, last_rounds=tail) if ranks is None or s.rank in ranks]
+    for s in rows:
+        if as_json:
+            sys.stdout.write(json.dumps(s.to_json()) + "\n")
+            continue
+        reward = "-" if s.reward is None else f"{s.reward:.3f}"
+        sys.stdout.write(f"[r{s.rank}] round {s.round} step {s.step} reward {reward}\n"
+                         f"  prompt:     {one_line(s.prompt)}\n  completion: {one_line(s.completion)}\n")
+    if not rows:
+        sys.stderr.write(f"no sample completions in {run.uri} (trainer.log_samples = 0, a trainer that writes "
+                         "none, or no round has ended yet)\n")
+    return 0 if rows else 1

@@ -11,7 +11,10 @@ turns those rows into tracker series on the machine that asks, offline:
   against the run's global inner step;
 * the run's round metrics: per committed round (counted from 1), the mean over
   replicas of ``train_loss``, ``eval_loss``, ``reward_mean``, ``eval_reward_mean``,
-  ``sync_s``, ``compute_s`` and the bytes moved (``round/...``).
+  ``sync_s``, ``compute_s`` and the bytes moved (``round/...``);
+* each replica's sample completions (:mod:`composer_cloud.runs.samples`, ``trainer.log_samples`` per round) at
+  the round's last inner step: a TensorBoard text ``samples`` (a markdown table), a trackio table ``samples``
+  (columns ``round``, ``prompt``, ``completion``, ``reward``; TRL's ``log_completions`` layout).
 
 TensorBoard: ``<logdir>/<run_id>/replica-<r>/`` and ``<logdir>/<run_id>/rounds/``
 (``tensorboard --logdir <logdir>``); earlier event files of the same run are
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_cloud.runs.metrics import read_metrics
+from composer_cloud.runs.samples import SampleRow, read_samples
 from composer_cloud.storage.run import Run
 
 logger = logging.getLogger(__name__)
@@ -94,8 +98,33 @@ def round_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, dict[str,
     return out
 
 
+#: rank -> [(the run's inner step, that round's samples)]
+Samples = dict[int, list[tuple[int, list[SampleRow]]]]
+
+
+def sample_series(samples: Sequence[SampleRow]) -> Samples:
+    """rank -> [(inner step, the samples of the round that ended there)], in step order."""
+    out: dict[int, dict[int, list[SampleRow]]] = defaultdict(dict)
+    for s in samples:
+        out[s.rank].setdefault(s.step, []).append(s)
+    return {rank: sorted(steps.items()) for rank, steps in sorted(out.items())}
+
+
+def _markdown(samples: Sequence[SampleRow]) -> str:
+    """The samples as a markdown table (TensorBoard renders it); cells printable, one line, ``|`` escaped."""
+    from composer_cloud.runs.samples import one_line
+
+    def cell(t: str) -> str:
+        return one_line(t, width=500).replace("|", "\\|")
+
+    lines = ["| round | reward | prompt | completion |", "|---|---|---|---|"]
+    lines += [f"| {s.round} | {'-' if s.reward is None else f'{s.reward:.3f}'} | {cell(s.prompt)} | "
+              f"{cell(s.completion)} |" for s in samples]
+    return "\n".join(lines)
+
+
 def _tensorboard(root: Path, per_replica: dict[int, list[tuple[int, dict[str, float]]]],
-                 rounds: list[tuple[int, dict[str, float]]]) -> None:
+                 rounds: list[tuple[int, dict[str, float]]], samples: Samples | None = None) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     if root.exists():
@@ -106,31 +135,40 @@ def _tensorboard(root: Path, per_replica: dict[int, list[tuple[int, dict[str, fl
             for step, values in points:
                 for tag, value in values.items():
                     writer.add_scalar(tag, value, global_step=step)
+            rank = int(name.removeprefix("replica-")) if name != "rounds" else None
+            for step, group in (samples or {}).get(rank, []) if rank is not None else []:
+                writer.add_text("samples", _markdown(group), global_step=step)
 
 
 def _trackio(project: str, run_id: str, config: dict[str, Any],
              per_replica: dict[int, list[tuple[int, dict[str, float]]]],
-             rounds: list[tuple[int, dict[str, float]]]) -> list[str]:
+             rounds: list[tuple[int, dict[str, float]]], samples: Samples | None = None) -> list[str]:
     import trackio
     from trackio.sqlite_storage import SQLiteStorage
 
     names = []
     with contextlib.redirect_stdout(sys.stderr):  # trackio prints its banner: keep stdout for --json
-        _trackio_runs(trackio, SQLiteStorage, project, run_id, config, per_replica, rounds, names)
+        _trackio_runs(trackio, SQLiteStorage, project, run_id, config, per_replica, rounds, names, samples or {})
     return names
 
 
 def _trackio_runs(trackio: Any, storage: Any, project: str, run_id: str, config: dict[str, Any],
                   per_replica: dict[int, list[tuple[int, dict[str, float]]]],
-                  rounds: list[tuple[int, dict[str, float]]], names: list[str]) -> None:
+                  rounds: list[tuple[int, dict[str, float]]], names: list[str], samples: Samples) -> None:
     series = {f"{run_id}-replica-{rank}": points for rank, points in per_replica.items()} | {f"{run_id}-rounds": rounds}
     for name, points in series.items():
         if name in storage.get_runs(project):
             storage.delete_run(project, name)  # an earlier snapshot: replaced, never doubled
         trackio.init(project=project, name=name, group=run_id, config=config, auto_log_gpu=False,
                      auto_log_cpu=False, embed=False)
+        rank = int(name.rsplit("-", 1)[1]) if name != f"{run_id}-rounds" else None
+        texts = dict(samples.get(rank, [])) if rank is not None else {}
         try:
             for step, values in points:
+                if step in texts:  # the round's samples, at its last inner step (TRL's completions table)
+                    values = {**values, "samples": trackio.Table(
+                        columns=["round", "prompt", "completion", "reward"],
+                        data=[[s.round, s.prompt, s.completion, s.reward] for s in texts.pop(step)])}
                 trackio.log(values, step=step)
         finally:
             trackio.finish()
@@ -146,6 +184,7 @@ def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "
         raise ValueError(f"report_to: unknown tracker {unknown[0]!r}; choose from {list(REPORT_TO)}")
     rows = read_metrics(run.store)
     per_replica, rounds = replica_series(rows), round_series(rows)
+    samples = sample_series(read_samples(run.store))
     spec = run.spec
     config = {"run_id": spec.run_id, "run_uri": run.uri, "replicas": spec.replicas, "rounds": spec.rounds,
               "inner_steps": spec.inner_steps, "trainer": spec.trainer.name, "model": spec.model.name,
@@ -155,9 +194,9 @@ def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "
         try:
             if tracker == "tensorboard":
                 tb_dir = Path(logdir) / spec.run_id
-                _tensorboard(tb_dir, per_replica, rounds)
+                _tensorboard(tb_dir, per_replica, rounds, samples)
             else:
-                trackio_runs = _trackio(project, spec.run_id, config, per_replica, rounds)
+                trackio_runs = _trackio(project, spec.run_id, config, per_replica, rounds, samples)
         except ImportError as exc:
             raise ImportError(f"report_to {tracker!r} needs {exc.name or tracker}: "
                               'pip install "composer-cloud[tracking]"') from None
@@ -169,4 +208,5 @@ def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "
                           trackio_runs=trackio_runs or [])
 
 
-__all__ = ["REPORT_TO", "ROUND_SERIES", "TrackingResult", "replica_series", "round_series", "write_tracking"]
+__all__ = ["REPORT_TO", "ROUND_SERIES", "TrackingResult", "replica_series", "round_series", "sample_series",
+           "write_tracking"]

@@ -226,6 +226,8 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         task: a registered task name or ``"module:factory"``; ``task_options`` are its keyword arguments.
         sandbox_*: limits of the demo task's test sandbox (seconds, MiB, worker processes).
         eval_examples: held-out rows scored by ``evaluate()``.
+        log_samples: (prompt, completion, reward) samples of each round's last generation a replica writes to
+            the store (TRL's ``log_completions``, bounded: at most 64; 0 writes none).
         dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
             train on a dataset instead of a task (``docs/datasets.md``,
             :mod:`composer_cloud.trainer.three_channel.dataset_task`).
@@ -273,6 +275,7 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     sandbox_memory_mb: PositiveInt = 256
     sandbox_workers: PositiveInt = 2
     eval_examples: NonNegativeInt = 16
+    log_samples: Annotated[int, Field(ge=0, le=64)] = 4
     # a dataset instead of a task (the dataset keys: DatasetSettings; composer_cloud.trainer.three_channel.dataset_task)
     reward: str | None = None
     # rollouts (docs/gpu.md)
