@@ -13,6 +13,7 @@ from rich.text import Text
 from composer_cloud import runs
 from composer_cloud.runs import Run, RunStatus
 from composer_cloud.runs.status import exit_reason
+from composer_cloud.runs.summary import DIAGNOSIS
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.store import join_uri
 
@@ -71,6 +72,9 @@ def print_summary(console: Console, err_console: Console, run: Run, status: RunS
         table.add_row(f"  {c.name}", f"{c.first:.4f} → {c.last:.4f}")
     if s.reward_first is not None:
         table.add_row("mean reward", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
+    for key, (first, last) in s.diagnosis.items():  # the diagnosis short of grad_norm = 0 (runs/summary.DIAGNOSIS)
+        fmt = ".1f" if key == "completion_length" else ".2f"
+        table.add_row(f"  {DIAGNOSIS[key]}", f"{first:{fmt}} → {last:{fmt}}")
     if s.eval_loss_first is not None:
         what = "held-out loss, reference answers" if s.eval_reward_first is not None else "held-out loss"
         table.add_row(what, f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f} nats/token")

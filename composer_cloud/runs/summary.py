@@ -21,6 +21,13 @@ LOSS_NAMES = {"three-channel": "three-channel loss (pg_weight·pg + sdpo_weight�
               "causal-lm": "next-token cross-entropy, nats/token"}
 
 
+#: The diagnosis short of ``grad_norm = 0``: step-row fields the three-channel trainer reports on every step (from
+#: its latest generation, TRL's own figures) and what each is, for people. First → last committed round.
+DIAGNOSIS = {"clipped_ratio": "truncation rate (completions that hit max_completion_length)",
+             "frac_reward_zero_std": "zero-variance groups (all rewards equal: no GRPO signal)",
+             "completion_length": "mean completion length (tokens)"}
+
+
 #: A replica error that is its settings' fault (the replica refused its config), by the exception's name.
 _CONFIG_ERROR = re.compile(r"^(ValueError|SpecError|ConfigError|StoreConfigError|RunKeyError|RunNotFound|"
                            r"UserCodeError|DatasetError)\b")
@@ -95,6 +102,8 @@ class RunSummary:
     cancelled_replicas: list[int] = field(default_factory=list)
     #: rank -> why it ended (the error's line, whole), for every replica that did not succeed
     reasons: dict[int, str] = field(default_factory=dict)
+    #: :data:`DIAGNOSIS` field -> (first, last committed round's mean over its steps and replicas), where reported
+    diagnosis: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def synced_note(self) -> str:
@@ -136,6 +145,24 @@ def _dataset_columns(settings: dict[str, Any]) -> list[str] | None:
         return None
 
 
+def diagnosis_notes(diagnosis: dict[str, tuple[float, float]], settings: dict[str, Any]) -> list[str]:
+    """What the last committed round's diagnosis says to change, before the gradient is 0 everywhere: most groups
+    with equal rewards (GRPO learns from few of them), or most completions cut at the length limit."""
+    notes = []
+    zero = diagnosis.get("frac_reward_zero_std", (0.0, 0.0))[1]
+    if zero >= 0.5:
+        notes.append(f"{zero:.0%} of GRPO groups had equal rewards in the last round (channel 1 learns only from the "
+                     "others): a graded reward, more num_generations, or a model that solves some rows; "
+                     "`composer-cloud logs RUN --samples` shows what it wrote")
+    clipped = diagnosis.get("clipped_ratio", (0.0, 0.0))[1]
+    if clipped >= 0.5:
+        masked = " (masked out of channels 1 and 2: trainer.mask_truncated_completions)" if settings.get(
+            "mask_truncated_completions", True) else ""
+        notes.append(f"{clipped:.0%} of completions hit trainer.max_completion_length in the last round{masked}: "
+                     "raise it, or reward shorter answers")
+    return notes
+
+
 def summarize(run: Run, status: RunStatus) -> RunSummary:
     """Loss (named, and per channel), reward, time and traffic of a run, from its replicas' metrics; and
     whether it trained at all (:func:`composer_cloud.runs.signal.diagnose_rounds`)."""
@@ -155,6 +182,10 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
             if first is not None and last is not None:
                 channels.append(ChannelMean(key, name, first, last))
     notes = []
+    diagnosis = {k: (first, last) for k in DIAGNOSIS
+                 if (first := _step_mean(steps, committed, k, first=True)) is not None
+                 and (last := _step_mean(steps, committed, k, first=False)) is not None}
+    notes += diagnosis_notes(diagnosis, settings)
     note = hint_note(settings, _dataset_columns(settings)) if spec.trainer.name == "three-channel" else None
     if note:
         notes.append(note)
@@ -181,7 +212,8 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         warnings=diagnose_rounds(steps, settings),
         notes=notes,
         synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
+        diagnosis=diagnosis,
     )
 
 
-__all__ = ["ChannelMean", "LOSS_NAMES", "RunSummary", "reason", "replica_outcome", "summarize"]
+__all__ = ["ChannelMean", "DIAGNOSIS", "LOSS_NAMES", "RunSummary", "diagnosis_notes", "reason", "replica_outcome", "summarize"]
