@@ -477,8 +477,8 @@ def resume(
     run_uri: str,
     executor: Annotated[Optional[str], typer.Option(help="run the remaining rounds elsewhere")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="a different replica count")] = None,
-    force: Annotated[bool, typer.Option("--force", help="resume a run that is still running (its live replicas "
-                                                        "are stopped and restart from the checkpoint)")] = False,
+    rounds: Annotated[Optional[int], typer.Option(help="extend the run to N rounds (lock-step, bitwise)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="resume a running run (its replicas restart from the checkpoint)")] = False,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable: what resumed, and (attached) the "
                                                           "final status")] = False,
@@ -488,7 +488,7 @@ def resume(
     run = _open(run_uri, store_option)
     with _user_errors():
         try:
-            result = runs.resume(run, executor=executor, replicas=replicas, force=force)
+            result = runs.resume(run, executor=executor, replicas=replicas, force=force, rounds=rounds)
         except KeyboardInterrupt:
             err_console.print(f"interrupted while resuming: `composer-cloud status {run.uri}` says what runs (not "
                               f"started: resume it again); cancel with: composer-cloud cancel {run.uri}",
@@ -546,12 +546,12 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
 
 @app.command()
 def track(run_uri: str,
-          to: Annotated[list[str], typer.Option("--to", help="tracker: tensorboard | trackio (repeatable; TRL's "
-                                                "report_to names)")],
+          to: Annotated[list[str], typer.Option("--to", help="tracker: tensorboard | trackio | wandb | mlflow "
+                                                "(repeatable; TRL's report_to names)")],
           logdir: Annotated[Path, typer.Option(help="TensorBoard log directory (one folder per run)")] = Path("tracking"),
-          project: Annotated[str, typer.Option(help="trackio project")] = "composer-cloud",
+          project: Annotated[str, typer.Option(help="trackio/wandb project, MLflow experiment")] = "composer-cloud",
           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write a run's metrics to TensorBoard and/or trackio, offline: one series per replica, plus the rounds."""
+    """Write a run's metrics to TensorBoard, trackio, wandb or MLflow: one series per replica, plus the rounds."""
     run = _open(run_uri, store_option)
     with _user_errors():
         result = _write_tracking(run, to, logdir, project, quiet=as_json)
