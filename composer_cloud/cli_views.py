@@ -268,6 +268,8 @@ def tracking_line(result: Any, logdir: Any, project: str) -> str:
     """What ``report_to`` wrote and how to look at it, one line."""
     where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
     where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
+    where += [f"wandb: {len(result.wandb_runs)} runs in project {project}"] if result.wandb_runs else []
+    where += [f"MLflow: {len(result.mlflow_runs)} runs in experiment {project}"] if result.mlflow_runs else []
     return (f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
             f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where))
 

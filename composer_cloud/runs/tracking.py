@@ -1,6 +1,7 @@
 """Experiment tracking: a run's metrics as TensorBoard event files and trackio runs, offline-first.
 
-``report_to`` follows TRL's convention (``"tensorboard"``, ``"trackio"``). The
+``report_to`` follows TRL's convention (``"tensorboard"``, ``"trackio"``, ``"wandb"``, ``"mlflow"``; the last
+two in :mod:`composer_cloud.runs.tracking_sinks`). The
 replicas do not log to a tracker themselves: a replica on Modal or HF Jobs has no
 disk the user can read and no reason to hold tracker credentials. They write
 their rows to the store (:mod:`composer_cloud.runs.metrics`), and this module
@@ -43,7 +44,9 @@ from composer_cloud.storage.run import Run
 
 logger = logging.getLogger(__name__)
 
-REPORT_TO = ("tensorboard", "trackio")
+REPORT_TO = ("tensorboard", "trackio", "wandb", "mlflow")
+#: The extra that installs each tracker's client.
+EXTRAS = {"tensorboard": "tracking", "trackio": "tracking", "wandb": "wandb", "mlflow": "mlflow"}
 #: Row fields that are coordinates or bookkeeping, not series.
 _NOT_SERIES = {"kind", "rank", "round", "step", "launch", "time", "committed", "superseded", "healed_to", "version",
                "merged_version", "adopted"}
@@ -62,6 +65,8 @@ class TrackingResult:
     tensorboard_dir: str | None = None
     trackio_project: str | None = None
     trackio_runs: list[str] = field(default_factory=list)
+    wandb_runs: list[str] = field(default_factory=list)
+    mlflow_runs: list[str] = field(default_factory=list)
 
 
 def _numeric(row: Mapping[str, Any]) -> dict[str, float]:
@@ -176,9 +181,13 @@ def _trackio_runs(trackio: Any, storage: Any, project: str, run_id: str, config:
 
 
 def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "tracking",
-                   project: str = "composer-cloud") -> TrackingResult:
+                   project: str = "composer-cloud", mlflow_tracking_uri: str | None = None) -> TrackingResult:
     """Write the run's metrics to each tracker in ``report_to`` (see the module docstring); raises
-    ``ValueError`` naming an unknown tracker and ``ImportError`` with the extra to install."""
+    ``ValueError`` naming an unknown tracker and ``ImportError`` with the extra to install.
+
+    ``logdir`` holds TensorBoard's event files and wandb's run files; ``project`` is the trackio and wandb
+    project and the MLflow experiment; ``mlflow_tracking_uri``: MLflow's (default: its own, from
+    ``MLFLOW_TRACKING_URI``)."""
     unknown = sorted(set(report_to) - set(REPORT_TO))
     if unknown:
         raise ValueError(f"report_to: unknown tracker {unknown[0]!r}; choose from {list(REPORT_TO)}")
@@ -190,23 +199,38 @@ def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "
               "inner_steps": spec.inner_steps, "trainer": spec.trainer.name, "model": spec.model.name,
               "sync_mode": spec.sync.mode, "codec": spec.sync.codec}
     tb_dir = trackio_runs = None
+    series = {f"{spec.run_id}-replica-{rank}": points for rank, points in per_replica.items()} | {
+        f"{spec.run_id}-rounds": rounds}
+    named_samples = {f"{spec.run_id}-replica-{rank}": dict(steps) for rank, steps in samples.items()}
+    sinks: dict[str, list[str]] = {}
     for tracker in dict.fromkeys(report_to):
         try:
             if tracker == "tensorboard":
                 tb_dir = Path(logdir) / spec.run_id
                 _tensorboard(tb_dir, per_replica, rounds, samples)
-            else:
+            elif tracker == "trackio":
                 trackio_runs = _trackio(project, spec.run_id, config, per_replica, rounds, samples)
+            elif tracker == "wandb":
+                from composer_cloud.runs.tracking_sinks import write_wandb
+
+                Path(logdir).mkdir(parents=True, exist_ok=True)
+                sinks[tracker] = write_wandb(project, spec.run_id, config, series, named_samples, logdir=str(logdir))
+            else:
+                from composer_cloud.runs.tracking_sinks import write_mlflow
+
+                sinks[tracker] = write_mlflow(project, spec.run_id, config, series, named_samples,
+                                              tracking_uri=mlflow_tracking_uri)
         except ImportError as exc:
             raise ImportError(f"report_to {tracker!r} needs {exc.name or tracker}: "
-                              'pip install "composer-cloud[tracking]"') from None
+                              f'pip install "composer-cloud[{EXTRAS[tracker]}]"') from None
     logger.info("tracking for %s written to %s", spec.run_id, ", ".join(report_to))
     return TrackingResult(report_to=list(dict.fromkeys(report_to)), replicas=sorted(per_replica),
                           rounds=len(rounds), step_points=sum(len(p) for p in per_replica.values()),
                           tensorboard_dir=None if tb_dir is None else str(tb_dir),
                           trackio_project=project if trackio_runs is not None else None,
-                          trackio_runs=trackio_runs or [])
+                          trackio_runs=trackio_runs or [], wandb_runs=sinks.get("wandb", []),
+                          mlflow_runs=sinks.get("mlflow", []))
 
 
-__all__ = ["REPORT_TO", "ROUND_SERIES", "TrackingResult", "replica_series", "round_series", "sample_series",
+__all__ = ["EXTRAS", "REPORT_TO", "ROUND_SERIES", "TrackingResult", "replica_series", "round_series", "sample_series",
            "write_tracking"]
