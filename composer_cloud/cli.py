@@ -519,29 +519,29 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
            round: Annotated[Optional[int], typer.Option("--round", help="round to export, counted from 1 as "
                                                         "everywhere (default: the latest checkpoint)")] = None,
            adapter: Annotated[bool, typer.Option("--adapter", help="LoRA run: the adapter alone (PEFT format)")] = False,
+           push_to_hub: Annotated[Optional[str], typer.Option(help="then upload it to this Hub model repo")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write the global parameters as a Hugging Face model directory (with a model card), from the store alone
-    (``--adapter``: a LoRA run's adapter)."""
+    """Write the global parameters as a Hugging Face model directory with a model card, from the store alone."""
     from composer_cloud.runs.export import export_model
+    from composer_cloud.runs.hub import check_repo_id, push_folder
 
-    run = _open(run_uri, store_option)
-    if round is not None and round < 1:
-        raise _fail(f"--round {round}: rounds are counted from 1")
-    created = not out.exists()
-    try:
-        cli_args.writable_dir(out)
+    run, created = _open(run_uri, store_option), not out.exists()
+    try:  # bad input: exit 2, nothing created
+        if round is not None and round < 1:
+            raise ValueError(f"--round {round}: rounds are counted from 1")
+        check_repo_id(push_to_hub), cli_args.writable_dir(out)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     try:
         r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
-    except (LookupError, StoreError) as exc:
-        if created and not any(out.iterdir()):
+        hub = push_folder(out, push_to_hub, commit_message=f"{run.run_id}, round {r + 1}") if push_to_hub else None
+    except (LookupError, StoreError, RuntimeError) as exc:
+        if created and out.exists() and not any(out.iterdir()):
             out.rmdir()  # a refused export leaves nothing behind
         raise _fail(str(exc), code=1) from None
     if as_json:
-        _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})
-        return
-    console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
+        return _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve()), "hub": hub})
+    console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}{f'; pushed: {hub}' * bool(hub)}")
 
 
 @app.command()

@@ -47,8 +47,8 @@ def test_mlflow_gets_every_series_and_the_samples_and_writing_again_replaces_the
     rounds = client.get_metric_history(by_name["t-rounds"].info.run_id, "round/train_loss")
     assert sorted((m.step, round(m.value, 6)) for m in rounds) == [(1, 1.0), (2, 0.9)]
     assert by_name["t-rounds"].data.params["run_id"] == "t"
-    art = [f.path for f in client.list_artifacts(by_name["t-replica-1"].info.run_id, "samples")]
-    assert art == ["samples/step-00000004.json"]
+    art = [f.path for f in client.list_artifacts(by_name["t-replica-1"].info.run_id, "completions")]
+    assert art == ["completions/step-00000004.json"]
     table = (tmp_path / "mlruns").rglob("step-00000004.json")
     assert any("answer of r1" in p.read_text() for p in table)
 

@@ -12,7 +12,7 @@ that asks; the replicas never talk to a tracker.
   ``composer_cloud.run_id``) in experiment ``project``, at ``tracking_uri`` (default: MLflow's own,
   ``MLFLOW_TRACKING_URI`` or ``./mlruns``). Earlier runs of the same name in the experiment are deleted first,
   so writing again replaces a series, never doubles it. Samples are a table artifact per round
-  (``samples/step-<step>.json``).
+  (``completions/step-<step>.json``).
 
 Neither reads a credential itself: each tracker's client finds its own (``WANDB_API_KEY``, ``MLFLOW_TRACKING_*``),
 and nothing here logs one.
@@ -81,7 +81,7 @@ def write_mlflow(project: str, run_id: str, config: dict[str, Any], series: Mapp
         for step, group in sorted(samples.get(name, {}).items()):
             rows = _table_rows(group)
             client.log_table(rid, data={c: [r[j] for r in rows] for j, c in enumerate(SAMPLE_COLUMNS)},
-                             artifact_file=f"samples/step-{step:08d}.json")
+                             artifact_file=f"completions/step-{step:08d}.json")
         client.set_terminated(rid)
         names.append(name)
     return names
