@@ -325,22 +325,23 @@ def logs(run_uri: str,
          as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line: rank, line, time")] = False,
          verbose: Annotated[bool, typer.Option("--verbose", "-v", help="also the libraries' INFO/DEBUG lines "
                                                                         "(torchft, transformers, ...)")] = False,
+         samples: Annotated[bool, typer.Option(help="each round's sample completions, prompt and reward")] = False,
          store_option: StoreOptionFlag = None) -> None:
     """Print the replicas' logs: all replicas merged by time, each line prefixed with its rank (r0, r1, ...).
 
-    By default composer-cloud's own lines (steps, rounds, checkpoints), every warning and error, and
-    tracebacks; --verbose adds the libraries' chatter.
-    """
+    By default composer-cloud's own lines (steps, rounds, checkpoints), every warning and error, and tracebacks;
+    --verbose adds the libraries' chatter. --samples: each round's sample completions (trainer.log_samples)."""
     from composer_cloud.runs.logs import parse_since, replica_logs, without_rank
 
     run = _open(run_uri, store_option)
-    ranks = {h.rank for h in runs.load_handles(run.store)}
-    if not ranks:
-        raise _fail("the run has no replica jobs recorded")
-    if replica and not set(replica) <= ranks:
-        raise _fail(f"no replica {sorted(set(replica) - ranks)} in run {run.uri} (ranks: {sorted(ranks)})")
     if tail is not None and tail < 0:
         raise _fail("--tail must be >= 0")
+    if samples:  # the store's samples/ objects (cli_views.print_samples); --since and --follow do not apply
+        raise typer.Exit(cli_views.print_samples(run, ranks=replica, tail=tail, as_json=as_json))
+    ranks = {h.rank for h in runs.load_handles(run.store)}
+    if not ranks or (replica and not set(replica) <= ranks):
+        raise _fail(f"no replica {sorted(set(replica or []) - ranks)} in run {run.uri} (ranks: {sorted(ranks)})"
+                    if ranks else "the run has no replica jobs recorded")
     try:
         since_t = parse_since(since) if since else None
     except ValueError as exc:
@@ -355,8 +356,7 @@ def logs(run_uri: str,
         pass
     for e in errors:
         err_console.print(f"could not read logs of {escape(str(e))}", highlight=False)
-    if errors:
-        raise typer.Exit(1)
+    raise typer.Exit(1 if errors else 0)
 
 
 @app.command()
@@ -477,8 +477,8 @@ def resume(
     run_uri: str,
     executor: Annotated[Optional[str], typer.Option(help="run the remaining rounds elsewhere")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="a different replica count")] = None,
-    force: Annotated[bool, typer.Option("--force", help="resume a run that is still running (its live replicas "
-                                                        "are stopped and restart from the checkpoint)")] = False,
+    rounds: Annotated[Optional[int], typer.Option(help="extend the run to N rounds (lock-step, bitwise)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="resume a running run (its replicas restart from the checkpoint)")] = False,
     detach: Annotated[bool, typer.Option(help="return once the jobs are launched")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable: what resumed, and (attached) the "
                                                           "final status")] = False,
@@ -488,7 +488,7 @@ def resume(
     run = _open(run_uri, store_option)
     with _user_errors():
         try:
-            result = runs.resume(run, executor=executor, replicas=replicas, force=force)
+            result = runs.resume(run, executor=executor, replicas=replicas, force=force, rounds=rounds)
         except KeyboardInterrupt:
             err_console.print(f"interrupted while resuming: `composer-cloud status {run.uri}` says what runs (not "
                               f"started: resume it again); cancel with: composer-cloud cancel {run.uri}",
@@ -519,39 +519,39 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
            round: Annotated[Optional[int], typer.Option("--round", help="round to export, counted from 1 as "
                                                         "everywhere (default: the latest checkpoint)")] = None,
            adapter: Annotated[bool, typer.Option("--adapter", help="LoRA run: the adapter alone (PEFT format)")] = False,
+           push_to_hub: Annotated[Optional[str], typer.Option(help="then upload it to this Hub model repo")] = None,
            as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write the global parameters as a Hugging Face model directory (with a model card), from the store alone
-    (``--adapter``: a LoRA run's adapter)."""
+    """Write the global parameters as a Hugging Face model directory with a model card, from the store alone."""
     from composer_cloud.runs.export import export_model
+    from composer_cloud.runs.hub import check_repo_id, push_folder
 
-    run = _open(run_uri, store_option)
-    if round is not None and round < 1:
-        raise _fail(f"--round {round}: rounds are counted from 1")
-    created = not out.exists()
-    try:
-        cli_args.writable_dir(out)
+    run, created = _open(run_uri, store_option), not out.exists()
+    try:  # bad input: exit 2, nothing created
+        if round is not None and round < 1:
+            raise ValueError(f"--round {round}: rounds are counted from 1")
+        check_repo_id(push_to_hub), cli_args.writable_dir(out)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     try:
         r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
-    except (LookupError, StoreError) as exc:
-        if created and not any(out.iterdir()):
+        hub = push_folder(out, push_to_hub, commit_message=f"{run.run_id}, round {r + 1}") if push_to_hub else None
+    except (LookupError, StoreError, RuntimeError) as exc:
+        if created and out.exists() and not any(out.iterdir()):
             out.rmdir()  # a refused export leaves nothing behind
         raise _fail(str(exc), code=1) from None
     if as_json:
-        _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve())})
-        return
-    console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}")
+        return _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve()), "hub": hub})
+    console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}{f'; pushed: {hub}' * bool(hub)}")
 
 
 @app.command()
 def track(run_uri: str,
-          to: Annotated[list[str], typer.Option("--to", help="tracker: tensorboard | trackio (repeatable; TRL's "
-                                                "report_to names)")],
+          to: Annotated[list[str], typer.Option("--to", help="tracker: tensorboard | trackio | wandb | mlflow "
+                                                "(repeatable; TRL's report_to names)")],
           logdir: Annotated[Path, typer.Option(help="TensorBoard log directory (one folder per run)")] = Path("tracking"),
-          project: Annotated[str, typer.Option(help="trackio project")] = "composer-cloud",
+          project: Annotated[str, typer.Option(help="trackio/wandb project, MLflow experiment")] = "composer-cloud",
           as_json: JsonFlag = False, store_option: StoreOptionFlag = None) -> None:
-    """Write a run's metrics to TensorBoard and/or trackio, offline: one series per replica, plus the rounds."""
+    """Write a run's metrics to TensorBoard, trackio, wandb or MLflow: one series per replica, plus the rounds."""
     run = _open(run_uri, store_option)
     with _user_errors():
         result = _write_tracking(run, to, logdir, project, quiet=as_json)

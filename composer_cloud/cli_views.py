@@ -71,6 +71,9 @@ def print_summary(console: Console, err_console: Console, run: Run, status: RunS
         table.add_row(f"  {c.name}", f"{c.first:.4f} → {c.last:.4f}")
     if s.reward_first is not None:
         table.add_row("mean reward", f"{s.reward_first:.3f} → {s.reward_last:.3f}")
+    for key, (first, last) in s.diagnosis.items():  # the diagnosis short of grad_norm = 0 (the trainer's DIAGNOSIS)
+        fmt = ".1f" if "length" in key else ".2f"
+        table.add_row(f"  {s.diagnosis_names[key]}", f"{first:{fmt}} → {last:{fmt}}")
     if s.eval_loss_first is not None:
         what = "held-out loss, reference answers" if s.eval_reward_first is not None else "held-out loss"
         table.add_row(what, f"{s.eval_loss_first:.4f} → {s.eval_loss_last:.4f} nats/token")
@@ -264,6 +267,8 @@ def tracking_line(result: Any, logdir: Any, project: str) -> str:
     """What ``report_to`` wrote and how to look at it, one line."""
     where = [f"TensorBoard: tensorboard --logdir {logdir}"] if result.tensorboard_dir else []
     where += [f"trackio: trackio show --project {project}"] if result.trackio_project else []
+    where += [f"wandb: {len(result.wandb_runs)} runs in project {project}"] if result.wandb_runs else []
+    where += [f"MLflow: {len(result.mlflow_runs)} runs in experiment {project}"] if result.mlflow_runs else []
     return (f"tracking ({', '.join(result.report_to)}): {result.step_points} step points of replicas "
             f"{result.replicas}, {result.rounds} rounds; " + "; ".join(where))
 
@@ -296,3 +301,25 @@ def dry_run_report(console: Console, checked: Any, checks: list[Any], *, as_json
         print_plan(console, checked.spec, checked.plans)
         print_checks(console, checks)
     return failed
+
+
+def print_samples(run: Run, *, ranks: list[int] | None, tail: int | None, as_json: bool) -> int:
+    """``logs --samples``: each replica's sample completions per round (``--tail N``: the last N rounds), every
+    text made printable; one JSON object per line with ``--json``. Returns the exit code (1: none written)."""
+    import json
+    import sys
+
+    from composer_cloud.runs.samples import one_line, read_samples
+
+    rows = [s for s in read_samples(run.store, last_rounds=tail) if ranks is None or s.rank in ranks]
+    for s in rows:
+        if as_json:
+            sys.stdout.write(json.dumps(s.to_json()) + "\n")
+            continue
+        reward = "-" if s.reward is None else f"{s.reward:.3f}"
+        sys.stdout.write(f"[r{s.rank}] round {s.round} step {s.step} reward {reward}\n"
+                         f"  prompt:     {one_line(s.prompt)}\n  completion: {one_line(s.completion)}\n")
+    if not rows:
+        sys.stderr.write(f"no sample completions in {run.uri} (trainer.log_samples = 0, a trainer that writes "
+                         "none, or no round has ended yet)\n")
+    return 0 if rows else 1

@@ -268,7 +268,7 @@ class RunSpec(Strict):
     #: >= 0.1 s: each heartbeat is a store write (a PUT); more often is a request per step that tells nothing new.
     progress_every_s: float = Field(default=5.0, ge=0.1, le=3600)
     #: Trackers (TRL's names) an attached launch writes the run's metrics to when it ends; docs/metrics.md.
-    report_to: list[Literal["tensorboard", "trackio"]] = Field(default_factory=list)
+    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(default_factory=list)
     model: ModelSpec = Field(default_factory=ModelSpec)
     inner_optimizer: InnerOptimizerSpec = Field(default_factory=InnerOptimizerSpec)
     outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec)

@@ -61,3 +61,40 @@ def test_resume_with_more_replicas(tmp_path):
     run = Store(f"{store}/grow")
     digests = {run.get_json(f"replicas/{r}.json")["params_sha256"] for r in range(3)}
     assert len(digests) == 1
+
+
+@pytest.mark.slow
+def test_resume_rounds_extends_a_completed_run_bitwise(tmp_path, baselines):
+    """Issue 34, What to build 6: a run launched with 3 rounds, completed, then `resume --rounds 4` ends on the
+    weights of the same run launched with 4 rounds (the shared baseline), inner and outer optimizer state
+    included; fewer rounds and a decoupled run are refused by name."""
+    from support.specs import RESUME_SPEC
+
+    expected = baselines.get(tmp_path)
+    store = store_uri_for("file", tmp_path)
+    res = launch_run(tmp_path, store, "short", RESUME_SPEC.replace("rounds = 4", "rounds = 3"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    uri = f"{store}/short"
+    assert not same_weights(export_weights(tmp_path, uri, "three"), expected)  # the test can fail
+    shrink = cli("resume", uri, "--rounds", "2", cwd=tmp_path)
+    assert shrink.returncode == 2 and "--rounds 2" in shrink.stderr, shrink.stdout + shrink.stderr
+    res = cli("resume", uri, "--rounds", "4", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert open_run(uri).spec.rounds == 4
+    st = json.loads(cli("status", uri, "--json", cwd=tmp_path).stdout)
+    assert st["state"] == "completed" and st["rounds_committed"] == 4
+    assert same_weights(export_weights(tmp_path, uri, "four"), expected), "resume --rounds 4 diverged"
+
+
+def test_resume_rounds_refuses_a_decoupled_run_and_fewer_rounds():
+    from composer_cloud.errors import ConfigError
+    from composer_cloud.runs.lifecycle import _check_new_rounds
+    from composer_cloud.spec import RunSpec
+
+    spec = RunSpec(rounds=3)
+    assert _check_new_rounds(spec, 5) and not _check_new_rounds(spec, 3) and not _check_new_rounds(spec, None)
+    with pytest.raises(ConfigError, match="only extends"):
+        _check_new_rounds(spec, 2)
+    decoupled = RunSpec.model_validate({"rounds": 3, "sync": {"mode": "decoupled"}})
+    with pytest.raises(ConfigError, match="contribution budget"):
+        _check_new_rounds(decoupled, 4)

@@ -179,6 +179,9 @@ class QuietTelemetry(Telemetry):
     def flush(self) -> None:
         return None
 
+    def samples(self, round: int, step: int, samples: list[dict[str, Any]]) -> str | None:
+        return None
+
 
 def sync_fields(model: torch.nn.Module) -> dict[str, Any]:
     """What every round row says about the synced set: its parameters and its bytes against a full fine-tune's.
@@ -200,6 +203,7 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
     tokens_per_step = spec.trainer.batch_size * spec.trainer.seq_len
     steps = 0
     segment = Segment()
+    take_samples = getattr(trainer, "take_samples", None)
     with boundary.session():
         while boundary.running(segment):
             if steps % h == h // 2:
@@ -216,7 +220,11 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
             row = boundary.after_step(segment)
             if row is None:
                 continue
-            ctx.telemetry.round({**segment.row(), **row, **(round_fields or {})})
+            round_row = {**segment.row(), **row, **(round_fields or {})}
+            ctx.telemetry.round(round_row)
+            if take_samples is not None:  # the trainer's sample completions of the round (trainer.log_samples)
+                r = int(round_row["round"])
+                ctx.telemetry.samples(r, (r + 1) * h, take_samples())
             ctx.telemetry.heartbeat(HeartbeatState.RUNNING, **boundary.heartbeat_fields(steps))
             segment = Segment()
     return steps

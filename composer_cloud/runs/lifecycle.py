@@ -448,7 +448,7 @@ def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
 
 
 def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = None, force: bool = False,
-           storage_options: Mapping[str, Any] | None = None) -> ResumeResult:
+           storage_options: Mapping[str, Any] | None = None, rounds: int | None = None) -> ResumeResult:
     """Continue a run from its latest valid checkpoint, optionally elsewhere or with another replica count.
 
     Stops whatever is left of the previous launch first, then discards round
@@ -460,6 +460,12 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     since its checkpoint), and a completed run with another executor or
     replica count (its rounds are done; the message says how to start a new
     run from its weights instead).
+
+    ``rounds``: the run's new round count (more than it has; lock-step only). A completed run is extended
+    as if it had been launched with ``rounds``, bitwise: nothing in training depends on the round count
+    (constant inner and outer learning rates, no schedule over rounds; the last round's forced checkpoint
+    changes no state), and the inner and outer optimizers' states come from the checkpoint. A decoupled
+    run's round count is its fleet's contribution budget, which its final merge has closed: refused.
     """
     run = _as_run(run, storage_options)
     _require_conforming_store(run)
@@ -475,6 +481,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
                           f"(`composer-cloud status {run.uri}`), cancel it first, or pass --force")
     changes = {k: v for k, v in (("executor", executor), ("replicas", replicas))
                if v is not None and v != getattr(spec, k)}
+    extend = _check_new_rounds(spec, rounds)
     if finished and changes:
         raise ConfigError(
             f"run {run.run_id} completed all {spec.rounds} rounds; resume cannot change its "
@@ -483,11 +490,12 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
             f"--model ./{run.run_id}-model" + "".join(f" --{k} {v}" for k, v in changes.items()) + "`")
     if finished:  # nothing runs: the checkpoint cannot change under us
         latest = sync_state.latest_checkpoint(run.store, spec)  # verified: every object read once
+    if finished and not extend:
         last = sync_state.final_round(spec, sync_state.progress(run.store, spec))  # status's answer too
         if latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
                 f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
-    updates: dict[str, Any] = {}
+    updates: dict[str, Any] = {"rounds": rounds} if extend else {}
     if executor is not None:
         updates["executor"] = executor
     if replicas is not None:
@@ -517,6 +525,20 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     resumed = Run(uri=run.uri, store=store, spec=new_spec)
     handles = _start_jobs(store, new_spec, run.run_key)
     return ResumeResult(run=resumed, from_round=from_round, handles=handles, warnings=warnings)
+
+
+def _check_new_rounds(spec: RunSpec, rounds: int | None) -> bool:
+    """Whether ``resume --rounds`` extends the run; :class:`ConfigError` for a count it cannot take."""
+    if rounds is None or rounds == spec.rounds:
+        return False
+    if spec.sync.mode == "decoupled":
+        raise ConfigError(f"--rounds {rounds}: a decoupled run's rounds are its fleet's contribution budget "
+                          f"(replicas × rounds), closed by its final merge; it cannot be extended. Export it and "
+                          "launch a new run from its weights")
+    if rounds < spec.rounds:
+        raise ConfigError(f"--rounds {rounds}: the run has {spec.rounds} rounds; resume only extends a run "
+                          f"(give more than {spec.rounds})")
+    return True
 
 
 def _cancel_jobs(run: Run) -> tuple[list[int], list[str]]:

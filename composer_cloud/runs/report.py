@@ -142,10 +142,16 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
     png = out / "report.png"
     png.write_bytes(buf.getvalue())
     page = out / "report.html"
-    page.write_text(_html(run, rows, buf.getvalue(), state=status.state, why=why))
+    from composer_cloud.runs.samples import read_samples
+
+    samples = read_samples(run.store, last_rounds=SAMPLE_ROUNDS)
+    page.write_text(_html(run, rows, buf.getvalue(), state=status.state, why=why, samples=samples))
     return Report(png=png, html=page, rounds=len({r["round"] for r in rows}), replicas=sorted({r["rank"] for r in rows}),
                   labels=labels)
 
+
+#: The report's page shows the sample completions of the last this-many rounds (``logs --samples``: all).
+SAMPLE_ROUNDS = 3
 
 _TABLE = ("round", "rank", "committed", "train_loss", "reward_mean", "eval_loss", "eval_reward_mean", "compute_s",
           "sync_s", "quorum_wait_s")
@@ -157,7 +163,24 @@ def _cell(v: Any) -> str:
     return "" if v is None else html.escape(str(v))
 
 
-def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes, *, state: str = "", why: Sequence[str] = ()) -> str:
+def _samples_html(samples: Sequence[Any]) -> str:
+    """The sample completions as a table (every text escaped and made printable; newlines kept as line breaks)."""
+    if not samples:
+        return ""
+    from composer_cloud.runs.logs import printable
+
+    def text(t: str) -> str:
+        return "<br>".join(html.escape(printable(line)) for line in t.splitlines()) or "&nbsp;"
+
+    trs = "\n".join(f'<tr><td>{s.round}</td><td>r{s.rank}</td><td>{_cell(s.reward)}</td>'
+                     f'<td class="t">{text(s.prompt)}</td><td class="t">{text(s.completion)}</td></tr>' for s in samples)
+    return (f"<h2>Sample completions (last {SAMPLE_ROUNDS} rounds; trainer.log_samples per replica)</h2>\n"
+            "<table><tr><th>round</th><th>replica</th><th>reward</th><th>prompt</th><th>completion</th></tr>\n"
+            f"{trs}\n</table>")
+
+
+def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes, *, state: str = "", why: Sequence[str] = (),
+          samples: Sequence[Any] = ()) -> str:
     cols = [c for c in _TABLE if any(c in r for r in rows)]
     head = "".join(f"<th>{c}</th>" for c in cols)
     body = "\n".join("<tr>" + "".join(f"<td>{_cell(r.get(c) if c != 'round' else r['round'] + 1)}</td>"
@@ -166,7 +189,8 @@ def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes, *, state: str = 
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head>
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}
+td.t{{text-align:left;font-family:monospace;white-space:pre-wrap;max-width:40em}}</style></head>
 <body><h1>{title}</h1>
 <p>{html.escape(run.uri)} &mdash; {html.escape(state)}: {run.spec.replicas} replicas, {run.spec.rounds} rounds x {run.spec.inner_steps} inner steps</p>
 {"".join(f'<p style="color:darkred">{html.escape(w)}</p>' for w in why)}
@@ -174,7 +198,9 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head>
 <h2>Rounds (one row per replica)</h2>
 <table><tr>{head}</tr>
 {body}
-</table></body></html>
+</table>
+{_samples_html(samples)}
+</body></html>
 """
 
 

@@ -93,6 +93,10 @@ class RunSummary:
     cancelled_replicas: list[int] = field(default_factory=list)
     #: rank -> why it ended (the error's line, whole), for every replica that did not succeed
     reasons: dict[int, str] = field(default_factory=dict)
+    #: :data:`DIAGNOSIS` field -> (first, last committed round's mean over its steps and replicas), where reported
+    diagnosis: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: each :attr:`diagnosis` field's name for users (the trainer's ``DIAGNOSIS``).
+    diagnosis_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def synced_note(self) -> str:
@@ -150,7 +154,10 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         last = _step_mean(steps, committed, key, first=False)
         if first is not None and last is not None:
             channels.append(ChannelMean(key, name, first, last))
-    notes = trainer.launch_notes(_dataset_columns(settings))
+    diagnosis = {k: (first, last) for k in trainer.DIAGNOSIS
+                 if (first := _step_mean(steps, committed, k, first=True)) is not None
+                 and (last := _step_mean(steps, committed, k, first=False)) is not None}
+    notes = trainer.diagnosis_notes(diagnosis) + trainer.launch_notes(_dataset_columns(settings))
     return RunSummary(
         rounds_committed=status.rounds_committed,
         loss_first=_round_mean(rounds, "train_loss", first=True),
@@ -174,6 +181,8 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         warnings=diagnose_rounds(steps, trainer),
         notes=notes,
         synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
+        diagnosis=diagnosis,
+        diagnosis_names={k: trainer.DIAGNOSIS[k] for k in diagnosis},
     )
 
 

@@ -14,6 +14,7 @@ object: the bucket is not trusted, so callers skip it).
     executor/wheel/<sha256[:16]>/<file>.whl             the staged composer-cloud wheel (HF Jobs)
     replicas/<rank>.json                                heartbeat
     metrics/<rank>/<round>-<writer>.jsonl (+ .json)     plain JSONL of one round, then its framed digest
+    samples/<rank>/<round>-<writer>.json                a round's sample completions (trainer.log_samples at most)
     resumes/<n>.json                                    the n-th resume
     control/cancel.json                                 the cancel request (write-once)
     code/<sha256>.zip                                   user code bundle (write-once)
@@ -55,6 +56,7 @@ HANDLES = "executor"
 WHEELS = f"{HANDLES}/wheel"
 HEARTBEATS = "replicas"
 METRICS = "metrics"
+SAMPLES = "samples"
 RESUMES = "resumes"
 CANCEL = "control/cancel.json"
 CODE = "code"
@@ -81,6 +83,7 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 _FILE_KEY = re.compile(rf"({FILES}|{DIRS})/([0-9a-f]{{64}})/([^/]+)")
 _WRITER = re.compile(r"[0-9]{4}-[0-9]{13}-[0-9a-f]{4}")
 _METRICS_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})-({_WRITER.pattern})\.jsonl")
+_SAMPLES_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})-({_WRITER.pattern})\.json")
 
 
 def num(n: int) -> str:
@@ -167,6 +170,24 @@ def parse_metrics_key(key: str) -> tuple[int, int, str] | None:
     if len(parts) != 3 or parts[0] != METRICS or (rank := parse_small_int(parts[1])) is None:
         return None
     m = _METRICS_NAME.fullmatch(parts[2])
+    return (rank, int(m.group(1)), m.group(2)) if m else None
+
+
+def samples_prefix(rank: int | None = None) -> str:
+    return SAMPLES if rank is None else f"{SAMPLES}/{rank}"
+
+
+def samples_key(rank: int, round: int, writer: str) -> str:
+    """A round's sample completions of one replica process (``writer`` as in :func:`metrics_key`)."""
+    return f"{SAMPLES}/{rank}/{num(round)}-{writer}.json"
+
+
+def parse_samples_key(key: str) -> tuple[int, int, str] | None:
+    """``(rank, round, writer)`` of a samples key, else None (strays)."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != SAMPLES or (rank := parse_small_int(parts[1])) is None:
+        return None
+    m = _SAMPLES_NAME.fullmatch(parts[2])
     return (rank, int(m.group(1)), m.group(2)) if m else None
 
 

@@ -37,6 +37,9 @@ class TrainerPlugin:
     LOSS_CHANNELS: ClassVar[dict[str, str]] = {}
     #: what the step rows' ``train_loss`` is, for people (None: "<trainer> loss").
     LOSS_NAME: ClassVar[str | None] = None
+    #: step-row fields that diagnose a run short of ``grad_norm = 0`` -> their names for users (the summary shows
+    #: each first -> last committed round).
+    DIAGNOSIS: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def names_code(cls, key: str, value: str) -> bool:
@@ -69,6 +72,10 @@ class TrainerPlugin:
 
     def launch_notes(self, columns: Sequence[str] | None) -> list[str]:
         """Lines the launch summary prints about what these settings train on (``columns``: as above)."""
+        return []
+
+    def diagnosis_notes(self, diagnosis: Mapping[str, tuple[float, float]]) -> list[str]:
+        """What to change, from :attr:`DIAGNOSIS`'s ``{field: (first round, last round)}`` (empty: nothing)."""
         return []
 
     def silence_reasons(self, steps: Sequence[Mapping[str, Any]]) -> list[str]:

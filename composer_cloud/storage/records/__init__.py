@@ -13,7 +13,7 @@ Records read by status displays (:class:`Heartbeat`) are parsed leniently
 instead: a malformed field reads as unknown, never as an error.
 
 The records live in one file per family (:mod:`.rounds`, :mod:`.checkpoints`,
-:mod:`.decoupled`, :mod:`.run`; field checks in :mod:`.fields`); import them from here.
+:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`; field checks in :mod:`.fields`); import them from here.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 from composer_cloud.storage.records.checkpoints import BlobEntry, Manifest, ReplicaMarker, SliceMarker
 from composer_cloud.storage.records.decoupled import Contribution, FinalRecord, MergeRecord, Rejected
 from composer_cloud.storage.records.rounds import Join, Outcome, Quorum, SlotDigest, Void
+from composer_cloud.storage.records.samples import RoundSamples, Sample
 from composer_cloud.storage.records.run import (
     CancelRecord,
     CodeRef,
@@ -33,4 +34,4 @@ from composer_cloud.storage.records.run import (
 
 __all__ = ["BlobEntry", "CancelRecord", "CodeRef", "Contribution", "FinalRecord", "Heartbeat", "HeartbeatState",
            "JobHandle", "Join", "Manifest", "MergeRecord", "MetricsDigest", "Outcome", "Quorum", "Rejected",
-           "ReplicaMarker", "ResumeRecord", "SliceMarker", "SlotDigest", "Void"]
+           "ReplicaMarker", "ResumeRecord", "RoundSamples", "Sample", "SliceMarker", "SlotDigest", "Void"]

@@ -227,6 +227,14 @@ class ThreeChannelTrainer:
         out["step_time_s"] = seconds
         return out
 
+    def take_samples(self) -> list[dict[str, Any]]:
+        """The ``trainer.log_samples`` (prompt, completion, reward) of the latest generation since the last call.
+
+        The runtime calls it when a round ends and writes them to the store (``samples/``); never part of the
+        trainer's state (reporting only).
+        """
+        return self.grpo.take_samples()
+
     # ------------------------------------------------------------------ evaluate
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

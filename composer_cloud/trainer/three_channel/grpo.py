@@ -40,6 +40,7 @@ from composer_cloud.trainer.three_channel.loss import (
     three_channel_loss,
 )
 from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
+from composer_cloud.trainer.three_channel.samples import pick_samples
 from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
 from composer_cloud.trainer.three_channel.settings import (
@@ -158,6 +159,8 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         check_trainer_attributes(self)
         if self._is_vlm:
             raise ValueError("three-channel trainer: vision-language models are not supported")
+        #: The last generation's samples (``settings.log_samples`` at most), until :meth:`take_samples`.
+        self.samples: list[dict[str, Any]] = []
         #: ``rollout = "hf-fast"``: the sampler over the bf16 inference copy (``None`` otherwise).
         self.fast_sampler: FastSampler | None = None
         self._copy_step = -1  # state.global_step at the copy's last refresh; -1: refresh before the next generation
@@ -199,7 +202,20 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rewards_per_func = rewards_per_func  # (all processes' rows, n_funcs); read just below
+        if self.model.training:
+            self._keep_samples(prompts, completions)
         return rewards_per_func
+
+    def _keep_samples(self, prompts: list[Any], completions: list[Any]) -> None:
+        """This generation's ``settings.log_samples`` samples replace the last one's (:func:`.samples.pick_samples`)."""
+        start = self.accelerator.process_index * len(prompts)
+        local = self._rewards_per_func[start : start + len(prompts)]
+        self.samples = pick_samples(prompts, completions, local, self.reward_weights, self.settings.log_samples)
+
+    def take_samples(self) -> list[dict[str, Any]]:
+        """The samples kept since the last call (then forgotten): ``[{"prompt", "completion", "reward"}]``."""
+        out, self.samples = self.samples, []
+        return out
 
     def _local_rewards(self, n: int) -> torch.Tensor:
         """This process's ``n`` rewards of the generation batch being scored (weighted sum over reward functions)."""

@@ -227,6 +227,8 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         task: a registered task name or ``"module:factory"``; ``task_options`` are its keyword arguments.
         sandbox_*: limits of the demo task's test sandbox (seconds, MiB, worker processes).
         eval_examples: held-out rows scored by ``evaluate()``.
+        log_samples: (prompt, completion, reward) samples of each round's last generation a replica writes to
+            the store (TRL's ``log_completions``, bounded: at most 64; 0 writes none).
         dataset, dataset_config, dataset_split, data_files, eval_split, eval_fraction, columns, reward:
             train on a dataset instead of a task (``docs/datasets.md``,
             :mod:`composer_cloud.trainer.three_channel.dataset_task`).
@@ -247,6 +249,7 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     #: the settings that may name code a replica imports (``hint_source = "column:NAME"`` names a column).
     CODE_SETTINGS: ClassVar[tuple[str, ...]] = ("task", "hint_source", "reward")
     LOSS_CHANNELS: ClassVar[dict[str, str]] = signal.CHANNELS
+    DIAGNOSIS: ClassVar[dict[str, str]] = signal.DIAGNOSIS
     LOSS_NAME: ClassVar[str | None] = "three-channel loss (pg_weight·pg + sdpo_weight·sdpo + dpo_weight·dpo)"
 
     batch_size: BatchSize = 8
@@ -278,6 +281,7 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
     sandbox_memory_mb: PositiveInt = 256
     sandbox_workers: PositiveInt = 2
     eval_examples: NonNegativeInt = 16
+    log_samples: Annotated[int, Field(ge=0, le=64)] = 4
     # a dataset instead of a task (the dataset keys: DatasetSettings; composer_cloud.trainer.three_channel.dataset_task)
     reward: str | None = None
     # rollouts (docs/gpu.md)
@@ -380,6 +384,10 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         """What channel 2 distils from on a dataset run (:func:`~.signal.hint_note`)."""
         note = signal.hint_note(self, columns)
         return [note] if note else []
+
+    def diagnosis_notes(self, diagnosis: Mapping[str, tuple[float, float]]) -> list[str]:
+        """Most groups with equal rewards, most completions truncated (:func:`~.signal.diagnosis_notes`)."""
+        return signal.diagnosis_notes(self, diagnosis)
 
     def silence_reasons(self, steps: Sequence[Mapping[str, Any]]) -> list[str]:
         """Each silent channel and what to change (:func:`~.signal.channel_reasons`)."""

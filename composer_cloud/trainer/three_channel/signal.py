@@ -23,6 +23,12 @@ from composer_cloud.trainer.three_channel.dataset_task import default_hint_colum
 if TYPE_CHECKING:
     from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
 
+#: The diagnosis short of ``grad_norm = 0``: step-row fields the trainer reports on every step (from its latest
+#: generation, TRL's own figures) and what each is, for people. The summary shows each first -> last round.
+DIAGNOSIS: dict[str, str] = {"clipped_ratio": "truncation rate (completions that hit max_completion_length)",
+                             "frac_reward_zero_std": "zero-variance groups (all rewards equal: no GRPO signal)",
+                             "completion_length": "mean completion length (tokens)"}
+
 #: Metric key of each channel's loss in the step rows, and its name for users.
 CHANNELS: dict[str, str] = {"pg": "channel 1 (GRPO policy gradient)", "sdpo": "channel 2 (hint self-distillation)",
                             "dpo": "channel 3 (trace-replay DPO)"}
@@ -97,3 +103,21 @@ def channel_reasons(s: ThreeChannelSettings, steps: Sequence[Mapping[str, Any]])
 
 
 __all__ = ["CHANNELS", "channel_reasons", "hint_note", "launch_refusal"]
+
+
+def diagnosis_notes(settings: ThreeChannelSettings, diagnosis: Mapping[str, tuple[float, float]]) -> list[str]:
+    """What the last committed round's diagnosis says to change, before the gradient is 0 everywhere: most groups
+    with equal rewards (GRPO learns from few of them), or most completions cut at the length limit."""
+    notes = []
+    zero = diagnosis.get("frac_reward_zero_std", (0.0, 0.0))[1]
+    if zero >= 0.5:
+        notes.append(f"{zero:.0%} of GRPO groups had equal rewards in the last round (channel 1 learns only from the "
+                     "others): a graded reward, more num_generations, or a model that solves some rows; "
+                     "`composer-cloud logs RUN --samples` shows what it wrote")
+    clipped = diagnosis.get("clipped_ratio", (0.0, 0.0))[1]
+    if clipped >= 0.5:
+        masked = (" (masked out of channels 1 and 2: trainer.mask_truncated_completions)"
+                  if settings.mask_truncated_completions else "")
+        notes.append(f"{clipped:.0%} of completions hit trainer.max_completion_length in the last round{masked}: "
+                     "raise it, or reward shorter answers")
+    return notes
