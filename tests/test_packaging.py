@@ -109,6 +109,8 @@ def test_every_third_party_import_is_declared():
     for module in MODULES:
         for root in _third_party_roots(module):
             provided_by = {_normalise(d) for d in dists.get(root, [])}
+            if not provided_by and any(d == _normalise(root) or d.startswith(_normalise(root) + "-") for d in declared):
+                continue  # an optional extra this venv lacks (wandb; mlflow from mlflow-skinny), imported lazily
             assert provided_by, f"{module} imports {root!r}, which no installed distribution provides"
             if not provided_by & declared:
                 missing.setdefault(f"{root} ({', '.join(sorted(provided_by))})", []).append(module)
