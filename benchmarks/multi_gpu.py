@@ -3,6 +3,7 @@
 
     python benchmarks/multi_gpu.py                  # 2 replicas x 2 local ranks vs x 1 (~1.5 min)
     python benchmarks/multi_gpu.py --faults         # + kill -9 of one local rank at every phase (~5 min)
+    python benchmarks/multi_gpu.py --faults --phases upload   # only the kills at these phases
     python benchmarks/multi_gpu.py --bf16           # the same under bf16 autocast
     python benchmarks/multi_gpu.py --parallelism fsdp   # FSDP2 inside the N-rank replicas
     python benchmarks/multi_gpu.py --lora           # [model.lora] in both runs (DDP over the adapters)
@@ -129,6 +130,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--faults", action="store_true")
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                        help="with --faults: the phases to kill at (default: every phase)")
     parser.add_argument("--bf16", action="store_true", help='model.precision = "bf16" (autocast) in both runs')
     parser.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp",
                         help="how the N-rank replicas hold the model (the one-rank baseline needs neither)")
@@ -148,7 +151,7 @@ def main() -> None:
               f"{result['max_abs_diff']:.3g}")
         if args.faults:
             result["faults"] = [fault_case(root, phase, k, uninterrupted, **options)
-                                for phase in PHASES for k in range(n)
+                                for phase in args.phases for k in range(n)
                                 if k == 0 or phase in RANK_PHASES]
             for case in result["faults"]:
                 print(f"kill -9 local rank {case['local_rank']} at {case['phase']:14} {case['result']:9} "

@@ -82,4 +82,4 @@ class RoundResult:
     heal: bool = False
 
 
-__all__ = ["BehindError", "RoundResult", "RoundTimeout"]
+__all__ = ["BehindError", "LocalRankLost", "RoundResult", "RoundTimeout"]
