@@ -3,6 +3,7 @@
 
     python benchmarks/multi_gpu.py                  # 2 replicas x 2 local ranks vs x 1 (~1.5 min)
     python benchmarks/multi_gpu.py --faults         # + kill -9 of one local rank at every phase (~5 min)
+    python benchmarks/multi_gpu.py --faults --phases upload   # only the kills at these phases
     python benchmarks/multi_gpu.py --bf16           # the same under bf16 autocast
     python benchmarks/multi_gpu.py --parallelism fsdp   # FSDP2 inside the N-rank replicas
     python benchmarks/multi_gpu.py --lora           # [model.lora] in both runs (DDP over the adapters)
@@ -23,7 +24,9 @@ Figures, from the runs' own round rows (local rank 0 reports for its replica, wi
 checkpoint phases are local rank 0's), local rank ``k`` of
 replica 0 stalls at that phase of round 1 and is SIGKILLed, ``max_restarts = 1``. A case *survived* when the
 run completed, replica 0 restarted once, no attempt of round 1 committed without both replicas, and both
-replicas end on the same parameters.
+replicas end on the same parameters; it is *bitwise* when, besides, the exported model equals the
+uninterrupted ``N``-rank run's byte for byte (issue 37: a survivor that only agreed with its peer hid a round
+re-run from fresh inner steps).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from composer_cloud.storage import layout  # noqa: E402
 from composer_cloud.sync.lockstep.rounds import read_outcome  # noqa: E402
 from support.faults import stalled_pid  # noqa: E402
 from support.local_jobs import launch_stalled  # noqa: E402
-from support.resume import export_weights, launch_run  # noqa: E402
+from support.resume import Weights, export_weights, launch_run, same_weights  # noqa: E402
 from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec  # noqa: E402
 
 #: The phases every local rank passes (the others, checkpoint writes, are local rank 0's alone).
@@ -67,8 +70,9 @@ def _spec(ranks: int, *, bf16: bool = False, lora: bool = False, parallelism: st
     return spec + (MULTI_GPU_LORA_TOML if lora else "")
 
 
-def measure(root: Path, n: int, *, bf16: bool = False, lora: bool = False, parallelism: str = "ddp") -> dict:
-    """The one-rank run and the ``n``-rank run: diff, bytes per rank, step time per rank."""
+def measure(root: Path, n: int, *, bf16: bool = False, lora: bool = False,
+            parallelism: str = "ddp") -> tuple[dict, Weights]:
+    """The one-rank run and the ``n``-rank run: diff, bytes per rank, step time per rank; the ``n``-rank model."""
     out: dict = {}
     weights = {}
     for ranks in (1, n):
@@ -89,10 +93,11 @@ def measure(root: Path, n: int, *, bf16: bool = False, lora: bool = False, paral
     a, b = weights[1], weights[n]
     out["max_abs_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
     out["bytes_ratio"] = out[f"x{n}"]["bytes_per_rank"] / out["x1"]["bytes_per_rank"]
-    return out
+    return out, weights[n]
 
 
-def fault_case(root: Path, phase: str, local_rank: int, **options: object) -> dict:
+def fault_case(root: Path, phase: str, local_rank: int, uninterrupted: Weights, **options: object) -> dict:
+    """Kill local rank ``local_rank`` of replica 0 at ``phase`` of round 1; compare with ``uninterrupted``."""
     cwd = root / f"{phase}-{local_rank}"
     cwd.mkdir()
     store = f"file://{cwd}/store"
@@ -114,7 +119,8 @@ def fault_case(root: Path, phase: str, local_rank: int, **options: object) -> di
     partial = [o.attempt for o in outcomes if o.committed and o.participants != [0, 1]]
     digests = {run.store.get_json(layout.heartbeat_key(r)).get("params_sha256") for r in range(2)}
     ok = launcher.returncode == 0 and not partial and len(digests) == 1 and None not in digests
-    return {"phase": phase, "local_rank": local_rank, "result": "survived" if ok else "failed",
+    bitwise = ok and same_weights(export_weights(cwd, run.uri, "model"), uninterrupted)
+    return {"phase": phase, "local_rank": local_rank, "result": "survived" if ok else "failed", "bitwise": bitwise,
             "attempts_round_1": [("commit" if o.committed else f"abort {o.missing} ({o.reason[:70]})")
                                  for o in outcomes],
             "wall_s": time.monotonic() - t0}
@@ -124,6 +130,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--faults", action="store_true")
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                        help="with --faults: the phases to kill at (default: every phase)")
     parser.add_argument("--bf16", action="store_true", help='model.precision = "bf16" (autocast) in both runs')
     parser.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp",
                         help="how the N-rank replicas hold the model (the one-rank baseline needs neither)")
@@ -133,7 +141,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         options = {"bf16": args.bf16, "lora": args.lora, "parallelism": args.parallelism}
-        result = {"options": options, **measure(root, args.ranks, **options)}
+        measured, uninterrupted = measure(root, args.ranks, **options)
+        result = {"options": options, **measured}
         n = args.ranks
         print(f"{'':24}{'1 rank':>14}{f'{n} ranks':>14}")
         for key in ("bytes_per_rank", "step_s", "wall_s"):
@@ -141,13 +150,16 @@ def main() -> None:
         print(f"bytes per rank ratio {result['bytes_ratio']:.3f}; max abs diff of the exported weights "
               f"{result['max_abs_diff']:.3g}")
         if args.faults:
-            result["faults"] = [fault_case(root, phase, k, **options) for phase in PHASES for k in range(n)
+            result["faults"] = [fault_case(root, phase, k, uninterrupted, **options)
+                                for phase in args.phases for k in range(n)
                                 if k == 0 or phase in RANK_PHASES]
             for case in result["faults"]:
                 print(f"kill -9 local rank {case['local_rank']} at {case['phase']:14} {case['result']:9} "
+                      f"{'bitwise' if case.get('bitwise') else 'differs':8} "
                       f"{case.get('attempts_round_1', '')}")
             survived = sum(c["result"] == "survived" for c in result["faults"])
-            print(f"faults: {survived}/{len(result['faults'])} survived")
+            bitwise = sum(bool(c.get("bitwise")) for c in result["faults"])
+            print(f"faults: {survived}/{len(result['faults'])} survived, {bitwise} bitwise the uninterrupted run")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
 

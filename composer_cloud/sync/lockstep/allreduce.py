@@ -60,7 +60,7 @@ from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_out
                                         verify_reduced)
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.lockstep.config import AllReduceConfig
-from composer_cloud.sync.lockstep.results import BehindError, RoundResult, RoundTimeout
+from composer_cloud.sync.lockstep.results import BehindError, LocalRankLost, RoundResult, RoundTimeout
 from composer_cloud.sync.lockstep.rounds import join_rank, moved_past, read_outcome, read_quorum
 
 logger = logging.getLogger(__name__)
@@ -321,6 +321,8 @@ class ObjectStoreAllReduce:
             return result, False
         try:
             out = self._exchange(round, attempt, participants, flat, result)
+        except LocalRankLost:
+            raise  # the replica stops as one and its restart rejoins this attempt: no abort (results.py)
         except BaseException as exc:
             # Tell the peers now rather than let them wait out the round deadline.
             self._abort(round, attempt, f"replica {self.rank} failed: {exc!r}", missing=[self.rank])

@@ -22,6 +22,24 @@ class RoundTimeout(SyncError):
         super().__init__(f"round {round}: {what}; missing replicas: {self.missing_ranks}")
 
 
+class LocalRankLost(SyncError):
+    """A local rank of this (multi-GPU) replica died mid-attempt: the replica stops as one, deciding nothing.
+
+    Raised by the sharded exchange when the replica's vote cannot complete (the peer's gloo/NCCL connection
+    closed). The surviving ranks create no abort record: the replica is restarted (``max_restarts``), recomputes
+    the same pseudo-gradient from its last durable round and rejoins the undecided attempt with it, exactly as
+    a whole replica killed mid-upload does, so the round ends bitwise where it would have without the kill
+    (DESIGN.md 12, "retry with the payload you sent"; 14, one decision per replica). If it never comes back,
+    its peers abort the attempt for the missing replica at ``round_timeout_s``, as for any lost replica.
+    """
+
+    def __init__(self, round: int, attempt: int, shard: int, cause: BaseException) -> None:
+        self.round, self.attempt, self.shard = round, attempt, shard
+        super().__init__(f"round {round} attempt {attempt}: local rank {shard} lost a peer rank of its replica "
+                         f"during the vote ({cause!r}); the replica stops without deciding the attempt, and its "
+                         "restart rejoins it")
+
+
 class BehindError(SyncError):
     """The round this replica tried to join is already committed: it must heal first."""
 
@@ -53,4 +71,4 @@ class RoundResult:
     heal: bool = False
 
 
-__all__ = ["BehindError", "RoundResult", "RoundTimeout"]
+__all__ = ["BehindError", "LocalRankLost", "RoundResult", "RoundTimeout"]

@@ -22,8 +22,14 @@ Invariants (one decision per replica, DESIGN.md 14):
   replica's ranks, :meth:`ShardedAllReduce._agree`); the commit record is created only when every shard voted
   yes. The outcome is write-once and shared by all shards, so no replica commits with some shards and not
   others; a shard whose check failed after a peer replica committed heals from the committed global state, as
-  a single-rank replica does. A dead local rank never votes: its peers' vote fails, the elastic agent stops
-  the job, and the round is aborted (or committed without this replica) by the other replicas.
+  a single-rank replica does.
+* **A dead local rank decides nothing.** It never votes; its peers' vote fails (:class:`LocalRankLost`) and
+  they stop without creating an outcome (an abort here was a "missing replica" abort, which ends the sync
+  and re-runs the round from fresh inner steps: not bitwise, issue 37). The elastic agent stops the job, the
+  executor restarts the replica, and it rejoins the undecided attempt with the pseudo-gradient it recomputes
+  from its last durable round (the same bytes): the one abort rule's "retry with the payload you sent". If
+  the payload was already complete the other replicas may commit without waiting and the restart heals to
+  it; if the replica never returns they abort the attempt for it at ``round_timeout_s``.
 * **One global state.** After every sync each rank broadcasts its shard's DiLoCo state (global parameters and
   outer optimizer state) to the replica's other ranks (:func:`share_shards`): every rank then holds the full
   global parameters, and local rank 0 publishes the union, keyed ``StreamingDiLoCoFragment_<k>``: a single-rank
@@ -51,7 +57,7 @@ from composer_cloud.storage.tensors import decode_state, encode_state
 from composer_cloud.sync.lockstep.allreduce import ObjectStoreAllReduce
 from composer_cloud.sync.lockstep.config import AllReduceConfig
 from composer_cloud.sync.lockstep.manager import ObjectStoreManager
-from composer_cloud.sync.lockstep.results import RoundTimeout
+from composer_cloud.sync.lockstep.results import LocalRankLost, RoundTimeout
 from composer_cloud.sync.lockstep.rounds import read_quorum
 from composer_cloud.sync.state_tree import fragment_key
 
@@ -126,7 +132,10 @@ class ShardedAllReduce(ObjectStoreAllReduce):
         """
         round, attempt = self._attempt_at
         vote = torch.tensor([int(ok), round, attempt, -round, -attempt], dtype=torch.int64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.shard.group)
+        try:
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.shard.group)
+        except RuntimeError as exc:  # gloo/NCCL: a peer rank died (its agent is tearing the replica down)
+            raise LocalRankLost(round, attempt, self.shard.index, exc) from exc
         same = int(vote[1]) == -int(vote[3]) and int(vote[2]) == -int(vote[4])
         if not same:
             logger.warning("shard %d: the replica's ranks voted on different attempts of round %d; not committing",
