@@ -115,7 +115,7 @@ def resume_points(store: Store) -> dict[int, int]:
     return out
 
 
-def superseded(objs: Sequence[MetricsObject], resumes: dict[int, int]) -> set[str]:
+def superseded_objects(objs: Sequence[MetricsObject], resumes: dict[int, int]) -> set[str]:
     """Keys of objects a later write replaced (see the module docstring)."""
     out: set[str] = set()
     by_round: dict[tuple[int, int], list[MetricsObject]] = {}
@@ -142,7 +142,7 @@ def read_metrics(store: Store, *, rank: int | None = None, kind: str | None = No
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     objs = list_objects(store, rank=rank)
-    stale = superseded(objs, resume_points(store)) if objs else set()
+    stale = superseded_objects(objs, resume_points(store)) if objs else set()
     if not superseded:
         objs = [o for o in objs if o.key not in stale]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(objs)))) as pool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from composer_cloud.errors import BadObject, ObjectNotFound
 from composer_cloud.runs.logs import printable
-from composer_cloud.runs.metrics import MetricsObject, superseded, resume_points
+from composer_cloud.runs.metrics import MetricsObject, resume_points, superseded_objects
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import RoundSamples
 from composer_cloud.storage.store import Store
@@ -47,7 +47,7 @@ def read_samples(store: Store, *, rank: int | None = None, last_rounds: int | No
         parsed = layout.parse_samples_key(key)
         if parsed is not None:
             objs.append(MetricsObject(key, *parsed))
-    stale = superseded(objs, resume_points(store)) if objs else set()
+    stale = superseded_objects(objs, resume_points(store)) if objs else set()
     current = sorted((o for o in objs if o.key not in stale), key=lambda o: (o.round, o.rank))
     if last_rounds is not None:
         keep = sorted({o.round for o in current})[-last_rounds:] if last_rounds > 0 else []
