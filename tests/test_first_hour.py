@@ -250,7 +250,7 @@ def test_export_needs_neither_the_model_folder_nor_the_hub(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.hidden_size == 64
     card = (out / "README.md").read_text()
-    assert "library_name: transformers" in card and "rounds | 1 of 1" in card and "my-model` |" in card
+    assert "library_name: transformers" in card and "rounds | 1 of 1" in card and "`my-model (a local file of the run)` |" in card
     # no checkpoint (round 2 never ran): a clear error, exit 1, no traceback
     bad = cli("export", f"{store}/m", "--out", str(tmp_path / "x"), "--round", "2", cwd=tmp_path)
     assert bad.returncode == 1 and "no global state for round 2 (available: [1])" in bad.stderr, bad.stderr

@@ -86,7 +86,9 @@ def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
     from composer_cloud.sync.decoupled import protocol
 
     store = store_uri_for("file", tmp_path)
-    spec = with_sync(multi_gpu_spec(2), mode="decoupled", min_quorum=2, grace_min_s=0.5, grace_max_s=10)
+    # heal_timeout_s is lock-step's: decoupled mode refuses a setting it never reads (spec_sync.MODE_IGNORES).
+    spec = with_sync(multi_gpu_spec(2).replace("heal_timeout_s = 180\n", ""), mode="decoupled", min_quorum=2,
+                     grace_min_s=0.5, grace_max_s=10)
     res = launch_run(tmp_path, store, "decoupled", spec)
     assert res.returncode == 0, res.stdout + res.stderr
     run = open_run(f"{store}/decoupled")
