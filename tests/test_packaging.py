@@ -258,7 +258,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "env", "hooks", "registry", "retry", "spec", "spec_errors", "spec_paths", "spec_sync",
                     "stack", "archive", "compat_transformers")),
     ("storage", ("storage",)),
-    ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer")),
+    ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer", "rollouts")),
     ("replica and executors", ("replica", "jobs", "images")),
     ("client", ("runs",)),
     ("command line", ("cli", "cli_args", "cli_views", "cli_watch")),
