@@ -3,7 +3,7 @@
 
     python benchmarks/gpu.py                          # Qwen2.5-0.5B and 1.5B shapes, on the GPU
     python benchmarks/gpu.py --shapes qwen2.5-0.5b --steps 5 --json out.json
-    python benchmarks/gpu.py --tiny                   # a tiny shape on CPU, end to end (CI's smoke run)
+    python benchmarks/gpu.py --tiny                   # a tiny shape on CPU, end to end (gpu_check.sh --cpu runs a smaller one)
 
 Models are built from Qwen2.5 configs with random weights (nothing is downloaded); the tokenizer is the
 built-in BPE one (ids beyond it decode to nothing, which only the reward sees). GRPO settings:
@@ -330,7 +330,7 @@ def _relate(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="a tiny shape on CPU, few steps (CI smoke run)")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape on CPU, few steps (a smoke run)")
     p.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=list(SHAPES))
     p.add_argument("--batch", type=int, default=32, help="completions per inner step")
     p.add_argument("--generations", type=int, default=8)

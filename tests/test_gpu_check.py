@@ -71,7 +71,19 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
         (m, "hf", i) for m in ("full", "lora") for i in ("composer-cloud", "trl")}
     for r in bench["rows"]:
         assert r["step_s"] > 0 and r["sync_s"] > 0 and 0 < r["sync_share_h50"] < 1
-    assert (tmp_path / "out" / "gpu.json").is_file()
+    # gpu.py's own report (this stage is the smoke run of benchmarks/gpu.py on CPU: both trainers, full and LoRA).
+    gpu_rows = json.loads((tmp_path / "out" / "gpu.json").read_text())["rows"]
+    assert {(r["mode"], r["impl"]) for r in gpu_rows} >= {(m, i) for m in ("full", "lora")
+                                                          for i in ("composer-cloud", "trl")}
+    for r in gpu_rows:
+        assert 0 <= r["rollout_s"] <= r["step_s"] and r["tokens_per_s"] > 0
+        assert r["peak_mem_gib"] is None and r["mfu"] is None  # CPU: no GPU memory, no peak FLOPs
+    lora = next(r for r in gpu_rows if r["mode"] == "lora")
+    full = next(r for r in gpu_rows if r["mode"] == "full")
+    assert lora["synced_mib"] < full["synced_mib"] == full["full_mib"]
+    # The store's counters: a LoRA round moves a fraction of a full round's bytes, close to the synced share.
+    assert full["store_vs_full"] == 1.0 and lora["store_vs_full"] < 1.0
+    assert lora["store_vs_full"] == pytest.approx(lora["synced_ratio"], rel=0.5)
 
 
 @pytest.mark.slow
