@@ -128,12 +128,12 @@ class DecoupledReplica:
         self.sched.step()
         self.steps += 1
         self.segment.add(out, compute_s=time.monotonic() - t0, tokens=int(out.get("tokens", self.tokens_per_step)))
-        row = self.boundary.after_step(self.segment)
+        row = self.boundary.after_step(self.segment)  # a RoundRow (composer_cloud.storage.records.metrics)
         if row is not None:
-            self.rows.append({**self.segment.row(), **row, "step": self.steps})
+            self.rows.append({**self.segment.fill(row).to_json(), "step": self.steps})
             if self.label:
-                print(f"[{self.label}] replica {self.rank} step {self.steps}: version {row['merged_version']}"
-                      + (f", eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""), flush=True)
+                print(f"[{self.label}] replica {self.rank} step {self.steps}: version {row.get('merged_version')}"
+                      + (f", eval {row.extra['eval_loss']:.4f}" if "eval_loss" in row.extra else ""), flush=True)
             self.segment = Segment()
 
 

@@ -232,7 +232,7 @@ def _cell(v: Any) -> str:
 def metrics_table(run_id: str, rows: list[dict[str, Any]], kind: str | None) -> Table:
     """``metrics``' table: the fields that matter (``--csv``/``--json`` carry every field); rounds from 1;
     each column as wide as its widest cell, so a number is never cut (``0.0001…``)."""
-    from composer_cloud.runs.metrics import columns
+    from composer_cloud.storage.records.metrics import columns
 
     headers = {"round": "round", "rank": "rank", "step": "step", "launch": "launch", "committed": "ok",
                "loss": "loss", "train_loss": "loss", "reward_mean": "reward", "eval_loss": "eval loss",

@@ -16,6 +16,7 @@ from composer_cloud.trainer.three_channel.signal import DIAGNOSIS
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.run import Run
 from composer_cloud.storage.store import Store
+from support.metrics import log_round, log_step
 from support.trainer import tiny_context
 
 
@@ -38,9 +39,9 @@ def _run(tmp_path, rounds: list[dict[str, float]]) -> Run:
         log = MetricsLog(store, rank, launch=0)
         for r, fields in enumerate(rounds):
             for i in range(2):
-                log.step({"round": r, "step": 2 * r + i + 1, "loss": 1.0, "grad_norm": 0.5, "pg": 0.1, "sdpo": 0.1,
-                          "dpo": 0.1, **{k: v + 0.1 * rank for k, v in fields.items()}})
-            log.round({"round": r, "committed": True, "train_loss": 1.0})
+                log_step(log, r, 2 * r + i + 1, loss=1.0, grad_norm=0.5, pg=0.1, sdpo=0.1, dpo=0.1,
+                         **{k: v + 0.1 * rank for k, v in fields.items()})
+            log_round(log, r, committed=True, train_loss=1.0)
     return Run(uri=store.uri, store=store, spec=RunSpec(run_id="d", rounds=len(rounds)))
 
 

@@ -154,7 +154,7 @@ def test_a_heal_and_an_aborted_round_reach_the_engine(monkeypatch, tmp_path):
             assert not engine.engine_matches_policy()
             boundary._syncs.append(record)  # the manager's on_sync
             row = boundary.after_step(Segment())
-            assert row["committed"] is False and engine.engine_matches_policy()
+            assert row.committed is False and engine.engine_matches_policy()
         assert ctx.trainer.engine_refreshes == 2
     finally:
         boundary.loop.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from composer_cloud.runs.signal import diagnose_rounds
+from composer_cloud.storage.records.metrics import parse_row
 from composer_cloud.trainer.settings import declared_settings
 from composer_cloud.spec import SpecError, load_spec
 from composer_cloud.trainer.three_channel.dataset_task import AnswerHints, DatasetTask
@@ -93,14 +94,18 @@ def test_rounds_without_a_gradient_are_diagnosed_per_channel():
     step = {"kind": "step", "grad_norm": 0.0, "pg": 0.0, "sdpo": 0.0, "dpo": 0.0, "frac_reward_zero_std": 1.0,
             "reward_mean": 0.0, "clipped_ratio": 1.0}
     rows = [{**step, "round": r, "rank": k} for r in range(2) for k in range(2)]
-    (msg,) = diagnose_rounds(rows, declared_settings("three-channel", {"max_completion_length": 4}))
+
+    def typed(rows: list[dict]) -> list:  # the rows as the reader parses them
+        return [parse_row(r, key="test") for r in rows]
+
+    (msg,) = diagnose_rounds(typed(rows), declared_settings("three-channel", {"max_completion_length": 4}))
     assert msg.startswith("no training signal in every round")
     assert "frac_reward_zero_std 1.0" in msg and "max_completion_length (4)" in msg and "no pairs" in msg
     rows[0] = {**rows[0], "grad_norm": 0.5}  # round 1 moved: only round 2 is flagged, counted from 1
-    (msg,) = diagnose_rounds(rows)
+    (msg,) = diagnose_rounds(typed(rows))
     assert "no training signal in rounds 2:" in msg and "grad_norm 0 on every step" in msg  # no trainer: no claim
-    assert diagnose_rounds([{**r, "grad_norm": 1.0} for r in rows]) == []
-    assert diagnose_rounds([{"kind": "step", "round": 0, "loss": 1.0}]) == []  # no grad_norm: no claim
+    assert diagnose_rounds(typed([{**r, "grad_norm": 1.0} for r in rows])) == []
+    assert diagnose_rounds(typed([{"kind": "step", "rank": 0, "round": 0, "loss": 1.0}])) == []  # no grad_norm
 
 
 @pytest.mark.slow
@@ -407,6 +412,7 @@ def _run_with_metrics(tmp_path: Path):
     from composer_cloud.runs import open_run
     from composer_cloud.storage import layout
     from composer_cloud.storage.store import Store
+    from support.metrics import log_round, log_step
 
     uri = f"file://{tmp_path}/store/tracked"
     spec = load_spec(None, {"run_id": "tracked", "report_to": ["tensorboard"]})
@@ -417,9 +423,9 @@ def _run_with_metrics(tmp_path: Path):
         for rnd in (0, 1):
             for i in (1, 2):
                 step = rnd * 2 + i
-                log.step({"round": rnd, "step": step, "loss": 1.0 / step + rank, "grad_norm": 0.5, "pg": 0.1})
-            log.round({"round": rnd, "committed": True, "train_loss": 2.0 - rnd + rank, "sync_s": 0.25,
-                       "bytes_read": 1000, "bytes_written": 1000})
+                log_step(log, rnd, step, loss=1.0 / step + rank, grad_norm=0.5, pg=0.1)
+            log_round(log, rnd, committed=True, train_loss=2.0 - rnd + rank, sync_s=0.25, bytes_read=1000,
+                      bytes_written=1000)
     return open_run(uri)
 
 

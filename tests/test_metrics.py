@@ -16,6 +16,7 @@ from composer_cloud.storage.store import Store
 from composer_cloud.replica.telemetry import MetricsLog, Progress
 from composer_cloud.runs.metrics import list_objects, read_metrics, to_csv
 from support.cli import cli
+from support.metrics import log_round, log_step
 from support.specs import SMALL_RUN_TOML
 
 
@@ -23,8 +24,8 @@ def _log(store: Store, rank: int, launch: int, rounds: range, *, loss: float = 1
     log = MetricsLog(store, rank, launch=launch)
     for r in rounds:
         for i in range(2):
-            log.step({"round": r, "step": 2 * r + i + 1, "loss": loss})
-        log.round({"round": r, "committed": True, "train_loss": loss})
+            log_step(log, r, 2 * r + i + 1, loss=loss)
+        log_round(log, r, committed=True, train_loss=loss)
     return log
 
 
@@ -42,8 +43,8 @@ def test_objects_are_plain_jsonl_that_pandas_reads(tmp_path):
 def test_nan_is_written_as_null(tmp_path):
     store = Store(f"file://{tmp_path}/run")
     log = MetricsLog(store, 0, launch=0)
-    log.step({"round": 0, "step": 1, "loss": float("nan")})
-    log.round({"round": 0, "committed": True, "train_loss": float("inf")})
+    log_step(log, 0, 1, loss=float("nan"))
+    log_round(log, 0, committed=True, train_loss=float("inf"))
     rows = read_metrics(store)
     assert rows[0]["loss"] is None and rows[1]["train_loss"] is None
     df = pd.read_json(tmp_path / "run" / list_objects(store)[0].key, lines=True)
@@ -87,8 +88,8 @@ def test_tampered_or_incomplete_objects_are_ignored(tmp_path):
 def test_csv_starts_with_the_identifying_columns(tmp_path):
     store = Store(f"file://{tmp_path}/run")
     log = MetricsLog(store, 0, launch=0)
-    log.step({"round": 0, "step": 1, "loss": 2.0})
-    log.round({"round": 0, "train_loss": 2.0})
+    log_step(log, 0, 1, loss=2.0)
+    log_round(log, 0, train_loss=2.0)
     assert [r["kind"] for r in read_metrics(store)] == ["step", "round"]
     assert "kind,rank,round" in to_csv(read_metrics(store)).splitlines()[0]
 

@@ -386,16 +386,11 @@ def test_each_key_prefix_of_a_run_is_spelled_in_one_module():
     assert not missing, f"layout.py no longer spells {missing}"
 
 
-#: Modules that still spell torchft's fragment key themselves. ``sync/decoupled/`` is being rewritten as one
-#: protocol object (issue 35, item 3); it takes ``sync/state_tree.fragment_key`` then, and leaves this set.
-_FRAGMENT_KEY_SPELLED_ALSO = {"composer_cloud/sync/decoupled/outer.py"}
-
-
 def test_the_global_state_tree_key_is_spelled_in_one_module():
     """torchft's ``StreamingDiLoCoFragment_<i>``: ``sync/state_tree.py`` spells it, everyone else asks it."""
     spelled = {str(path.relative_to(ROOT)) for module, path in MODULES.items()
                for _, text in _code_strings(path) if "StreamingDiLoCoFragment" in text}
-    assert spelled - _FRAGMENT_KEY_SPELLED_ALSO == {"composer_cloud/sync/state_tree.py"}, spelled
+    assert spelled == {"composer_cloud/sync/state_tree.py"}, spelled
 
 
 #: Modules that may read the process environment: the env module, and entry points that run before

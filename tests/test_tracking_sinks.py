@@ -12,6 +12,7 @@ from composer_cloud.runs.tracking import write_tracking
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.run import Run
 from composer_cloud.storage.store import Store
+from support.metrics import log_round, log_step
 
 
 def _run(tmp_path) -> Run:
@@ -20,8 +21,8 @@ def _run(tmp_path) -> Run:
         log = MetricsLog(store, rank, launch=0)
         for r in range(2):
             for i in range(2):
-                log.step({"round": r, "step": 2 * r + i + 1, "loss": 1.0 + rank - 0.1 * (2 * r + i)})
-            log.round({"round": r, "committed": True, "train_loss": 1.0 - 0.1 * r, "sync_s": 0.5})
+                log_step(log, r, 2 * r + i + 1, loss=1.0 + rank - 0.1 * (2 * r + i))
+            log_round(log, r, committed=True, train_loss=1.0 - 0.1 * r, sync_s=0.5)
         Telemetry(store, rank, rounds=2, inner_steps=2, progress_every_s=60).samples(
             1, 4, [{"prompt": "p", "completion": f"answer of r{rank}", "reward": 0.5}])
     return Run(uri=store.uri, store=store, spec=RunSpec(run_id="t", rounds=2, report_to=["wandb", "mlflow"]))

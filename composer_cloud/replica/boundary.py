@@ -24,6 +24,7 @@ import torch
 from composer_cloud.hooks import Hooks
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.telemetry import Telemetry
+from composer_cloud.storage.records.metrics import RoundRow
 from composer_cloud.storage.run import Run
 from composer_cloud.sync.lockstep.sharded import LocalShard
 
@@ -54,12 +55,14 @@ class Segment:
         self.compute_s += compute_s
         self.tokens += tokens
 
-    def row(self) -> dict[str, Any]:
-        """The fields every round row has: mean train loss (and reward), compute and wall seconds."""
-        row: dict[str, Any] = {"train_loss": sum(self.losses) / len(self.losses), "compute_s": self.compute_s,
-                               "wall_s": time.monotonic() - self.started}
+    def fill(self, row: RoundRow) -> RoundRow:
+        """Set the columns every round row has from this segment: mean train loss (and reward), compute and wall
+        seconds (wall: from the segment's start until now, so call it once the boundary passed)."""
+        row.train_loss = sum(self.losses) / len(self.losses)
+        row.compute_s = self.compute_s
+        row.wall_s = time.monotonic() - self.started
         if self.rewards:
-            row["reward_mean"] = sum(self.rewards) / len(self.rewards)
+            row.reward_mean = sum(self.rewards) / len(self.rewards)
         return row
 
 
@@ -109,8 +112,9 @@ class Boundary(Protocol):
         """Seconds of the last step that were syncing, not computing."""
         ...
 
-    def after_step(self, segment: Segment) -> dict[str, Any] | None:
-        """After every step: the round's row (without the segment's own fields) when a boundary passed."""
+    def after_step(self, segment: Segment) -> RoundRow | None:
+        """After every step: the round's row (its sync columns, from ``telemetry.round_row``; the loop fills the
+        segment's) when a boundary passed."""
         ...
 
     def heartbeat_fields(self, steps: int) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from composer_cloud.errors import BadObject, SyncError
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, cpu_params, params_replaced
 from composer_cloud.storage import layout
+from composer_cloud.storage.records.metrics import DecoupledFields, RoundRow
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
 from composer_cloud.sync.decoupled.contributions import ContributionEncoder
 from composer_cloud.sync.decoupled import protocol
@@ -214,7 +215,7 @@ class DecoupledBoundary:
     def sync_s(self) -> float:
         return 0.0  # the boundary runs between steps, not inside one
 
-    def after_step(self, segment: Segment) -> dict[str, Any] | None:
+    def after_step(self, segment: Segment) -> RoundRow | None:
         if segment.steps < self.spec.inner_steps:
             return None
         t_sync = time.monotonic()
@@ -244,19 +245,18 @@ class DecoupledBoundary:
         adopted = self.adopted != adopted_before
         if adopted:
             params_replaced(self.ctx.trainer)
-        row: dict[str, Any] = {
-            "round": self.seq - 1, "committed": True, "merged_version": self.adopted, "adopted": adopted,
-            "merged_here": outcome.merged if outcome else None,
-            "merge_reason": outcome.reason if outcome else "error",
-            "grace_s": outcome.grace_s if outcome else None,
-            "staleness": (outcome.base if outcome else self.adopted) - contrib.base_version,
-            "participants": self._participants(view), "tokens": segment.tokens,
-            "sync_s": time.monotonic() - t_sync, "wait_s": 0.0, "quorum_wait_s": 0.0,
-            "bytes_read": self.store.bytes_read - read0, "bytes_written": self.store.bytes_written - written0,
-        }
+        own = DecoupledFields(
+            merged_version=self.adopted, adopted=adopted, merged_here=outcome.merged if outcome else None,
+            merge_reason=outcome.reason if outcome else "error", grace_s=outcome.grace_s if outcome else None,
+            staleness=(outcome.base if outcome else self.adopted) - contrib.base_version, tokens=segment.tokens,
+            wait_s=0.0)
+        row = self.ctx.telemetry.round_row(
+            self.seq - 1, committed=True, decoupled=own, participants=self._participants(view),
+            sync_s=time.monotonic() - t_sync, quorum_wait_s=0.0, bytes_read=self.store.bytes_read - read0,
+            bytes_written=self.store.bytes_written - written0)
         trainer = self.ctx.trainer
         if self.rank == 0 and hasattr(trainer, "evaluate") and adopted:
-            row.update(trainer.evaluate())
+            row.extra.update(trainer.evaluate())
         if self.seq % self.spec.checkpoint_every == 0 or self.seq == self.spec.rounds:
             t0 = time.monotonic()
             # The model is unchanged since the base was copied (evaluate() only reads).
@@ -264,10 +264,10 @@ class DecoupledBoundary:
             self.replica_states.write_decoupled(self.rank, self.seq, {"inner": inner},
                                                 version=self.adopted, world_size=self.spec.replicas,
                                                 keep=KEEP_STATES)
-            row["checkpoint_s"] = time.monotonic() - t0
+            own.checkpoint_s = time.monotonic() - t0
         return row
 
-    def _follow(self) -> dict[str, Any] | None:
+    def _follow(self) -> RoundRow | None:
         """Local ranks ``k > 0`` at a boundary: take local rank 0's outcome and parameters (its collectives)."""
         if self.local.ints(0)[0]:  # the run finished: local rank 0 dropped the segment
             self._stopped = True
@@ -278,7 +278,8 @@ class DecoupledBoundary:
         self._base = cpu_params(self.ctx.model)
         if self.adopted != before:
             params_replaced(self.ctx.trainer)
-        return {"round": self.seq - 1, "committed": True, "merged_version": self.adopted}
+        return self.ctx.telemetry.round_row(self.seq - 1, committed=True,
+                                            decoupled=DecoupledFields(merged_version=self.adopted))
 
     def _merge(self, view: BoundaryView) -> protocol.MergeOutcome | None:
         """:func:`~composer_cloud.sync.decoupled.protocol.try_merge`, where a bad object costs this boundary's

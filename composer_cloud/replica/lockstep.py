@@ -32,6 +32,7 @@ from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, params_replaced, snapshot
 from composer_cloud.retry import PollPolicy, wait_until
 from composer_cloud.storage import layout
+from composer_cloud.storage.records.metrics import LockstepFields, RoundRow
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.manifests import LoadedResume
@@ -137,18 +138,19 @@ class LockstepBoundary:
             return 0.0
         return max(rec.blocked_s, rec.result.wall_s if rec.result is not None else 0.0)
 
-    def after_step(self, segment: Segment) -> dict[str, Any] | None:
+    def after_step(self, segment: Segment) -> RoundRow | None:
         """A sync happened inside this step (DiLoCo's optimizer post-hook) iff the manager reported one."""
         if not self._syncs:
             return None
         rec = self._syncs[-1]
         self._syncs.clear()
         res = rec.result
-        row: dict[str, Any] = {
-            "round": rec.round, "committed": rec.committed, "healed_to": rec.healed_to,
-            "participants": res.participants if res else [], "sync_s": res.wall_s if res else 0.0,
-            "quorum_wait_s": res.quorum_wait_s if res else 0.0, "bytes_read": res.bytes_read if res else 0,
-            "bytes_written": res.bytes_written if res else 0}
+        own = LockstepFields(healed_to=rec.healed_to)
+        row = self.ctx.telemetry.round_row(
+            rec.round, committed=rec.committed, lockstep=own,
+            participants=res.participants if res else [], sync_s=res.wall_s if res else 0.0,
+            quorum_wait_s=res.quorum_wait_s if res else 0.0, bytes_read=res.bytes_read if res else 0,
+            bytes_written=res.bytes_written if res else 0)
         # A multi-GPU replica's ranks each synced one shard: now each gets every shard's global state.
         self.loop.share_shards()
         # Every sync replaced the synced parameters: torchft's DiLoCo restores the global backup before it
@@ -156,7 +158,7 @@ class LockstepBoundary:
         params_replaced(self.ctx.trainer)
         if rec.committed and res is not None:
             if self.ctx.leader:  # local rank 0 checkpoints the replica
-                self._after_commit(rec.round, res.attempt, res.participants, row)
+                self._after_commit(rec.round, res.attempt, res.participants, row, own)
             elif self.ctx.shard is not None and self.ctx.shard.fsdp:
                 self._join_leader_collectives(rec.round, res.participants)
         self._reap_io()
@@ -176,11 +178,15 @@ class LockstepBoundary:
                 still.append(fut)
         self._pending_io = still
 
-    def _after_commit(self, round: int, attempt: int, participants: list[int], row: dict[str, Any]) -> None:
-        """Checkpoint round ``round``: my inner state, then my slice of the global state, then the manifest."""
+    def _after_commit(self, round: int, attempt: int, participants: list[int], row: RoundRow,
+                      own: LockstepFields) -> None:
+        """Checkpoint round ``round``: my inner state, then my slice of the global state, then the manifest.
+
+        Sets the trainer's evaluation on ``row`` (the lowest participant) and the checkpoint seconds on ``own``.
+        """
         spec, trainer, manager = self.spec, self.ctx.trainer, self.loop.manager
         if self.rank == min(participants) and hasattr(trainer, "evaluate"):
-            row.update(trainer.evaluate())
+            row.extra.update(trainer.evaluate())
         if not self._checkpointed(round):
             manager.publish_state()  # global state every round: healers need it
             return
@@ -194,11 +200,11 @@ class LockstepBoundary:
         if self._state_write is not None:
             self._state_write.result()
             self._state_write = None
-        row["checkpoint_wait_s"] = time.monotonic() - t0
+        own.checkpoint_wait_s = time.monotonic() - t0
         # Snapshot on the critical path (training mutates optimizer state next step), then upload in the background.
         t0 = time.monotonic()
         tree = snapshot(replica_state(trainer, local, codec=self.loop.codec_state()))
-        row["checkpoint_snapshot_s"] = time.monotonic() - t0
+        own.checkpoint_snapshot_s = time.monotonic() - t0
         self._state_write = self._io.submit(self.replica_states.write, round, self.rank, tree,
                                             world_size=spec.replicas)
         self._pending_io.append(self._state_write)

@@ -43,6 +43,7 @@ from composer_cloud.replica.usercode import install_code, localize_spec
 from composer_cloud.spec_sync import SyncSpec
 from composer_cloud.stack import check_packages, runtime_versions
 from composer_cloud.storage.records import CodeRef, HeartbeatState
+from composer_cloud.storage.records.metrics import RoundRow
 from composer_cloud.storage.run import Run, open_run
 from composer_cloud.sync.lockstep.sharded import LocalShard
 from composer_cloud.trainer.parallel import check_local_ranks
@@ -128,12 +129,12 @@ class Replica:
         spec = ctx.spec
         boundary: Boundary = DecoupledBoundary(ctx) if spec.sync.mode == "decoupled" else LockstepBoundary(ctx)
         first = boundary.start()
-        synced = sync_fields(ctx.model)
-        self.telemetry.start(runtime_versions(device=ctx.device.type))
+        fp = sync_footprint(ctx.model)  # what every round row says about the synced set (docs/gpu.md)
+        self.telemetry.start(runtime_versions(device=ctx.device.type), synced=(fp.synced_params, fp.ratio))
         self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
         logger.info("replica %d/%d (%s) on %s: %s, starting at round %d of %d", self.rank, spec.replicas,
                     spec.sync.mode, ctx.device, spec.model.name, boundary.position, spec.rounds)
-        steps = _inner_loop(ctx, boundary, round_fields=synced)
+        steps = _inner_loop(ctx, boundary)
         final = boundary.finish(steps)
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
@@ -164,7 +165,7 @@ def report_local_failure(run_uri: str, rank: int, *, job_env: JobEnv, error: str
 class QuietTelemetry(Telemetry):
     """The reports of local ranks ``k > 0`` of a multi-GPU replica: none (local rank 0 reports for it)."""
 
-    def start(self, versions: dict[str, str]) -> None:
+    def start(self, versions: dict[str, str], *, synced: tuple[int, float] | None = None) -> None:
         return None
 
     def heartbeat(self, state: HeartbeatState, **fields: Any) -> None:
@@ -173,7 +174,7 @@ class QuietTelemetry(Telemetry):
     def step(self, round: int, step: int, out: dict[str, Any], dt: float) -> None:
         return None
 
-    def round(self, row: dict[str, Any]) -> str:
+    def round(self, row: RoundRow) -> str:
         return ""
 
     def flush(self) -> None:
@@ -183,21 +184,8 @@ class QuietTelemetry(Telemetry):
         return None
 
 
-def sync_fields(model: torch.nn.Module) -> dict[str, Any]:
-    """What every round row says about the synced set: its parameters and its bytes against a full fine-tune's.
-
-    ``synced_fraction`` is 1.0 for a full fine-tune; under LoRA it is the adapters' share (what the store
-    traffic of a round shrinks by: ``docs/gpu.md``).
-    """
-    fp = sync_footprint(model)
-    return {"synced_params": fp.synced_params, "synced_fraction": fp.ratio}
-
-
-def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[str, Any] | None = None) -> int:
-    """THE inner loop of both sync modes; returns the inner steps this process took.
-
-    ``round_fields`` are added to every round row.
-    """
+def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
+    """THE inner loop of both sync modes; returns the inner steps this process took."""
     spec, trainer, hooks, rank = ctx.spec, ctx.trainer, ctx.hooks, ctx.rank
     h = spec.inner_steps
     tokens_per_step = spec.trainer.batch_size * spec.trainer.seq_len
@@ -220,10 +208,9 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
             row = boundary.after_step(segment)
             if row is None:
                 continue
-            round_row = {**segment.row(), **row, **(round_fields or {})}
-            ctx.telemetry.round(round_row)
+            ctx.telemetry.round(segment.fill(row))
             if take_samples is not None:  # the trainer's sample completions of the round (trainer.log_samples)
-                r = int(round_row["round"])
+                r = row.round
                 ctx.telemetry.samples(r, (r + 1) * h, take_samples())
             ctx.telemetry.heartbeat(HeartbeatState.RUNNING, **boundary.heartbeat_fields(steps))
             segment = Segment()

@@ -4,6 +4,8 @@
   round (``metrics/<rank>/<round>-<writer>.jsonl``, plain JSONL that any tool
   reads as it is, then its framed digest, written last; readers:
   :mod:`composer_cloud.runs.metrics`). Objects are never rewritten or deleted.
+  The rows are the typed :class:`~composer_cloud.storage.records.metrics.StepRow` and
+  :class:`~composer_cloud.storage.records.metrics.RoundRow`; this module is their one writer.
 * :class:`Progress` keeps the time-gated live figures (step, loss, reward,
   steps/s, tokens/s, elapsed) a replica puts into its heartbeat every
   ``progress_every_s`` seconds.
@@ -17,36 +19,20 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from composer_cloud.errors import redact
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState, MetricsDigest, RoundSamples, Sample
+from composer_cloud.storage.records.metrics import ROUND_COLUMNS, STEP_COLUMNS, RoundRow, Row, StepRow, encode_rows
 from composer_cloud.storage.records.samples import MAX_SAMPLES, clip_text
 from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: non-finite floats become null (strict JSON has no NaN; pandas reads null as NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
-def encode_rows(rows: Iterable[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(_clean(r), sort_keys=True, allow_nan=False) + "\n" for r in rows).encode()
 
 
 def launch_number(store: Store) -> int:
@@ -60,7 +46,8 @@ class MetricsLog:
 
     ``step(row)`` after every inner step, ``round(row)`` when the round ends
     (writes the object), ``flush()`` at exit (writes buffered step rows of an
-    unfinished round, if any). Rows get ``rank``, ``launch`` and ``time``.
+    unfinished round, if any). Every row names this log's ``rank`` and ``launch`` (``ValueError`` otherwise:
+    a row of another replica or launch would be read as this one's).
     """
 
     def __init__(self, store: Store, rank: int, *, launch: int | None = None) -> None:
@@ -68,28 +55,32 @@ class MetricsLog:
         self.rank = rank
         self.launch = launch_number(store) if launch is None else launch
         self.writer = layout.new_writer_id(self.launch)
-        self._steps: list[dict[str, Any]] = []
+        self._steps: list[StepRow] = []
 
-    def _stamp(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
-        return {**row, "kind": kind, "rank": self.rank, "launch": self.launch, "time": row.get("time", time.time())}
+    def _check(self, row: Row) -> None:
+        if row.rank != self.rank or row.launch != self.launch:
+            raise ValueError(f"{row.KIND} row of rank {row.rank}, launch {row.launch} given to the metrics log of "
+                             f"rank {self.rank}, launch {self.launch}")
 
-    def step(self, row: dict[str, Any]) -> None:
-        self._steps.append(self._stamp("step", row))
+    def step(self, row: StepRow) -> None:
+        self._check(row)
+        self._steps.append(row)
 
-    def round(self, row: dict[str, Any]) -> str:
-        """Write the buffered step rows and this round row as the object of ``row["round"]``; return its key."""
-        rows = [*self._steps, self._stamp("round", row)]
+    def round(self, row: RoundRow) -> str:
+        """Write the buffered step rows and this round row as the object of ``row.round``; return its key."""
+        self._check(row)
+        rows: list[Row] = [*self._steps, row]
         self._steps = []
-        return self._write(int(row["round"]), rows)
+        return self._write(row.round, rows)
 
     def flush(self) -> str | None:
         """Write the step rows of an unfinished round (a failure, a stop) so they are not lost."""
         if not self._steps:
             return None
         rows, self._steps = self._steps, []
-        return self._write(int(rows[-1].get("round", 0)), rows)
+        return self._write(rows[-1].round, list(rows))
 
-    def _write(self, round: int, rows: list[dict[str, Any]]) -> str:
+    def _write(self, round: int, rows: list[Row]) -> str:
         key = layout.metrics_key(self.rank, round, self.writer)
         body = encode_rows(rows)
         self.store.put_plain(key, body)
@@ -164,6 +155,9 @@ class Telemetry:
     """One replica process's reports: step and round rows, one log line per step, heartbeats.
 
     ``versions`` (python/torch/CUDA/...) rides in every heartbeat; ``progress`` is set once training starts.
+    The one writer of the metrics rows: :meth:`step` builds each step's :class:`StepRow`, :meth:`round_row`
+    starts a round's :class:`RoundRow` (the boundary fills its sync columns, the loop its segment's), and
+    :meth:`round` stamps and writes it.
     """
 
     def __init__(self, store: Store, rank: int, *, rounds: int, inner_steps: int, progress_every_s: float) -> None:
@@ -175,10 +169,15 @@ class Telemetry:
         self.metrics = MetricsLog(store, rank)
         self.progress: Progress | None = None
         self.versions: dict[str, str] = {}
+        #: the synced set every round row names (``synced_params``, ``synced_fraction``); None until known
+        self.synced: tuple[int, float] | None = None
+        self._clashes_warned = False
 
-    def start(self, versions: dict[str, str]) -> None:
-        """Training starts now: live figures from here on."""
+    def start(self, versions: dict[str, str], *, synced: tuple[int, float] | None = None) -> None:
+        """Training starts now: live figures from here on. ``synced``: (parameters DiLoCo syncs, their bytes'
+        fraction of a full fine-tune's), named by every round row."""
         self.versions = versions
+        self.synced = synced
         self.progress = Progress(every_s=self.progress_every_s, total_steps=self.rounds * self.inner_steps)
 
     def heartbeat(self, state: HeartbeatState, **fields: Any) -> None:
@@ -197,15 +196,35 @@ class Telemetry:
         """
         h = self.inner_steps
         run_step = round * h + (step - 1) % h + 1  # 1-based inner step of the run (resumes continue it)
-        self.metrics.step({"step": run_step, "round": round, "time_s": dt, **out})
+        figures = {k: v for k, v in out.items() if k not in STEP_COLUMNS}
+        if len(figures) != len(out) and not self._clashes_warned:
+            self._clashes_warned = True
+            logger.warning("the trainer's step() reported %s, the name(s) of step row columns; they are left out "
+                           "of the metrics: rename them", sorted(set(out) - set(figures)))
+        self.metrics.step(StepRow(rank=self.rank, launch=self.metrics.launch, time=time.time(), round=round,
+                                  step=run_step, time_s=dt, extra=figures))
         logger.info("round %d/%d step %d/%d loss %.4f%s %.3fs", round + 1, self.rounds, run_step, self.rounds * h,
                     out.get("loss", float("nan")), f" reward {out['reward_mean']:.3f}" if "reward_mean" in out else "",
                     dt)
         if self.progress is not None and self.progress.update(round=round, step=run_step, out=out, step_s=dt):
             self.heartbeat(HeartbeatState.RUNNING)
 
-    def round(self, row: dict[str, Any]) -> str:
-        """The round's row (and its buffered step rows) as one metrics object; returns its key."""
+    def round_row(self, round: int, **columns: Any) -> RoundRow:
+        """A new row of ``round`` of this replica (``columns``: :class:`RoundRow` fields, e.g. the sync's), naming
+        the synced set; its segment's columns and its time are set later (:meth:`round`)."""
+        params, fraction = self.synced if self.synced is not None else (None, None)
+        return RoundRow(rank=self.rank, round=round, launch=self.metrics.launch, synced_params=params,
+                        synced_fraction=fraction, **columns)
+
+    def round(self, row: RoundRow) -> str:
+        """The round's row (and its buffered step rows) as one metrics object, stamped with the time now;
+        returns its key."""
+        clash = sorted(set(row.extra) & set(ROUND_COLUMNS))
+        if clash:
+            logger.warning("the trainer's evaluate() reported %s, the name(s) of round row columns; they are left "
+                           "out of the metrics: rename them", clash)
+            row.extra = {k: v for k, v in row.extra.items() if k not in ROUND_COLUMNS}
+        row.time = time.time()
         return self.metrics.round(row)
 
     def flush(self) -> None:
@@ -231,4 +250,4 @@ class Telemetry:
         return key
 
 
-__all__ = ["MetricsLog", "Progress", "Telemetry", "encode_rows", "launch_number"]
+__all__ = ["MetricsLog", "Progress", "Telemetry", "launch_number"]

@@ -242,7 +242,7 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
     """``README.md``: a Hugging Face model card (``huggingface_hub.ModelCard``) saying what the model is."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from composer_cloud.runs.metrics import read_metrics
+    from composer_cloud.runs.metrics import read_rows
 
     spec = run.spec
     settings = spec.trainer.settings()
@@ -250,12 +250,12 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
     data = settings.get("dataset") or (settings.get("task") if spec.trainer.name == "three-channel" else None) \
         or "the built-in corpus"
     try:
-        rows = [r for r in read_metrics(run.store, kind="round") if r.get("round") == round]
+        rows = [r.to_json() for r in read_rows(run.store, kind="round") if r.round == round]
     except StoreError:
         rows = []
 
     def mean(key: str) -> str:
-        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        vals = [v for r in rows if isinstance(v := r.get(key), (int, float))]
         return f"{sum(vals) / len(vals):.4f}" if vals else "-"
 
     def public(value: str) -> str:

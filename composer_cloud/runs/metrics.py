@@ -20,6 +20,10 @@ newest object that belongs to the run's current timeline: an object of launch
 checkpoint before ``r`` (it re-ran ``r``), or when a newer process of the same
 launch wrote ``r`` again (a restart). ``superseded=True`` returns those too,
 marked ``"superseded": true``.
+
+Rows are parsed into their typed records (:mod:`composer_cloud.storage.records.metrics`: ``StepRow``,
+``RoundRow``, the one schema and column order): :func:`read_rows` returns them; :func:`read_metrics` and
+:func:`rows_by_writer` return their JSON (the file's keys and values, as a dict per row).
 """
 
 from __future__ import annotations
@@ -37,11 +41,10 @@ from typing import Any
 from composer_cloud.errors import BadObject, ObjectNotFound
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import MetricsDigest, ResumeRecord
+from composer_cloud.storage.records.metrics import KINDS, Row, StepRow, columns, parse_row
 from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
-
-KINDS = ("step", "round")
 
 
 # ---------------------------------------------------------------- reading
@@ -69,12 +72,22 @@ def list_objects(store: Store, *, rank: int | None = None) -> list[MetricsObject
     return sorted(out, key=lambda o: (o.rank, o.round, o.writer))
 
 
-def _valid_row(row: Any, rank: int) -> bool:
-    return (isinstance(row, dict) and row.get("kind") in KINDS and row.get("rank") == rank
-            and isinstance(row.get("round"), int) and not isinstance(row.get("round"), bool))
+def _parse_rows(lines: list[Any], obj: MetricsObject) -> list[Row]:
+    """The object's valid rows (typed; each must name the object's rank); a malformed row is left out."""
+    good: list[Row] = []
+    for line in lines:
+        try:
+            row = parse_row(line, key=obj.key)
+        except BadObject:
+            continue
+        if row.rank == obj.rank:
+            good.append(row)
+    if len(good) != len(lines):
+        logger.warning("ignoring %d malformed row(s) of %s", len(lines) - len(good), obj.key)
+    return good
 
 
-def _read_object(store: Store, obj: MetricsObject) -> list[dict[str, Any]]:
+def _read_object(store: Store, obj: MetricsObject) -> list[Row]:
     """The object's rows, verified against its digest; [] (with a warning) for a bad object."""
     digest_key = layout.metrics_digest_key(obj.key)
     try:
@@ -83,21 +96,19 @@ def _read_object(store: Store, obj: MetricsObject) -> list[dict[str, Any]]:
         if digest.sha256 != hashlib.sha256(body).hexdigest():
             logger.warning("ignoring %s: it does not match its digest %s", obj.key, digest_key)
             return []
-        rows = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
     except (BadObject, ObjectNotFound, UnicodeDecodeError, json.JSONDecodeError) as exc:
         logger.warning("ignoring %s: %s", obj.key, exc)
         return []
-    good = [r for r in rows if _valid_row(r, obj.rank)]
-    if len(good) != len(rows):
-        logger.warning("ignoring %d malformed row(s) of %s", len(rows) - len(good), obj.key)
-    return good
+    return _parse_rows(lines, obj)
 
 
 def rows_by_writer(store: Store, rank: int) -> dict[str, list[dict[str, Any]]]:
-    """One replica's verified rows per writer (one writer = one replica process), oldest writer first."""
+    """One replica's verified rows (their JSON) per writer (one writer = one replica process), oldest writer
+    first."""
     out: dict[str, list[dict[str, Any]]] = {}
     for obj in list_objects(store, rank=rank):  # by round within a writer
-        out.setdefault(obj.writer, []).extend(_read_object(store, obj))
+        out.setdefault(obj.writer, []).extend(r.to_json() for r in _read_object(store, obj))
     return dict(sorted(out.items()))
 
 
@@ -130,14 +141,14 @@ def superseded_objects(objs: Sequence[MetricsObject], resumes: dict[int, int]) -
     return out
 
 
-def read_metrics(store: Store, *, rank: int | None = None, kind: str | None = None,
-                 superseded: bool = False, threads: int = 8) -> list[dict[str, Any]]:
-    """The run's metric rows, sorted by (round, rank, kind: steps first, step).
+def read_rows(store: Store, *, rank: int | None = None, kind: str | None = None,
+              superseded: bool = False, threads: int = 8) -> list[Row]:
+    """The run's metric rows, typed, sorted by (round, rank, kind: steps first, step).
 
     Args:
         rank: only this replica.
         kind: ``"step"`` or ``"round"`` rows only.
-        superseded: also rows of objects that a resume or restart replaced, marked ``"superseded": True``.
+        superseded: also rows of objects that a resume or restart replaced, marked ``superseded = True``.
     """
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -147,26 +158,29 @@ def read_metrics(store: Store, *, rank: int | None = None, kind: str | None = No
         objs = [o for o in objs if o.key not in stale]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(objs)))) as pool:
         loaded = list(pool.map(lambda o: _read_object(store, o), objs)) if objs else []
-    rows: list[dict[str, Any]] = []
+    rows: list[Row] = []
     for o, obj_rows in zip(objs, loaded):
         for r in obj_rows:
-            if kind is not None and r["kind"] != kind:
+            if kind is not None and r.KIND != kind:
                 continue
             if o.key in stale:
-                r = {**r, "superseded": True}
+                r.superseded = True
             rows.append(r)
-    rows.sort(key=lambda r: (r["round"], r["rank"], r["kind"] != "step", r.get("step") or 0))
+    rows.sort(key=lambda r: (r.round, r.rank, not isinstance(r, StepRow),
+                             (r.step or 0) if isinstance(r, StepRow) else 0))
     return rows
 
 
-def columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Column order for tables: the identifying fields first, then the rest alphabetically."""
-    first = ["kind", "rank", "round", "step", "launch", "committed", "loss", "train_loss", "reward_mean"]
-    seen = {k for r in rows for k in r}
-    return [c for c in first if c in seen] + sorted(seen - set(first))
+def read_metrics(store: Store, *, rank: int | None = None, kind: str | None = None,
+                 superseded: bool = False, threads: int = 8) -> list[dict[str, Any]]:
+    """The run's metric rows as the file has them (one dict per row: its JSON), in :func:`read_rows`' order
+    and with its arguments; superseded rows are marked ``"superseded": True``."""
+    return [r.to_json() for r in read_rows(store, rank=rank, kind=kind, superseded=superseded, threads=threads)]
 
 
 def to_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """``metrics --csv``: one line per row (its JSON), in the schema's column order
+    (:func:`~composer_cloud.storage.records.metrics.columns`); lists and objects as JSON."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns(rows), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -182,5 +196,5 @@ def eta_s(*, step: int | None, total_steps: int, steps_per_s: float | None) -> f
     return max(0.0, (total_steps - step) / steps_per_s)
 
 
-__all__ = ["KINDS", "MetricsObject", "columns", "eta_s", "list_objects", "read_metrics", "resume_points",
-           "rows_by_writer", "to_csv"]
+__all__ = ["MetricsObject", "eta_s", "list_objects", "read_metrics", "read_rows", "resume_points", "rows_by_writer",
+           "superseded_objects", "to_csv"]

@@ -17,7 +17,8 @@ from typing import Any
 
 from composer_cloud.errors import ConfigError
 
-from composer_cloud.runs.metrics import read_metrics
+from composer_cloud.runs.metrics import read_rows
+from composer_cloud.storage.records.metrics import RoundRow, Row, StepRow
 from composer_cloud.storage.run import Run
 
 INSTALL_HINT = "pip install 'composer-cloud[report]'"
@@ -47,16 +48,17 @@ class Report:
     labels: dict[int, str] = field(default_factory=dict)
 
 
-def _series(rows: Sequence[dict[str, Any]], keys: tuple[str, ...], *, x: str = "round"
+def _series(rows: Sequence[Row], keys: tuple[str, ...], *, x: str = "round"
             ) -> tuple[str | None, dict[int, list[tuple[int, float]]]]:
-    """The first key any row has, and its (x, value) points per rank (x: the round counted from 1, or the
-    global inner step)."""
+    """The first column any row has, and its (x, value) points per rank (x: the round counted from 1, or the
+    global inner step of a step row)."""
     for key in keys:
         points: dict[int, list[tuple[int, float]]] = {}
         for r in rows:
             v = r.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                points.setdefault(r["rank"], []).append((r["round"] + 1 if x == "round" else r["step"], float(v)))
+                at = r.step if x == "step" and isinstance(r, StepRow) else r.round + 1
+                points.setdefault(r.rank, []).append((at or 0, float(v)))
         if points:
             return key, points
     return None, {}
@@ -98,9 +100,9 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ReportUnavailable(f"the report needs matplotlib: {INSTALL_HINT}") from None
-    every = read_metrics(run.store)
-    rows = [r for r in every if r["kind"] == "round"]
-    steps = [r for r in every if r["kind"] == "step" and isinstance(r.get("step"), int)]
+    every = read_rows(run.store)
+    rows = [r for r in every if isinstance(r, RoundRow)]
+    steps = [r for r in every if isinstance(r, StepRow) and r.step is not None]
     from composer_cloud.runs.status import run_status
     from composer_cloud.runs.summary import reason, replica_outcome
 
@@ -146,7 +148,7 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
 
     samples = read_samples(run.store, last_rounds=SAMPLE_ROUNDS)
     page.write_text(_html(run, rows, buf.getvalue(), state=status.state, why=why, samples=samples))
-    return Report(png=png, html=page, rounds=len({r["round"] for r in rows}), replicas=sorted({r["rank"] for r in rows}),
+    return Report(png=png, html=page, rounds=len({r.round for r in rows}), replicas=sorted({r.rank for r in rows}),
                   labels=labels)
 
 
@@ -179,12 +181,13 @@ def _samples_html(samples: Sequence[Any]) -> str:
             f"{trs}\n</table>")
 
 
-def _html(run: Run, rows: Sequence[dict[str, Any]], png: bytes, *, state: str = "", why: Sequence[str] = (),
+def _html(run: Run, rows: Sequence[RoundRow], png: bytes, *, state: str = "", why: Sequence[str] = (),
           samples: Sequence[Any] = ()) -> str:
-    cols = [c for c in _TABLE if any(c in r for r in rows)]
+    table = [r.to_json() for r in rows]
+    cols = [c for c in _TABLE if any(c in r for r in table)]
     head = "".join(f"<th>{c}</th>" for c in cols)
     body = "\n".join("<tr>" + "".join(f"<td>{_cell(r.get(c) if c != 'round' else r['round'] + 1)}</td>"
-                                      for c in cols) + "</tr>" for r in rows)
+                                      for c in cols) + "</tr>" for r in table)
     title = html.escape(f"composer-cloud run {run.run_id}")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>

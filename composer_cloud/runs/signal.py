@@ -11,28 +11,29 @@ launch summary show the messages.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from composer_cloud.storage.records.metrics import Row, StepRow
 from composer_cloud.trainer.plugin import TrainerPlugin
 
 
-def diagnose_rounds(rows: Sequence[Mapping[str, Any]], trainer: TrainerPlugin | None = None) -> list[str]:
+def diagnose_rounds(rows: Sequence[Row], trainer: TrainerPlugin | None = None) -> list[str]:
     """One message per stretch of rounds (1-based, as users count them) in which no inner step of any replica
-    produced a gradient (``grad_norm`` 0 on every step row), with the ``trainer``'s reasons.
+    produced a gradient (``grad_norm`` 0 on every step row), with the ``trainer``'s reasons (it is given the
+    silent step rows' JSON).
 
-    Rows without ``grad_norm`` (a trainer that does not report it) are never flagged.
+    Rows without ``grad_norm`` (a trainer that does not report it) are never flagged; round rows are skipped.
     """
-    by_round: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    by_round: dict[int, list[StepRow]] = defaultdict(list)
     for r in rows:
-        if r.get("kind") == "step" and isinstance(r.get("round"), int):
-            by_round[r["round"]].append(r)
+        if isinstance(r, StepRow):
+            by_round[r.round].append(r)
     silent = sorted(rnd for rnd, steps in by_round.items()
-                    if steps and all(isinstance(s.get("grad_norm"), (int, float)) and s["grad_norm"] == 0.0
+                    if steps and all(isinstance(s.extra.get("grad_norm"), (int, float)) and s.extra["grad_norm"] == 0.0
                                      for s in steps))
     if not silent:
         return []
-    steps = [s for rnd in silent for s in by_round[rnd]]
+    steps = [s.to_json() for rnd in silent for s in by_round[rnd]]
     which = ("every round" if len(silent) == len(by_round) else
              "rounds " + ", ".join(str(r + 1) for r in silent))
     reasons = (trainer or TrainerPlugin()).silence_reasons(steps) or ["the trainer reported grad_norm 0 on every step"]

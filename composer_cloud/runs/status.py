@@ -272,7 +272,7 @@ class StatusTracker:
             from composer_cloud.runs.signal import diagnose_rounds
             from composer_cloud.trainer.settings import declared_settings
 
-            warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"),
+            warnings += diagnose_rounds(_metrics.read_rows(store, kind="step"),
                                         declared_settings(spec.trainer.name, spec.trainer.settings()))
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,

@@ -7,6 +7,7 @@ are counted from 1 here, as everywhere users read them (``docs/metrics.md``).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from composer_cloud.runs import metrics as _metrics
 from composer_cloud.runs.signal import diagnose_rounds
 from composer_cloud.runs.status import ReplicaInfo, RunStatus
+from composer_cloud.storage.records.metrics import RoundRow, StepRow
 from composer_cloud.storage.run import Run
 from composer_cloud.trainer.data import dataset_columns, is_local_dataset
 from composer_cloud.trainer.settings import declared_settings
@@ -106,22 +108,27 @@ class RunSummary:
         return f" (LoRA: {100 * self.synced_fraction:.2f}% of full)"
 
 
-def _round_mean(rows: list[dict[str, Any]], key: str, *, first: bool) -> float | None:
-    """Mean of ``key`` over replicas in the first (or last) committed round that reports it."""
-    with_key = [m for m in rows if m.get("committed") and isinstance(m.get(key), (int, float))]
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _round_mean(rows: list[RoundRow], key: str, *, first: bool) -> float | None:
+    """Mean of column ``key`` over replicas in the first (or last) committed round that reports it."""
+    with_key = [m for m in rows if m.committed and _finite(m.get(key))]
     if not with_key:
         return None
-    r = min(m["round"] for m in with_key) if first else max(m["round"] for m in with_key)
-    vals = [m[key] for m in with_key if m["round"] == r]
+    r = min(m.round for m in with_key) if first else max(m.round for m in with_key)
+    vals = [m.get(key) for m in with_key if m.round == r]
     return sum(vals) / len(vals)
 
 
-def _step_mean(steps: list[dict[str, Any]], committed: set[int], key: str, *, first: bool) -> float | None:
-    """Mean of ``key`` over every step row of every replica in the first (or last) committed round."""
-    rounds = sorted(r for r in committed if any(s["round"] == r and key in s for s in steps))
+def _step_mean(steps: list[StepRow], committed: set[int], key: str, *, first: bool) -> float | None:
+    """Mean of the trainer's figure ``key`` over every step row of every replica in the first (or last)
+    committed round."""
+    rounds = sorted(r for r in committed if any(s.round == r and key in s.extra for s in steps))
     if not rounds:
         return None
-    vals = [float(s[key]) for s in steps if s["round"] == rounds[0 if first else -1] and key in s]
+    vals = [float(s.extra[key]) for s in steps if s.round == rounds[0 if first else -1] and key in s.extra]
     return sum(vals) / len(vals)
 
 
@@ -140,12 +147,12 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
     """Loss (named, and per channel), reward, time and traffic of a run, from its replicas' metrics; and
     whether it trained at all (:func:`composer_cloud.runs.signal.diagnose_rounds`)."""
     spec = run.spec
-    rows = _metrics.read_metrics(run.store)  # sorted by (round, rank)
-    rounds = [m for m in rows if m["kind"] == "round"]
-    steps = [m for m in rows if m["kind"] == "step"]
-    committed = {m["round"] for m in rounds if m.get("committed")}
-    evals = [m["eval_loss"] for m in rounds if "eval_loss" in m]
-    eval_rewards = [m["eval_reward_mean"] for m in rounds if "eval_reward_mean" in m]
+    rows = _metrics.read_rows(run.store)  # sorted by (round, rank)
+    rounds = [m for m in rows if isinstance(m, RoundRow)]
+    steps = [m for m in rows if isinstance(m, StepRow)]
+    committed = {m.round for m in rounds if m.committed}
+    evals = [m.get("eval_loss") for m in rounds if "eval_loss" in m.extra]
+    eval_rewards = [m.get("eval_reward_mean") for m in rounds if "eval_reward_mean" in m.extra]
     settings = spec.trainer.settings()
     trainer = declared_settings(spec.trainer.name, settings)
     channels = []
@@ -164,9 +171,9 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         loss_last=_round_mean(rounds, "train_loss", first=False),
         eval_loss_first=evals[0] if evals else None,
         eval_loss_last=evals[-1] if evals else None,
-        compute_s=sum(m.get("compute_s", 0.0) for m in rounds),
-        sync_s=sum(m.get("sync_s", 0.0) for m in rounds),
-        bytes_moved=sum(m.get("bytes_read", 0) + m.get("bytes_written", 0) for m in rounds),
+        compute_s=sum(m.compute_s for m in rounds if m.compute_s is not None),
+        sync_s=sum(m.sync_s for m in rounds if m.sync_s is not None),
+        bytes_moved=sum(m.bytes_moved for m in rounds),
         lost_replicas=[i.rank for i in status.replicas if replica_outcome(i) == "lost"],
         failed_at_start=[i.rank for i in status.replicas if replica_outcome(i).startswith("failed at start")],
         failed_at_start_config=[i.rank for i in status.replicas if replica_outcome(i) == "failed at start (config)"],
@@ -180,7 +187,7 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         channels=channels,
         warnings=diagnose_rounds(steps, trainer),
         notes=notes,
-        synced_fraction=next((m["synced_fraction"] for m in rounds if "synced_fraction" in m), None),
+        synced_fraction=next((m.synced_fraction for m in rounds if m.synced_fraction is not None), None),
         diagnosis=diagnosis,
         diagnosis_names={k: trainer.DIAGNOSIS[k] for k in diagnosis},
     )

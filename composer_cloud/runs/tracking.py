@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_cloud.runs.metrics import read_metrics
+from composer_cloud.runs.metrics import read_rows
 from composer_cloud.runs.samples import SampleRow, read_samples
+from composer_cloud.storage.records.metrics import NOT_SERIES, RoundRow, Row, StepRow
 from composer_cloud.storage.run import Run
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,9 @@ logger = logging.getLogger(__name__)
 REPORT_TO = ("tensorboard", "trackio", "wandb", "mlflow")
 #: The extra that installs each tracker's client.
 EXTRAS = {"tensorboard": "tracking", "trackio": "tracking", "wandb": "wandb", "mlflow": "mlflow"}
-#: Row fields that are coordinates or bookkeeping, not series.
-_NOT_SERIES = {"kind", "rank", "round", "step", "launch", "time", "committed", "superseded", "healed_to", "version",
-               "merged_version", "adopted"}
+#: Row fields that are coordinates or bookkeeping, not series: the schema's (``NOT_SERIES``), and ``version``
+#: (a trainer figure of that name was never plotted).
+_NOT_SERIES = NOT_SERIES | {"version"}
 #: Round-row fields averaged over replicas into the run's round series.
 ROUND_SERIES = ("train_loss", "eval_loss", "reward_mean", "eval_reward_mean", "sync_s", "compute_s")
 
@@ -74,30 +75,30 @@ def _numeric(row: Mapping[str, Any]) -> dict[str, float]:
             and not isinstance(v, bool) and v == v}
 
 
-def replica_series(rows: Sequence[Mapping[str, Any]]) -> dict[int, list[tuple[int, dict[str, float]]]]:
+def replica_series(rows: Sequence[Row]) -> dict[int, list[tuple[int, dict[str, float]]]]:
     """rank -> [(global inner step, {"train/<field>": value})], from the step rows."""
     out: dict[int, list[tuple[int, dict[str, float]]]] = defaultdict(list)
     for r in rows:
-        if r.get("kind") == "step" and isinstance(r.get("step"), int):
-            out[r["rank"]].append((r["step"], {f"train/{k}": v for k, v in _numeric(r).items()}))
+        if isinstance(r, StepRow) and r.step is not None:
+            out[r.rank].append((r.step, {f"train/{k}": v for k, v in _numeric(r.to_json()).items()}))
     return {rank: sorted(points, key=lambda p: p[0]) for rank, points in sorted(out.items())}
 
 
-def round_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, dict[str, float]]]:
-    """[(round counted from 1, {"round/<field>": mean over replicas})] over committed rounds."""
-    by_round: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+def round_series(rows: Sequence[Row]) -> list[tuple[int, dict[str, float]]]:
+    """[(round counted from 1, {"round/<field>": mean over replicas})] over committed rounds (a row that does not
+    say counts as committed)."""
+    by_round: dict[int, list[RoundRow]] = defaultdict(list)
     for r in rows:
-        if r.get("kind") == "round" and r.get("committed", True):
-            by_round[r["round"]].append(r)
+        if isinstance(r, RoundRow) and r.committed is not False:
+            by_round[r.round].append(r)
     out = []
     for rnd, group in sorted(by_round.items()):
         point: dict[str, float] = {}
         for key in ROUND_SERIES:
-            vals = [float(g[key]) for g in group if isinstance(g.get(key), (int, float))]
+            vals = [float(v) for g in group if isinstance(v := g.get(key), (int, float))]
             if vals:
                 point[f"round/{key}"] = sum(vals) / len(vals)
-        moved = [g.get("bytes_read", 0) + g.get("bytes_written", 0) for g in group]
-        point["round/store_mb"] = sum(moved) / 1e6
+        point["round/store_mb"] = sum(g.bytes_moved for g in group) / 1e6
         point["round/replicas"] = float(len(group))
         out.append((rnd + 1, point))
     return out
@@ -191,7 +192,7 @@ def write_tracking(run: Run, *, report_to: Sequence[str], logdir: str | Path = "
     unknown = sorted(set(report_to) - set(REPORT_TO))
     if unknown:
         raise ValueError(f"report_to: unknown tracker {unknown[0]!r}; choose from {list(REPORT_TO)}")
-    rows = read_metrics(run.store)
+    rows = read_rows(run.store)
     per_replica, rounds = replica_series(rows), round_series(rows)
     samples = sample_series(read_samples(run.store))
     spec = run.spec

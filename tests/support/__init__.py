@@ -11,6 +11,7 @@
 * :mod:`support.threads`: lock-step DiLoCo with one thread per replica, and a store that damages chosen reads.
 * :mod:`support.executors`: executor test helpers (specs, small job commands, waiting for a job).
 * :mod:`support.hf_jobs`: fixtures of a local Hugging Face Jobs server and the wheel its jobs install.
+* :mod:`support.metrics`: metrics rows as a replica's writer builds them (``log_step``, ``log_round``).
 
 Fixtures (registered in ``tests/conftest.py``): ``baselines``, ``hf_env``, ``hf_server``, ``wheel``,
 ``job_python``, ``job_constraints``.

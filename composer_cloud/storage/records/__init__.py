@@ -13,13 +13,16 @@ Records read by status displays (:class:`Heartbeat`) are parsed leniently
 instead: a malformed field reads as unknown, never as an error.
 
 The records live in one file per family (:mod:`.rounds`, :mod:`.checkpoints`,
-:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`; field checks in :mod:`.fields`); import them from here.
+:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`, :mod:`.metrics`; field checks in :mod:`.fields`); import them from
+here. The metrics rows (:mod:`.metrics`) are plain JSONL, not framed records, and keep what they do not know
+instead of refusing it (their module says how).
 """
 
 from __future__ import annotations
 
 from composer_cloud.storage.records.checkpoints import BlobEntry, Manifest, ReplicaMarker, SliceMarker
 from composer_cloud.storage.records.decoupled import Contribution, FinalRecord, MergeRecord, Rejected
+from composer_cloud.storage.records.metrics import DecoupledFields, LockstepFields, RoundRow, StepRow
 from composer_cloud.storage.records.rounds import Join, Outcome, Quorum, SlotDigest, Void
 from composer_cloud.storage.records.samples import RoundSamples, Sample
 from composer_cloud.storage.records.run import (
@@ -32,6 +35,7 @@ from composer_cloud.storage.records.run import (
     ResumeRecord,
 )
 
-__all__ = ["BlobEntry", "CancelRecord", "CodeRef", "Contribution", "FinalRecord", "Heartbeat", "HeartbeatState",
-           "JobHandle", "Join", "Manifest", "MergeRecord", "MetricsDigest", "Outcome", "Quorum", "Rejected",
-           "ReplicaMarker", "ResumeRecord", "RoundSamples", "Sample", "SliceMarker", "SlotDigest", "Void"]
+__all__ = ["BlobEntry", "CancelRecord", "CodeRef", "Contribution", "DecoupledFields", "FinalRecord", "Heartbeat",
+           "HeartbeatState", "JobHandle", "Join", "LockstepFields", "Manifest", "MergeRecord", "MetricsDigest", "Outcome",
+           "Quorum", "Rejected", "ReplicaMarker", "ResumeRecord", "RoundRow", "RoundSamples", "Sample", "SliceMarker",
+           "SlotDigest", "StepRow", "Void"]

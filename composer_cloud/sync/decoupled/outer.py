@@ -1,8 +1,8 @@
 """The arithmetic of a decoupled merge: token weights and the one outer step, pure CPU functions.
 
-A global version's state is ``{FRAGMENT_KEY: {"original_parameters", "outer_optimizer"}}``
-(torchft's layout of one DiLoCo fragment, so ``export`` and the lock-step
-readers load it unchanged). Version ``v`` = version ``v-1`` after one outer
+A global version's state is ``{FRAGMENT_KEY: {ORIGINAL_PARAMETERS, OUTER_OPTIMIZER}}``
+(torchft's layout of one DiLoCo fragment, its keys from :mod:`composer_cloud.sync.state_tree`, so ``export``
+and the lock-step readers load it unchanged). Version ``v`` = version ``v-1`` after one outer
 step (:func:`outer_step`) on the weighted sum of the merged pseudo-gradients.
 Equal inputs give equal bytes in every process: the weights are float64
 (exact in JSON), the sum runs in float32 in record order, and the step is
@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from composer_cloud.storage.records import Contribution
 from composer_cloud.sync.outer import OuterOptimizerConfig, outer_sgd
+from composer_cloud.sync.state_tree import ORIGINAL_PARAMETERS, OUTER_OPTIMIZER, fragment_key
 
 if TYPE_CHECKING:
     import torch
 
 #: torchft's state-dict key of fragment 0: ``export`` and ``load_global_parameters`` read it.
-FRAGMENT_KEY = "StreamingDiLoCoFragment_0"
+FRAGMENT_KEY = fragment_key(0)
 
 
 def token_weights(contributions: Sequence[Contribution], replicas: int) -> list[float]:
@@ -45,8 +46,8 @@ def initial_state(params: Mapping[str, torch.Tensor], outer: OuterOptimizerConfi
     import torch
 
     plist = [torch.nn.Parameter(p.detach().to("cpu").clone()) for p in params.values()]
-    return {FRAGMENT_KEY: {"original_parameters": {n: p.detach().to("cpu").clone() for n, p in params.items()},
-                           "outer_optimizer": outer_sgd(plist, outer).state_dict()}}
+    return {FRAGMENT_KEY: {ORIGINAL_PARAMETERS: {n: p.detach().to("cpu").clone() for n, p in params.items()},
+                           OUTER_OPTIMIZER: outer_sgd(plist, outer).state_dict()}}
 
 
 def outer_step(state: Mapping[str, Any], deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
@@ -56,13 +57,13 @@ def outer_step(state: Mapping[str, Any], deltas: Sequence[Mapping[str, torch.Ten
     import torch
 
     frag = state[FRAGMENT_KEY]
-    names = list(frag["original_parameters"])
+    names = list(frag[ORIGINAL_PARAMETERS])
     if not deltas:
-        return {FRAGMENT_KEY: {"original_parameters": {n: frag["original_parameters"][n].clone() for n in names},
-                               "outer_optimizer": frag["outer_optimizer"]}}
-    plist = [torch.nn.Parameter(frag["original_parameters"][n].detach().to(torch.float32).clone()) for n in names]
+        return {FRAGMENT_KEY: {ORIGINAL_PARAMETERS: {n: frag[ORIGINAL_PARAMETERS][n].clone() for n in names},
+                               OUTER_OPTIMIZER: frag[OUTER_OPTIMIZER]}}
+    plist = [torch.nn.Parameter(frag[ORIGINAL_PARAMETERS][n].detach().to(torch.float32).clone()) for n in names]
     opt = outer_sgd(plist, outer)
-    opt.load_state_dict(frag["outer_optimizer"])
+    opt.load_state_dict(frag[OUTER_OPTIMIZER])
     for g in opt.param_groups:  # never the stored hyper-parameters
         g.update(outer.hyperparameters())
     with torch.no_grad():
@@ -72,9 +73,9 @@ def outer_step(state: Mapping[str, Any], deltas: Sequence[Mapping[str, torch.Ten
                 acc.add_(d[n], alpha=float(w))
             p.grad = acc
     opt.step()
-    dtypes = {n: frag["original_parameters"][n].dtype for n in names}
-    return {FRAGMENT_KEY: {"original_parameters": {n: p.detach().to(dtypes[n]).clone() for n, p in zip(names, plist)},
-                           "outer_optimizer": opt.state_dict()}}
+    dtypes = {n: frag[ORIGINAL_PARAMETERS][n].dtype for n in names}
+    return {FRAGMENT_KEY: {ORIGINAL_PARAMETERS: {n: p.detach().to(dtypes[n]).clone() for n, p in zip(names, plist)},
+                           OUTER_OPTIMIZER: opt.state_dict()}}
 
 
 __all__ = ["FRAGMENT_KEY", "initial_state", "outer_step", "token_weights"]
