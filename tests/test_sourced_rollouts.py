@@ -226,7 +226,7 @@ def test_a_stale_batch_is_refused_counted_and_the_step_falls_back_leaving_the_rn
     assert not torch.equal(stale.rng.torch_cpu, colocated.rng.torch_cpu)
 
 
-@pytest.mark.parametrize(("change", "why"), [
+MALFORMED = [
     ({"completion_ids": [[1]] * 7}, "7 completions for 8 prompts"),
     ({"logprobs": None}, "no sampler log-probs"),
     ({"policy_version": 4}, "ahead of this trainer's round"),
@@ -234,21 +234,28 @@ def test_a_stale_batch_is_refused_counted_and_the_step_falls_back_leaving_the_rn
     ({"completion_ids": [[10**9]] * 8}, "outside"),
     ({"completion_ids": [[1] * 7] * 8, "logprobs": [[-1.0] * 7] * 8}, "max_completion_length = 6"),
     ({"logprobs": [[float("-inf")]] * 8}, "infinite log-prob"),
-])
-def test_a_malformed_batch_is_refused_counted_and_falls_back(caplog, change, why):
-    source = InMemorySource()
-    key = RolloutKey(3, 0, 1)
+    ({"rewards": [1.0] * 3}, "3 rewards for 8 completions"),
+]
+
+
+def test_a_malformed_batch_is_refused_counted_and_falls_back(caplog):
+    """Each malformed batch costs its step's generation (refused, logged with the reason, counted, replaced by a
+    recorded fallback), never the run; the well-formed one they all derive from passes the same checks."""
     good = dict(completion_ids=[[7]] * 8, logprobs=[[-1.0]] * 8, policy_version=3)
-    source.put(key, SourcedCompletions(**(good | change)))
-    tr = _sourced(source)
-    with caplog.at_level("WARNING", logger="composer_cloud.trainer.three_channel.sourced"):
-        got = _generate(tr, key)
-    assert why in caplog.text
-    m = tr.grpo.sourced.take_metrics()
-    assert (m["rollouts/invalid"], m["rollouts/fallback"], m["rollouts/used"]) == (1, 1, 0)
-    assert len(source.recorded) == 1 and got["completion_ids"].size(0) == 8
-    # a well-formed batch passes the same checks
     assert SourcedCompletions(**good).problem([[1]] * 8, max_completion_length=6, vocab_size=100) is None
+    source = InMemorySource()
+    tr = _sourced(source)
+    for step, (change, why) in enumerate(MALFORMED, start=1):
+        key = RolloutKey(3, 0, step)
+        source.put(key, SourcedCompletions(**(good | change)))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="composer_cloud.trainer.three_channel.sourced"):
+            got = _generate(tr, key)
+        assert why in caplog.text, (change, caplog.text)
+        m = tr.grpo.sourced.take_metrics()
+        assert (m["rollouts/invalid"], m["rollouts/fallback"], m["rollouts/used"]) == (1, 1, 0), change
+        assert source.recorded[-1][0] == key and got["completion_ids"].size(0) == 8
+    assert len(source.recorded) == len(MALFORMED)
 
 
 # --------------------------------------------------------------------------- rewards

@@ -41,7 +41,7 @@ from composer_cloud.trainer.three_channel.loss import (
 )
 from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
 from composer_cloud.trainer.three_channel.samples import pick_samples
-from composer_cloud.trainer.three_channel.sourced import RolloutKey, SourcedRollouts, seeded_fallback
+from composer_cloud.trainer.three_channel.sourced import RolloutKey, SourcedRollouts
 from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
 from composer_cloud.trainer.three_channel.settings import (
@@ -310,47 +310,26 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
     def set_completion_source(self, sourced: SourcedRollouts | None) -> None:
-        """Take training completions from ``sourced`` (``None``: sample here again); see :mod:`.sourced`.
-
-        Refused (``ValueError`` naming the setting) where one optimizer step would generate more than once
-        (a key names one generation), with tools or ``rollout_func`` (multi-turn), and, with
-        ``trust_rewards``, for more than one reward function (a batch carries one reward per completion).
-        """
+        """Take training completions from ``sourced`` (``None``: sample here again); see :mod:`.sourced`."""
         if sourced is not None:
-            every = self.args.steps_per_generation * self.num_iterations
-            if self.args.gradient_accumulation_steps > every:
-                raise ValueError(
-                    f"completion source: trainer.gradient_accumulation_steps ({self.args.gradient_accumulation_steps})"
-                    f" > steps_per_generation × num_iterations ({every}) generates more than once per step, and a "
-                    "rollout batch is named by its step; raise trainer.steps_per_generation to match")
-            if self.tools or self.rollout_func is not None:
-                raise ValueError("completion source: sourced batches are single-turn completions; tools and "
-                                 "rollout_func generate here only (no completion source)")
-            if sourced.trust_rewards and len(self.reward_funcs) != 1:
-                raise ValueError(f"completion source: trust_rewards needs one reward function, this trainer has "
-                                 f"{len(self.reward_funcs)}; leave trust_rewards off to score here")
+            sourced.check_trainer(
+                gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+                steps_per_generation=self.args.steps_per_generation, num_iterations=self.num_iterations,
+                multi_turn=bool(self.tools) or self.rollout_func is not None, reward_functions=len(self.reward_funcs))
         self.sourced = sourced
 
     def _sourced_generate(self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
         """The source's batch for :attr:`rollout_key`, or this trainer's own generation, seeded by the key."""
         assert self.sourced is not None
         key, self.rollout_key = self.rollout_key, None  # one generation per key
-        self._trusted_rewards = None
         if key is None:
             raise RuntimeError("completion source: no rollout key for this generation; call "
                                "ThreeChannelTrainer.set_rollout_position(round, step) before each step() (the "
                                "replica's inner loop does)")
-        prompts = [list(p) for p in prompt_ids]
         vocab = self.accelerator.unwrap_model(self.model).get_input_embeddings().weight.size(0)
-        batch = self.sourced.take(key, prompts, max_completion_length=self.max_completion_length, vocab_size=vocab)
-        if batch is not None:
-            self._trusted_rewards = (list(batch.rewards) if self.sourced.trust_rewards and batch.rewards is not None
-                                     else None)
-            logprobs = None if batch.logprobs is None else [[float(v) for v in row] for row in batch.logprobs]
-            return [list(c) for c in batch.completion_ids], logprobs
-        with seeded_fallback(key, self.sourced.seed, self.accelerator.device):
-            completion_ids, logprobs = self._own_generate(prompt_ids, *args, **kwargs)
-        self.sourced.record(key, prompts, completion_ids, logprobs)
+        completion_ids, logprobs, self._trusted_rewards = self.sourced.generation(
+            key, [list(p) for p in prompt_ids], lambda: self._own_generate(prompt_ids, *args, **kwargs),
+            max_completion_length=self.max_completion_length, vocab_size=vocab, device=self.accelerator.device)
         return completion_ids, logprobs
 
     def _fast_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:

@@ -36,7 +36,7 @@ import dataclasses
 import hashlib
 import logging
 import math
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -264,6 +264,45 @@ class SourcedRollouts:
         self._staleness: list[int] = []
         #: Totals since construction (``used``, ``stale``, ``invalid``, ``missing``, ``fallback``).
         self.totals: dict[str, int] = dict.fromkeys(("used", "stale", "invalid", "missing", "fallback"), 0)
+
+    def check_trainer(self, *, gradient_accumulation_steps: int, steps_per_generation: int, num_iterations: int,
+                      multi_turn: bool, reward_functions: int) -> None:
+        """Refuse (``ValueError`` naming the setting) a trainer this policy cannot feed.
+
+        A key names one generation, so an optimizer step may generate at most once
+        (``gradient_accumulation_steps <= steps_per_generation * num_iterations``); batches are single-turn
+        (no tools, no ``rollout_func``); trusted rewards are one number per completion (one reward function).
+        """
+        every = steps_per_generation * num_iterations
+        if gradient_accumulation_steps > every:
+            raise ValueError(
+                f"completion source: trainer.gradient_accumulation_steps ({gradient_accumulation_steps}) > "
+                f"steps_per_generation × num_iterations ({every}) generates more than once per step, and a rollout "
+                "batch is named by its step; raise trainer.steps_per_generation to match")
+        if multi_turn:
+            raise ValueError("completion source: sourced batches are single-turn completions; tools and "
+                             "rollout_func generate here only (no completion source)")
+        if self.trust_rewards and reward_functions != 1:
+            raise ValueError(f"completion source: trust_rewards needs one reward function, this trainer has "
+                             f"{reward_functions}; leave trust_rewards off to score here")
+
+    def generation(self, key: RolloutKey, prompt_ids: list[list[int]], generate: Callable[[], tuple[list, list | None]],
+                   *, max_completion_length: int, vocab_size: int, device: torch.device
+                   ) -> tuple[list[list[int]], list[list[float]] | None, list[float] | None]:
+        """``(completion_ids, sampler log-probs or None, trusted rewards or None)`` for ``key``'s generation.
+
+        The source's batch when :meth:`take` accepts it; otherwise ``generate()`` (the trainer's own
+        rollout path) under :func:`seeded_fallback`, recorded with :meth:`record`.
+        """
+        batch = self.take(key, prompt_ids, max_completion_length=max_completion_length, vocab_size=vocab_size)
+        if batch is not None:
+            rewards = list(batch.rewards) if self.trust_rewards and batch.rewards is not None else None
+            logprobs = None if batch.logprobs is None else [[float(v) for v in row] for row in batch.logprobs]
+            return [list(c) for c in batch.completion_ids], logprobs, rewards
+        with seeded_fallback(key, self.seed, device):
+            completion_ids, logprobs = generate()
+        self.record(key, prompt_ids, completion_ids, logprobs)
+        return completion_ids, logprobs, None
 
     def _count(self, what: str) -> None:
         self._counts[what] = self._counts.get(what, 0) + 1
