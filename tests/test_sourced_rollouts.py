@@ -226,6 +226,31 @@ def test_a_stale_batch_is_refused_counted_and_the_step_falls_back_leaving_the_rn
     assert not torch.equal(stale.rng.torch_cpu, colocated.rng.torch_cpu)
 
 
+@pytest.mark.parametrize("rollout", ["hf", "hf-fast"])
+def test_a_run_that_reads_back_its_fallbacks_trains_bitwise_as_the_run_that_generated_them(rollout):
+    """Two steps that fall back (nothing served), then the same two steps on a fresh trainer whose source serves
+    the recorded fallbacks (a resumed run): the same parameters, optimizer state and RNG streams, bit for bit."""
+    source = InMemorySource()
+
+    def run() -> ThreeChannelTrainer:
+        tr = _trainer(rollout=rollout)
+        tr.set_completion_source(source)
+        for step in (1, 2):
+            tr.set_rollout_position(0, step)
+            tr.out = tr.step()
+        return tr
+
+    first = run()
+    assert [k.step for k, _ in source.recorded] == [1, 2]
+    second = run()
+    assert len(source.recorded) == 2  # read back, not generated again
+    assert second.out["rollouts/fallback"] == 1 and second.out["rollouts/missing"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))
+    assert torch.equal(first.rng.torch_cpu, second.rng.torch_cpu)
+    state_a, state_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    assert all(torch.equal(state_a[i]["exp_avg"], state_b[i]["exp_avg"]) for i in state_a)
+
+
 MALFORMED = [
     ({"completion_ids": [[1]] * 7}, "7 completions for 8 prompts"),
     ({"logprobs": None}, "no sampler log-probs"),
