@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from composer_cloud.storage.records.metrics import StepRow
 from composer_cloud.model import TinyModelConfig, load_model
 from composer_cloud.trainer.three_channel import ThreeChannelSettings, ThreeChannelTrainer
 from composer_cloud.trainer.three_channel.sourced import (
@@ -350,7 +351,7 @@ def test_the_replica_loop_names_each_steps_batch_by_round_and_metrics_step(tmp_p
         completion_source=source)
     store = Store(uri)
     telemetry = Telemetry(store, 0, rounds=2, inner_steps=2, progress_every_s=60)
-    rows: list[dict] = []
+    rows: list[StepRow] = []
     write = telemetry.metrics.step
     telemetry.metrics.step = lambda row: (rows.append(row), write(row))
     ctx = ReplicaContext(run=Run(uri=uri, store=store, spec=spec), rank=0, model=model, trainer=trainer,
@@ -361,5 +362,5 @@ def test_the_replica_loop_names_each_steps_batch_by_round_and_metrics_step(tmp_p
     boundary.finish(0)
     keys = [k for k, _ in source.recorded]
     assert keys == [RolloutKey(0, 0, 1), RolloutKey(0, 0, 2), RolloutKey(1, 0, 3), RolloutKey(1, 0, 4)]
-    assert [(r["round"], r["step"]) for r in rows] == [(k.round, k.step) for k in keys]
-    assert all(r["rollouts/fallback"] == 1 and r["rollouts/missing"] == 1 for r in rows)
+    assert [(r.round, r.step) for r in rows] == [(k.round, k.step) for k in keys]
+    assert all(r.extra["rollouts/fallback"] == 1 and r.extra["rollouts/missing"] == 1 for r in rows)
