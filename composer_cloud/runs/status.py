@@ -273,7 +273,8 @@ class StatusTracker:
             from composer_cloud.trainer.settings import declared_settings
 
             warnings += diagnose_rounds(_metrics.read_metrics(store, kind="step"),
-                                        declared_settings(spec.trainer.name, spec.trainer.settings()))
+                                        declared_settings(spec.trainer.name, spec.trainer.settings()),
+                                        decoupled=spec.sync.mode == "decoupled")
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,
