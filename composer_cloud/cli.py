@@ -577,9 +577,14 @@ def pairs(
     """Replay a trace against teacher models and write the preference pairs channel 3 trains on."""
     from composer_cloud.trainer.three_channel import teachers as tm
 
+    empty: tm.NoPairsError | None = None
     try:
-        report = tm.make_teacher_pairs(tm.load_trace(trace), tm.load_teachers(teachers), out=out, max_cost_usd=max_cost,
-                                       threshold=threshold, concurrency=concurrency, filters=tm.parse_filters(filters))
+        try:
+            report = tm.make_teacher_pairs(tm.load_trace(trace), tm.load_teachers(teachers), out=out,
+                                           max_cost_usd=max_cost, threshold=threshold, concurrency=concurrency,
+                                           filters=tm.parse_filters(filters))
+        except tm.NoPairsError as exc:  # what was asked and spent is still worth seeing; nothing was written
+            empty, report = exc, exc.report
         if report_path:
             tm.write_report(report_path, report)
     except tm.TeachersError as exc:
