@@ -70,3 +70,5 @@ def test_the_no_signal_warning_of_a_decoupled_run_names_contributions():
     assert msg.startswith("no training signal in contributions 1, 2:"), msg
     (msg,) = diagnose_rounds(rows)
     assert msg.startswith("no training signal in rounds 1, 2:"), msg
+    (msg,) = diagnose_rounds(rows[1:])  # the walk's "no training signal in rounds 2"
+    assert msg.startswith("no training signal in round 2:"), msg

@@ -38,7 +38,7 @@ def diagnose_rounds(rows: Sequence[Mapping[str, Any]], trainer: TrainerPlugin | 
     steps = [s for rnd in silent for s in by_round[rnd]]
     unit = "contribution" if decoupled else "round"
     which = (f"every {unit}" if len(silent) == len(by_round) else
-             f"{unit}s " + ", ".join(str(shown_round(r)) for r in silent))
+             f"{unit}{'s' * (len(silent) > 1)} " + ", ".join(str(shown_round(r)) for r in silent))
     reasons = (trainer or TrainerPlugin()).silence_reasons(steps) or ["the trainer reported grad_norm 0 on every step"]
     return [f"no training signal in {which}: grad_norm was 0 on every inner step of every replica: no loss "
             "channel gave the model a gradient. " + "; ".join(reasons)]

@@ -164,14 +164,16 @@ def read_manifest(states: GlobalStateStore, round: int) -> Manifest | None:
 
 
 def latest_checkpoint(states: GlobalStateStore, attempt_of: AttemptOf, *, before: int | None = None,
-                      verify: bool = True) -> Checkpoint | None:
+                      verify: bool = True, pending_ok: bool = False) -> Checkpoint | None:
     """Newest valid checkpoint (manifest present, of the attempt ``attempt_of`` names), optionally ``< before``.
 
     ``verify=True`` reads every listed object once, one object in memory at a
     time, and checks it against the manifest (what ``resume`` does before it
     discards anything). Readers that load the state anyway pass ``verify=False``
     and verify what they load in the same read. A torn or corrupt checkpoint is
-    skipped with a warning naming it, and the previous one is used.
+    skipped with a warning naming it, and the previous one is used. ``pending_ok``: a checkpoint without a
+    manifest is taken for one its replicas are still writing (the manifest comes last) and skipped at debug
+    level, for a reader that polls a live run and reports what is missing itself (``status``).
     """
     store = states.store
     for round in reversed(states.rounds()):
@@ -180,7 +182,9 @@ def latest_checkpoint(states: GlobalStateStore, attempt_of: AttemptOf, *, before
         prefix = layout.checkpoint_prefix(round)
         manifest = read_manifest(states, round)
         if manifest is None:
-            logger.warning("checkpoint %s/%s has no valid manifest (torn write?); skipping it", store.uri, prefix)
+            logger.log(logging.DEBUG if pending_ok else logging.WARNING,
+                       "checkpoint %s/%s has no valid manifest (still being written, or torn); skipping it",
+                       store.uri, prefix)
             continue
         if attempt_of(round) != manifest.attempt:
             logger.warning("checkpoint %s/%s belongs to a voided commit; skipping it", store.uri, prefix)
