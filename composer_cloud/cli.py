@@ -27,6 +27,7 @@ from rich.markup import escape
 from composer_cloud import cli_args, cli_views, runs
 from composer_cloud.cli_watch import follow, follow_to_end
 from composer_cloud.errors import ConfigError, LaunchError, StoreError, redact
+from composer_cloud.round_numbers import round_index, shown_round
 from composer_cloud.runs import Run
 from composer_cloud.spec import DEFAULT_STORE
 
@@ -495,7 +496,7 @@ def resume(
                               highlight=False)
             raise typer.Exit(130) from None
     if as_json:
-        out = {"run_id": run.run_id, "run_uri": run.uri, "from_round": result.from_round,
+        out = {"run_id": run.run_id, "run_uri": run.uri, **cli_views.resume_point_json(run.spec, result.from_round),
                "ranks": [h.rank for h in result.handles], "warnings": result.warnings, "noop": result.noop}
         if result.noop or detach:
             _print_json(out)
@@ -506,9 +507,7 @@ def resume(
         return
     for warning in result.warnings:
         err_console.print(f"warning: {escape(warning)}", highlight=False)
-    console.print(f"resuming {run.run_id} from "
-                  + (f"the end of round {result.from_round + 1}/{run.spec.rounds}" if result.from_round >= 0
-                     else "the start"))
+    console.print(f"resuming {run.run_id} from " + cli_views.resume_point(run.spec, result.from_round))
     if detach:
         return
     raise typer.Exit(_watch(result.run))
@@ -527,21 +526,23 @@ def export(run_uri: str, out: Annotated[Path, typer.Option("--out", help="output
 
     run, created = _open(run_uri, store_option), not out.exists()
     try:  # bad input: exit 2, nothing created
-        if round is not None and round < 1:
-            raise ValueError(f"--round {round}: rounds are counted from 1")
+        if round is not None:
+            round_index(round)  # ValueError naming --round: rounds are counted from 1
         check_repo_id(push_to_hub), cli_args.writable_dir(out)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     try:
-        r = export_model(run, out, round=None if round is None else round - 1, adapter=adapter)
-        hub = push_folder(out, push_to_hub, commit_message=f"{run.run_id}, round {r + 1}") if push_to_hub else None
+        r = export_model(run, out, round=None if round is None else round_index(round), adapter=adapter)
+        exported = cli_views.exported_point(run.spec, r)
+        hub = push_folder(out, push_to_hub, commit_message=f"{run.run_id}, {exported}") if push_to_hub else None
     except (LookupError, StoreError, RuntimeError) as exc:
         if created and out.exists() and not any(out.iterdir()):
             out.rmdir()  # a refused export leaves nothing behind
         raise _fail(str(exc), code=1) from None
     if as_json:
-        return _print_json({"run_id": run.run_id, "round": r + 1, "out": str(out.resolve()), "hub": hub})
-    console.print(f"exported {run.run_id} after round {r + 1}/{run.spec.rounds} to {out}{f'; pushed: {hub}' * bool(hub)}")
+        where = {"version": r} if run.spec.sync.mode == "decoupled" else {"round": shown_round(r)}
+        return _print_json({"run_id": run.run_id, **where, "out": str(out.resolve()), "hub": hub})
+    console.print(f"exported {run.run_id} {exported} to {out}{f'; pushed: {hub}' * bool(hub)}")
 
 
 @app.command()
@@ -576,9 +577,14 @@ def pairs(
     """Replay a trace against teacher models and write the preference pairs channel 3 trains on."""
     from composer_cloud.trainer.three_channel import teachers as tm
 
+    empty: tm.NoPairsError | None = None
     try:
-        report = tm.make_teacher_pairs(tm.load_trace(trace), tm.load_teachers(teachers), out=out, max_cost_usd=max_cost,
-                                       threshold=threshold, concurrency=concurrency, filters=tm.parse_filters(filters))
+        try:
+            report = tm.make_teacher_pairs(tm.load_trace(trace), tm.load_teachers(teachers), out=out,
+                                           max_cost_usd=max_cost, threshold=threshold, concurrency=concurrency,
+                                           filters=tm.parse_filters(filters))
+        except tm.NoPairsError as exc:  # what was asked and spent is still worth seeing; nothing was written
+            empty, report = exc, exc.report
         if report_path:
             tm.write_report(report_path, report)
     except tm.TeachersError as exc:
@@ -587,8 +593,8 @@ def pairs(
         _print_json(report.to_json())
     else:
         console.print(tm.report_table(report))
-    if not any(s.answered for s in report.teachers.values()):
-        raise _fail("no teacher answered any state; see the report's last_error per teacher", code=1)
+    if empty is not None:
+        raise _fail(str(empty), code=1)
 
 
 def main() -> None:

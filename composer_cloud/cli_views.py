@@ -12,6 +12,7 @@ from rich.text import Text
 
 from composer_cloud import runs
 from composer_cloud.runs import Run, RunState, RunStatus
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.runs.status import exit_reason
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.store import join_uri
@@ -28,7 +29,15 @@ def age(since: float | None) -> str:
     return f"{int(s)}s"
 
 
-def print_plan(console: Console, spec: RunSpec, plans: list[Any]) -> None:
+def print_plan(console: Console, spec: RunSpec, plans: list[Any],
+               training: list[tuple[str, str]] | None = None) -> None:
+    """``launch --dry-run``: the training plan (what the replicas will train, resolved as they resolve it), then
+    one table per executor (image, command, GPUs, price), then the run's URI and its work."""
+    if training:
+        table = Table(title="training plan", show_header=False)
+        for label, value in training:
+            table.add_row(label, escape(value))
+        console.print(table)
     for p in plans:
         table = Table(title=f"{p.executor}: ranks {p.ranks}", show_header=False)
         table.add_row("image", p.image)
@@ -53,17 +62,52 @@ def print_plan(console: Console, spec: RunSpec, plans: list[Any]) -> None:
             table.add_row("note", note)
         console.print(table)
     run_uri = join_uri(spec.store, spec.run_id)
-    console.print(f"run {run_uri}: {spec.rounds} rounds x {spec.inner_steps} inner steps (dry run: nothing launched)")
+    console.print(f"run {run_uri}: {work_budget(spec)} (dry run: nothing launched)", highlight=False)
+
+
+def work_budget(spec: RunSpec) -> str:
+    """A run's work as people count it: lock-step ``4 rounds x 10 inner steps``; decoupled, the fleet's
+    contribution budget (``replicas x rounds`` contributions of ``inner_steps`` steps), never rounds."""
+    if spec.sync.mode == "decoupled":
+        return (f"a budget of {spec.replicas * spec.rounds} contributions ({spec.replicas} replicas x {spec.rounds})"
+                f" of {spec.inner_steps} inner steps each, merged as they arrive")
+    return f"{spec.rounds} rounds x {spec.inner_steps} inner steps"
+
+
+def resume_point(spec: RunSpec, from_round: int) -> str:
+    """Where ``resume`` continues from (``from_round``: the 0-based checkpoint, -1: the start; decoupled: the
+    global version): ``the end of round 2/4``, ``global version 5``, ``the start``."""
+    if from_round < 0:
+        return "the start"
+    if spec.sync.mode == "decoupled":
+        return f"global version {from_round}"
+    return f"the end of round {shown_round(from_round)}/{spec.rounds}"
+
+
+def resume_point_json(spec: RunSpec, from_round: int) -> dict[str, int | None]:
+    """``resume --json``'s position, named for what it counts: ``after_round`` (lock-step, counted from 1;
+    null: from the start) or ``from_version`` (decoupled: the global version; null: from the start)."""
+    if spec.sync.mode == "decoupled":
+        return {"from_version": None if from_round < 0 else from_round}
+    return {"after_round": None if from_round < 0 else shown_round(from_round)}
+
+
+def exported_point(spec: RunSpec, position: int) -> str:
+    """What ``export`` wrote, as people count it: ``after round 2/4``; decoupled: ``global version 5``."""
+    if spec.sync.mode == "decoupled":
+        return f"global version {position}"
+    return f"after round {shown_round(position)}/{spec.rounds}"
 
 
 def print_summary(console: Console, err_console: Console, run: Run, status: RunStatus) -> None:
     s = runs.summarize(run, status)
     table = Table(title=f"run {run.run_id}: {status.state}", show_header=True)
     table.add_column("")
-    table.add_column("first round → last round (mean over replicas)")
-    if run.spec.sync.mode == "decoupled":  # merges, against no round budget (docs/decoupled.md)
-        table.add_row("merges (versions committed)", str(s.rounds_committed))
+    if run.spec.sync.mode == "decoupled":  # contributions and merges against the fleet's budget, never rounds
+        table.add_column("first contribution → last (mean over replicas)")
+        table.add_row("contributions, merges", progress_title(status).partition(" — ")[2])
     else:
+        table.add_column("first round → last round (mean over replicas)")
         table.add_row("rounds committed", f"{s.rounds_committed}/{run.spec.rounds}")
     if s.loss_first is not None:
         table.add_row(f"train loss: {s.loss_name}", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
@@ -295,10 +339,11 @@ def dry_run_report(console: Console, checked: Any, checks: list[Any], *, as_json
         sys.stdout.write(json.dumps({"run_uri": checked.run_uri, "dry_run": True, "ok": not failed,
                                      "spec": checked.spec.to_json_dict(),
                                      "plans": [dataclasses.asdict(p) for p in checked.plans],
+                                     "training": dict(checked.training),
                                      "credentials": [dataclasses.asdict(c) for c in checks]}, indent=2,
                                     default=str) + "\n")
     else:
-        print_plan(console, checked.spec, checked.plans)
+        print_plan(console, checked.spec, checked.plans, checked.training)
         print_checks(console, checks)
     return failed
 

@@ -29,7 +29,10 @@ def follow(run: Run, *, console: Console | None) -> RunStatus:
                 check()
                 live.update(cli_views.status_table(st))
 
-            return runs.wait(run, on_update=update)
+            final = runs.wait(run, on_update=update)
+        if not console.is_terminal:  # to a file or a pipe, Live leaves its last line unterminated
+            console.line()
+        return final
 
 
 @contextmanager

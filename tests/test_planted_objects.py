@@ -151,7 +151,7 @@ def test_a_replica_whose_syncs_never_advance_it_fails_naming_the_blocking_object
         for _ in range(10):
             assert not _sync(m, bad.clone())
     msg = str(err.value)
-    assert "round 0 made no progress in 3 syncs" in msg and "rounds/00000000" in msg
+    assert "round 1 made no progress in 3 syncs" in msg and "rounds/00000000" in msg
     m.close()
 
 

@@ -31,6 +31,7 @@ from composer_cloud.errors import CorruptCheckpoint
 from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, params_replaced, snapshot
 from composer_cloud.retry import PollPolicy, wait_until
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records.metrics import LockstepFields, RoundRow
 from composer_cloud.sync.checkpoint import manifests
@@ -98,14 +99,15 @@ class LockstepBoundary:
         attempt = rounds.committed_attempt(self.store, committed) if committed >= 0 else None
         if (attempt is not None and self.replica_states.marker(committed, self.rank) is not None
                 and not self.global_states.durable(committed, attempt)):
-            logger.info("replica %d: waiting for round %d's global state to become durable", self.rank, committed)
+            logger.info("replica %d: waiting for round %d's global state to become durable", self.rank,
+                        shown_round(committed))
             # Ends when the state is durable (whoever wrote it) or the commit was voided.
             if not wait_until(lambda: (self.global_states.durable(committed, attempt)
                                        or rounds.committed_attempt(self.store, committed) != attempt),
                               deadline=time.monotonic() + self.spec.sync.round_timeout_s,
                               policy=PollPolicy(initial_s=0.2, max_s=2.0)):
                 logger.warning("replica %d: round %d's global state did not become durable within "
-                               "round_timeout_s; resuming from an earlier round", self.rank, committed)
+                               "round_timeout_s; resuming from an earlier round", self.rank, shown_round(committed))
         loaded = manifests.load_resume(self.global_states, self.replica_states, self.rank,
                                        world_size=self.spec.replicas, attempt_of=model_attempt_of(self.store))
         if self.ctx.shard is not None:
@@ -122,7 +124,8 @@ class LockstepBoundary:
         local = restore_replica_state(self.ctx.trainer, start.replica_state)
         self.loop.load_codec_state(start.replica_state.get("codec", {}))  # error feedback: restored bitwise
         copy_into(self.ctx.model, local)
-        logger.info("replica %d resumed from checkpoint %d", self.rank, start.point.round)
+        logger.info("replica %d resumed from the checkpoint of round %d; it goes on with round %d", self.rank,
+                    shown_round(start.point.round), shown_round(start.point.round + 1))
 
     # ------------------------------------------------------------ the loop's side
     def session(self) -> contextlib.AbstractContextManager[Any]:

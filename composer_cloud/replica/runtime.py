@@ -40,6 +40,7 @@ from composer_cloud.replica.launch import LocalRanks, init_local_group
 from composer_cloud.replica.lockstep import LockstepBoundary
 from composer_cloud.replica.telemetry import Telemetry, run_step_number
 from composer_cloud.replica.usercode import install_code, localize_spec
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.spec_sync import SyncSpec
 from composer_cloud.stack import check_packages, runtime_versions
 from composer_cloud.storage.records import CodeRef, HeartbeatState
@@ -79,7 +80,7 @@ class Replica:
         # write only their shard's objects.
         self.telemetry = (Telemetry if local.leader else QuietTelemetry)(
             self.opened.store, rank, rounds=spec.rounds, inner_steps=spec.inner_steps,
-            progress_every_s=spec.progress_every_s)
+            progress_every_s=spec.progress_every_s, decoupled=spec.sync.mode == "decoupled")
 
     def install_user_code(self) -> None:
         """Local copies of the files the spec names, and the run's user code on ``sys.path``, both verified.
@@ -132,13 +133,15 @@ class Replica:
         fp = sync_footprint(ctx.model)  # what every round row says about the synced set (docs/gpu.md)
         self.telemetry.start(runtime_versions(device=ctx.device.type), synced=(fp.synced_params, fp.ratio))
         self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
-        logger.info("replica %d/%d (%s) on %s: %s, starting at round %d of %d", self.rank, spec.replicas,
-                    spec.sync.mode, ctx.device, spec.model.name, boundary.position, spec.rounds)
+        logger.info("replica %d/%d (%s) on %s: %s, %s", self.rank, spec.replicas, spec.sync.mode, ctx.device,
+                    spec.model.name, _starting_at(spec, boundary.position))
         steps = _inner_loop(ctx, boundary)
         final = boundary.finish(steps)
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
-        logger.info("replica %d completed at round %d", self.rank, final.get("round", boundary.position))
+        done = final.get("round", boundary.position)
+        logger.info("replica %d completed: %s", self.rank, f"{done} contributions made" if spec.sync.mode == "decoupled"
+                    else f"{done} of {spec.rounds} rounds")
         if ctx.shard is not None:
             import torch.distributed as dist
 
@@ -182,6 +185,15 @@ class QuietTelemetry(Telemetry):
 
     def samples(self, round: int, step: int, samples: list[dict[str, Any]]) -> str | None:
         return None
+
+
+def _starting_at(spec: Any, position: int) -> str:
+    """Where a replica starts, as people count: lock-step ``starting at round 3 of 4`` (``position`` is the
+    0-based round); decoupled ``starting at contribution 5 (the fleet's budget: 8)`` (``position``: the
+    contributions this replica made already), never a round number (issue 34, finding 3)."""
+    if spec.sync.mode == "decoupled":
+        return f"starting at contribution {position + 1} (the fleet's budget: {spec.replicas * spec.rounds})"
+    return f"starting at round {shown_round(position)} of {spec.rounds}"
 
 
 def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 from composer_cloud.errors import redact
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Heartbeat, HeartbeatState, MetricsDigest, RoundSamples, Sample
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage.records.metrics import ROUND_COLUMNS, STEP_COLUMNS, RoundRow, Row, StepRow, encode_rows
 from composer_cloud.storage.records.samples import MAX_SAMPLES, clip_text
 from composer_cloud.storage.store import Store
@@ -166,8 +167,12 @@ class Telemetry:
     :meth:`round` stamps and writes it.
     """
 
-    def __init__(self, store: Store, rank: int, *, rounds: int, inner_steps: int, progress_every_s: float) -> None:
+    def __init__(self, store: Store, rank: int, *, rounds: int, inner_steps: int, progress_every_s: float,
+                 decoupled: bool = False) -> None:
         self.store = store
+        #: a decoupled replica counts contributions, which have no fixed total per replica (the fleet's budget is
+        #: ``replicas * rounds``): its step lines never say "round"
+        self.decoupled = decoupled
         self.rank = rank
         self.rounds = rounds
         self.inner_steps = inner_steps
@@ -209,9 +214,10 @@ class Telemetry:
                            "of the metrics: rename them", sorted(set(out) - set(figures)))
         self.metrics.step(StepRow(rank=self.rank, launch=self.metrics.launch, time=time.time(), round=round,
                                   step=run_step, time_s=dt, extra=figures))
-        logger.info("round %d/%d step %d/%d loss %.4f%s %.3fs", round + 1, self.rounds, run_step, self.rounds * h,
-                    out.get("loss", float("nan")), f" reward {out['reward_mean']:.3f}" if "reward_mean" in out else "",
-                    dt)
+        where = (f"contribution {round + 1} step {run_step}" if self.decoupled else
+                 f"round {shown_round(round)}/{self.rounds} step {run_step}/{self.rounds * h}")
+        logger.info("%s loss %.4f%s %.3fs", where, out.get("loss", float("nan")),
+                    f" reward {out['reward_mean']:.3f}" if "reward_mean" in out else "", dt)
         if self.progress is not None and self.progress.update(round=round, step=run_step, out=out, step_s=dt):
             self.heartbeat(HeartbeatState.RUNNING)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from composer_cloud.errors import CorruptCheckpoint, StoreError
 from composer_cloud.runs import sync_state
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage import layout
 from composer_cloud.storage.run import Run
@@ -151,7 +152,8 @@ def latest_model_state(store: Store, spec: RunSpec) -> tuple[int, dict[str, Any]
             return found.round, states.load(found.round, found.manifest.attempt,
                                             crcs=[e.crc32 for e in found.manifest.slices])
         except CorruptCheckpoint as exc:
-            logger.warning("checkpoint %d cannot be exported (%s); trying the previous one", found.round, exc)
+            logger.warning("checkpoint %s cannot be exported (%s); trying the previous one",
+                           layout.checkpoint_prefix(found.round), exc)
             before = found.round
 
 
@@ -191,8 +193,8 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
     if round is not None:
         attempt = attempt_of(round)
         if attempt is None or not states.durable(round, attempt):
-            raise LookupError(f"run {store.uri} has no global state for round {round + 1} "
-                              f"(available: {[r + 1 for r in states.durable_rounds(attempt_of)]})")
+            raise LookupError(f"run {store.uri} has no global state for round {shown_round(round)} "
+                              f"(available: {[shown_round(r) for r in states.durable_rounds(attempt_of)]})")
         load_global(states.load(round, attempt))
     else:
         round, tree = latest_model_state(store, spec)
@@ -206,7 +208,7 @@ def export_model(run: Run, out: Path, *, round: int | None = None, adapter: bool
         _save_tokenizer(tokenizer, Path(out))  # again: keep the padding side the run generated with
         write_model_card(run, Path(out), round=round)
     normal_permissions(Path(out))
-    logger.info("exported round %d to %s", round, out)
+    logger.info("exported %s to %s", layout.checkpoint_prefix(round), out)
     return round
 
 
@@ -238,6 +240,15 @@ def normal_permissions(folder: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
+def card_progress_row(spec: RunSpec, position: int) -> str:
+    """The model card's progress row: lock-step ``round 3 of 4`` (``position``: the 0-based round), decoupled
+    global version ``position`` against the fleet's contribution budget, never a round (issue 34, finding 3)."""
+    if spec.sync.mode == "decoupled":
+        return (f"| merges | global version {position} (decoupled; the fleet's budget: {spec.replicas * spec.rounds}"
+                f" contributions of {spec.inner_steps} inner steps) |")
+    return f"| rounds | {shown_round(position)} of {spec.rounds} (this export), {spec.inner_steps} inner steps each |"
+
+
 def write_model_card(run: Run, out: Path, *, round: int) -> Path:
     """``README.md``: a Hugging Face model card (``huggingface_hub.ModelCard``) saying what the model is."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -250,9 +261,14 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
     data = settings.get("dataset") or (settings.get("task") if spec.trainer.name == "three-channel" else None) \
         or "the built-in corpus"
     try:
-        rows = [r.to_json() for r in read_rows(run.store, kind="round") if r.round == round]
+        rows = [r.to_json() for r in read_rows(run.store, kind="round")]
     except StoreError:
         rows = []
+    if spec.sync.mode == "decoupled":  # a global version is no round: each replica's last contribution
+        last = {r["rank"]: r for r in rows if r.get("committed")}
+        rows, when = list(last.values()), "last contribution"
+    else:
+        rows, when = [r for r in rows if r.get("round") == round], f"round {shown_round(round)}"
 
     def mean(key: str) -> str:
         vals = [v for r in rows if isinstance(v := r.get(key), (int, float))]
@@ -274,13 +290,13 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
         "| | |", "|---|---|",
         f"| base model | `{public(spec.model.name)}`{' (freshly initialised)' if spec.model.name == 'tiny' else ''} |",
         f"| data | `{data}` |",
-        f"| rounds | {round + 1} of {spec.rounds} (this export), {spec.inner_steps} inner steps each |",
+        card_progress_row(spec, round),
         f"| replicas | {spec.replicas} (executor `{spec.executor}`) |",
         f"| sync | mode `{spec.sync.mode}`, codec `{spec.sync.codec}`, outer lr {spec.outer_optimizer.lr} |",
         f"| inner optimizer | lr {spec.inner_optimizer.lr} |",
-        f"| train loss, round {round + 1} (mean over replicas) | {mean('train_loss')} |",
-        f"| held-out loss, round {round + 1} | {mean('eval_loss')} |",
-        f"| reward, round {round + 1} | {mean('reward_mean')} |",
+        f"| train loss, {when} (mean over replicas) | {mean('train_loss')} |",
+        f"| held-out loss, {when} | {mean('eval_loss')} |",
+        f"| reward, {when} | {mean('reward_mean')} |",
         "", f"Run id: `{spec.run_id}`", "",
     ]
     card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
@@ -289,5 +305,5 @@ def write_model_card(run: Run, out: Path, *, round: int) -> Path:
     return path
 
 
-__all__ = ["MODEL_FILE_NAMES", "export_model", "model_files", "normal_permissions", "store_model_files",
-           "write_model_card"]
+__all__ = ["MODEL_FILE_NAMES", "card_progress_row", "export_model", "model_files", "normal_permissions",
+           "store_model_files", "write_model_card"]

@@ -50,6 +50,7 @@ from composer_cloud.runs.preflight import (
 from composer_cloud.runs.waiting import wait
 from composer_cloud.runs.states import RunState
 from composer_cloud.runs.status import RunStatus, run_status
+from composer_cloud.runs.training_plan import training_plan
 from composer_cloud.spec import RunSpec, check_device, load_spec, spec_from_dict
 from composer_cloud.spec_paths import with_paths
 from composer_cloud.storage import layout
@@ -304,11 +305,13 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
 
 @dataclass(frozen=True)
 class LaunchCheck:
-    """What :func:`check_launch` found: the spec as ``launch`` would store it, the run's URI and the plans."""
+    """What :func:`check_launch` found: the spec as ``launch`` would store it, the run's URI, the plans (per
+    executor) and the training plan (``(label, value)`` rows, :func:`~.training_plan.training_plan`)."""
 
     spec: RunSpec
     run_uri: str
     plans: list[LaunchPlan]
+    training: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _spec_of(spec: RunSpec | None, config: str | Path | None, overrides: Mapping[str, Any] | None) -> RunSpec:
@@ -384,7 +387,9 @@ def check_launch(spec: RunSpec | None = None, *, config: str | Path | None = Non
     spec = _spec_of(spec, config, overrides)
     with leaves_no_new_folders(spec.store):  # a dry run writes nothing, not even the probe's folder
         spec, _, _, store, _ = _prepare(spec, base_dir)
-        return LaunchCheck(spec=spec, run_uri=store.uri, plans=plan(spec))
+        plans = plan(spec)
+        devices = {p.executor: replica_device(spec, p.executor, p.gpus_per_replica) for p in plans}
+        return LaunchCheck(spec=spec, run_uri=store.uri, plans=plans, training=training_plan(spec, devices))
 
 
 def launch(spec: RunSpec | None = None, *, config: str | Path | None = None,
@@ -484,7 +489,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     extend = _check_new_rounds(spec, rounds)
     if finished and changes:
         raise ConfigError(
-            f"run {run.run_id} completed all {spec.rounds} rounds; resume cannot change its "
+            f"run {run.run_id} completed {_all_work(spec)}; resume cannot change its "
             f"{' and '.join(changes)}. To train on from its weights, start a new run: "
             f"`composer-cloud export {run.uri} --out ./{run.run_id}-model` then `composer-cloud launch "
             f"--model ./{run.run_id}-model" + "".join(f" --{k} {v}" for k, v in changes.items()) + "`")
@@ -494,7 +499,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
         last = sync_state.final_round(spec, sync_state.progress(run.store, spec))  # status's answer too
         if latest is not None and latest.round == last:
             return ResumeResult(run=run, from_round=latest.round, handles=[], noop=(
-                f"run {run.run_id} already completed all {spec.rounds} rounds; nothing to resume"))
+                f"run {run.run_id} already completed {_all_work(spec)}; nothing to resume"))
     updates: dict[str, Any] = {"rounds": rounds} if extend else {}
     if executor is not None:
         updates["executor"] = executor
@@ -525,6 +530,13 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
     resumed = Run(uri=run.uri, store=store, spec=new_spec)
     handles = _start_jobs(store, new_spec, run.run_key)
     return ResumeResult(run=resumed, from_round=from_round, handles=handles, warnings=warnings)
+
+
+def _all_work(spec: RunSpec) -> str:
+    """``all 4 rounds``; decoupled: ``its budget of 6 contributions`` (a decoupled run has no rounds to count)."""
+    if spec.sync.mode == "decoupled":
+        return f"its budget of {spec.replicas * spec.rounds} contributions"
+    return f"all {spec.rounds} rounds"
 
 
 def _check_new_rounds(spec: RunSpec, rounds: int | None) -> bool:

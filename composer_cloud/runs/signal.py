@@ -13,14 +13,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage.records.metrics import Row, StepRow
 from composer_cloud.trainer.plugin import TrainerPlugin
 
 
-def diagnose_rounds(rows: Sequence[Row], trainer: TrainerPlugin | None = None) -> list[str]:
+def diagnose_rounds(rows: Sequence[Row], trainer: TrainerPlugin | None = None, *,
+                    decoupled: bool = False) -> list[str]:
     """One message per stretch of rounds (1-based, as users count them) in which no inner step of any replica
     produced a gradient (``grad_norm`` 0 on every step row), with the ``trainer``'s reasons (it is given the
-    silent step rows' JSON).
+    silent step rows' JSON). A ``decoupled`` run's rows count each replica's contributions, so the message names
+    contributions, never rounds.
 
     Rows without ``grad_norm`` (a trainer that does not report it) are never flagged; round rows are skipped.
     """
@@ -34,8 +37,9 @@ def diagnose_rounds(rows: Sequence[Row], trainer: TrainerPlugin | None = None) -
     if not silent:
         return []
     steps = [s.to_json() for rnd in silent for s in by_round[rnd]]
-    which = ("every round" if len(silent) == len(by_round) else
-             "rounds " + ", ".join(str(r + 1) for r in silent))
+    unit = "contribution" if decoupled else "round"
+    which = (f"every {unit}" if len(silent) == len(by_round) else
+             f"{unit}{'s' * (len(silent) > 1)} " + ", ".join(str(shown_round(r)) for r in silent))
     reasons = (trainer or TrainerPlugin()).silence_reasons(steps) or ["the trainer reported grad_norm 0 on every step"]
     return [f"no training signal in {which}: grad_norm was 0 on every inner step of every replica: no loss "
             "channel gave the model a gradient. " + "; ".join(reasons)]

@@ -124,12 +124,13 @@ class StatusTracker:
         """The run's latest durable model (:func:`~composer_cloud.runs.sync_state.latest_model`), the answer
         ``export`` gives too. The final round's checkpoint is read back in full once (then remembered for
         this tracker), before the run is called completed; earlier ones only by manifest and markers."""
-        found = sync_state.latest_model(self.run.store, self.run.spec, verify=False)
+        # A checkpoint without a manifest is normal while replicas write it: no warning (problems name it).
+        found = sync_state.latest_model(self.run.store, self.run.spec, verify=False, pending_ok=True)
         if found is None or found.round != final:
             return found
         tag = (found.round, found.manifest.attempt, found.manifest.time)
         if tag not in self._verified:
-            checked = sync_state.latest_model(self.run.store, self.run.spec, verify=True)
+            checked = sync_state.latest_model(self.run.store, self.run.spec, verify=True, pending_ok=True)
             if checked is None or (checked.round, checked.manifest.attempt, checked.manifest.time) != tag:
                 return checked
             self._verified.add(tag)
@@ -273,7 +274,8 @@ class StatusTracker:
             from composer_cloud.trainer.settings import declared_settings
 
             warnings += diagnose_rounds(_metrics.read_rows(store, kind="step"),
-                                        declared_settings(spec.trainer.name, spec.trainer.settings()))
+                                        declared_settings(spec.trainer.name, spec.trainer.settings()),
+                                        decoupled=spec.sync.mode == "decoupled")
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,

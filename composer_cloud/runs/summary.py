@@ -185,7 +185,7 @@ def summarize(run: Run, status: RunStatus) -> RunSummary:
         eval_reward_last=eval_rewards[-1] if eval_rewards else None,
         loss_name=trainer.LOSS_NAME or f"{spec.trainer.name} loss",
         channels=channels,
-        warnings=diagnose_rounds(steps, trainer),
+        warnings=diagnose_rounds(steps, trainer, decoupled=spec.sync.mode == "decoupled"),
         notes=notes,
         synced_fraction=next((m.synced_fraction for m in rounds if m.synced_fraction is not None), None),
         diagnosis=diagnosis,

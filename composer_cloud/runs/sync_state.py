@@ -51,20 +51,23 @@ def final_round(spec: RunSpec, progress: Progress) -> int | None:
     return progress.final if spec.sync.mode == "decoupled" else spec.rounds - 1
 
 
-def latest_model(store: Store, spec: RunSpec, *, verify: bool = True) -> manifests.Checkpoint | None:
+def latest_model(store: Store, spec: RunSpec, *, verify: bool = True,
+                 pending_ok: bool = False) -> manifests.Checkpoint | None:
     """The run's latest durable model: its newest checkpoint whose manifest is verified, of the attempt
     :func:`attempt_of` names, every listed object present and (``verify``) read back against the manifest.
 
     The one answer for ``status`` ("completed" = this is the final round's), ``export`` without
-    ``--round`` (exports exactly this round), ``resume`` and ``wait`` (issue 33, item 3).
+    ``--round`` (exports exactly this round), ``resume`` and ``wait`` (issue 33, item 3). ``pending_ok``: a
+    checkpoint still being written is skipped quietly (a poller of a live run that reports what is missing).
     """
-    return latest_checkpoint(store, spec, verify=verify)
+    return latest_checkpoint(store, spec, verify=verify, pending_ok=pending_ok)
 
 
-def latest_checkpoint(store: Store, spec: RunSpec, *, before: int | None = None,
-                      verify: bool = True) -> manifests.Checkpoint | None:
+def latest_checkpoint(store: Store, spec: RunSpec, *, before: int | None = None, verify: bool = True,
+                      pending_ok: bool = False) -> manifests.Checkpoint | None:
     """The run's newest valid checkpoint (see :func:`~composer_cloud.sync.checkpoint.manifests.latest_checkpoint`)."""
-    return manifests.latest_checkpoint(GlobalStateStore(store), attempt_of(store, spec), before=before, verify=verify)
+    return manifests.latest_checkpoint(GlobalStateStore(store), attempt_of(store, spec), before=before, verify=verify,
+                                       pending_ok=pending_ok)
 
 
 def discard_after(store: Store, round: int) -> None:

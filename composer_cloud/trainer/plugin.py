@@ -11,6 +11,7 @@ A trainer's settings class (the :data:`~composer_cloud.trainer.settings.TRAINERS
   :meth:`TrainerPlugin.launch_refusal`: the launch's checks of this trainer (``--dry-run`` runs them too).
 * :attr:`TrainerPlugin.LOSS_CHANNELS`, :meth:`TrainerPlugin.launch_notes` and
   :meth:`TrainerPlugin.silence_reasons`: what the launch summary and ``status`` say about a run of it.
+* :meth:`TrainerPlugin.training_plan`: the trainer side of the plan ``launch --dry-run`` prints.
 
 Every method has a default that says nothing, so a user trainer (``"module:SettingsClass"``) needs none of
 them. Nothing here imports torch or TRL.
@@ -72,6 +73,13 @@ class TrainerPlugin:
 
     def launch_notes(self, columns: Sequence[str] | None) -> list[str]:
         """Lines the launch summary prints about what these settings train on (``columns``: as above)."""
+        return []
+
+    def training_plan(self, device_type: str) -> list[tuple[str, str]]:
+        """``(label, value)`` rows of the plan ``launch --dry-run`` prints for replicas computing on
+        ``device_type`` (``"cuda"``, ``"cpu"``): what the trainer will do, resolved as its replicas resolve
+        it (loss channels and their inputs, the data, the rollout mode on that device, generations per prompt,
+        batch sizes). Empty: nothing to show beyond what the launcher knows itself."""
         return []
 
     def diagnosis_notes(self, diagnosis: Mapping[str, tuple[float, float]]) -> list[str]:

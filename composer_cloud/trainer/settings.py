@@ -239,6 +239,18 @@ class CausalLMSettings(DatasetSettings):
         return [f"the causal-lm trainer needs a 'text' column, or 'prompt' and 'answer' (its columns: "
                 f"{', '.join(available)}); map them with trainer.columns.text = \"<column>\" (or .prompt and .answer)"]
 
+    def training_plan(self, device_type: str) -> list[tuple[str, str]]:
+        """The data and the batch: ``(label, value)`` rows of the dry run's plan (same on every device)."""
+        if self.dataset is not None:
+            held_out = (f"eval split {self.eval_split!r}" if self.eval_split
+                        else f"{self.eval_fraction:g} of it held out")
+            data = f"dataset {self.dataset} (split {self.dataset_split!r}, {held_out})"
+        elif self.corpus == "stdlib":
+            data = f"the standard library's sources ({self.corpus_bytes} bytes)"
+        else:
+            data = f"the built-in corpus ({self.corpus_size} snippets)"
+        return [("data", data), ("batch", f"{self.batch_size} rows x {self.seq_len} tokens per optimizer step")]
+
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "CausalLMSettings":
         """From a ``[trainer]`` table; ``ValueError`` naming ``trainer.<key>`` on bad input."""

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from composer_cloud.errors import BadObject, ChecksumMismatch, CorruptCheckpoint, ObjectNotFound, StoreTimeout
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import SliceMarker
 from composer_cloud.storage.records.limits import MARKER_MAX_BYTES
@@ -193,13 +194,13 @@ class GlobalStateStore:
         try:
             poll_until(lambda: True if self.durable(round, attempt, num_slices=n) else None,
                        deadline=time.monotonic() + takeover_after_s, policy=PollPolicy(initial_s=0.05, max_s=1.0),
-                       on_timeout=lambda waited: StoreTimeout(f"global state of round {round}", waited))
+                       on_timeout=lambda waited: StoreTimeout(f"global state of round {shown_round(round)}", waited))
             return written
         except StoreTimeout:
             pass
         for index in self.markers(round, attempt).missing(n):
             logger.warning("round %d: slice %d of the global state (replica %d's) is missing after %.0fs; "
-                           "writing it", round, index, participants[index], takeover_after_s)
+                           "writing it", shown_round(round), index, participants[index], takeover_after_s)
             written += self.write_slice(round, attempt, slices, index, writer=rank)
         return written
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from composer_cloud.errors import BadObject, CorruptCheckpoint, ObjectNotFound, StoreTimeout
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
 from composer_cloud.storage.records.limits import MANIFEST_MAX_BYTES, MARKER_MAX_BYTES
@@ -92,8 +93,8 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
                    deadline=deadline, policy=PollPolicy(initial_s=0.05, max_s=1.0), between=stop_if_written,
                    on_timeout=lambda waited: StoreTimeout(f"{layout.checkpoint_prefix(round)} global state", waited))
     except StoreTimeout:
-        logger.warning("checkpoint %d: global state not durable within %.0fs; no manifest from this replica",
-                       round, deadline_s)
+        logger.warning("checkpoint of round %d: global state not durable within %.0fs; no manifest from this "
+                       "replica", shown_round(round), deadline_s)
         return False
     except _ManifestExists:
         return False
@@ -105,8 +106,8 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
             store.wait_get(layout.replica_marker_key(round, rank),
                            deadline=time.monotonic() if taken_over else deadline)
         except StoreTimeout:
-            logger.warning("checkpoint %d: replica %d state missing; it will resume with fresh inner state",
-                           round, rank)
+            logger.warning("checkpoint of round %d: replica %d state missing; it will resume with fresh inner "
+                           "state", shown_round(round), rank)
             continue
         rec = replicas.marker(round, rank)
         if rec is not None:
@@ -116,7 +117,8 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
     # A late writer (its replica was slow or paused) must not leave a manifest listing objects that a
     # newer checkpoint's prune already removed: check before and after the write-once create.
     if not _listed_objects_exist(store, manifest):
-        logger.info("checkpoint %d was pruned before its manifest was written; not writing it", round)
+        logger.info("checkpoint of round %d was pruned before its manifest was written; not writing it",
+                    shown_round(round))
         return False
     key = layout.manifest_key(round)
 
@@ -130,14 +132,15 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
         stale = read_manifest(states, round)
         if not (stale is not None and stale.attempt != attempt and committed is not None and committed()):
             return False
-        logger.warning("checkpoint %d: replacing the manifest of attempt %d, which is not the round's commit "
-                       "(attempt %d is)", round, stale.attempt, attempt)
+        logger.warning("checkpoint of round %d: replacing the manifest of attempt %d, which is not the round's "
+                       "commit (attempt %d is)", shown_round(round), stale.attempt, attempt)
         store.delete(key)
         if not store.create_json(key, manifest.to_json()):
             return False
     if not _listed_objects_exist(store, manifest):
         store.delete(key)
-        logger.info("checkpoint %d was pruned while its manifest was written; removed the manifest", round)
+        logger.info("checkpoint of round %d was pruned while its manifest was written; removed the manifest",
+                    shown_round(round))
         return False
     return True
 
@@ -161,14 +164,16 @@ def read_manifest(states: GlobalStateStore, round: int) -> Manifest | None:
 
 
 def latest_checkpoint(states: GlobalStateStore, attempt_of: AttemptOf, *, before: int | None = None,
-                      verify: bool = True) -> Checkpoint | None:
+                      verify: bool = True, pending_ok: bool = False) -> Checkpoint | None:
     """Newest valid checkpoint (manifest present, of the attempt ``attempt_of`` names), optionally ``< before``.
 
     ``verify=True`` reads every listed object once, one object in memory at a
     time, and checks it against the manifest (what ``resume`` does before it
     discards anything). Readers that load the state anyway pass ``verify=False``
     and verify what they load in the same read. A torn or corrupt checkpoint is
-    skipped with a warning naming it, and the previous one is used.
+    skipped with a warning naming it, and the previous one is used. ``pending_ok``: a checkpoint without a
+    manifest is taken for one its replicas are still writing (the manifest comes last) and skipped at debug
+    level, for a reader that polls a live run and reports what is missing itself (``status``).
     """
     store = states.store
     for round in reversed(states.rounds()):
@@ -177,7 +182,9 @@ def latest_checkpoint(states: GlobalStateStore, attempt_of: AttemptOf, *, before
         prefix = layout.checkpoint_prefix(round)
         manifest = read_manifest(states, round)
         if manifest is None:
-            logger.warning("checkpoint %s/%s has no valid manifest (torn write?); skipping it", store.uri, prefix)
+            logger.log(logging.DEBUG if pending_ok else logging.WARNING,
+                       "checkpoint %s/%s has no valid manifest (still being written, or torn); skipping it",
+                       store.uri, prefix)
             continue
         if attempt_of(round) != manifest.attempt:
             logger.warning("checkpoint %s/%s belongs to a voided commit; skipping it", store.uri, prefix)
@@ -248,8 +255,8 @@ def _gone(states: GlobalStateStore, attempt_of: AttemptOf, round: int, attempt: 
     """Whether checkpoint ``round`` stopped being a durable committed state (pruned, or its commit voided)."""
     if attempt_of(round) == attempt and states.durable(round, attempt):
         return False
-    logger.warning("replica %d: checkpoint %d went away while it was read (pruned as the fleet moved on); "
-                   "choosing again", rank, round)
+    logger.warning("replica %d: the checkpoint of round %d went away while it was read (pruned as the fleet "
+                   "moved on); choosing again", rank, shown_round(round))
     return True
 
 

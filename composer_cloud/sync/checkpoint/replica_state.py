@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_cloud.errors import BadObject, CorruptCheckpoint, ObjectNotFound
 from composer_cloud.hooks import NO_HOOKS, Hooks
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import ReplicaMarker
 from composer_cloud.storage.records.limits import MARKER_MAX_BYTES
@@ -150,14 +151,15 @@ class ReplicaStateStore:
         """
         if not durable_rounds:
             return None
-        newest_reason = f"checkpoint {durable_rounds[-1]} has no state for replica {rank}"
+        newest_reason = f"the checkpoint of round {shown_round(durable_rounds[-1])} has no state for replica {rank}"
         for round in reversed(durable_rounds):
             rec = self.marker(round, rank)
             if rec is None:
                 continue
             if rec.world_size != world_size:
                 # Data shards are rank::world_size, so a stored data position means nothing under another count.
-                newest_reason = f"checkpoint {round} was taken with {rec.world_size} replicas, now {world_size}"
+                newest_reason = (f"the checkpoint of round {shown_round(round)} was taken with {rec.world_size} "
+                                 f"replicas, now {world_size}")
                 break
             return ResumePoint(round=round, replica_crc32=rec.crc32)
         return ResumePoint(round=durable_rounds[-1], replica_crc32=None, reason=newest_reason)

@@ -53,6 +53,7 @@ import torch
 from composer_cloud.errors import BadObject, ChecksumMismatch, ObjectNotFound, StoreTimeout
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import poll_until
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Join, Outcome, Quorum, SlotDigest
 from composer_cloud.storage.store import Store, iter_chunks
@@ -241,7 +242,7 @@ class ObjectStoreAllReduce:
                             decided_by=self.rank, time=time.time(),
                             reason="all joined" if everyone else "quorum deadline")
             if self.store.create_json(key, record.to_json(), settle=False):  # decided() reads the winner
-                logger.info("round %d quorum %s (attempt %d, %s)", round + 1, joined, attempt, record.reason)
+                logger.info("round %d quorum %s (attempt %d, %s)", shown_round(round), joined, attempt, record.reason)
             return decided()  # whichever record won the race
 
         # The probe decides at the quorum deadline itself; the poll deadline is only a backstop.
@@ -283,7 +284,7 @@ class ObjectStoreAllReduce:
             if not retry:
                 break
             logger.warning("round %d attempt %d aborted (%s); retrying at once as attempt %d",
-                           round + 1, attempt, result.reason, attempt + 1)
+                           shown_round(round), attempt, result.reason, attempt + 1)
             attempt += 1
         result.attempts = tries
         result.wall_s = time.monotonic() - t0
@@ -300,7 +301,7 @@ class ObjectStoreAllReduce:
             out = self._wait_excluded(round, attempt)
             return RoundResult(round=round, attempt=attempt, participants=[], participated=False,
                                committed=out.committed,
-                               reason=f"excluded from round {round} by an earlier attempt's check",
+                               reason=f"excluded from round {shown_round(round)} by an earlier attempt's check",
                                excluded=sorted(chain.excluded)), False
         try:
             participants, quorum_wait = self.join_and_decide_quorum(
@@ -450,7 +451,7 @@ class ObjectStoreAllReduce:
                                time.monotonic() + self.config.round_timeout_s)
         except (RoundTimeout, RejectedPayload) as again:
             logger.warning("round %d (attempt %d) committed, but replica %d cannot verify its result (%s); healing "
-                           "from the committed state", round + 1, attempt, self.rank, again)
+                           "from the committed state", shown_round(round), attempt, self.rank, again)
             return final
         flat.copy_(out)
         result.committed, result.heal, result.reason = True, False, ""
@@ -583,7 +584,7 @@ class ObjectStoreAllReduce:
                          excluded=sorted(excluded), check=check, retry=retry, by=self.rank, slot=slot,
                          time=time.time())
         if self.store.create_json(layout.outcome_key(round, attempt), record.to_json(), settle=False):
-            logger.warning("round %d (attempt %d) aborted: %s", round + 1, attempt, reason)
+            logger.warning("round %d (attempt %d) aborted: %s", shown_round(round), attempt, reason)
         out = read_outcome(self.store, round, attempt, replicas=self.config.replicas, participants=participants)
         return out or Outcome(round=round, attempt=attempt, committed=False, reason=reason, check=check, retry=retry,
                               by=self.rank)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from composer_cloud.storage.store import Store
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore
 from composer_cloud.sync.checkpoint.manifests import read_manifest
 from composer_cloud.sync.lockstep import rounds
@@ -36,7 +37,8 @@ def model_attempt_of(store: Store) -> AttemptOf:
         manifest = read_manifest(states, round)
         if manifest is None or not rounds.may_have_committed(store, round, manifest.attempt):
             return None
-        logger.debug("round %d: records unreadable; its signed manifest names attempt %d", round, manifest.attempt)
+        logger.debug("round %d: records unreadable; its signed manifest names attempt %d", shown_round(round),
+                 manifest.attempt)
         return manifest.attempt
 
     return attempt

@@ -53,6 +53,7 @@ import torch
 
 from composer_cloud.errors import StoreTimeout, SyncError
 from composer_cloud.retry import PollPolicy, poll_until
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
@@ -245,16 +246,17 @@ class ObjectStoreManager:
             # Our state comes from a commit that was abandoned: go back to the newest durable state.
             round = self._last_commit[0]
             self._last_commit = None
-            logger.warning("replica %d: the commit of round %d was voided; healing back", self.rank, round)
+            logger.warning("replica %d: the commit of round %d was voided; healing back", self.rank, shown_round(round))
             healed = self._heal(0, latest=rounds.latest_committed_round(self.store, start=0))
             if healed is None:
-                raise HealError(f"replica {self.rank}: round {round} was voided and no earlier state is durable; "
-                                "restart the replica (it resumes from the newest checkpoint)")
+                raise HealError(f"replica {self.rank}: round {shown_round(round)} was voided and no earlier state is "
+                                "durable; restart the replica (it resumes from the newest checkpoint)")
             self._skip_sync = True
             self._record(SyncRecord(healed, None, committed=False, healed_to=healed))
         latest = rounds.latest_committed_round(self.store, start=self._step)
         if not self._skip_sync and latest >= self._step:
-            logger.info("replica %d is behind (at round %d, committed %d): healing", self.rank, self._step, latest)
+            logger.info("replica %d is behind (at round %d; round %d has committed): healing", self.rank,
+                        shown_round(self._step), shown_round(latest))
             healed = self._heal(self._step)
             if healed is not None:
                 # Our pseudo-gradient was measured from stale parameters and the
@@ -294,7 +296,7 @@ class ObjectStoreManager:
             self._record(SyncRecord(round, result, committed=False, healed_to=healed))
             return False
         if not result.committed:
-            logger.warning("round %d was not committed (%s); it will be retried", round, result.reason)
+            logger.warning("round %d was not committed (%s); it will be retried", shown_round(round), result.reason)
             self._record(SyncRecord(round, result, committed=False))
             return False
         # Left out of a committed round: heal from its committed state.
@@ -406,7 +408,7 @@ class ObjectStoreManager:
             return False
         if self.global_state.durable(round, attempt):
             logger.warning("replica %d: ignoring a void of round %d attempt %d, whose state is durable", self.rank,
-                           round, attempt)
+                           shown_round(round), attempt)
             return False
         return True
 
@@ -450,9 +452,9 @@ class ObjectStoreManager:
                 break
             except StoreTimeout:
                 if time.monotonic() >= give_up:
-                    raise HealError(f"replica {self.rank}: no committed global state for round >= {floor} became "
-                                    f"durable within heal_timeout_s={self.heal_timeout_s} (blocking: "
-                                    f"{self._blocking_object(floor)})") from None
+                    raise HealError(f"replica {self.rank}: no committed global state for round >= "
+                                    f"{shown_round(floor)} became durable within heal_timeout_s="
+                                    f"{self.heal_timeout_s} (blocking: {self._blocking_object(floor)})") from None
             newest = newest_committed()
             committed = rounds.committed_attempt(self.store, newest) if newest >= 0 else None
             if committed is not None:
@@ -462,13 +464,14 @@ class ObjectStoreManager:
             latest = None
             void_at = time.monotonic() + self.void_after_s
         if round is None:
-            logger.info("replica %d: no committed round >= %d any more (voided); nothing to heal", self.rank, floor)
+            logger.info("replica %d: no committed round >= %d any more (voided); nothing to heal", self.rank,
+                        shown_round(floor))
             return None
         self.load_state(self.global_state.load(round, attempt))
         self._step = round + 1
         if self.on_heal is not None:
             self.on_heal(round)
-        logger.info("replica %d healed to committed round %d", self.rank, round)
+        logger.info("replica %d healed to committed round %d", self.rank, shown_round(round))
         return round
 
     def _blocking_object(self, round: int) -> str:
@@ -476,13 +479,14 @@ class ObjectStoreManager:
         newest = rounds.latest_committed_round(self.store, start=max(round, 0))
         if newest >= round:
             attempt = rounds.committed_attempt(self.store, newest)
-            return (f"{self.store.uri}/{layout.checkpoint_prefix(newest)}: the global state of round {newest} "
-                    f"attempt {attempt} is not durable")
+            return (f"{self.store.uri}/{layout.checkpoint_prefix(newest)}: the global state of round "
+                    f"{shown_round(newest)} attempt {attempt} is not durable")
         found = rounds.attempts(self.store, round)
         if rounds.round_unknown(self.store, round):
             return (f"{self.store.uri}/{layout.outcome_key(round, found[-1] if found else 0)}: unreadable, and "
-                    f"round {round + 1} has not committed")
-        return f"{self.store.uri}/{layout.round_prefix(round)}: no attempt of round {round} committed"
+                    f"round {shown_round(round)} has not committed")
+        return (f"{self.store.uri}/{layout.round_prefix(round)}: no attempt of round {shown_round(round)} "
+                "committed")
 
     def _check_progress(self, record: SyncRecord) -> None:
         """The re-sync budget: a replica whose syncs stop advancing it fails, naming the object that blocks it.
@@ -499,9 +503,10 @@ class ObjectStoreManager:
         waited = time.monotonic() - self._stall_since
         if self._stalls >= self.stall_syncs and waited >= self.stall_s:
             reason = record.result.reason if record.result is not None else "healed to an older round"
-            raise SyncStalled(f"replica {self.rank}: round {self._step} made no progress in {self._stalls} syncs "
-                              f"over {waited:.0f}s (budget: {self.stall_syncs} syncs and stall_s={self.stall_s:.0f}s;"
-                              f" last: {reason}); blocking: {self._blocking_object(self._step)}")
+            raise SyncStalled(f"replica {self.rank}: round {shown_round(self._step)} made no progress in "
+                              f"{self._stalls} syncs over {waited:.0f}s (budget: {self.stall_syncs} syncs and "
+                              f"stall_s={self.stall_s:.0f}s; last: {reason}); blocking: "
+                              f"{self._blocking_object(self._step)}")
 
     def close(self) -> None:
         self.flush_state()

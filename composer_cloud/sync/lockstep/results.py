@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from composer_cloud.errors import SyncError
+from composer_cloud.round_numbers import shown_round
 
 
 class RoundTimeout(SyncError):
@@ -19,7 +20,7 @@ class RoundTimeout(SyncError):
         self.round = round
         self.missing_ranks = sorted(missing_ranks)
         self.aborted = False
-        super().__init__(f"round {round}: {what}; missing replicas: {self.missing_ranks}")
+        super().__init__(f"round {shown_round(round)}: {what}; missing replicas: {self.missing_ranks}")
 
 
 class LocalRankLost(SyncError):
@@ -35,9 +36,9 @@ class LocalRankLost(SyncError):
 
     def __init__(self, round: int, attempt: int, shard: int, cause: BaseException) -> None:
         self.round, self.attempt, self.shard = round, attempt, shard
-        super().__init__(f"round {round} attempt {attempt}: local rank {shard} lost a peer rank of its replica "
-                         f"during the vote ({cause!r}); the replica stops without deciding the attempt, and its "
-                         "restart rejoins it")
+        super().__init__(f"round {shown_round(round)} attempt {attempt}: local rank {shard} lost a peer rank of "
+                         f"its replica during the vote ({cause!r}); the replica stops without deciding the attempt, "
+                         "and its restart rejoins it")
 
 
 class BehindError(SyncError):
@@ -45,7 +46,7 @@ class BehindError(SyncError):
 
     def __init__(self, round: int) -> None:
         self.round = round
-        super().__init__(f"round {round} is already committed; heal from the committed state")
+        super().__init__(f"round {shown_round(round)} is already committed; heal from the committed state")
 
 
 @dataclass

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from composer_cloud.errors import BadObject, ChecksumMismatch
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum, Void
 from composer_cloud.storage.records.limits import ROUND_RECORD_MAX_BYTES
@@ -170,7 +171,8 @@ def declare_void(store: Store, round: int, attempt: int, *, by: int, reason: str
     created = create_over_forged(store, key, Void(round=round, attempt=attempt, by=by, reason=reason).to_json(),
                                  lambda o: Void.from_json(o, key=key, round=round, attempt=attempt))
     if created:
-        logger.warning("round %d attempt %d declared void by replica %d: %s", round, attempt, by, reason)
+        logger.warning("round %d attempt %d declared void by replica %d: %s", shown_round(round), attempt, by,
+                       reason)
     return created
 
 

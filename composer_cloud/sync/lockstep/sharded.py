@@ -51,6 +51,7 @@ import torch.distributed as dist
 from composer_cloud.errors import BadObject, CorruptCheckpoint, SyncError
 from composer_cloud.hooks import NO_HOOKS, Hooks
 from composer_cloud.retry import poll_until
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.storage.tensors import decode_state, encode_state
@@ -139,7 +140,7 @@ class ShardedAllReduce(ObjectStoreAllReduce):
         same = int(vote[1]) == -int(vote[3]) and int(vote[2]) == -int(vote[4])
         if not same:
             logger.warning("shard %d: the replica's ranks voted on different attempts of round %d; not committing",
-                           self.shard.index, round)
+                           self.shard.index, shown_round(round))
         return bool(vote[0]) and same
 
 

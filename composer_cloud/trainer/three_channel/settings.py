@@ -385,6 +385,12 @@ class ThreeChannelSettings(ThreeChannelConfig, DatasetSettings):
         note = signal.hint_note(self, columns)
         return [note] if note else []
 
+    def training_plan(self, device_type: str) -> list[tuple[str, str]]:
+        """Channels and their inputs, data, rollout on ``device_type``, sizes (:func:`~.plan.plan_rows`)."""
+        from composer_cloud.trainer.three_channel.plan import plan_rows
+
+        return plan_rows(self, device_type, resolve_rollout(self.rollout, device_type))
+
     def diagnosis_notes(self, diagnosis: Mapping[str, tuple[float, float]]) -> list[str]:
         """Most groups with equal rewards, most completions truncated (:func:`~.signal.diagnosis_notes`)."""
         return signal.diagnosis_notes(self, diagnosis)

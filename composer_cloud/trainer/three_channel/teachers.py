@@ -338,7 +338,8 @@ def make_teacher_pairs(
     """Ask every teacher about every state, vote, normalise, write the pairs to ``out``; see the module docstring.
 
     States are asked in order, ``concurrency`` requests at a time; the pairs come out in trace order whatever
-    the concurrency. Raises :class:`TeachersError` for bad arguments or a missing key variable.
+    the concurrency. Raises :class:`TeachersError` for bad arguments or a missing key variable, and
+    :class:`NoPairsError` (``out`` untouched) when no pair came out, naming why.
     """
     if not 0.0 < threshold <= 1.0:
         raise TeachersError(f"--threshold must be in (0, 1], got {threshold}")
@@ -346,6 +347,8 @@ def make_teacher_pairs(
         raise TeachersError(f"--concurrency must be >= 1, got {concurrency}")
     if not max_cost_usd > 0:
         raise TeachersError(f"--max-cost must be > 0 USD, got {max_cost_usd}")
+    if not teachers or not trace:
+        raise TeachersError("pairs need at least one teacher and one state of the trace")
     start = time.monotonic()
     clients = [Teacher(t) for t in teachers]
     budget = Budget(max_cost_usd)
@@ -364,10 +367,6 @@ def make_teacher_pairs(
         if decided.pair is not None:
             voted.append(decided.pair)
     pairs, dropped = normalize_pairs(voted, filters)
-    try:
-        write_pairs(out, pairs, **dict(storage_options or {}))
-    except OSError as exc:
-        raise TeachersError(f"--out {out}: cannot write the pairs ({type(exc).__name__}: {exc})") from None
     histogram = Counter(f"{a:.2f}" for a in agreements)
     report = PairsReport(
         states=len(trace), pairs_written=len(pairs), out=out, threshold=threshold, max_cost_usd=max_cost_usd,
@@ -375,8 +374,48 @@ def make_teacher_pairs(
         agreement_mean=sum(agreements) / len(agreements), agreement_histogram=dict(sorted(histogram.items())),
         teachers={c.config.name: c.stats for c in clients}, seconds=time.monotonic() - start,
     )
+    if not pairs:  # an empty pairs file trains nothing, and a later launch would only find out then
+        raise NoPairsError(report, _no_pairs_cause(report, clients, trace))
+    try:
+        write_pairs(out, pairs, **dict(storage_options or {}))
+    except OSError as exc:
+        raise TeachersError(f"--out {out}: cannot write the pairs ({type(exc).__name__}: {exc})") from None
     logger.info("pairs: %d states, %d pairs written to %s, %.4f USD", len(trace), len(pairs), out, budget.spent)
     return report
+
+
+class NoPairsError(TeachersError):
+    """``pairs`` kept no pair, so it wrote nothing (an empty file would only fail a later launch). The message
+    names the cause (no teacher answered and why, a ceiling below one request, the votes, the filters);
+    :attr:`report` is what the command did and spent."""
+
+    def __init__(self, report: PairsReport, cause: str) -> None:
+        self.report = report
+        super().__init__(f"no pairs, so nothing was written to --out {report.out}: {cause}")
+
+
+def _no_pairs_cause(report: PairsReport, clients: Sequence[Teacher], trace: Sequence[TraceStep]) -> str:
+    """Why no pair came out of ``report``, with what to change."""
+    stats = report.teachers
+    if not any(s.answered for s in stats.values()):
+        if not any(s.asked for s in stats.values()):
+            cheapest = min((c.reservation(step.prompt), c.config.name) for c in clients for step in trace)
+            return (f"--max-cost {report.max_cost_usd:g} USD is below the worst case of any one request (the "
+                    f"cheapest: {cheapest[0]:.4f} USD, teacher {cheapest[1]!r}); raise --max-cost, or lower the "
+                    "teachers' max_tokens or prices")
+        why = "; ".join(f"{name}: {s.last_error or 'not asked (down or over the ceiling)'}"
+                        for name, s in stats.items())
+        return f"no teacher answered any of the {report.states} states ({why})"
+    what = ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
+    advice = []
+    if report.outcomes.get("below_threshold") or report.outcomes.get("tie"):
+        advice.append(f"fewer teachers agreed than --threshold {report.threshold:.2f} asks: lower it")
+    if report.outcomes.get("student_agrees"):
+        advice.append("where the teachers agreed, the student's action was already theirs")
+    if report.dropped:
+        advice.append(f"the filters dropped {', '.join(f'{k} {v}' for k, v in sorted(report.dropped.items()))}: "
+                      "loosen them (--filter KEY=none)")
+    return f"the teachers answered, but no state gave a pair (outcomes: {what})" + "".join(f"; {a}" for a in advice)
 
 
 def parse_filters(values: Sequence[str] | None) -> PairFilters:
@@ -403,7 +442,8 @@ def report_table(report: PairsReport) -> Any:
     """A rich table: one row per teacher, the totals in the caption."""
     from rich.table import Table
 
-    table = Table(title=f"{report.pairs_written} pairs from {report.states} states -> {report.out}")
+    where = report.out if report.pairs_written else f"nothing written to {report.out}"
+    table = Table(title=f"{report.pairs_written} pairs from {report.states} states -> {where}")
     for column in ("teacher", "answered", "asked", "failed", "skipped", "tokens in/out", "USD", "last error"):
         table.add_column(column)
     for name, s in report.teachers.items():
@@ -418,6 +458,7 @@ def report_table(report: PairsReport) -> Any:
 
 __all__ = [
     "Budget",
+    "NoPairsError",
     "PairsReport",
     "Teacher",
     "TeacherConfig",
