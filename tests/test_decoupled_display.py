@@ -13,6 +13,7 @@ from composer_cloud.runs.export import card_progress_row
 from composer_cloud.runs.signal import diagnose_rounds
 from composer_cloud.runs.status import ReplicaInfo, RunStatus
 from composer_cloud.spec import RunSpec
+from composer_cloud.storage.records.metrics import parse_row
 from composer_cloud.storage.run import Run
 from composer_cloud.storage.store import Store
 
@@ -66,6 +67,7 @@ def test_the_dry_runs_work_line_resume_and_export_name_no_round_for_a_decoupled_
 def test_the_no_signal_warning_of_a_decoupled_run_names_contributions():
     rows = [{"kind": "step", "round": r, "rank": 0, "grad_norm": 0.0} for r in (0, 1)]
     rows.append({"kind": "step", "round": 2, "rank": 0, "grad_norm": 1.0})
+    rows = [parse_row(r, key="test") for r in rows]  # as the reader parses them
     (msg,) = diagnose_rounds(rows, decoupled=True)
     assert msg.startswith("no training signal in contributions 1, 2:"), msg
     (msg,) = diagnose_rounds(rows)

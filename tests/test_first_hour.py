@@ -103,7 +103,7 @@ def test_rounds_without_a_gradient_are_diagnosed_per_channel():
     assert "frac_reward_zero_std 1.0" in msg and "max_completion_length (4)" in msg and "no pairs" in msg
     rows[0] = {**rows[0], "grad_norm": 0.5}  # round 1 moved: only round 2 is flagged, counted from 1
     (msg,) = diagnose_rounds(typed(rows))
-    assert "no training signal in rounds 2:" in msg and "grad_norm 0 on every step" in msg  # no trainer: no claim
+    assert "no training signal in round 2:" in msg and "grad_norm 0 on every step" in msg  # no trainer: no claim
     assert diagnose_rounds(typed([{**r, "grad_norm": 1.0} for r in rows])) == []
     assert diagnose_rounds(typed([{"kind": "step", "rank": 0, "round": 0, "loss": 1.0}])) == []  # no grad_norm
 

@@ -255,7 +255,7 @@ def test_a_run_that_reads_back_its_fallbacks_trains_bitwise_as_the_run_that_gene
 MALFORMED = [
     ({"completion_ids": [[1]] * 7}, "7 completions for 8 prompts"),
     ({"logprobs": None}, "no sampler log-probs"),
-    ({"policy_version": 4}, "ahead of this trainer's round"),
+    ({"policy_version": 4}, "is newer than version 3, the policy this trainer started round 4 from"),
     ({"prompt_ids": [[5]] * 8}, "other prompts"),
     ({"completion_ids": [[10**9]] * 8}, "outside"),
     ({"completion_ids": [[1] * 7] * 8, "logprobs": [[-1.0] * 7] * 8}, "max_completion_length = 6"),

@@ -40,6 +40,7 @@ from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from composer_cloud.round_numbers import shown_round
 from composer_cloud.trainer.three_channel.state import forked_global_rngs
 
 logger = logging.getLogger(__name__)
@@ -321,7 +322,8 @@ class SourcedRollouts:
             return None
         problem = batch.problem(prompt_ids, max_completion_length=max_completion_length, vocab_size=vocab_size)
         if problem is None and batch.policy_version > key.round:
-            problem = f"policy_version {batch.policy_version} is ahead of this trainer's round {key.round}"
+            problem = (f"policy_version {batch.policy_version} is newer than version {key.round}, the policy this "
+                       f"trainer started round {shown_round(key.round)} from")
         if problem is not None:
             self._count("invalid")
             logger.warning("rollouts %s: refused a malformed batch (%s); generating here", key, problem)
