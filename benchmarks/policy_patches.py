@@ -104,9 +104,9 @@ def measure(name: str, lr: float, *, inner_steps: int, rounds: int, batch: int, 
         first = publisher.publish(0, model)
         anchor_bytes = first.record.blob_bytes
         full = first.record.state_bytes
+        before = policy_state(model, lora=lora)
         for version in range(1, rounds + 1):
             for _ in range(inner_steps):
-                before = policy_state(model, lora=lora)
                 tokens = next(data)
                 model(input_ids=tokens, labels=tokens).loss.backward()
                 inner.step()
@@ -114,6 +114,7 @@ def measure(name: str, lr: float, *, inner_steps: int, rounds: int, batch: int, 
                 after = policy_state(model, lora=lora)
                 blob, changed = encode_patch(before, after, version=1)
                 inner_rows.append(_row_of(blob, changed, full, numel))
+                before = after
             with torch.no_grad():  # DiLoCo: pseudo-gradient = global - local, outer SGD on the global copy
                 for n, p in params.items():
                     global_params[n].grad = global_params[n] - p.detach()
@@ -123,7 +124,7 @@ def measure(name: str, lr: float, *, inner_steps: int, rounds: int, batch: int, 
                     p.copy_(global_params[n])
             out = publisher.publish(version, model)
             rebuilt = reader.load(version)
-            direct = policy_state(model, lora=lora)
+            direct = before = policy_state(model, lora=lora)
             assert all(torch.equal(rebuilt[n].view(torch.int16), direct[n].view(torch.int16)) for n in direct), \
                 f"version {version} did not rebuild bitwise"
             outer_rows.append({"bytes": out.record.blob_bytes, "ratio": out.ratio,
