@@ -4,7 +4,7 @@
     python benchmarks/policy_patches.py --out policy_patches.json
     python benchmarks/policy_patches.py --models demo --lrs 1e-6 --inner-steps 4 --rounds 1
 
-For each model (``demo``: the README's built-in ~3.4 M-parameter model; ``mid``: a ~42 M-parameter Qwen2 shape
+For each model (``demo``: the README's built-in ~3.4 M-parameter model; ``mid``: a 40 M-parameter Qwen2 shape
 built from a config, random weights, nothing downloaded; ``demo-lora``: the demo model's LoRA r16 adapter) and
 each inner learning rate, it runs ``--rounds`` DiLoCo rounds of one replica the way the lock-step replica does:
 ``--inner-steps`` AdamW steps (betas 0.9/0.95, weight decay 0.01, a causal-LM loss on the built-in corpus), then
@@ -47,8 +47,8 @@ from composer_cloud.spec import spec_from_dict  # noqa: E402
 from composer_cloud.storage.store import Store  # noqa: E402
 from composer_cloud.sync.outer import OuterOptimizerConfig, outer_sgd  # noqa: E402
 
-#: The ~42 M-parameter shape (a Qwen2 of hidden 512, 8 layers, a 32k tied vocabulary): minutes are too slow on
-#: two shared CPU cores at a few hundred million parameters, this one runs its rows in well under a minute.
+#: The 40 M-parameter shape (a Qwen2 of hidden 512, 8 layers, a 32k tied vocabulary): a few hundred million
+#: parameters are too slow on a CPU; this one runs a row (4 inner steps x 2 rounds) in ~1 CPU-minute.
 MID = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
            intermediate_size=1408, tie_word_embeddings=True)
 MODELS = ("demo", "demo-lora", "mid")
