@@ -382,3 +382,28 @@ def test_the_lockstep_boundary_publishes_version_0_and_each_committed_round(monk
     _assert_bitwise(reader.load(0), initial)
     _assert_bitwise(reader.load(2), policy_state(model))
     assert [reader.record(v).kind for v in range(3)] == ["anchor", "patch", "patch"]
+
+
+def test_a_malformed_patch_with_a_matching_record_is_refused_in_an_unsigned_run(tmp_path):
+    """Without a run key the record's sha256 can be forged too: the codec's own checks and the digest refuse."""
+    import hashlib
+
+    from composer_cloud.storage.tensors import save_tensors
+
+    store = Store(f"file://{tmp_path}/run")
+    _chain(store, 3)
+    real = PolicyRecord.from_json(store.get_json(layout.policy_record_key(2)), key="k", version=2)
+    name = "model.norm.weight"  # 32 elements; the forged patch changes position 10**6
+    past_the_end = save_tensors({f"val/{name}": torch.ones(1, dtype=torch.bfloat16),
+                                 f"pos/{name}": torch.from_numpy(varint_encode(np.array([10**6])))},
+                                {"format": "1", "kind": "patch", "version": "2",
+                                 "changes": json.dumps({name: ["gaps", 1]})})
+    bad = {"a gap of 1000000 in a tensor of 32": past_the_end, "not a safetensors blob": b"\x00" * 64,
+           "is not a patch of version 2": bytes(store.get(layout.policy_blob_key(1, "patch")))}
+    for what, blob in bad.items():
+        store.put(layout.policy_blob_key(2, "patch"), blob)
+        store.put(layout.policy_record_key(2), json.dumps({**real.to_json(), "blob_bytes": len(blob),
+                                                           "blob_sha256": hashlib.sha256(blob).hexdigest()}).encode())
+        with pytest.raises(PolicyChainError, match=layout.policy_blob_key(2, "patch")) as err:
+            PolicyReader(store).load(2)
+        assert isinstance(err.value.__cause__, PatchError) and what in str(err.value), (what, err.value)

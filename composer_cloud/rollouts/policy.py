@@ -41,6 +41,7 @@ import torch
 from composer_cloud.errors import BadObject, ObjectNotFound
 from composer_cloud.lora import is_lora_model, synced_parameters
 from composer_cloud.rollouts.patch_codec import (
+    PatchError,
     apply_patch,
     decode_anchor,
     encode_anchor,
@@ -215,11 +216,14 @@ class PolicyReader:
             blob = _read_blob(self.store, rec)
             self.bytes_read += len(blob)
             key = layout.policy_blob_key(rec.version, rec.kind)
-            if rec.kind == ANCHOR:
-                state = decode_anchor(blob, key=key, version=rec.version)
-            else:
-                assert state is not None
-                state, _ = apply_patch(state, blob, key=key, version=rec.version)
+            try:
+                if rec.kind == ANCHOR:
+                    state = decode_anchor(blob, key=key, version=rec.version)
+                else:
+                    assert state is not None
+                    state, _ = apply_patch(state, blob, key=key, version=rec.version)
+            except PatchError as exc:
+                raise PolicyChainError(key, exc.problem) from exc
         assert state is not None
         top = chain[0]
         digest = state_digest(state)
