@@ -13,8 +13,8 @@ Records read by status displays (:class:`Heartbeat`) are parsed leniently
 instead: a malformed field reads as unknown, never as an error.
 
 The records live in one file per family (:mod:`.rounds`, :mod:`.checkpoints`,
-:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`, :mod:`.metrics`; field checks in :mod:`.fields`); import them from
-here. The metrics rows (:mod:`.metrics`) are plain JSONL, not framed records, and keep what they do not know
+:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`, :mod:`.metrics`, :mod:`.policy`; field checks in :mod:`.fields`);
+import them from here. The metrics rows (:mod:`.metrics`) are plain JSONL, not framed records, and keep what they do not know
 instead of refusing it (their module says how).
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 from composer_cloud.storage.records.checkpoints import BlobEntry, Manifest, ReplicaMarker, SliceMarker
 from composer_cloud.storage.records.decoupled import Contribution, FinalRecord, MergeRecord, Rejected
 from composer_cloud.storage.records.metrics import DecoupledFields, LockstepFields, RoundRow, StepRow
+from composer_cloud.storage.records.policy import PolicyRecord
 from composer_cloud.storage.records.rounds import Join, Outcome, Quorum, SlotDigest, Void
 from composer_cloud.storage.records.samples import RoundSamples, Sample
 from composer_cloud.storage.records.run import (
@@ -37,5 +38,5 @@ from composer_cloud.storage.records.run import (
 
 __all__ = ["BlobEntry", "CancelRecord", "CodeRef", "Contribution", "DecoupledFields", "FinalRecord", "Heartbeat",
            "HeartbeatState", "JobHandle", "Join", "LockstepFields", "Manifest", "MergeRecord", "MetricsDigest", "Outcome",
-           "Quorum", "Rejected", "ReplicaMarker", "ResumeRecord", "RoundRow", "RoundSamples", "Sample", "SliceMarker",
-           "SlotDigest", "StepRow", "Void"]
+           "PolicyRecord", "Quorum", "Rejected", "ReplicaMarker", "ResumeRecord", "RoundRow", "RoundSamples", "Sample",
+           "SliceMarker", "SlotDigest", "StepRow", "Void"]
