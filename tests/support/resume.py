@@ -1,8 +1,9 @@
 """Bitwise-resume helpers: export a run's weights, compare them, and the shared uninterrupted baselines.
 
 The baseline is the exported model of an uninterrupted run of :data:`~support.specs.RESUME_SPEC`
-(or of another spec: ``baselines.of(spec)``) on a ``file://`` store. Every module that compares against it (resume, failover, store faults, on
-file://, moto and SeaweedFS) shares it: a run's model does not depend on its store, so a resumed S3
+(or of another spec: ``baselines.of(spec)``) on a ``file://`` store. Every module that compares against
+it (resume, failover, store faults, on file://, moto and SeaweedFS; the sparse kill matrix and the
+twin-run replays) shares it: a run's model does not depend on its store, so a resumed S3
 run that ends on the file:// run's weights also shows that. The ``baselines`` fixture builds it once
 per test session, in a cache directory that pytest-xdist's workers share (the first worker to need
 it builds it under a file lock; the others wait and read it).
