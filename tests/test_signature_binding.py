@@ -4,7 +4,8 @@ A signed object verifies only in the run that wrote it (run id *and* launch: the
 the spec) and only at the key it was written under (round, attempt, rank, slot are in the key). Every object
 of every sync mode is framed by ``Store`` through the same path, so the cases below are parametrized over the
 key kinds each mode writes: a copy into another run signed with the same run key, or to another round, fails
-verification when read.
+verification when read. End to end, for each sync mode (lock-step, sparse, decoupled): a twin run's signed
+objects planted in a run before it starts never become its model (bitwise against its uninterrupted run).
 """
 
 from __future__ import annotations
