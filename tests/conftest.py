@@ -29,10 +29,13 @@ from support.resume import baselines  # noqa: E402,F401
 # pytest-xdist hands whole modules to workers in this collection order, so the long end-to-end modules start at
 # once instead of after the many short ones (xdist's own reordering puts modules with the most tests first, i.e.
 # the short ones): longest first keeps the last worker to finish close to the others.
-LONG_MODULES = ("test_resume", "test_cli", "test_failover_lost_state", "test_lora_e2e", "test_multi_gpu_e2e",
-                "test_first_hour", "test_store_faults", "test_sparse_resume", "test_resume_s3", "test_failover",
-                "test_decoupled", "test_multi_gpu_local_ranks", "test_store_e2e", "test_checkpoint_benchmark",
-                "test_cli_cloud", "test_runs_api", "test_bucket_attacks", "test_conformance")
+# test_signature_binding (issue 37's three twin-run replays, 7 launches with the shared baselines) and
+# test_peers_failed_e2e were added after that run: measured alone on a loaded box, not yet in CI.
+LONG_MODULES = ("test_signature_binding", "test_resume", "test_cli", "test_failover_lost_state", "test_lora_e2e",
+                "test_multi_gpu_e2e", "test_first_hour", "test_store_faults", "test_sparse_resume", "test_resume_s3",
+                "test_failover", "test_decoupled", "test_multi_gpu_local_ranks", "test_store_e2e",
+                "test_checkpoint_benchmark", "test_cli_cloud", "test_runs_api", "test_bucket_attacks",
+                "test_conformance", "test_peers_failed_e2e")
 
 
 def _jobs_hub_missing() -> str | None:

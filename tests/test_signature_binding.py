@@ -4,20 +4,21 @@ A signed object verifies only in the run that wrote it (run id *and* launch: the
 the spec) and only at the key it was written under (round, attempt, rank, slot are in the key). Every object
 of every sync mode is framed by ``Store`` through the same path, so the cases below are parametrized over the
 key kinds each mode writes: a copy into another run signed with the same run key, or to another round, fails
-verification when read.
+verification when read. End to end, for each sync mode (lock-step, sparse, decoupled): a twin run's signed
+objects planted in a run before it starts never become its model (bitwise against its uninterrupted run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
+import composer_cloud as cc
 from composer_cloud import env
 from composer_cloud.errors import RunKeyError, SignatureMismatch
 from composer_cloud.runs import signing
@@ -26,9 +27,8 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.framing import derive_signing_key, frame, hkdf_sha256, new_run_salt, run_key_bytes
 from composer_cloud.storage.run import open_run
 from composer_cloud.storage.store import Store
-from support.cli import cli
-from support.resume import export_weights, launch_run, same_weights
-from support.specs import RESUME_SPEC
+from support.resume import Weights, export_weights, launch_run, one_thread, same_weights
+from support.specs import RESUME_SPEC, SMALL_RUN_TOML, SPARSE_SPEC
 
 RUN_KEY = "the-same-run-key-for-every-run-0123456789"
 RUN_ID = "twin"
@@ -176,6 +176,35 @@ def test_a_whole_spec_copied_from_another_launch_is_refused_where_the_run_was_la
         open_run(y.uri)
 
 
+# ------------------------------------------------------------------ end to end: a twin run's objects replayed
+#: The decoupled replay's run. One replica, so that the run is bitwise reproducible: it publishes, merges and
+#: adopts at its own boundary (min_quorum = 1), where several replicas' merges depend on arrival order
+#: (docs/decoupled.md). Every object kind of the mode is still written: contributions, merge records,
+#: versions (checkpoints/<v>/), inner states and final.json.
+DECOUPLED_REPLAY_SPEC = """
+replicas = 1
+rounds = 3
+inner_steps = 2
+checkpoint_every = 1
+[sync]
+mode = "decoupled"
+min_quorum = 1
+grace_min_s = 0.5
+grace_max_s = 10
+""" + SMALL_RUN_TOML
+
+
+#: What each replay plants. Lock-step: issue 37's case, round records and checkpoints of rounds 2 and 3.
+LOCKSTEP_ROUNDS_2_AND_3 = (layout.round_prefix(2), layout.round_prefix(3), layout.checkpoint_prefix(2),
+                           layout.checkpoint_prefix(3))
+#: Sparse: every round record (with what the run's cleanup left of its payloads) and every checkpoint, the
+#: replicas' inner states with their error-feedback accumulators included.
+EVERY_ROUND_AND_CHECKPOINT = (layout.ROUNDS, layout.CHECKPOINTS)
+#: Decoupled: every version (checkpoints/<v>/, version 0 included), merge record, contribution not yet pruned,
+#: inner state, and final.json.
+EVERY_DECOUPLED_OBJECT = (layout.DECOUPLED, layout.CHECKPOINTS)
+
+
 @pytest.mark.slow
 def test_rounds_and_checkpoints_of_a_twin_run_with_the_same_key_never_become_its_model(tmp_path, baselines):
     """Run X (seed 1) and run Y (the baseline spec): one run key, one run id, two stores. X's round records and
@@ -184,30 +213,60 @@ def test_rounds_and_checkpoints_of_a_twin_run_with_the_same_key_never_become_its
     # On a tree without issue 33's fix (adversarial branch, 15c36c2), Y's replicas livelock on X's unreadable
     # outcomes (behind -> heal -> nothing to heal) instead of re-running the rounds: that fix is this test's premise.
     pytest.importorskip("composer_cloud.sync.lockstep.durable", reason="needs issue 33's planted-objects fix")
-    expected = baselines.get(tmp_path)
-    keyed = {**os.environ, env.RUN_KEY: RUN_KEY, env.KEYS: str(tmp_path / "keys")}
+    _replay(tmp_path, RESUME_SPEC, baselines.get(tmp_path), LOCKSTEP_ROUNDS_2_AND_3)
+
+
+@pytest.mark.slow
+def test_a_sparse_twin_runs_rounds_and_checkpoints_never_become_its_model(tmp_path, baselines):
+    """The same replay in a lock-step run with the sparse codec: all of X's rounds and checkpoints (its replicas'
+    inner states carry X's error feedback) planted in Y before it starts. Y ends bitwise on its uninterrupted
+    sparse model or fails cleanly."""
+    _replay(tmp_path, SPARSE_SPEC, baselines.of(SPARSE_SPEC).get(tmp_path),
+            EVERY_ROUND_AND_CHECKPOINT)
+
+
+@pytest.mark.slow
+def test_a_decoupled_twin_runs_merges_and_versions_never_become_its_model(tmp_path, baselines):
+    """The same replay in decoupled mode: X's versions, merge records, contributions, inner states and
+    final.json planted in Y before it starts. Y ends bitwise on its uninterrupted model (or fails cleanly):
+    X's final.json does not finish it, X's merges do not decide its chain, X's contributions are not merged."""
+    _replay(tmp_path, DECOUPLED_REPLAY_SPEC, baselines.of(DECOUPLED_REPLAY_SPEC).get(tmp_path),
+            EVERY_DECOUPLED_OBJECT)
+
+
+def _replay(tmp_path: Path, spec: str, expected: Weights, planted: Sequence[str]) -> None:
+    """Launch twin X (``spec`` with seed 1) to completion, copy the folders ``planted`` of X's run into
+    Y's, launch Y (``spec``) and check: Y completed on ``expected`` (its uninterrupted model), or failed and
+    says so without exporting X's model. Prints the outcome (``-rP`` shows it: the counts in security.md)."""
+    keyed = one_thread({**os.environ, env.RUN_KEY: RUN_KEY, env.KEYS: str(tmp_path / "keys")})  # as the baseline
     keyed.pop(env.UNSIGNED, None)
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
     store_x, store_y = f"file://{tmp_path}/x/store", f"file://{tmp_path}/y/store"
-    res = launch_run(tmp_path / "x", store_x, RUN_ID, "seed = 1\n" + RESUME_SPEC, env=keyed)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = launch_run(tmp_path / "x", store_x, RUN_ID, "seed = 1\n" + spec, env=keyed)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     with _keyed(keyed):
         twin = export_weights(tmp_path / "x", f"{store_x}/{RUN_ID}", "model")
     assert not same_weights(twin, expected)  # else the test could not tell the two models apart
-    for prefix in (layout.round_prefix(2), layout.round_prefix(3), layout.checkpoint_prefix(2),
-                   layout.checkpoint_prefix(3)):
-        shutil.copytree(tmp_path / "x" / "store" / RUN_ID / prefix, tmp_path / "y" / "store" / RUN_ID / prefix)
-    res = launch_run(tmp_path / "y", store_y, RUN_ID, env=keyed)
-    st = json.loads(cli("status", f"{store_y}/{RUN_ID}", "--json", cwd=tmp_path / "y", env=keyed).stdout)
-    print(f"run Y: launch exit {res.returncode}, state {st['state']}")  # the security counts (-rP shows it)
+    run_x, run_y = tmp_path / "x" / "store" / RUN_ID, tmp_path / "y" / "store" / RUN_ID
+    copied = 0
+    for prefix in planted:
+        if (run_x / prefix).exists():  # a round whose records the run's cleanup removed has nothing to copy
+            shutil.copytree(run_x / prefix, run_y / prefix)
+            copied += sum(1 for f in (run_y / prefix).rglob("*") if f.is_file())
+    assert copied, f"run X left nothing under {planted} to plant"
+    res = launch_run(tmp_path / "y", store_y, RUN_ID, spec, env=keyed)
+    with _keyed(keyed):  # what `status --json` prints, in-process (a CLI process costs ~3.5 s of imports)
+        st = cc.get_status(f"{store_y}/{RUN_ID}").to_json()
+    print(f"run Y: {copied} objects of X planted; launch exit {res.returncode}, state {st['state']}")
     if res.returncode == 0:  # completed: on its own model
         assert st["state"] == "completed", st
         with _keyed(keyed):
             got = export_weights(tmp_path / "y", f"{store_y}/{RUN_ID}", "model")
-        assert same_weights(got, expected), "the planted rounds changed run Y's model"
+        assert same_weights(got, expected), "the planted objects changed run Y's model"
     else:  # failed cleanly: says so, and exports nothing of X's
         assert st["state"] == "failed", (st, res.stdout[-2000:], res.stderr[-2000:])
+        assert st["problems"] or any(r["message"] for r in st["replicas"]), st  # a named reason
         with _keyed(keyed):
             try:
                 got = export_weights(tmp_path / "y", f"{store_y}/{RUN_ID}", "model")

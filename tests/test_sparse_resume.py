@@ -15,10 +15,9 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from support.cli import cli
 from support.resume import export_weights, kill_run_at, launch_run, same_weights
-from support.specs import RESUME_SPEC, SMALL_RUN_TOML, with_sync
+from support.specs import SMALL_RUN_TOML, SPARSE_SPEC
 from support.stores import store_uri_for
 
-SPARSE_SPEC = with_sync(RESUME_SPEC, codec="sparse") + "[sync.sparse]\ndensity = 0.0625\nchunk = 1024\n"
 #: The two-level exchange forced on two replicas (one group of 2: re-sparsified sum, residual fed back).
 TWO_LEVEL_SPEC = SPARSE_SPEC + "exchange = \"two_level\"\ngroup_size = 2\n"
 
@@ -31,12 +30,13 @@ def _uninterrupted(tmp_path, spec: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sparse_baseline(tmp_path_factory) -> dict:
+def sparse_baseline(tmp_path_factory, baselines) -> dict:
     """The uninterrupted sparse run's exported weights: what every kill-and-resume below must end on.
 
-    One baseline on file:// serves the S3 case too: a run's model does not depend on its store.
+    One baseline on file:// serves the S3 case too: a run's model does not depend on its store. It is the
+    session's (test_signature_binding.py's sparse replay compares against the same run).
     """
-    return _uninterrupted(tmp_path_factory.mktemp("sparse-baseline"), SPARSE_SPEC)
+    return baselines.of(SPARSE_SPEC).get(tmp_path_factory.mktemp("sparse-baseline"))
 
 
 def _resume_matches(expected: dict, kind: str, phase: str, tmp_path, spec: str = SPARSE_SPEC) -> None:

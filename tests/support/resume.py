@@ -1,8 +1,9 @@
 """Bitwise-resume helpers: export a run's weights, compare them, and the shared uninterrupted baselines.
 
 The baseline is the exported model of an uninterrupted run of :data:`~support.specs.RESUME_SPEC`
-on a ``file://`` store. Every module that compares against it (resume, failover, store faults, on
-file://, moto and SeaweedFS) shares it: a run's model does not depend on its store, so a resumed S3
+(or of another spec: ``baselines.of(spec)``) on a ``file://`` store. Every module that compares against
+it (resume, failover, store faults, on file://, moto and SeaweedFS; the sparse kill matrix and the
+twin-run replays) shares it: a run's model does not depend on its store, so a resumed S3
 run that ends on the file:// run's weights also shows that. The ``baselines`` fixture builds it once
 per test session, in a cache directory that pytest-xdist's workers share (the first worker to need
 it builds it under a file lock; the others wait and read it).
@@ -38,6 +39,18 @@ def launch_run(cwd: Path, store: str, run_id: str, spec: str = RESUME_SPEC, *, e
     cfg.write_text(spec)
     return cli("launch", "--config", str(cfg), "--store", store, "--run-id", run_id, cwd=cwd, env=env,
                timeout=timeout)
+
+
+def one_thread(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) with one torch thread per replica.
+
+    What the local executor gives each replica of a 2-replica run on 2 cores anyway; a 1-replica run would get
+    every core, which on a loaded machine makes each step ~40x slower (threads wait on each other), and
+    would make its model depend on the machine's core count (float reductions in another order).
+    """
+    from composer_cloud import env
+
+    return {**(os.environ if environ is None else environ), env.THREADS: "1"}
 
 
 def export_weights(cwd: Path, run_uri: str, name: str) -> Weights:
@@ -96,19 +109,29 @@ def check_resume_after_sigkill(kind: str, phase: str, tmp_path: Path, baselines:
 
 
 class Baselines:
-    """The exported weights of an uninterrupted :data:`RESUME_SPEC` run on ``file://``, built once per session.
+    """The exported weights of an uninterrupted run of one spec on ``file://``, built once per session.
 
     Args:
         cache: a directory every xdist worker of the session sees.
+        spec: the run's spec (TOML); :data:`RESUME_SPEC` unless another mode's baseline is asked for
+            (:meth:`of`). A run's model depends on its spec only (not on its run id, store or signing).
     """
 
-    def __init__(self, cache: Path) -> None:
+    def __init__(self, cache: Path, spec: str = RESUME_SPEC) -> None:
         self.cache = cache
+        self.spec = spec
         self._loaded: Weights | None = None
+        self._others: dict[str, Baselines] = {}
+
+    def of(self, spec: str) -> "Baselines":
+        """The baseline of ``spec``, in the same shared cache (e.g. a sparse or decoupled run's)."""
+        if spec == self.spec:
+            return self
+        return self._others.setdefault(spec, Baselines(self.cache, spec))
 
     @property
     def path(self) -> Path:
-        key = hashlib.sha256(RESUME_SPEC.encode()).hexdigest()[:12]
+        key = hashlib.sha256(self.spec.encode()).hexdigest()[:12]
         return self.cache / f"file-{key}.safetensors"
 
     def get(self, tmp_path: Path) -> Weights:
@@ -122,12 +145,11 @@ class Baselines:
             self._loaded = load_file(path)
         return self._loaded
 
-    @staticmethod
-    def _build(tmp_path: Path, path: Path) -> None:
-        work = tmp_path / "baseline"
+    def _build(self, tmp_path: Path, path: Path) -> None:
+        work = tmp_path / f"baseline-{path.stem}"
         work.mkdir()
         store = store_uri_for("file", work)
-        res = launch_run(work, store, "baseline")
+        res = launch_run(work, store, "baseline", self.spec, env=one_thread())
         assert res.returncode == 0, res.stdout + res.stderr
         export_weights(work, f"{store}/baseline", "model")
         tmp = path.with_suffix(f".tmp{os.getpid()}")

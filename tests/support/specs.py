@@ -49,6 +49,11 @@ def _toml(value: object) -> str:
     return str(value)
 
 
+#: :data:`RESUME_SPEC` with the sparse codec (test_sparse_resume.py's kill matrix, test_signature_binding.py's
+#: sparse replay: one uninterrupted baseline serves both, ``baselines.of(SPARSE_SPEC)``).
+SPARSE_SPEC = with_sync(RESUME_SPEC, codec="sparse") + "[sync.sparse]\ndensity = 0.0625\nchunk = 1024\n"
+
+
 #: The multi-GPU runs (tests/test_multi_gpu_e2e.py, benchmarks/multi_gpu.py): 2 replicas, 3 lock-step rounds of
 #: 2 inner steps, every checkpoint kept, ``gpus_per_replica = {n}`` and ``{extra}`` top-level settings.
 MULTI_GPU_SPEC = """
