@@ -19,6 +19,11 @@ if not os.environ.get("COMPOSER_CLOUD_KEYS"):
 
     os.environ["COMPOSER_CLOUD_KEYS"] = tempfile.mkdtemp(prefix="cc-run-keys-")
 
+# One torch thread per replica process: the local executor would give a 1-replica run every core, and with
+# four xdist workers on two cores that oversubscribes the machine (a step of the demo model ~40x slower when
+# loaded; support.resume.one_thread says more). The local executor only sets the variable where it is unset.
+os.environ.setdefault("COMPOSER_CLOUD_THREADS", "1")
+
 # Fixtures shared by several modules (their helpers are in tests/support/, see its docstring).
 from support.hf_jobs import hf_env, hf_server, job_constraints, job_python, wheel  # noqa: E402,F401
 from support.resume import baselines  # noqa: E402,F401
