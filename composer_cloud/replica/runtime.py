@@ -117,6 +117,8 @@ class Replica:
             device=device, settings=spec.trainer.settings(),
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json"), local_rank=self.local.index,
             local_world=self.local.count, parallelism=spec.parallelism))
+        if spec.rollouts.workers:
+            attach_rollout_workers(trainer, self.opened, self.rank)
         return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
                               hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 
@@ -152,6 +154,28 @@ class Replica:
 def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
     """The run's ``gpus_per_replica``: how many local ranks the replica's entry point starts."""
     return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
+
+
+def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> None:
+    """``[rollouts] workers > 0``: the trainer takes its completions from the rollout workers through the store
+    (:class:`~composer_cloud.rollouts.source.StoreCompletionSource`) instead of sampling them itself."""
+    from composer_cloud.rollouts.source import StoreCompletionSource
+
+    settings = run.spec.rollouts
+    attach = getattr(trainer, "set_completion_source", None)
+    if attach is None:
+        raise ValueError(f"rollouts.workers = {settings.workers}, but trainer {run.spec.trainer.name!r} cannot take "
+                         "completions from rollout workers (it has no set_completion_source); set rollouts.workers = 0")
+    source = StoreCompletionSource(run.store, replica=rank, max_staleness=settings.max_staleness,
+                                   deadline_s=settings.deadline_s, on_deadline=settings.on_deadline)
+    attach(source, max_staleness=settings.max_staleness)
+    logger.info("replica %d: completions from %d rollout worker(s) (max_staleness %d, deadline %gs, then %s)", rank,
+                settings.workers, settings.max_staleness, settings.deadline_s, settings.on_deadline)
+
+
+def worker_rank(run_uri: str, rank: int, *, job_env: JobEnv) -> bool:
+    """Whether job rank ``rank`` of the run is a rollout worker's (``replicas <= rank < replicas + workers``)."""
+    return rank in open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.worker_ranks
 
 
 def report_local_failure(run_uri: str, rank: int, *, job_env: JobEnv, error: str) -> None:
@@ -204,11 +228,15 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
     steps = 0
     segment = Segment()
     take_samples = getattr(trainer, "take_samples", None)
+    # With a completion source (rollout workers), each step's batch is named by (round, rank, run step).
+    set_position = getattr(trainer, "set_rollout_position", None) if spec.rollouts.workers else None
     with boundary.session():
         while boundary.running(segment):
             if steps % h == h // 2:
                 hooks.at("inner_step", boundary.position, rank)
             position = boundary.position  # the round this step belongs to (a sync inside it may end the round)
+            if set_position is not None:  # the run's 1-based inner step, as the step's metrics row numbers it
+                set_position(position, position * h + steps % h + 1)
             t0 = time.monotonic()
             out = trainer.step()
             dt = time.monotonic() - t0
@@ -230,4 +258,5 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
     return steps
 
 
-__all__ = ["QuietTelemetry", "Replica", "local_ranks_of", "report_local_failure"]
+__all__ = ["QuietTelemetry", "Replica", "attach_rollout_workers", "local_ranks_of", "report_local_failure",
+           "worker_rank"]

@@ -37,6 +37,8 @@ object: the bucket is not trusted, so callers skip it).
     decoupled/merge/<v>.json                            write-once merge record of version v
     decoupled/replica/<rank>/<seq>.safetensors (+ .json)  replica inner state (decoupled), then its marker
     decoupled/final.json                                write-once: the final version
+    rollouts/requests/<r>/<replica>/<step>.json         write-once: a trainer's rollout request (prompt token ids)
+    rollouts/batches/<r>/<replica>/<step>.json          write-once: the rollout batch that step consumes
 
 Outside a run, at a store's root: :data:`PROBE_PREFIX` (the conformance probe's scratch space).
 """
@@ -390,6 +392,44 @@ def decoupled_replica_prefix(rank: int) -> str:
 
 def decoupled_replica_key(rank: int, seq: int, ext: str) -> str:
     return f"{DECOUPLED_REPLICAS}/{rank}/{num(seq)}.{ext}"
+
+
+# --------------------------------------------------------------------------- rollouts (rollout workers, issue 36)
+ROLLOUTS = "rollouts"
+ROLLOUT_REQUESTS = f"{ROLLOUTS}/requests"
+ROLLOUT_BATCHES = f"{ROLLOUTS}/batches"
+_ROLLOUT_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})\.json")
+
+
+def _rollout_key(base: str, round: int, replica: int, step: int) -> str:
+    return f"{base}/{num(round)}/{replica}/{num(step)}.json"
+
+
+def rollout_request_key(round: int, replica: int, step: int) -> str:
+    """Replica ``replica``'s write-once rollout request for inner step ``step`` of round ``round``."""
+    return _rollout_key(ROLLOUT_REQUESTS, round, replica, step)
+
+
+def rollout_batch_key(round: int, replica: int, step: int) -> str:
+    """The write-once rollout batch that step ``step`` of round ``round`` on replica ``replica`` consumes."""
+    return _rollout_key(ROLLOUT_BATCHES, round, replica, step)
+
+
+def rollout_round_prefix(round: int, *, batches: bool = False) -> str:
+    """``rollouts/requests/<r>`` (or ``rollouts/batches/<r>``): every request (batch) of round ``round``."""
+    return f"{ROLLOUT_BATCHES if batches else ROLLOUT_REQUESTS}/{num(round)}"
+
+
+def parse_rollout_key(key: str) -> tuple[int, int, int] | None:
+    """``(round, replica, step)`` of a rollout request or batch key, else None (a stray object)."""
+    parts = key.split("/")
+    if len(parts) != 5 or f"{parts[0]}/{parts[1]}" not in (ROLLOUT_REQUESTS, ROLLOUT_BATCHES):
+        return None
+    round, replica = parse_num(parts[2]), parse_small_int(parts[3])
+    m = _ROLLOUT_NAME.fullmatch(parts[4])
+    if round is None or replica is None or m is None:
+        return None
+    return round, replica, int(m.group(1))
 
 
 def parse_num_json(name: str) -> int | None:

@@ -1,0 +1,108 @@
+"""``StoreCompletionSource``: the trainer's :class:`~composer_cloud.trainer.three_channel.sourced.CompletionSource`
+backed by the run's store and its rollout workers (protocol: :mod:`composer_cloud.rollouts.batches`).
+
+For each generation the trainer asks for, it creates the request at the step's position, then waits for the
+batch there until ``[rollouts] deadline_s`` (``on_deadline = "wait"``: with no deadline) and returns it, or
+``None`` (the trainer then samples itself and hands its completions to :meth:`record_fallback`, which creates
+them at the same key: the first batch created there is the one a resumed run reads).
+
+In a signed run an object at the batch's key that does not verify (forged, unsigned, another run's) is deleted
+and counted, so a worker (or the trainer's fallback) can create the real one; nothing unverified is ever
+returned. Staleness is judged by the trainer (:class:`~composer_cloud.trainer.three_channel.sourced.SourcedRollouts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Literal
+
+from composer_cloud.rollouts.batches import Position, RolloutBatches, SourceCounters, batch_from_samples, wait_for_batch
+from composer_cloud.storage.records.rollouts import RolloutBatch
+from composer_cloud.storage.store import Store
+from composer_cloud.trainer.three_channel.sourced import RolloutKey, SourcedCompletions
+
+logger = logging.getLogger(__name__)
+
+
+def as_completions(batch: RolloutBatch, prompt_ids: list[list[int]]) -> SourcedCompletions:
+    """A verified batch record as the trainer's :class:`SourcedCompletions` (rewards only when every row has one)."""
+    rewards = batch.rewards if all(r is not None for r in batch.rewards) else None
+    return SourcedCompletions(completion_ids=batch.completion_ids, logprobs=batch.sampler_logps,
+                              policy_version=batch.policy_version, rewards=rewards,  # type: ignore[arg-type]
+                              prompt_ids=prompt_ids, fallback=batch.fallback)
+
+
+class StoreCompletionSource:
+    """Rollout batches of replica ``replica`` through ``store`` (``[rollouts]``: ``max_staleness``, ``deadline_s``,
+    ``on_deadline``). :attr:`counters` says what it read, refused and waited (seconds)."""
+
+    def __init__(self, store: Store, *, replica: int, max_staleness: int, deadline_s: float,
+                 on_deadline: Literal["generate", "wait"] = "generate", poll_s: float = 0.05) -> None:
+        if deadline_s <= 0 or not math.isfinite(deadline_s):
+            raise ValueError(f"rollouts.deadline_s must be a finite number of seconds > 0, got {deadline_s!r}")
+        self.store = store
+        self.replica = replica
+        self.batches = RolloutBatches(store, max_staleness=max_staleness)
+        self.deadline_s = float(deadline_s)
+        self.on_deadline = on_deadline
+        self.poll_s = poll_s
+        self.counters = SourceCounters()
+        self._requests: dict[Position, object] = {}
+
+    def _position(self, key: RolloutKey) -> Position:
+        if key.replica != self.replica:
+            raise ValueError(f"rollout key {key} is replica {key.replica}'s; this source serves replica {self.replica}")
+        return Position(key.round, key.replica, key.step)
+
+    def _replace(self, batch_key: str) -> None:
+        """A batch that does not verify in a signed run was written by no job of the run: delete it."""
+        if self.store.signed:
+            self.store.delete(batch_key)
+
+    def completions(self, key: RolloutKey, prompt_ids: list[list[int]], *,
+                    policy_version: int) -> SourcedCompletions | None:
+        """Request ``key``'s batch and wait for it (see the module); ``None`` once the deadline passed."""
+        pos = self._position(key)
+        prompts = [[int(t) for t in row] for row in prompt_ids]
+        request = self.batches.request(pos, prompts)
+        self._requests[pos] = request
+        start = time.monotonic()
+        deadline = None if self.on_deadline == "wait" else start + self.deadline_s
+        batch = wait_for_batch(self.batches, pos, request, deadline=deadline, counters=self.counters,
+                               poll_s=self.poll_s, replace=self._replace)
+        self.counters.waited_s += time.monotonic() - start
+        if batch is None:
+            self.counters.timed_out += 1
+            logger.info("rollouts %s: no batch within rollouts.deadline_s = %gs", pos.batch_key, self.deadline_s)
+            return None
+        if batch.fallback:
+            self.counters.fallbacks_read += 1
+        else:
+            self.counters.from_workers += 1
+        return as_completions(batch, prompts)
+
+    def record_fallback(self, key: RolloutKey, completions: SourcedCompletions) -> SourcedCompletions | None:
+        """Create the trainer's own batch at ``key`` (write-once). Returns the batch in force there when another
+        writer's came first (a worker's, late), else None: the trainer should train on what this returns when it
+        is not None, so that a resumed run, which reads the key, trains on the same batch."""
+        pos = self._position(key)
+        request = self._requests.get(pos) or self.batches.read_request(pos)
+        if request is None:  # a fallback without a request (the source was not asked): ask now, then record
+            request = self.batches.request(pos, [list(p) for p in (completions.prompt_ids or [])])
+        batch = batch_from_samples(pos, request, completion_ids=[list(c) for c in completions.completion_ids],
+                                   sampler_logps=None if completions.logprobs is None else
+                                   [list(r) for r in completions.logprobs], sampler=f"trainer:{self.replica}",
+                                   seconds=0.0, policy_version=completions.policy_version, fallback=True)
+        if self.batches.publish(batch):
+            return None
+        stored = self.batches.read_batch(pos)
+        if stored is None or self.batches.refusal(stored, request) is not None:  # type: ignore[arg-type]
+            return None
+        logger.info("rollouts %s: a batch was created before this trainer's fallback; it is the step's batch",
+                    pos.batch_key)
+        return as_completions(stored, request.prompt_ids)  # type: ignore[union-attr]
+
+
+__all__ = ["StoreCompletionSource", "as_completions"]
