@@ -191,18 +191,19 @@ def wait_for_batch(batches: RolloutBatches, pos: Position, request: RolloutReque
     None: no deadline) passes (None).
 
     A batch that does not verify or parse (forged, unsigned, damaged), or verifies but cannot answer the request
-    (:meth:`RolloutBatches.refusal`), is counted once in ``counters.refused_bad``; then ``replace(key)`` is called
-    (the caller decides: in a signed run an object that does not verify is deleted, so a good batch can be
-    created) and the wait goes on.
+    (:meth:`RolloutBatches.refusal`), is counted once in ``counters.refused_bad`` and the wait goes on; for one that
+    does not verify or parse ``replace(key)`` is called first (the caller decides: in a signed run it is deleted,
+    so a good batch can be created). A verified batch is never replaced: a job of the run wrote it.
     """
     seen: set[str] = set()
     delay = poll_s
     while True:
+        unverified = False
         try:
             batch = batches.read_batch(pos)
             reason = None if batch is None else batches.refusal(batch, request)
         except BadObject as exc:
-            batch, reason = None, f"it does not verify or parse ({exc.reason})"
+            batch, reason, unverified = None, f"it does not verify or parse ({exc.reason})", True
         if batch is not None and reason is None:
             return batch
         if reason is not None:
@@ -210,7 +211,7 @@ def wait_for_batch(batches: RolloutBatches, pos: Position, request: RolloutReque
                 seen.add(reason)
                 counters.refused_bad += 1
                 logger.warning("refusing the rollout batch at %s: %s", pos.batch_key, reason)
-            if replace is not None:
+            if unverified and replace is not None:
                 replace(pos.batch_key)
         if deadline is not None and time.monotonic() >= deadline:
             return None
@@ -238,5 +239,16 @@ def batch_from_samples(pos: Position, request: RolloutRequest, *, completion_ids
                         sampler=sampler, seconds=float(seconds), time=time.time(), fallback=fallback)
 
 
-__all__ = ["Position", "RolloutBatches", "SourceCounters", "batch_from_samples",
+def discard_rollouts_after(store: Store, round: int) -> int:
+    """Delete the requests and batches of rounds after ``round`` (a resume that changes the replica count: the
+    prompts of those positions change with it). Returns how many rounds were discarded."""
+    rounds = {r for prefix in (layout.ROLLOUT_REQUESTS, layout.ROLLOUT_BATCHES)
+              for name in store.list_dirs(prefix) if (r := layout.parse_num(name)) is not None and r > round}
+    for r in sorted(rounds):
+        store.delete(layout.rollout_round_prefix(r), recursive=True)
+        store.delete(layout.rollout_round_prefix(r, batches=True), recursive=True)
+    return len(rounds)
+
+
+__all__ = ["Position", "RolloutBatches", "SourceCounters", "batch_from_samples", "discard_rollouts_after",
            "policy_version_for", "sampling_seed", "wait_for_batch", "worker_of"]

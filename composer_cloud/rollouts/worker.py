@@ -12,8 +12,8 @@ Answering a request: load its policy version exactly (:class:`~composer_cloud.ro
 not there yet: try again next time), sample with the position's seed
 (:func:`~composer_cloud.rollouts.batches.sampling_seed`, :class:`~composer_cloud.rollouts.sampler.BatchSampler`),
 and create the batch write-once. Two workers racing for one position sample the same bytes (same version, same
-seed), so it does not matter who wins. A request that does not verify or parse is skipped (and logged once); a
-signed run's trainer replaces a forged one when it asks.
+seed), so it does not matter who wins. A request that does not verify or parse is skipped (logged once, read
+again at the next poll: a signed run's trainer replaces a forged one when it asks).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class RolloutWorker:
         self.stats = WorkerStats()
         self._clock = clock
         self._first_seen: dict[Position, float] = {}
-        self._bad: set[Position] = set()
+        self._warned: set[Position] = set()
         self._polls = 0
         self._from_round = 0
 
@@ -112,7 +112,7 @@ class RolloutWorker:
             self._first_seen.setdefault(pos, now)
         served = 0
         for pos in open_:
-            if pos in self._bad or not self._mine(pos, now):
+            if not self._mine(pos, now):
                 continue
             served += self._serve(pos)
         return served
@@ -120,9 +120,10 @@ class RolloutWorker:
     def _serve(self, pos: Position) -> int:
         try:
             request = self.batches.read_request(pos)
-        except BadObject as exc:
-            self._bad.add(pos)
-            logger.warning("rollouts: skipping the request at %s: %s", pos.request_key, exc.reason)
+        except BadObject as exc:  # read again next poll: a signed run's trainer replaces a forged request
+            if pos not in self._warned:
+                self._warned.add(pos)
+                logger.warning("rollouts: skipping the request at %s: %s", pos.request_key, exc.reason)
             return 0
         if request is None:
             return 0

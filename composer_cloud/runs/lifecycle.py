@@ -35,6 +35,7 @@ from composer_cloud.errors import (
     StoreError,
 )
 from composer_cloud.jobs import JobHandle, LaunchPlan, assign_jobs, get_executor, trusted_handles
+from composer_cloud.rollouts.batches import discard_rollouts_after
 from composer_cloud.runs import signing, sync_state
 from composer_cloud.runs.interrupts import LaunchInterrupted, sigint_after
 from composer_cloud.runs.preflight import (
@@ -518,6 +519,8 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
         latest = sync_state.latest_checkpoint(store, spec)  # after the cancel: nothing writes checkpoints any more
     from_round = latest.round if latest else -1
     sync_state.discard_after(store, from_round)
+    if "replicas" in changes:  # each replica's prompts change with the replica count: so do later rollouts
+        discard_rollouts_after(store, from_round)
     store.delete(layout.CANCEL)
     store.delete(layout.HANDLES, recursive=True)
     store.delete(layout.HEARTBEATS, recursive=True)
