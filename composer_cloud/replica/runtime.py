@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,7 +119,7 @@ class Replica:
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json"), local_rank=self.local.index,
             local_world=self.local.count, parallelism=spec.parallelism))
         if spec.rollouts.workers:
-            attach_rollout_workers(trainer, self.opened, self.rank)
+            self.rollout_source = attach_rollout_workers(trainer, self.opened, self.rank)
         return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
                               hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 
@@ -135,7 +136,9 @@ class Replica:
         self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
         logger.info("replica %d/%d (%s) on %s: %s, starting at round %d of %d", self.rank, spec.replicas,
                     spec.sync.mode, ctx.device, spec.model.name, boundary.position, spec.rounds)
-        steps = _inner_loop(ctx, boundary, round_fields=synced)
+        source = getattr(self, "rollout_source", None)
+        steps = _inner_loop(ctx, boundary, round_fields=synced,
+                            step_fields=source.take_metrics if source is not None else None)
         final = boundary.finish(steps)
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
@@ -156,9 +159,9 @@ def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
     return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
 
 
-def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> None:
+def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> Any:
     """``[rollouts] workers > 0``: the trainer takes its completions from the rollout workers through the store
-    (:class:`~composer_cloud.rollouts.source.StoreCompletionSource`) instead of sampling them itself."""
+    (:class:`~composer_cloud.rollouts.source.StoreCompletionSource`, returned) instead of sampling them itself."""
     from composer_cloud.rollouts.source import StoreCompletionSource
 
     settings = run.spec.rollouts
@@ -171,6 +174,7 @@ def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> None:
     attach(source, max_staleness=settings.max_staleness)
     logger.info("replica %d: completions from %d rollout worker(s) (max_staleness %d, deadline %gs, then %s)", rank,
                 settings.workers, settings.max_staleness, settings.deadline_s, settings.on_deadline)
+    return source
 
 
 def worker_rank(run_uri: str, rank: int, *, job_env: JobEnv) -> bool:
@@ -217,10 +221,12 @@ def sync_fields(model: torch.nn.Module) -> dict[str, Any]:
     return {"synced_params": fp.synced_params, "synced_fraction": fp.ratio}
 
 
-def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[str, Any] | None = None) -> int:
+def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[str, Any] | None = None,
+                step_fields: Callable[[], dict[str, float]] | None = None) -> int:
     """THE inner loop of both sync modes; returns the inner steps this process took.
 
-    ``round_fields`` are added to every round row.
+    ``round_fields`` are added to every round row; ``step_fields()`` (the rollout source's counters, with rollout
+    workers) to every step's row, after the step.
     """
     spec, trainer, hooks, rank = ctx.spec, ctx.trainer, ctx.hooks, ctx.rank
     h = spec.inner_steps
@@ -239,6 +245,8 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
                 set_position(position, position * h + steps % h + 1)
             t0 = time.monotonic()
             out = trainer.step()
+            if step_fields is not None:
+                out = {**out, **step_fields()}
             dt = time.monotonic() - t0
             sync_s = boundary.sync_s()
             dt += hooks.after_step(rank, dt - sync_s)  # simulated slow hardware counts as compute

@@ -13,13 +13,14 @@ returned. Staleness is judged by the trainer (:class:`~composer_cloud.trainer.th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from typing import Literal
 
 from composer_cloud.rollouts.batches import Position, RolloutBatches, SourceCounters, batch_from_samples, wait_for_batch
-from composer_cloud.storage.records.rollouts import RolloutBatch
+from composer_cloud.storage.records.rollouts import RolloutBatch, RolloutRequest
 from composer_cloud.storage.store import Store
 from composer_cloud.trainer.three_channel.sourced import RolloutKey, SourcedCompletions
 
@@ -49,7 +50,8 @@ class StoreCompletionSource:
         self.on_deadline = on_deadline
         self.poll_s = poll_s
         self.counters = SourceCounters()
-        self._requests: dict[Position, object] = {}
+        self._requests: dict[Position, RolloutRequest] = {}
+        self._reported = SourceCounters()
 
     def _position(self, key: RolloutKey) -> Position:
         if key.replica != self.replica:
@@ -83,6 +85,13 @@ class StoreCompletionSource:
             self.counters.from_workers += 1
         return as_completions(batch, prompts)
 
+    def take_metrics(self) -> dict[str, float]:
+        """The counters since the last call, as step metrics (``rollouts/from_workers``, ``rollouts/fallbacks_read``,
+        ``rollouts/refused_bad``, ``rollouts/timed_out``, ``rollouts/waited_s``: seconds this step waited)."""
+        now, last = self.counters.as_metrics(), self._reported.as_metrics()
+        self._reported = dataclasses.replace(self.counters)
+        return {k: now[k] - last[k] for k in now}
+
     def record_fallback(self, key: RolloutKey, completions: SourcedCompletions) -> SourcedCompletions | None:
         """Create the trainer's own batch at ``key`` (write-once). Returns the batch in force there when another
         writer's came first (a worker's, late), else None: the trainer should train on what this returns when it
@@ -98,11 +107,11 @@ class StoreCompletionSource:
         if self.batches.publish(batch):
             return None
         stored = self.batches.read_batch(pos)
-        if stored is None or self.batches.refusal(stored, request) is not None:  # type: ignore[arg-type]
+        if stored is None or self.batches.refusal(stored, request) is not None:
             return None
         logger.info("rollouts %s: a batch was created before this trainer's fallback; it is the step's batch",
                     pos.batch_key)
-        return as_completions(stored, request.prompt_ids)  # type: ignore[union-attr]
+        return as_completions(stored, request.prompt_ids)
 
 
 __all__ = ["StoreCompletionSource", "as_completions"]
