@@ -29,36 +29,19 @@ from support.cli import cli, start_cli
 from support.faults import stall_env, wait_for_marker, with_faults
 from support.local_jobs import handles, kill_replica, kill_run, replica_log
 from support.resume import export_weights, same_weights
-from support.specs import SMALL_RUN_TOML
+from support.specs import ROLLOUT_QA, rollout_spec
 
 pytestmark = pytest.mark.slow
 
 REPLICAS, WORKERS, ROUNDS, H = 2, 2, 3, 2
-QA = [{"question": f"What is {a} plus {b}?", "solution": str(a + b)} for a in range(6) for b in range(4)]
-#: Given on the command line, as the issue's scenario does: --replicas 2 --set rollouts.workers=2.
-SPEC = f"""
-min_replicas = 2
-rounds = {ROUNDS}
-inner_steps = {H}
-keep_checkpoints = 10
-{{top}}
-[sync]
-quorum_timeout_s = 60
-round_timeout_s = 120
-[rollouts]
-max_staleness = 1
-deadline_s = 120
-on_deadline = "wait"
-""" + SMALL_RUN_TOML.replace('name = "causal-lm"', (
-    'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
-    'max_completion_length = 4\neval_examples = 2')) + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n'
+#: Given on the command line, as the issue's scenario does.
 FLAGS = ("--replicas", str(REPLICAS), "--set", f"rollouts.workers={WORKERS}")
 
 
 def write_spec(cwd: Path, top: str = "") -> Path:
-    (cwd / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in QA))
+    (cwd / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROLLOUT_QA))
     path = cwd / "spec.toml"
-    path.write_text(SPEC.format(top=top))
+    path.write_text(rollout_spec(rounds=ROUNDS, inner_steps=H, top=top))
     return path
 
 
