@@ -233,3 +233,35 @@ def test_a_worker_serves_its_replicas_and_takes_over_others_after_half_the_deadl
 
     again = Fresh(model, tokenizer, settings).sample(PROMPTS, seed=sampling_seed(0, 0, 0, 1))
     assert served.completion_ids == again.completion_ids and served.sampler_logps == again.logps
+
+
+# ---------------------------------------------------------------------------------------------- the trainer's source
+def test_the_store_source_serves_a_workers_batch_and_keeps_a_fallback_for_the_resumed_run(tmp_path):
+    from composer_cloud.rollouts.source import StoreCompletionSource
+    from composer_cloud.trainer.three_channel.sourced import CompletionSource, RolloutKey, SourcedCompletions
+
+    store = Store(f"file://{tmp_path}/run", signing_key=KEY)
+    source = StoreCompletionSource(store, replica=0, max_staleness=1, deadline_s=0.2)
+    assert isinstance(source, CompletionSource)
+    batches = RolloutBatches(store, max_staleness=1)
+    served, missing = RolloutKey(2, 0, 5), RolloutKey(2, 0, 6)
+    pos = Position(2, 0, 5)
+    batches.publish(_batch(pos, batches.request(pos, PROMPTS)))  # a worker answered before the trainer asked
+    got = source.completions(served, PROMPTS, policy_version=2)
+    assert got.completion_ids == [[1, 2], [3], [4, 0], [2]] and got.policy_version == 1 and not got.fallback
+    assert got.prompt_ids == PROMPTS
+    assert source.completions(missing, PROMPTS, policy_version=2) is None  # nobody answers: the deadline
+    assert source.take_metrics()["rollouts/timed_out"] == 1.0 and source.take_metrics()["rollouts/timed_out"] == 0
+    own = SourcedCompletions(completion_ids=[[9], [9, 9], [9], [9]], logprobs=None, policy_version=2,
+                             prompt_ids=PROMPTS, fallback=True)
+    assert source.record_fallback(missing, own) is None  # created: the trainer's batch is the step's batch
+    again = StoreCompletionSource(store, replica=0, max_staleness=1, deadline_s=0.2)  # a resumed replica
+    back = again.completions(missing, PROMPTS, policy_version=2)
+    assert back.fallback and back.completion_ids == [[9], [9, 9], [9], [9]] and back.logprobs is None
+    # A worker's batch that came first wins over a late fallback: the trainer is told which one it is.
+    late = SourcedCompletions(completion_ids=[[8]] * 4, logprobs=None, policy_version=2, prompt_ids=PROMPTS,
+                              fallback=True)
+    stored = again.record_fallback(served, late)
+    assert stored is not None and stored.completion_ids == got.completion_ids
+    with pytest.raises(ValueError, match="replica 1's"):
+        source.completions(RolloutKey(2, 1, 5), PROMPTS, policy_version=2)
