@@ -73,6 +73,8 @@ class Replica:
         check_local_ranks(spec)
         self.rank = rank
         self.local = local
+        #: With ``[rollouts] workers``: the trainer's completion source (its counters go into the step rows).
+        self.rollout_source: Any = None
         self.job_env = job_env
         self.hooks = hooks
         # Local rank 0 reports for the replica (heartbeats, metrics); the other ranks of a multi-GPU replica
@@ -136,7 +138,7 @@ class Replica:
         self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
         logger.info("replica %d/%d (%s) on %s: %s, starting at round %d of %d", self.rank, spec.replicas,
                     spec.sync.mode, ctx.device, spec.model.name, boundary.position, spec.rounds)
-        source = getattr(self, "rollout_source", None)
+        source = self.rollout_source
         steps = _inner_loop(ctx, boundary, round_fields=synced,
                             step_fields=source.take_metrics if source is not None else None)
         final = boundary.finish(steps)
