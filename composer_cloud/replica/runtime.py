@@ -39,7 +39,7 @@ from composer_cloud.replica.boundary import Boundary, ReplicaContext, Segment
 from composer_cloud.replica.decoupled import DecoupledBoundary
 from composer_cloud.replica.launch import LocalRanks, init_local_group
 from composer_cloud.replica.lockstep import LockstepBoundary
-from composer_cloud.replica.telemetry import Telemetry
+from composer_cloud.replica.telemetry import Telemetry, run_step_number
 from composer_cloud.replica.usercode import install_code, localize_spec
 from composer_cloud.spec_sync import SyncSpec
 from composer_cloud.stack import check_packages, runtime_versions
@@ -236,15 +236,15 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *, round_fields: dict[s
     steps = 0
     segment = Segment()
     take_samples = getattr(trainer, "take_samples", None)
-    # With a completion source (rollout workers), each step's batch is named by (round, rank, run step).
-    set_position = getattr(trainer, "set_rollout_position", None) if spec.rollouts.workers else None
+    # Which rollout batch the step consumes when the trainer takes completions from workers: (round, run step).
+    set_position = getattr(trainer, "set_rollout_position", None)
     with boundary.session():
         while boundary.running(segment):
             if steps % h == h // 2:
                 hooks.at("inner_step", boundary.position, rank)
             position = boundary.position  # the round this step belongs to (a sync inside it may end the round)
-            if set_position is not None:  # the run's 1-based inner step, as the step's metrics row numbers it
-                set_position(position, position * h + steps % h + 1)
+            if set_position is not None:
+                set_position(position, run_step_number(position, steps + 1, h))
             t0 = time.monotonic()
             out = trainer.step()
             if step_fields is not None:

@@ -54,6 +54,12 @@ def launch_number(store: Store) -> int:
     return sum(1 for k in store.list(layout.RESUMES) if layout.parse_resume_key(k) is not None)
 
 
+def run_step_number(round: int, step: int, inner_steps: int) -> int:
+    """The run's 1-based inner step of this process's ``step``-th step (from 1) in ``round``: the ``step`` of its
+    metrics row, which a resumed run continues."""
+    return round * inner_steps + (step - 1) % inner_steps + 1
+
+
 # ---------------------------------------------------------------- writing
 class MetricsLog:
     """One replica process's metrics: buffers a round's step rows, writes one object per round.
@@ -196,7 +202,7 @@ class Telemetry:
         process's steps from 1.
         """
         h = self.inner_steps
-        run_step = round * h + (step - 1) % h + 1  # 1-based inner step of the run (resumes continue it)
+        run_step = run_step_number(round, step, h)  # 1-based inner step of the run (resumes continue it)
         self.metrics.step({"step": run_step, "round": round, "time_s": dt, **out})
         logger.info("round %d/%d step %d/%d loss %.4f%s %.3fs", round + 1, self.rounds, run_step, self.rounds * h,
                     out.get("loss", float("nan")), f" reward {out['reward_mean']:.3f}" if "reward_mean" in out else "",
@@ -231,4 +237,4 @@ class Telemetry:
         return key
 
 
-__all__ = ["MetricsLog", "Progress", "Telemetry", "encode_rows", "launch_number"]
+__all__ = ["MetricsLog", "Progress", "Telemetry", "encode_rows", "launch_number", "run_step_number"]

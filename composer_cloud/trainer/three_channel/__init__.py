@@ -9,6 +9,8 @@ One module per concern:
 * :mod:`.grpo`: :class:`ThreeChannelGRPOTrainer`, the ``GRPOTrainer`` subclass;
 * :mod:`.state`: :class:`PromptStream`, the RNG streams and the pickle-free
   ``(tensors, JSON)`` state helpers;
+* :mod:`.sourced`: completions from rollout workers (:class:`~.sourced.CompletionSource`, the key, the
+  staleness and fallback policy);
 * :mod:`.adapter`: :class:`ThreeChannelTrainer`, the runtime's ``InnerTrainer``,
   and :func:`build_three_channel_trainer`, its factory.
 

@@ -43,6 +43,7 @@ from composer_cloud.trainer.three_channel.tasks import (
 from composer_cloud.trainer.three_channel.grpo import ThreeChannelGRPOTrainer
 from composer_cloud.trainer.three_channel.loss import CLIP_METRICS
 from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
+from composer_cloud.trainer.three_channel.sourced import CompletionSource, RolloutKey, SourcedRollouts
 from composer_cloud.trainer.three_channel.state import (
     PromptStream,
     RNGState,
@@ -89,6 +90,9 @@ class ThreeChannelTrainer:
         device: torch.device | str = "cpu",
         grad_clip: float = 1.0,
         precision: str = "fp32",
+        completion_source: CompletionSource | None = None,
+        max_staleness: int = 0,
+        trust_source_rewards: bool = False,
     ) -> None:
         if precision not in ("fp32", "bf16"):
             raise ValueError(f'model.precision: {precision!r}; use "fp32" or "bf16"')
@@ -100,6 +104,8 @@ class ThreeChannelTrainer:
         self.grad_clip = float(grad_clip)
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
+        self.seed = seed
+        self._position: tuple[int, int] | None = None  # (round, step) of the next step, from set_rollout_position
         rank_seed = seed * 1_000_003 + rank
         self.stream = PromptStream(task.examples("train"), seed=seed, rank=rank, world_size=world_size)
         self.rng = RNGState(rank_seed, self.device)
@@ -159,6 +165,31 @@ class ThreeChannelTrainer:
             )
         self._generate_every = s.steps_per_generation * s.num_iterations
         self._batch: list[dict[str, Any]] = []
+        if completion_source is not None:
+            self.set_completion_source(completion_source, max_staleness=max_staleness,
+                                       trust_rewards=trust_source_rewards)
+
+    # ------------------------------------------------------------------ completions from rollout workers
+    def set_completion_source(self, source: CompletionSource | None, *, max_staleness: int = 0,
+                              trust_rewards: bool = False) -> None:
+        """Train on completions from ``source`` (rollout workers) instead of sampling; ``None``: sample here again.
+
+        ``max_staleness``: rounds a batch's policy may lag this replica's round; ``trust_rewards``: train on
+        the batch's rewards instead of scoring (off: see :attr:`.sourced.SourcedRollouts.trust_rewards`).
+        Each :meth:`step` then needs :meth:`set_rollout_position` first. Fallback generations are seeded from
+        the run seed and the step's key (:mod:`composer_cloud.trainer.three_channel.sourced`).
+        """
+        sourced = None if source is None else SourcedRollouts(source, max_staleness=max_staleness, seed=self.seed,
+                                                              trust_rewards=trust_rewards)
+        self.grpo.set_completion_source(sourced)
+
+    def set_rollout_position(self, round: int, step: int) -> None:
+        """Where the next :meth:`step` is: the replica's ``round`` and the run's inner ``step`` (its metrics row's).
+
+        With a completion source, that step's generation is :class:`~.sourced.RolloutKey`
+        ``(round, self.rank, step)``. Holds for the next :meth:`step` only.
+        """
+        self._position = (int(round), int(step))
 
     # ------------------------------------------------------------------ step
     def _generation_rows(self) -> list[dict[str, Any]]:
@@ -182,12 +213,18 @@ class ThreeChannelTrainer:
         g = self.grpo
         for values in g._metrics["train"].values():
             values.clear()
+        position, self._position = self._position, None
+        if position is not None and g.sourced is not None:  # the batch this step's generation consumes
+            g.rollout_key = RolloutKey(round=position[0], replica=self.rank, step=position[1])
         with self.rng.scope():
             self.model.train()
             g.state.global_step = self.steps
             loss = torch.zeros(())
-            for _ in range(self.settings.gradient_accumulation_steps):
-                loss = loss + g.training_step(self.model, self._generation_rows(), None).detach().cpu()
+            try:
+                for _ in range(self.settings.gradient_accumulation_steps):
+                    loss = loss + g.training_step(self.model, self._generation_rows(), None).detach().cpu()
+            finally:
+                g.rollout_key = None  # a step that did not generate leaves it: never for the next step
             params = [p for p in self.model.parameters() if p.requires_grad]
             if self.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
@@ -224,6 +261,8 @@ class ThreeChannelTrainer:
             if last(key) is not None:
                 out[key] = last(key)  # type: ignore[assignment]
         out.update({k: v for k, v in self._last_reward.items() if v is not None})
+        if self.grpo.sourced is not None:  # rollouts/used, stale, invalid, missing, fallback, staleness
+            out.update(self.grpo.sourced.take_metrics())
         out["step_time_s"] = seconds
         return out
 

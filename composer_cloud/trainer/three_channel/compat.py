@@ -57,6 +57,9 @@ EXPECTED_ATTRS: tuple[str, ...] = (
     "num_iterations",
     "aux_loss_enabled",
     "router_aux_loss_coef",
+    "use_vllm",  # raised for TRL's importance-sampling correction of sampler log-probs (grpo._sampler_correction)
+    "reward_funcs",
+    "max_completion_length",
 )
 # Module-level names of trl.trainer.grpo_trainer the subclass replaces while TRL's __init__ runs.
 EXPECTED_MODULE_NAMES: tuple[str, ...] = ("create_model_from_path",)

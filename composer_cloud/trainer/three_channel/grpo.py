@@ -41,6 +41,7 @@ from composer_cloud.trainer.three_channel.loss import (
 )
 from composer_cloud.trainer.three_channel.replay import ReplayBatch, ReplayBuffer
 from composer_cloud.trainer.three_channel.samples import pick_samples
+from composer_cloud.trainer.three_channel.sourced import RolloutKey, SourcedRollouts
 from composer_cloud.trainer.three_channel.tasks import HintSource, NoHints, apply_hint
 from composer_cloud.trainer.three_channel.compat import check_trainer_attributes
 from composer_cloud.trainer.three_channel.settings import (
@@ -126,6 +127,11 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
     since its last refresh (TRL's rule for vLLM) and by :meth:`refresh_rollout_copy`
     (parameters replaced outside the optimizer). Its sampling log-probs go through
     TRL's own importance-sampling correction, as vLLM's do.
+
+    Completions from rollout workers (:mod:`.sourced`): with :meth:`set_completion_source`, a training
+    generation asks the source for :attr:`rollout_key`'s batch and trains on its completion ids and
+    sampler log-probs as on the fast sampler's (TRL's correction, the same knobs); a stale, malformed or
+    missing batch makes it generate with the rollout mode above, from a generator seeded by the key.
     """
 
     def __init__(
@@ -157,12 +163,18 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
         with _reference_model(reference):
             super().__init__(model, reward_funcs, args, *more, **kwargs)
         check_trainer_attributes(self)
+        self._native_vllm = bool(self.use_vllm)  # TRL's engine samples (rollout = "vllm"): the flag stays raised
         if self._is_vlm:
             raise ValueError("three-channel trainer: vision-language models are not supported")
         #: The last generation's samples (``settings.log_samples`` at most), until :meth:`take_samples`.
         self.samples: list[dict[str, Any]] = []
         #: ``rollout = "hf-fast"``: the sampler over the bf16 inference copy (``None`` otherwise).
         self.fast_sampler: FastSampler | None = None
+        #: Completions from rollout workers (:meth:`set_completion_source`); ``None``: this trainer samples.
+        self.sourced: SourcedRollouts | None = None
+        #: The batch the next training generation consumes (taken by it): set before each step while a source is set.
+        self.rollout_key: RolloutKey | None = None
+        self._trusted_rewards: list[float] | None = None  # the batch's own rewards, for _calculate_rewards
         self._copy_step = -1  # state.global_step at the copy's last refresh; -1: refresh before the next generation
         if rollout_copy is not None:
             if self.tools or self.rollout_func is not None:
@@ -200,7 +212,12 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ data for channels 2 and 3
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        trusted, self._trusted_rewards = self._trusted_rewards, None
+        if trusted is not None:  # a sourced batch's rewards (SourcedRollouts.trust_rewards), the one function's
+            local = torch.tensor([float(r) for r in trusted], dtype=torch.float32, device=self.accelerator.device)
+            rewards_per_func = self.accelerator.gather(local[:, None])
+        else:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rewards_per_func = rewards_per_func  # (all processes' rows, n_funcs); read just below
         if self.model.training:
             self._keep_samples(prompts, completions)
@@ -256,33 +273,64 @@ class ThreeChannelGRPOTrainer(GRPOTrainer):
 
     @contextlib.contextmanager
     def _sampler_correction(self) -> Iterator[None]:
-        """With ``rollout = "hf-fast"``: TRL's vLLM importance-sampling correction, for the fast sampler's log-probs.
+        """TRL's vLLM importance-sampling correction for any generation that comes with sampler log-probs.
 
         TRL computes the old log-probs with the trainer's model, the ratio to the sampling
         log-probs, and its truncation or masking (``vllm_importance_sampling_*``) only under
         ``use_vllm``. Inside ``_generate_and_score_completions`` that flag gates nothing else for
-        this trainer (no ``rollout_func``, no tools: refused in ``__init__``; generation itself
-        is :meth:`_generate_single_turn`'s, which dispatches on the fast sampler first), so it is
-        raised for the call: the correction is TRL's code, not a copy of it.
+        this trainer (no ``rollout_func``, no tools: refused in ``__init__`` and by
+        :meth:`set_completion_source`; generation itself is :meth:`_generate_single_turn`'s), so
+        :meth:`_generate_single_turn` raises it when its completions carry log-probs (the fast
+        sampler's, a source's) and lowers it when they do not (``rollout = "hf"``), for the rest of the
+        call: the correction is TRL's code, not a copy of it. Restored here (raised only for ``"vllm"``).
         """
-        if self.fast_sampler is None:
-            yield
-            return
-        self.use_vllm = True
         try:
             yield
         finally:
-            self.use_vllm = False
+            self.use_vllm = self._native_vllm
 
     def _generate_single_turn(self, prompt_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.sourced is not None and self.model.training:
+            completion_ids, logprobs = self._sourced_generate(prompt_ids, *args, **kwargs)
+        else:
+            completion_ids, logprobs = self._own_generate(prompt_ids, *args, **kwargs)
+        if not self._native_vllm:  # see _sampler_correction
+            self.use_vllm = logprobs is not None
+        return completion_ids, logprobs
+
+    def _own_generate(self, prompt_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        """``(completion_ids, sampling log-probs or None)`` from this trainer's rollout mode."""
         if self.fast_sampler is not None:
             return self._fast_generate(prompt_ids)
         # model.generate under the configured autocast (bf16 precision samples in bf16, as
         # the loss computes); TRL runs it outside autocast. vLLM samples on its own.
-        if self.use_vllm:
+        if self._native_vllm:
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with self.accelerator.autocast():
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
+    def set_completion_source(self, sourced: SourcedRollouts | None) -> None:
+        """Take training completions from ``sourced`` (``None``: sample here again); see :mod:`.sourced`."""
+        if sourced is not None:
+            sourced.check_trainer(
+                gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+                steps_per_generation=self.args.steps_per_generation, num_iterations=self.num_iterations,
+                multi_turn=bool(self.tools) or self.rollout_func is not None, reward_functions=len(self.reward_funcs))
+        self.sourced = sourced
+
+    def _sourced_generate(self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+        """The source's batch for :attr:`rollout_key`, or this trainer's own generation, seeded by the key."""
+        assert self.sourced is not None
+        key, self.rollout_key = self.rollout_key, None  # one generation per key
+        if key is None:
+            raise RuntimeError("completion source: no rollout key for this generation; call "
+                               "ThreeChannelTrainer.set_rollout_position(round, step) before each step() (the "
+                               "replica's inner loop does)")
+        vocab = self.accelerator.unwrap_model(self.model).get_input_embeddings().weight.size(0)
+        completion_ids, logprobs, self._trusted_rewards = self.sourced.generation(
+            key, [list(p) for p in prompt_ids], lambda: self._own_generate(prompt_ids, *args, **kwargs),
+            max_completion_length=self.max_completion_length, vocab_size=vocab, device=self.accelerator.device)
+        return completion_ids, logprobs
 
     def _fast_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """``(completion_ids, sampling log-probs)`` from the inference copy, refreshed first if the policy stepped."""
