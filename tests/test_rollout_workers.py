@@ -67,7 +67,8 @@ def test_an_unknown_worker_executor_is_named_and_worker_handles_are_trusted_on_t
 
 # ---------------------------------------------------------------------------------------------- keys, records
 def test_rollout_keys_round_trip_and_strays_are_skipped():
-    for key in (layout.rollout_request_key(3, 1, 14), layout.rollout_batch_key(3, 1, 14)):
+    for key in (layout.rollout_request_key(3, 1, 14), layout.rollout_batch_key(3, 1, 14),
+                layout.rollout_fallback_key(3, 1, 14)):
         assert layout.parse_rollout_key(key) == (3, 1, 14)
     for stray in ("rollouts/requests/3/1/14.json", "rollouts/requests/00000003/01/00000014.json",
                   "rollouts/other/00000003/1/00000014.json", "rollouts/batches/00000003/1/00000014.json.tmp"):
@@ -255,14 +256,18 @@ def test_the_store_source_serves_a_workers_batch_and_keeps_a_fallback_for_the_re
     assert source.take_metrics()["rollouts/timed_out"] == 1.0 and source.take_metrics()["rollouts/timed_out"] == 0
     own = SourcedCompletions(completion_ids=[[9], [9, 9], [9], [9]], logprobs=None, policy_version=2,
                              prompt_ids=PROMPTS, fallback=True)
-    assert source.record_fallback(missing, own) is None  # created: the trainer's batch is the step's batch
+    source.record_fallback(missing, own)
     again = StoreCompletionSource(store, replica=0, max_staleness=1, deadline_s=0.2)  # a resumed replica
     back = again.completions(missing, PROMPTS, policy_version=2)
     assert back.fallback and back.completion_ids == [[9], [9, 9], [9], [9]] and back.logprobs is None
-    # A worker's batch that came first wins over a late fallback: the trainer is told which one it is.
+    assert RolloutBatches(store, max_staleness=1).open_requests() == []  # a recorded fallback answers its request
+    # A trainer that fell back although a worker's batch came (late): what it trained on is what a resume reads.
     late = SourcedCompletions(completion_ids=[[8]] * 4, logprobs=None, policy_version=2, prompt_ids=PROMPTS,
                               fallback=True)
-    stored = again.record_fallback(served, late)
-    assert stored is not None and stored.completion_ids == got.completion_ids
+    again.record_fallback(served, late)
+    again.record_fallback(served, late)  # a resumed run records the same fallback again: nothing changes
+    resumed = StoreCompletionSource(store, replica=0, max_staleness=1, deadline_s=0.2)
+    assert resumed.completions(served, PROMPTS, policy_version=2).completion_ids == [[8]] * 4
+    assert resumed.take_metrics()["rollouts/fallbacks_read"] == 1.0
     with pytest.raises(ValueError, match="replica 1's"):
         source.completions(RolloutKey(2, 1, 5), PROMPTS, policy_version=2)

@@ -7,13 +7,14 @@ The batch that inner step ``step`` of round ``round`` on replica ``replica`` tra
    :func:`policy_version_for` ``(round, max_staleness)``) at the same position under ``rollouts/requests/``;
 2. worker ``replica % workers`` (or any worker, once the request waited half the deadline unanswered) samples the
    completions from that policy version with the seed :func:`sampling_seed` of the position, and creates the batch;
-3. the trainer waits for the batch until ``deadline_s``; then it samples the batch itself and creates it at the same
-   key (``on_deadline = "generate"``), or keeps waiting (``"wait"``). Whichever create came first is the batch.
+3. the trainer waits for the batch until ``deadline_s``; then it samples the batch itself, trains on it and records
+   it at the position's fallback key, ``rollouts/fallbacks/...`` (``on_deadline = "generate"``), or keeps waiting
+   (``"wait"``). A recorded fallback is what that position trains on from then on (a resumed run reads it first).
 
 Invariants:
-  * a position has at most one batch, ever (write-once); a resumed run reads the batches its first launch read,
-    and a batch not read yet is a function of (policy version, prompts, seed) only, never of timing, so lock-step
-    resume stays bitwise;
+  * a position has at most one worker batch and one fallback, ever (write-once); a resumed run reads the batches
+    its first launch trained on, and a worker's batch is a function of (policy version, prompts, seed) only,
+    never of timing or of which worker sampled it, so lock-step resume stays bitwise;
   * a batch is used only if it verifies (signed runs: the store's HMAC binds the key and the run), parses
     (:class:`~composer_cloud.storage.records.rollouts.RolloutBatch`) and answers this request (its prompts'
     digest); anything else is refused and counted (:class:`SourceCounters`), and in a signed run an object that
@@ -81,6 +82,10 @@ class Position:
     def batch_key(self) -> str:
         return layout.rollout_batch_key(self.round, self.replica, self.step)
 
+    @property
+    def fallback_key(self) -> str:
+        return layout.rollout_fallback_key(self.round, self.replica, self.step)
+
 
 @dataclass
 class SourceCounters:
@@ -138,15 +143,15 @@ class RolloutBatches:
     def open_requests(self, *, from_round: int = 0) -> list[Position]:
         """Positions (rounds >= ``from_round``) with a request and no batch yet, in (round, replica, step) order.
 
-        Stray names are skipped; a listed batch counts as answered whether or not it verifies (the trainer
-        judges it, and replaces a forged one in a signed run)."""
+        Stray names are skipped; a listed batch (or trainer's fallback) counts as answered whether or not it
+        verifies (the trainer judges it, and replaces a forged one in a signed run)."""
         open_: list[Position] = []
         for name in self.store.list_dirs(layout.ROLLOUT_REQUESTS):
             round = layout.parse_num(name)
             if round is None or round < from_round:
                 continue
-            answered = {layout.parse_rollout_key(k) for k in self.store.list(layout.rollout_round_prefix(
-                round, batches=True))}
+            answered = {layout.parse_rollout_key(k) for base in (layout.ROLLOUT_BATCHES, layout.ROLLOUT_FALLBACKS)
+                        for k in self.store.list(layout.rollout_round_prefix(round, base=base))}
             for key in self.store.list(layout.rollout_round_prefix(round)):
                 parsed = layout.parse_rollout_key(key)
                 if parsed is not None and parsed[0] == round and parsed not in answered:
@@ -179,16 +184,31 @@ class RolloutBatches:
         self.store.delete(key)
         return self.store.create_json(key, obj)
 
-    def _parse_batch(self, pos: Position, obj: object) -> RolloutBatch:
-        return RolloutBatch.from_json(obj, key=pos.batch_key, round=pos.round, replica=pos.replica, step=pos.step)
+    def publish_fallback(self, batch: RolloutBatch) -> bool:
+        """Create the trainer's own batch (``batch.fallback``) at its position's fallback key (write-once)."""
+        pos = Position(batch.round, batch.replica, batch.step)
+        if not batch.fallback:
+            raise ValueError(f"{pos.fallback_key}: only a trainer's own batch (fallback=True) is recorded there")
+        return self._create(pos.fallback_key, batch.to_json(),
+                            lambda o: self._parse_batch(pos, o, key=pos.fallback_key))
 
-    def read_batch(self, pos: Position) -> RolloutBatch | None:
-        """``pos``'s batch, or None (absent). Raises :class:`BadObject` for one that does not verify or parse."""
+    def _parse_batch(self, pos: Position, obj: object, *, key: str | None = None) -> RolloutBatch:
+        return RolloutBatch.from_json(obj, key=key or pos.batch_key, round=pos.round, replica=pos.replica,
+                                      step=pos.step)
+
+    def read_batch(self, pos: Position, *, fallback: bool = False) -> RolloutBatch | None:
+        """``pos``'s batch (``fallback``: the trainer's own record), or None (absent). Raises :class:`BadObject` for
+        one that does not verify or parse."""
+        key = pos.fallback_key if fallback else pos.batch_key
         try:
-            obj = self.store.get_json(pos.batch_key, max_bytes=ROLLOUT_RECORD_MAX_BYTES)
+            obj = self.store.get_json(key, max_bytes=ROLLOUT_RECORD_MAX_BYTES)
         except ObjectNotFound:
             return None
-        return self._parse_batch(pos, obj)
+        batch = self._parse_batch(pos, obj, key=key)
+        if batch.fallback != fallback:
+            raise BadObject(key, f"a {'worker' if fallback else 'fallback'} batch at a "
+                                 f"{'fallback' if fallback else 'worker'} batch's key")
+        return batch
 
     def refusal(self, batch: RolloutBatch, request: RolloutRequest) -> str | None:
         """Why ``batch`` cannot answer ``request`` at all (None: it can): other prompts, another row count.
@@ -260,11 +280,11 @@ def batch_from_samples(pos: Position, request: RolloutRequest, *, completion_ids
 def discard_rollouts_after(store: Store, round: int) -> int:
     """Delete the requests and batches of rounds after ``round`` (a resume that changes the replica count: the
     prompts of those positions change with it). Returns how many rounds were discarded."""
-    rounds = {r for prefix in (layout.ROLLOUT_REQUESTS, layout.ROLLOUT_BATCHES)
+    rounds = {r for prefix in (layout.ROLLOUT_REQUESTS, layout.ROLLOUT_BATCHES, layout.ROLLOUT_FALLBACKS)
               for name in store.list_dirs(prefix) if (r := layout.parse_num(name)) is not None and r > round}
     for r in sorted(rounds):
-        store.delete(layout.rollout_round_prefix(r), recursive=True)
-        store.delete(layout.rollout_round_prefix(r, batches=True), recursive=True)
+        for base in (layout.ROLLOUT_REQUESTS, layout.ROLLOUT_BATCHES, layout.ROLLOUT_FALLBACKS):
+            store.delete(layout.rollout_round_prefix(r, base=base), recursive=True)
     return len(rounds)
 
 

@@ -1,10 +1,12 @@
 """``StoreCompletionSource``: the trainer's :class:`~composer_cloud.trainer.three_channel.sourced.CompletionSource`
 backed by the run's store and its rollout workers (protocol: :mod:`composer_cloud.rollouts.batches`).
 
-For each generation the trainer asks for, it creates the request at the step's position, then waits for the
-batch there until ``[rollouts] deadline_s`` (``on_deadline = "wait"``: with no deadline) and returns it, or
-``None`` (the trainer then samples itself and hands its completions to :meth:`record_fallback`, which creates
-them at the same key: the first batch created there is the one a resumed run reads).
+For each generation the trainer asks for, it creates the request at the step's position; then it returns the
+trainer's own recorded fallback for that position if there is one (a resumed run), else waits for a worker's
+batch until ``[rollouts] deadline_s`` (``on_deadline = "wait"``: with no deadline) and returns it, or ``None``.
+The trainer then samples itself, trains on that, and hands its completions to :meth:`record_fallback`, which
+creates them at the position's fallback key (``rollouts/fallbacks/...``): a resumed run reads that first, so it
+trains on what the first run trained on even when a worker's batch arrived after the deadline.
 
 In a signed run an object at the batch's key that does not verify (forged, unsigned, another run's) is deleted
 and counted, so a worker (or the trainer's fallback) can create the real one; nothing unverified is ever
@@ -19,6 +21,7 @@ import math
 import time
 from typing import Literal
 
+from composer_cloud.errors import BadObject
 from composer_cloud.rollouts.batches import Position, RolloutBatches, SourceCounters, batch_from_samples, wait_for_batch
 from composer_cloud.storage.records.rollouts import RolloutBatch, RolloutRequest
 from composer_cloud.storage.store import Store
@@ -65,11 +68,16 @@ class StoreCompletionSource:
 
     def completions(self, key: RolloutKey, prompt_ids: list[list[int]], *,
                     policy_version: int) -> SourcedCompletions | None:
-        """Request ``key``'s batch and wait for it (see the module); ``None`` once the deadline passed."""
+        """``key``'s batch: the trainer's own recorded fallback if there is one (a resumed run trains on what it
+        trained on), else a worker's, waited for until the deadline (``None`` then); see the module."""
         pos = self._position(key)
         prompts = [[int(t) for t in row] for row in prompt_ids]
         request = self.batches.request(pos, prompts)
         self._requests[pos] = request
+        own = self._recorded(pos, request)
+        if own is not None:
+            self.counters.fallbacks_read += 1
+            return as_completions(own, prompts)
         start = time.monotonic()
         deadline = None if self.on_deadline == "wait" else start + self.deadline_s
         batch = wait_for_batch(self.batches, pos, request, deadline=deadline, counters=self.counters,
@@ -79,11 +87,25 @@ class StoreCompletionSource:
             self.counters.timed_out += 1
             logger.info("rollouts %s: no batch within rollouts.deadline_s = %gs", pos.batch_key, self.deadline_s)
             return None
-        if batch.fallback:
-            self.counters.fallbacks_read += 1
-        else:
-            self.counters.from_workers += 1
+        self.counters.from_workers += 1
         return as_completions(batch, prompts)
+
+    def _recorded(self, pos: Position, request: RolloutRequest) -> RolloutBatch | None:
+        """This replica's recorded fallback for ``pos`` if it verifies and answers ``request``; else None (an object
+        there that does not verify is replaced in a signed run, and counted)."""
+        try:
+            own = self.batches.read_batch(pos, fallback=True)
+        except BadObject as exc:
+            self.counters.refused_bad += 1
+            logger.warning("refusing the fallback record at %s: %s", pos.fallback_key, exc.reason)
+            self._replace(pos.fallback_key)
+            return None
+        if own is not None and self.batches.refusal(own, request) is not None:
+            self.counters.refused_bad += 1
+            logger.warning("refusing the fallback record at %s: %s", pos.fallback_key,
+                           self.batches.refusal(own, request))
+            return None
+        return own
 
     def take_metrics(self) -> dict[str, float]:
         """The counters since the last call, as step metrics (``rollouts/from_workers``, ``rollouts/fallbacks_read``,
@@ -92,26 +114,20 @@ class StoreCompletionSource:
         self._reported = dataclasses.replace(self.counters)
         return {k: now[k] - last[k] for k in now}
 
-    def record_fallback(self, key: RolloutKey, completions: SourcedCompletions) -> SourcedCompletions | None:
-        """Create the trainer's own batch at ``key`` (write-once). Returns the batch in force there when another
-        writer's came first (a worker's, late), else None: the trainer should train on what this returns when it
-        is not None, so that a resumed run, which reads the key, trains on the same batch."""
+    def record_fallback(self, key: RolloutKey, completions: SourcedCompletions) -> None:
+        """Keep the trainer's own batch for ``key`` at the position's fallback key (write-once; an equal record
+        from a resumed run changes nothing). :meth:`completions` serves it before any worker's batch, so a resumed
+        run trains on what this run trained on, even when a worker's batch arrived after the deadline."""
         pos = self._position(key)
         request = self._requests.get(pos) or self.batches.read_request(pos)
-        if request is None:  # a fallback without a request (the source was not asked): ask now, then record
+        if request is None:  # the source was not asked for this key (no request): record the prompts now
             request = self.batches.request(pos, [list(p) for p in (completions.prompt_ids or [])])
         batch = batch_from_samples(pos, request, completion_ids=[list(c) for c in completions.completion_ids],
                                    sampler_logps=None if completions.logprobs is None else
                                    [list(r) for r in completions.logprobs], sampler=f"trainer:{self.replica}",
                                    seconds=0.0, policy_version=completions.policy_version, fallback=True)
-        if self.batches.publish(batch):
-            return None
-        stored = self.batches.read_batch(pos)
-        if stored is None or self.batches.refusal(stored, request) is not None:
-            return None
-        logger.info("rollouts %s: a batch was created before this trainer's fallback; it is the step's batch",
-                    pos.batch_key)
-        return as_completions(stored, request.prompt_ids)
+        if not self.batches.publish_fallback(batch):
+            logger.debug("rollouts %s: a fallback was already recorded", pos.fallback_key)
 
 
 __all__ = ["StoreCompletionSource", "as_completions"]

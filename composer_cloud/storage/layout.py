@@ -39,6 +39,7 @@ object: the bucket is not trusted, so callers skip it).
     decoupled/final.json                                write-once: the final version
     rollouts/requests/<r>/<replica>/<step>.json         write-once: a trainer's rollout request (prompt token ids)
     rollouts/batches/<r>/<replica>/<step>.json          write-once: the rollout batch that step consumes
+    rollouts/fallbacks/<r>/<replica>/<step>.json        write-once: the batch the trainer sampled itself instead
 
 Outside a run, at a store's root: :data:`PROBE_PREFIX` (the conformance probe's scratch space).
 """
@@ -398,6 +399,7 @@ def decoupled_replica_key(rank: int, seq: int, ext: str) -> str:
 ROLLOUTS = "rollouts"
 ROLLOUT_REQUESTS = f"{ROLLOUTS}/requests"
 ROLLOUT_BATCHES = f"{ROLLOUTS}/batches"
+ROLLOUT_FALLBACKS = f"{ROLLOUTS}/fallbacks"
 _ROLLOUT_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})\.json")
 
 
@@ -415,15 +417,23 @@ def rollout_batch_key(round: int, replica: int, step: int) -> str:
     return _rollout_key(ROLLOUT_BATCHES, round, replica, step)
 
 
-def rollout_round_prefix(round: int, *, batches: bool = False) -> str:
-    """``rollouts/requests/<r>`` (or ``rollouts/batches/<r>``): every request (batch) of round ``round``."""
-    return f"{ROLLOUT_BATCHES if batches else ROLLOUT_REQUESTS}/{num(round)}"
+def rollout_fallback_key(round: int, replica: int, step: int) -> str:
+    """The write-once batch replica ``replica`` sampled itself for that step (no worker's batch by its deadline)."""
+    return _rollout_key(ROLLOUT_FALLBACKS, round, replica, step)
+
+
+def rollout_round_prefix(round: int, *, base: str = ROLLOUT_REQUESTS) -> str:
+    """``<base>/<r>``: every request (``base`` :data:`ROLLOUT_REQUESTS`), batch (:data:`ROLLOUT_BATCHES`) or
+    fallback (:data:`ROLLOUT_FALLBACKS`) of round ``round``."""
+    if base not in (ROLLOUT_REQUESTS, ROLLOUT_BATCHES, ROLLOUT_FALLBACKS):
+        raise ValueError(f"{base!r} is not a rollout prefix")
+    return f"{base}/{num(round)}"
 
 
 def parse_rollout_key(key: str) -> tuple[int, int, int] | None:
-    """``(round, replica, step)`` of a rollout request or batch key, else None (a stray object)."""
+    """``(round, replica, step)`` of a rollout request, batch or fallback key, else None (a stray object)."""
     parts = key.split("/")
-    if len(parts) != 5 or f"{parts[0]}/{parts[1]}" not in (ROLLOUT_REQUESTS, ROLLOUT_BATCHES):
+    if len(parts) != 5 or f"{parts[0]}/{parts[1]}" not in (ROLLOUT_REQUESTS, ROLLOUT_BATCHES, ROLLOUT_FALLBACKS):
         return None
     round, replica = parse_num(parts[2]), parse_small_int(parts[3])
     m = _ROLLOUT_NAME.fullmatch(parts[4])
