@@ -364,7 +364,7 @@ def _code_strings(path: Path) -> list[tuple[int, str]]:
 
 #: The top-level key prefixes of a run, all spelled by ``storage/layout.py`` alone.
 RUN_PREFIXES = ("checkpoints", "rounds", "metrics", "decoupled", "replicas", "executor", "control", "code",
-                "files", "dirs", "resumes", "model", "samples")
+                "files", "dirs", "resumes", "model", "samples", "policy")
 _PREFIX_RE = re.compile(rf"(?<![\w.-])({'|'.join(RUN_PREFIXES)})/")
 _BARE_PREFIXES = {"checkpoints", "resumes"}  # "rounds", "replicas", "decoupled"... are field and mode names too
 

@@ -27,10 +27,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from composer_cloud.errors import CorruptCheckpoint
-from composer_cloud.lora import synced_parameters
+from composer_cloud.errors import BadObject, CorruptCheckpoint
+from composer_cloud.lora import is_lora_model, synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, params_replaced, snapshot
 from composer_cloud.retry import PollPolicy, wait_until
+from composer_cloud.rollouts.policy import PolicyPublisher, policy_state, should_publish
 from composer_cloud.storage import layout
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
@@ -64,6 +65,11 @@ class LockstepBoundary:
         self._manifest_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-manifest-io")
         self._pending_io: list[Future] = []
         self._state_write: Future | None = None
+        # Rollout workers read the policy chain (issue 36): version v = the global model round v starts from.
+        self._policy: PolicyPublisher | None = None
+        if should_publish(self.spec) and ctx.leader and not (ctx.shard is not None and ctx.shard.fsdp):
+            self._policy = PolicyPublisher(self.store, lora=is_lora_model(ctx.model))
+            self._policy_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-policy-io")
         # Read before DiLoCo is built (its start round is the resume point's next): the fleet may prune the
         # chosen round meanwhile, and load_resume then chooses again.
         self._resume = self._load_resume()
@@ -83,6 +89,7 @@ class LockstepBoundary:
             self._restore(self._resume)
             self._resume = None  # the trees are in the model and DiLoCo now: free them
             params_replaced(self.ctx.trainer)
+        self._publish_policy(self._start_round)
         return {"round": self.position, "step": self._start_round * self.spec.inner_steps}
 
     def _load_resume(self) -> LoadedResume | None:
@@ -156,6 +163,7 @@ class LockstepBoundary:
         params_replaced(self.ctx.trainer)
         if rec.committed and res is not None:
             if self.ctx.leader:  # local rank 0 checkpoints the replica
+                self._publish_policy(rec.round + 1)
                 self._after_commit(rec.round, res.attempt, res.participants, row)
             elif self.ctx.shard is not None and self.ctx.shard.fsdp:
                 self._join_leader_collectives(rec.round, res.participants)
@@ -164,6 +172,23 @@ class LockstepBoundary:
 
     def heartbeat_fields(self, steps: int) -> dict[str, Any]:
         return {"round": self.position}
+
+    # ------------------------------------------------------------ the policy chain
+    def _publish_policy(self, version: int) -> None:
+        """Publish the model as policy ``version`` for rollout workers, when they are configured: the bf16 copy
+        is taken here (training changes the model next), the patch and the upload run in the background, in
+        order. Every participant publishes (write-once, identical bytes); a bad object costs that version only."""
+        if self._policy is None:
+            return
+        state = policy_state(self.ctx.model, lora=self._policy.lora)
+        publisher = self._policy
+
+        def publish() -> None:
+            try:
+                publisher.publish_state(version, state)
+            except BadObject as exc:
+                logger.warning("replica %d: policy version %d not published: %s", self.rank, version, exc)
+        self._pending_io.append(self._policy_io.submit(publish))
 
     # ------------------------------------------------------------ checkpoints
     def _reap_io(self) -> None:
@@ -246,6 +271,8 @@ class LockstepBoundary:
         self.loop.close()
         self._io.shutdown(wait=True)
         self._manifest_io.shutdown(wait=True)
+        if self._policy is not None:
+            self._policy_io.shutdown(wait=True)
         return {"round": manager.current_step(), "params_sha256": params_digest(self.ctx.model)}
 
 

@@ -40,6 +40,8 @@ object: the bucket is not trusted, so callers skip it).
     rollouts/requests/<r>/<replica>/<step>.json         write-once: a trainer's rollout request (prompt token ids)
     rollouts/batches/<r>/<replica>/<step>.json          write-once: the rollout batch that step consumes
     rollouts/fallbacks/<r>/<replica>/<step>.json        write-once: the batch the trainer sampled itself instead
+    policy/<v>.anchor.safetensors | <v>.patch.safetensors  policy version v for rollout workers: bf16 state or patch
+    policy/<v>.json                                     write-once record of version v (kind, base, sizes, digest)
 
 Outside a run, at a store's root: :data:`PROBE_PREFIX` (the conformance probe's scratch space).
 """
@@ -74,6 +76,10 @@ CONTRIBUTIONS = f"{DECOUPLED}/contrib"
 MERGES = f"{DECOUPLED}/merge"
 DECOUPLED_REPLICAS = f"{DECOUPLED}/replica"
 FINAL = f"{DECOUPLED}/final.json"
+#: The policy chain of rollout workers (issue 36): anchors, patches and their records.
+POLICY = "policy"
+#: The two kinds of policy blob: the whole bf16 state, or a lossless bf16 patch against the previous version.
+POLICY_KINDS = ("anchor", "patch")
 #: Scratch prefix of the store conformance probe, at the store's root (never inside a run).
 PROBE_PREFIX = ".composer-cloud-probe"
 
@@ -86,6 +92,7 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 _FILE_KEY = re.compile(rf"({FILES}|{DIRS})/([0-9a-f]{{64}})/([^/]+)")
 _WRITER = re.compile(r"[0-9]{4}-[0-9]{13}-[0-9a-f]{4}")
 _METRICS_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})-({_WRITER.pattern})\.jsonl")
+_POLICY_BLOB = re.compile(rf"([0-9]{{{NUM_WIDTH}}})\.(anchor|patch)\.safetensors")
 _SAMPLES_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})-({_WRITER.pattern})\.json")
 
 
@@ -446,6 +453,30 @@ def parse_num_json(name: str) -> int | None:
     """``<8 digits>.json`` -> the number (merge records, contribution metas, replica markers), else None."""
     m = _JSON_NUM.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------- the policy chain (rollout workers)
+def policy_record_key(version: int) -> str:
+    """``policy/<v>.json``: the write-once record of policy version ``v`` (written after its blob)."""
+    return f"{POLICY}/{num(version)}.json"
+
+
+def policy_blob_key(version: int, kind: str) -> str:
+    """``policy/<v>.<kind>.safetensors``: version ``v``'s bf16 state (``anchor``) or its patch (``patch``)."""
+    if kind not in POLICY_KINDS:
+        raise ValueError(f"policy blob kind must be one of {POLICY_KINDS}, got {kind!r}")
+    return f"{POLICY}/{num(version)}.{kind}.safetensors"
+
+
+def parse_policy_key(key: str) -> tuple[int, str] | None:
+    """``(version, what)`` of a ``policy/`` key, ``what`` being ``record``, ``anchor`` or ``patch``; else None."""
+    head, _, name = key.rpartition("/")
+    if head != POLICY:
+        return None
+    if (version := parse_num_json(name)) is not None:
+        return version, "record"
+    m = _POLICY_BLOB.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "re", "secrets", "time")]

@@ -13,13 +13,14 @@ Records read by status displays (:class:`Heartbeat`) are parsed leniently
 instead: a malformed field reads as unknown, never as an error.
 
 The records live in one file per family (:mod:`.rounds`, :mod:`.checkpoints`,
-:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`; field checks in :mod:`.fields`); import them from here.
+:mod:`.decoupled`, :mod:`.run`, :mod:`.samples`, :mod:`.policy`; field checks in :mod:`.fields`); import them from here.
 """
 
 from __future__ import annotations
 
 from composer_cloud.storage.records.checkpoints import BlobEntry, Manifest, ReplicaMarker, SliceMarker
 from composer_cloud.storage.records.decoupled import Contribution, FinalRecord, MergeRecord, Rejected
+from composer_cloud.storage.records.policy import PolicyRecord
 from composer_cloud.storage.records.rounds import Join, Outcome, Quorum, SlotDigest, Void
 from composer_cloud.storage.records.samples import RoundSamples, Sample
 from composer_cloud.storage.records.run import (
@@ -33,5 +34,5 @@ from composer_cloud.storage.records.run import (
 )
 
 __all__ = ["BlobEntry", "CancelRecord", "CodeRef", "Contribution", "FinalRecord", "Heartbeat", "HeartbeatState",
-           "JobHandle", "Join", "Manifest", "MergeRecord", "MetricsDigest", "Outcome", "Quorum", "Rejected",
+           "JobHandle", "Join", "Manifest", "MergeRecord", "MetricsDigest", "Outcome", "PolicyRecord", "Quorum", "Rejected",
            "ReplicaMarker", "ResumeRecord", "RoundSamples", "Sample", "SliceMarker", "SlotDigest", "Void"]
