@@ -128,8 +128,13 @@ class RolloutWorker:
         if request is None:
             return 0
         before = self.versions.loaded
-        if not self.versions.ensure(request.policy_version):
-            return 0  # not published yet: next poll
+        try:
+            if not self.versions.ensure(request.policy_version):
+                return 0  # not published yet: next poll
+        except BadObject as exc:  # a damaged or forged link of the chain: that version only, tried again later
+            logger.warning("rollouts: policy version %d for %s is not usable yet: %s", request.policy_version,
+                           pos.request_key, exc.reason)
+            return 0
         if self.versions.loaded != before:
             self.sampler.refresh()
         seed = sampling_seed(self.config.seed, pos.round, pos.replica, pos.step)
