@@ -271,3 +271,23 @@ def test_the_store_source_serves_a_workers_batch_and_keeps_a_fallback_for_the_re
     assert resumed.take_metrics()["rollouts/fallbacks_read"] == 1.0
     with pytest.raises(ValueError, match="replica 1's"):
         source.completions(RolloutKey(2, 1, 5), PROMPTS, policy_version=2)
+
+
+def test_status_marks_the_rollout_workers_and_sums_the_fleet():
+    from composer_cloud.cli_views import fleet_line, status_table
+    from composer_cloud.runs.states import RunState
+    from composer_cloud.runs.status import ReplicaInfo, RunStatus
+
+    st = RunStatus(run_id="r", run_uri="file:///x/r", state=RunState.RUNNING, rounds=3, rounds_committed=1,
+                   replicas=[ReplicaInfo(0, "local", "running", 1),
+                             ReplicaInfo(2, "local", "running", None, role="rollout-worker", batches_published=5,
+                                         tokens_per_s=10.0),
+                             ReplicaInfo(3, "local", "failed", None, role="rollout-worker", batches_published=2,
+                                         tokens_per_s=2.5)])
+    assert fleet_line(st) == "rollout workers: 2 (1 running), 7 batches published, 12.5 tokens/s"
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(status_table(st))
+    text = console.export_text()
+    assert "2 (worker)" in text and "3 (worker)" in text and fleet_line(st) in text

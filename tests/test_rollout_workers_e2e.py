@@ -89,6 +89,7 @@ def test_two_trainers_with_two_workers_complete_on_the_workers_batches(baseline,
     assert st["state"] == "completed", st
     jobs = {i["rank"]: i for i in st["replicas"]}
     assert sorted(jobs) == [0, 1, 2, 3] and all(jobs[r]["state"] == "succeeded" for r in jobs)
+    assert [jobs[r]["role"] for r in sorted(jobs)] == ["replica"] * 2 + ["rollout-worker"] * 2
     batches = consumed_batches(run_uri)
     assert set(batches) == every_position()  # one batch per trainer step, none missing, none extra
     assert {b.sampler for b in batches.values()} <= {"worker:0", "worker:1"}
