@@ -242,7 +242,7 @@ def status_table(status: RunStatus) -> Group:
     table = Table(title=title)
     reps = status.replicas
     # Columns that say nothing for this run (one executor, no rewards, no restarts, no messages) are left out.
-    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank))]
+    cols: list[tuple[str, Any]] = [("rank", lambda r: str(r.rank) if r.role == "replica" else f"{r.rank} (worker)")]
     if len({r.executor for r in reps}) > 1:
         cols.append(("executor", lambda r: r.executor))
     if _decoupled(status):
@@ -262,7 +262,17 @@ def status_table(status: RunStatus) -> Group:
         table.add_column(name, no_wrap=name == "state")
     for r in reps:
         table.add_row(*[get(r) for _, get in cols])
-    return Group(table, *[Text(line, no_wrap=False, overflow="fold") for line in reason_lines(status)])
+    fleet = [fleet_line(status)] if any(r.role != "replica" for r in reps) else []
+    return Group(table, *[Text(line, no_wrap=False, overflow="fold") for line in [*fleet, *reason_lines(status)]])
+
+
+def fleet_line(status: RunStatus) -> str:
+    """``rollout workers: 2 running, 14 batches published, 35.2 tokens/s`` (tokens/s summed over the workers)."""
+    workers = [r for r in status.replicas if r.role != "replica"]
+    running = sum(r.state in ("running", "pending") for r in workers)
+    batches = sum(r.batches_published or 0 for r in workers)
+    rate = sum(r.tokens_per_s or 0.0 for r in workers)
+    return f"rollout workers: {len(workers)} ({running} running), {batches} batches published, {rate:.1f} tokens/s"
 
 
 def _cell(v: Any) -> str:

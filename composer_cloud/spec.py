@@ -233,6 +233,31 @@ class HFJobsSpec(Strict):
     secrets: list[str] = Field(default_factory=list)
 
 
+class RolloutsSpec(Strict):
+    """``[rollouts]``: rollout workers, jobs that generate the trainers' completions and feed them through the store.
+
+    ``workers = 0`` (the default): every replica generates its own rollouts, as without this table. ``N > 0``: N
+    worker jobs (job ranks ``replicas .. replicas + N - 1``) answer the trainers' rollout requests; worker ``w``
+    serves replica ``r`` when ``r % N == w``, and any worker takes over a request left unanswered for half of
+    ``deadline_s`` (docs/rollouts.md, "Rollout workers").
+    """
+
+    #: Rollout worker jobs (0: colocated generation, no workers).
+    workers: int = Field(default=0, ge=0, le=1024)
+    #: Policy versions a batch may lag the round that consumes it: round t's batches are sampled from the global
+    #: model of round ``max(0, t - max_staleness)`` exactly (one version per round, so a rerun reads the same
+    #: batches); 0 is on-policy at the round's start. A batch of any other version is refused and counted.
+    max_staleness: int = Field(default=1, ge=0, le=1000)
+    #: Seconds a trainer waits for a worker's batch before ``on_deadline`` applies (> 0).
+    deadline_s: float = Field(default=120.0, gt=0, le=7 * 24 * 3600)
+    #: What a trainer does when no batch arrived by the deadline: "generate" (it samples the batch itself, from
+    #: the same policy version and seed, and records it under the same key) or "wait" (until one arrives).
+    on_deadline: Literal["generate", "wait"] = "generate"
+    #: The backend the workers run on ("local", "modal", "hf-jobs"; null: the run's first executor). A worker takes
+    #: that backend's own settings ([modal] gpu, [hf_jobs] flavor).
+    executor: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9-]*$")
+
+
 class RunSpec(Strict):
     """A composer-cloud run. See ``examples/*.toml`` for a commented example."""
 
@@ -277,6 +302,7 @@ class RunSpec(Strict):
     code: CodeSpec = Field(default_factory=CodeSpec)
     modal: ModalSpec = Field(default_factory=ModalSpec)
     hf_jobs: HFJobsSpec = Field(default_factory=HFJobsSpec)
+    rollouts: RolloutsSpec = Field(default_factory=RolloutsSpec)
 
     @field_validator("run_id")
     @classmethod
@@ -339,6 +365,7 @@ class RunSpec(Strict):
             raise SpecError("sync.fragments", f"{frags} fragments are not supported with sync.mode = \"decoupled\" "
                             "(it merges whole models); set sync.fragments = 1")
         _check_compute(self)
+        _check_rollouts(self)
         if sync.codec == "sparse" and sync.sparse.exchange == "gather" and self.replicas > GATHER_MAX_REPLICAS:
             raise SpecError("sync.sparse.exchange", f"the flat gather serves at most {GATHER_MAX_REPLICAS} "
                             f"replicas ({self.replicas} asked); use \"two_level\" or \"auto\" (docs/scale.md)")
@@ -365,6 +392,11 @@ class RunSpec(Strict):
         """``executor`` as typed ``(backend, replicas)`` shares (:func:`parse_executor`, cached)."""
         return parse_executor(self.executor)
 
+    @property
+    def worker_ranks(self) -> range:
+        """The job ranks of the rollout workers: ``replicas .. replicas + rollouts.workers - 1`` (empty without)."""
+        return range(self.replicas, self.replicas + self.rollouts.workers)
+
     def with_run_id(self) -> "RunSpec":
         """Return a copy with a generated ``run_id`` if none was given."""
         if self.run_id:
@@ -388,6 +420,21 @@ def _check_compute(spec: "RunSpec") -> None:
     rollout = (spec.trainer.model_extra or {}).get("rollout")
     if rollout == "vllm" and spec.device == "cpu":
         raise SpecError("trainer.rollout", '"vllm" generates on a CUDA GPU; use rollout = "hf" with device = "cpu"')
+
+
+def _check_rollouts(spec: "RunSpec") -> None:
+    """Refuse ``[rollouts] workers > 0`` where nothing would consume their batches, naming the field to change."""
+    if spec.rollouts.workers == 0:
+        return
+    if spec.trainer.name != "three-channel":
+        raise SpecError("rollouts.workers", f"rollout workers feed the three-channel (GRPO) trainer; trainer.name is "
+                        f"{spec.trainer.name!r}, which does not sample rollouts. Set rollouts.workers = 0")
+    if spec.sync.mode != "lockstep":
+        raise SpecError("rollouts.workers", "rollout workers need sync.mode = \"lockstep\" (a batch is named by its "
+                        "round, and its policy is a round's global model); set rollouts.workers = 0 for a decoupled run")
+    if spec.gpus_per_replica != 1:
+        raise SpecError("rollouts.workers", f"rollout workers feed replicas of one local rank; gpus_per_replica is "
+                        f"{spec.gpus_per_replica}. Set gpus_per_replica = 1 or rollouts.workers = 0")
 
 
 def check_device(spec: "RunSpec", *, executors: list[str], local_cuda: bool) -> None:

@@ -55,10 +55,10 @@ def get_executor(name: str, spec: "RunSpec", *, run_key: str | None = None) -> S
 
 def trusted_handles(handles: "list[JobHandle]", spec: "RunSpec") -> "list[JobHandle]":
     """The handles (read from the untrusted store) that name a job this run's spec could have started: a rank
-    of the run, on the executor the spec assigns to that rank, one per rank. Others are dropped with a warning,
+    of the run (a replica's or a rollout worker's), on the executor the spec assigns to that rank, one per rank. Others are dropped with a warning,
     so a forged ``executor/<rank>.json`` cannot make ``status``/``logs``/``cancel`` talk to another backend."""
     try:
-        assigned = {rank: name for name, ranks in assign_ranks(spec.executor, spec.replicas) for rank in ranks}
+        assigned = {rank: name for name, ranks in assign_jobs(spec) for rank in ranks}
     except ValueError:
         assigned = {}
     out: dict[int, JobHandle] = {}
@@ -95,6 +95,20 @@ def assign_ranks(executor: str, replicas: int) -> list[tuple[str, list[int]]]:
     return out
 
 
+def assign_jobs(spec: "RunSpec") -> list[tuple[str, list[int]]]:
+    """Every job of a run by executor: the replicas' ranks (:func:`assign_ranks`), then the rollout workers'
+    (``spec.worker_ranks``, ``[rollouts] workers``) on ``rollouts.executor``, by default the backend of the run's
+    first executor share. Raises ``ValueError`` naming the setting for an unknown executor."""
+    out = assign_ranks(spec.executor, spec.replicas)
+    workers = list(spec.worker_ranks)
+    if workers:
+        name = spec.rollouts.executor or out[0][0]
+        if name not in EXECUTORS:
+            raise ValueError(f"rollouts.executor: unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+        out.append((name, workers))
+    return out
+
+
 __all__ = [
     "EXECUTORS",
     "executor_class",
@@ -105,6 +119,7 @@ __all__ = [
     "ReplicaState",
     "ReplicaStatus",
     "ServerlessExecutor",
+    "assign_jobs",
     "assign_ranks",
     "get_executor",
     "replica_command",

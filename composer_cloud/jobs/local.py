@@ -222,7 +222,8 @@ class LocalProcessExecutor:
         self._records_key = (records_key(run_signing_key(spec.run_id, run_key, spec.run_salt))
                              if spec is not None and run_key is not None and spec.run_id else None)
         self.max_restarts = self.relaunches(spec) if spec is not None else 0
-        self.threads = max(1, (os.cpu_count() or 1) // max(1, spec.replicas if spec is not None else 1))
+        jobs = spec.replicas + spec.rollouts.workers if spec is not None else 1  # rollout workers share the cores
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
 
     def _job_env(self) -> dict[str, str]:
         """This process's environment plus the replica's variables (no secret is added; the replica inherits)."""

@@ -12,6 +12,9 @@ A run with ``gpus_per_replica = N > 1``: this process starts the replica's ``N``
 local ranks under torch's elastic agent (:mod:`~composer_cloud.replica.launch`)
 and exits with their verdict; each local rank is this entry point again, with
 ``--local-ranks N`` and torch's ``LOCAL_RANK`` in its environment.
+
+A rank at or above the run's ``replicas`` is a rollout worker's job (``[rollouts] workers``): this entry point
+runs :class:`~composer_cloud.replica.rollout_job.RolloutJob` for it instead.
 """
 
 from __future__ import annotations
@@ -50,11 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from composer_cloud.replica.faults import EnvFaults
-    from composer_cloud.replica.runtime import Replica, local_ranks_of, report_local_failure
+    from composer_cloud.replica.runtime import Replica, local_ranks_of, report_local_failure, worker_rank
 
     torch.set_num_threads(max(1, job_env.threads // local.count))  # the job's threads, shared by its local ranks
     replica = None
     try:
+        if args.local_ranks is None and worker_rank(args.run, args.rank, job_env=job_env):
+            from composer_cloud.replica.rollout_job import RolloutJob
+
+            replica = RolloutJob(args.run, args.rank, job_env=job_env)  # a rollout worker ([rollouts] workers)
+            replica.run()
+            return 0
         if args.local_ranks is None and (count := local_ranks_of(args.run, job_env=job_env)) > 1:
             from composer_cloud.replica.launch import launch_local_ranks
 

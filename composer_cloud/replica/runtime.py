@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,6 +75,8 @@ class Replica:
         check_local_ranks(spec)
         self.rank = rank
         self.local = local
+        #: With ``[rollouts] workers``: the trainer's completion source (its counters go into the step rows).
+        self.rollout_source: Any = None
         self.job_env = job_env
         self.hooks = hooks
         # Local rank 0 reports for the replica (heartbeats, metrics); the other ranks of a multi-GPU replica
@@ -119,6 +122,8 @@ class Replica:
             device=device, settings=spec.trainer.settings(),
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json"), local_rank=self.local.index,
             local_world=self.local.count, parallelism=spec.parallelism))
+        if spec.rollouts.workers:
+            self.rollout_source = attach_rollout_workers(trainer, self.opened, self.rank)
         return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
                               hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 
@@ -135,7 +140,8 @@ class Replica:
         self.telemetry.heartbeat(HeartbeatState.RUNNING, **first)
         logger.info("replica %d/%d (%s) on %s: %s, %s", self.rank, spec.replicas, spec.sync.mode, ctx.device,
                     spec.model.name, _starting_at(spec, boundary.position))
-        steps = _inner_loop(ctx, boundary)
+        source = self.rollout_source
+        steps = _inner_loop(ctx, boundary, step_fields=source.take_metrics if source is not None else None)
         final = boundary.finish(steps)
         self.telemetry.flush()
         self.telemetry.heartbeat(HeartbeatState.COMPLETED, **final)
@@ -156,6 +162,29 @@ class Replica:
 def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
     """The run's ``gpus_per_replica``: how many local ranks the replica's entry point starts."""
     return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
+
+
+def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> Any:
+    """``[rollouts] workers > 0``: the trainer takes its completions from the rollout workers through the store
+    (:class:`~composer_cloud.rollouts.source.StoreCompletionSource`, returned) instead of sampling them itself."""
+    from composer_cloud.rollouts.source import StoreCompletionSource
+
+    settings = run.spec.rollouts
+    attach = getattr(trainer, "set_completion_source", None)
+    if attach is None:
+        raise ValueError(f"rollouts.workers = {settings.workers}, but trainer {run.spec.trainer.name!r} cannot take "
+                         "completions from rollout workers (it has no set_completion_source); set rollouts.workers = 0")
+    source = StoreCompletionSource(run.store, replica=rank, max_staleness=settings.max_staleness,
+                                   deadline_s=settings.deadline_s, on_deadline=settings.on_deadline)
+    attach(source, max_staleness=settings.max_staleness)
+    logger.info("replica %d: completions from %d rollout worker(s) (max_staleness %d, deadline %gs, then %s)", rank,
+                settings.workers, settings.max_staleness, settings.deadline_s, settings.on_deadline)
+    return source
+
+
+def worker_rank(run_uri: str, rank: int, *, job_env: JobEnv) -> bool:
+    """Whether job rank ``rank`` of the run is a rollout worker's (``replicas <= rank < replicas + workers``)."""
+    return rank in open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.worker_ranks
 
 
 def report_local_failure(run_uri: str, rank: int, *, job_env: JobEnv, error: str) -> None:
@@ -196,8 +225,13 @@ def _starting_at(spec: Any, position: int) -> str:
     return f"starting at round {shown_round(position)} of {spec.rounds}"
 
 
-def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
-    """THE inner loop of both sync modes; returns the inner steps this process took."""
+def _inner_loop(ctx: ReplicaContext, boundary: Boundary, *,
+                step_fields: Callable[[], dict[str, float]] | None = None) -> int:
+    """THE inner loop of both sync modes; returns the inner steps this process took.
+
+    ``step_fields()`` (the rollout source's counters, with rollout workers) are added to every step's row, after
+    the step.
+    """
     spec, trainer, hooks, rank = ctx.spec, ctx.trainer, ctx.hooks, ctx.rank
     h = spec.inner_steps
     tokens_per_step = spec.trainer.batch_size * spec.trainer.seq_len
@@ -215,6 +249,8 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
                 set_position(position, run_step_number(position, steps + 1, h))
             t0 = time.monotonic()
             out = trainer.step()
+            if step_fields is not None:
+                out = {**out, **step_fields()}
             dt = time.monotonic() - t0
             sync_s = boundary.sync_s()
             dt += hooks.after_step(rank, dt - sync_s)  # simulated slow hardware counts as compute
@@ -233,4 +269,5 @@ def _inner_loop(ctx: ReplicaContext, boundary: Boundary) -> int:
     return steps
 
 
-__all__ = ["QuietTelemetry", "Replica", "local_ranks_of", "report_local_failure"]
+__all__ = ["QuietTelemetry", "Replica", "attach_rollout_workers", "local_ranks_of", "report_local_failure",
+           "worker_rank"]

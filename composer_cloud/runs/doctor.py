@@ -16,7 +16,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from composer_cloud.jobs import assign_ranks, executor_class
+from composer_cloud.jobs import assign_jobs, executor_class
 from composer_cloud.jobs.credentials import Check, install_hint, sdk_installed
 from composer_cloud.spec import RunSpec
 
@@ -78,7 +78,7 @@ def check_credentials(executors: list[str], store: str, store_options: Mapping[s
 
 def spec_credentials(spec: RunSpec) -> list[Check]:
     """:func:`check_credentials` for the executors and store of a spec."""
-    return check_credentials([name for name, _ in assign_ranks(spec.executor, spec.replicas)], spec.store,
+    return check_credentials([name for name, _ in assign_jobs(spec)], spec.store,
                              spec.store_options)
 
 

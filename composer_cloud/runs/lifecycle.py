@@ -34,7 +34,8 @@ from composer_cloud.errors import (
     StoreConfigError,
     StoreError,
 )
-from composer_cloud.jobs import JobHandle, LaunchPlan, assign_ranks, get_executor, trusted_handles
+from composer_cloud.jobs import JobHandle, LaunchPlan, assign_jobs, get_executor, trusted_handles
+from composer_cloud.rollouts.batches import discard_rollouts_after
 from composer_cloud.runs import signing, sync_state
 from composer_cloud.runs.interrupts import LaunchInterrupted, sigint_after
 from composer_cloud.runs.preflight import (
@@ -135,18 +136,25 @@ def build_spec(*, config: str | Path | None = None, overrides: Mapping[str, Any]
     if spec.store.startswith("file://"):
         # Absolute, so the run can be opened (status, export, resume) from any directory.
         spec = spec.model_copy(update={"store": "file://" + os.path.abspath(spec.store[len("file://"):])})
-    try:
-        assign_ranks(spec.executor, spec.replicas)
-    except ValueError as exc:
-        raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
+    _check_jobs(spec)
     return spec
+
+
+def _check_jobs(spec: RunSpec) -> None:
+    """The executor mix (replicas and rollout workers) names known executors whose counts add up; else a
+    :class:`SpecError` naming ``executor`` or ``rollouts.executor``."""
+    try:
+        assign_jobs(spec)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        raise SpecError(field if field in ("executor", "rollouts.executor") else "executor", message) from None
 
 
 def plan(spec: RunSpec) -> list[LaunchPlan]:
     """What :func:`launch` would start, per executor, without starting or writing anything."""
     run_uri = join_uri(spec.store, spec.run_id)
     plans = []
-    for name, ranks in assign_ranks(spec.executor, spec.replicas):
+    for name, ranks in assign_jobs(spec):
         try:
             plans.append(get_executor(name, spec).plan(run_uri, ranks))
         except (ExecutorError, ValueError) as exc:
@@ -185,7 +193,7 @@ def _start_jobs(store: Store, spec: RunSpec, run_key: str | None) -> list[JobHan
 
     Ctrl-C lands between executors, never between starting jobs and recording their handles."""
     handles: list[JobHandle] = []
-    for name, assigned in assign_ranks(spec.executor, spec.replicas):
+    for name, assigned in assign_jobs(spec):
         with sigint_after():
             try:
                 launched = get_executor(name, spec, run_key=run_key).launch(store.uri, assigned)
@@ -198,7 +206,7 @@ def _start_jobs(store: Store, spec: RunSpec, run_key: str | None) -> list[JobHan
 
 # ---------------------------------------------------------------- lifecycle
 def _has_cloud_executor(spec: RunSpec) -> bool:
-    return any(name != "local" for name, _ in assign_ranks(spec.executor, spec.replicas))
+    return any(name != "local" for name, _ in assign_jobs(spec))
 
 
 def _spec_paths(spec: RunSpec, base_dir: Path | None) -> list[Any]:
@@ -214,7 +222,7 @@ def _spec_paths(spec: RunSpec, base_dir: Path | None) -> list[Any]:
 
 def _check_device(spec: RunSpec) -> None:
     """``device = "cuda"`` only where the replicas will have a GPU (names the field otherwise)."""
-    executors = [name for name, _ in assign_ranks(spec.executor, spec.replicas)]
+    executors = [name for name, _ in assign_jobs(spec)]
     local_cuda = False
     if spec.device == "cuda" and "local" in executors:
         import torch
@@ -246,10 +254,10 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     check_local_ranks(spec)  # what a multi-GPU replica cannot run yet (the replica checks again)
     from composer_cloud.runs.doctor import missing_sdks
 
-    missing = missing_sdks([name for name, _ in assign_ranks(spec.executor, spec.replicas)], spec.store)
+    missing = missing_sdks([name for name, _ in assign_jobs(spec)], spec.store)
     if missing:
         raise SpecError("executor", "; ".join(missing))
-    if any(name == "local" for name, _ in assign_ranks(spec.executor, spec.replicas)):
+    if any(name == "local" for name, _ in assign_jobs(spec)):
         # Local replicas run this environment's packages: one too old fails each of them at start; say it now.
         from composer_cloud.stack import PackageTooOldError, check_packages
 
@@ -295,7 +303,7 @@ def check_before_launch(spec: RunSpec, *, base_dir: Path | None = None) -> Any:
     if refusal:
         raise SpecError("trainer", refusal)
     run_uri = join_uri(spec.store, spec.run_id)
-    for name, ranks in assign_ranks(spec.executor, spec.replicas):
+    for name, ranks in assign_jobs(spec):
         try:
             get_executor(name, spec).preflight(run_uri, ranks)
         except ExecutorError as exc:  # its message may name the executor itself: never "modal: modal: ..."
@@ -507,10 +515,7 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
         updates["replicas"] = replicas
         updates["min_replicas"] = min(spec.min_replicas, replicas)
     new_spec = spec_from_dict(spec.to_json_dict() | updates, source="resume options")
-    try:
-        assign_ranks(new_spec.executor, new_spec.replicas)
-    except ValueError as exc:
-        raise SpecError("executor", str(exc).removeprefix("executor: ")) from None
+    _check_jobs(new_spec)
     store = run.store
     # Stop whatever is left of the previous launch before touching its rounds.
     warnings = _cancel_jobs(run)[1]
@@ -519,6 +524,8 @@ def resume(run: RunRef, *, executor: str | None = None, replicas: int | None = N
         latest = sync_state.latest_checkpoint(store, spec)  # after the cancel: nothing writes checkpoints any more
     from_round = latest.round if latest else -1
     sync_state.discard_after(store, from_round)
+    if "replicas" in changes:  # each replica's prompts change with the replica count: so do later rollouts
+        discard_rollouts_after(store, from_round)
     store.delete(layout.CANCEL)
     store.delete(layout.HANDLES, recursive=True)
     store.delete(layout.HEARTBEATS, recursive=True)

@@ -48,6 +48,10 @@ class ReplicaInfo:
     #: seconds since the replica process started training; age of its last heartbeat
     elapsed_s: float | None = None
     heartbeat_age_s: float | None = None
+    #: "replica", or "rollout-worker" for the job ranks after the replicas ([rollouts] workers)
+    role: str = "replica"
+    #: a rollout worker's batches published so far (its heartbeat); None for replicas
+    batches_published: int | None = None
 
 
 @dataclass
@@ -223,7 +227,10 @@ class StatusTracker:
                 steps_per_s=beat.number("steps_per_s") if beat else None,
                 tokens_per_s=beat.number("tokens_per_s") if beat else None,
                 elapsed_s=beat.number("elapsed_s") if beat else None,
-                heartbeat_age_s=None if beat_time is None else max(0.0, time.time() - beat_time)))
+                heartbeat_age_s=None if beat_time is None else max(0.0, time.time() - beat_time),
+                role="rollout-worker" if h.rank in spec.worker_ranks else "replica",
+                batches_published=None if beat is None or h.rank not in spec.worker_ranks else
+                int(beat.number("batches_published") or 0)))
             if beat_time is not None:
                 beats.append(beat_time)
             started = beat.number("started_at") if beat else None

@@ -37,6 +37,9 @@ object: the bucket is not trusted, so callers skip it).
     decoupled/merge/<v>.json                            write-once merge record of version v
     decoupled/replica/<rank>/<seq>.safetensors (+ .json)  replica inner state (decoupled), then its marker
     decoupled/final.json                                write-once: the final version
+    rollouts/requests/<r>/<replica>/<step>.json         write-once: a trainer's rollout request (prompt token ids)
+    rollouts/batches/<r>/<replica>/<step>.json          write-once: the rollout batch that step consumes
+    rollouts/fallbacks/<r>/<replica>/<step>.json        write-once: the batch the trainer sampled itself instead
     policy/<v>.anchor.safetensors | <v>.patch.safetensors  policy version v for rollout workers: bf16 state or patch
     policy/<v>.json                                     write-once record of version v (kind, base, sizes, digest)
 
@@ -397,6 +400,53 @@ def decoupled_replica_prefix(rank: int) -> str:
 
 def decoupled_replica_key(rank: int, seq: int, ext: str) -> str:
     return f"{DECOUPLED_REPLICAS}/{rank}/{num(seq)}.{ext}"
+
+
+# --------------------------------------------------------------------------- rollouts (rollout workers, issue 36)
+ROLLOUTS = "rollouts"
+ROLLOUT_REQUESTS = f"{ROLLOUTS}/requests"
+ROLLOUT_BATCHES = f"{ROLLOUTS}/batches"
+ROLLOUT_FALLBACKS = f"{ROLLOUTS}/fallbacks"
+_ROLLOUT_NAME = re.compile(rf"([0-9]{{{NUM_WIDTH}}})\.json")
+
+
+def _rollout_key(base: str, round: int, replica: int, step: int) -> str:
+    return f"{base}/{num(round)}/{replica}/{num(step)}.json"
+
+
+def rollout_request_key(round: int, replica: int, step: int) -> str:
+    """Replica ``replica``'s write-once rollout request for inner step ``step`` of round ``round``."""
+    return _rollout_key(ROLLOUT_REQUESTS, round, replica, step)
+
+
+def rollout_batch_key(round: int, replica: int, step: int) -> str:
+    """The write-once rollout batch that step ``step`` of round ``round`` on replica ``replica`` consumes."""
+    return _rollout_key(ROLLOUT_BATCHES, round, replica, step)
+
+
+def rollout_fallback_key(round: int, replica: int, step: int) -> str:
+    """The write-once batch replica ``replica`` sampled itself for that step (no worker's batch by its deadline)."""
+    return _rollout_key(ROLLOUT_FALLBACKS, round, replica, step)
+
+
+def rollout_round_prefix(round: int, *, base: str = ROLLOUT_REQUESTS) -> str:
+    """``<base>/<r>``: every request (``base`` :data:`ROLLOUT_REQUESTS`), batch (:data:`ROLLOUT_BATCHES`) or
+    fallback (:data:`ROLLOUT_FALLBACKS`) of round ``round``."""
+    if base not in (ROLLOUT_REQUESTS, ROLLOUT_BATCHES, ROLLOUT_FALLBACKS):
+        raise ValueError(f"{base!r} is not a rollout prefix")
+    return f"{base}/{num(round)}"
+
+
+def parse_rollout_key(key: str) -> tuple[int, int, int] | None:
+    """``(round, replica, step)`` of a rollout request, batch or fallback key, else None (a stray object)."""
+    parts = key.split("/")
+    if len(parts) != 5 or f"{parts[0]}/{parts[1]}" not in (ROLLOUT_REQUESTS, ROLLOUT_BATCHES, ROLLOUT_FALLBACKS):
+        return None
+    round, replica = parse_num(parts[2]), parse_small_int(parts[3])
+    m = _ROLLOUT_NAME.fullmatch(parts[4])
+    if round is None or replica is None or m is None:
+        return None
+    return round, replica, int(m.group(1))
 
 
 def parse_num_json(name: str) -> int | None:

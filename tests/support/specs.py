@@ -83,3 +83,22 @@ target_modules = ["q_proj", "v_proj"]
 def multi_gpu_spec(n: int, extra: str = "") -> str:
     """:data:`MULTI_GPU_SPEC` with ``n`` local ranks per replica and ``extra`` settings (e.g. ``max_restarts``)."""
     return MULTI_GPU_SPEC.format(n=n, extra=extra)
+
+
+#: Question/answer rows (exact-match reward) of the rollout-worker runs, written as ``qa.jsonl`` next to the spec.
+ROLLOUT_QA = [{"question": f"What is {a} plus {b}?", "solution": str(a + b)} for a in range(6) for b in range(4)]
+
+
+def rollout_spec(*, rounds: int = 3, inner_steps: int = 2, workers: int | None = None, top: str = "") -> str:
+    """The rollout-worker runs (tests/test_rollout_workers_e2e.py, benchmarks/rollouts.py): the three-channel
+    trainer on :data:`ROLLOUT_QA` (``qa.jsonl``), lock-step rounds with every checkpoint kept, ``[rollouts]``
+    with ``max_staleness = 1`` and ``on_deadline = "wait"`` (a rerun reads the same batches), ``workers`` when
+    given (else from ``--set rollouts.workers=N``), ``top``: more top-level settings."""
+    trainer = ('name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
+               'max_completion_length = 4\neval_examples = 2')
+    return (f"min_replicas = 2\nrounds = {rounds}\ninner_steps = {inner_steps}\nkeep_checkpoints = 10\n{top}\n"
+            "[sync]\nquorum_timeout_s = 60\nround_timeout_s = 120\n"
+            "[rollouts]\nmax_staleness = 1\ndeadline_s = 120\non_deadline = \"wait\"\n"
+            + (f"workers = {workers}\n" if workers is not None else "")
+            + SMALL_RUN_TOML.replace('name = "causal-lm"', trainer)
+            + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n')
