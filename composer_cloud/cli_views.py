@@ -39,7 +39,10 @@ def print_plan(console: Console, spec: RunSpec, plans: list[Any],
             table.add_row(label, escape(value))
         console.print(table)
     for p in plans:
-        table = Table(title=f"{p.executor}: ranks {p.ranks}", show_header=False)
+        role = ""
+        if spec.rollouts.workers:  # the workers are job ranks after the replicas, planned like them
+            role = " (rollout workers)" if set(p.ranks) <= set(spec.worker_ranks) else " (trainer replicas)"
+        table = Table(title=f"{p.executor}: ranks {p.ranks}{role}", show_header=False)
         table.add_row("image", p.image)
         table.add_row("command", " ".join(p.command))
         table.add_row("env vars", ", ".join(p.env_names) or "-")

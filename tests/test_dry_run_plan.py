@@ -58,3 +58,16 @@ def test_a_decoupled_plan_counts_its_budget_and_a_trainer_that_declares_nothing_
     rows = dict(training_plan(spec, {"local": "cpu"}))
     assert rows["inner steps"].startswith("5 per contribution; the fleet's budget: 6 contributions")
     assert TrainerPlugin().training_plan("cuda") == []  # a user trainer need not declare a plan
+
+
+def test_rollout_workers_are_planned_as_workers_with_their_own_row(tmp_path, monkeypatch):
+    """Issue 36, item 5: the dry run names the worker fleet apart from the trainer replicas (before: a second,
+    unlabelled table of the same executor, and no word of the workers in the training plan)."""
+    res = _dry(tmp_path, monkeypatch, "--replicas", "2", "--set", "rollouts.workers=3", "--set",
+               "rollouts.max_staleness=0", "--set", "rollouts.on_deadline=wait")
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "local: ranks [0, 1] (trainer replicas)" in out and "local: ranks [2, 3, 4] (rollout workers)" in out, out
+    assert "3 on local (job ranks 2..4)" in out and "global model of round t - 0" in out and "keeps waiting" in out
+    plain = _dry(tmp_path, monkeypatch, "--replicas", "2", "--run-id", "q")
+    assert plain.exit_code == 0 and "rollout workers" not in plain.output and "(trainer replicas)" not in plain.output

@@ -55,7 +55,21 @@ def training_plan(spec: RunSpec, devices: Mapping[str, str]) -> list[tuple[str, 
         ("LoRA", "off (every parameter is trained and synced)" if lora is None else
          f"r {lora.r}, alpha {lora.alpha:g}, dropout {lora.dropout:g}, target modules {lora.target_modules}"),
         ("sync", f"{spec.sync.mode}, codec {spec.sync.codec}"),
+        *_rollout_workers(spec),
     ]
+
+
+def _rollout_workers(spec: RunSpec) -> list[tuple[str, str]]:
+    """The ``[rollouts]`` row: how many workers, where, and what a trainer does without their batch."""
+    r = spec.rollouts
+    if not r.workers:
+        return []
+    where = r.executor or spec.executors[0].backend
+    fallback = ("samples it itself" if r.on_deadline == "generate" else "keeps waiting")
+    return [("rollout workers", f"{r.workers} on {where} (job ranks {spec.worker_ranks.start}.."
+                                f"{spec.worker_ranks.stop - 1}); round t trains on completions sampled from the "
+                                f"global model of round t - {r.max_staleness}; a trainer waits {r.deadline_s:g} s "
+                                f"for a batch, then {fallback} (docs/rollouts.md)")]
 
 
 __all__ = ["training_plan"]
