@@ -291,3 +291,28 @@ def test_status_marks_the_rollout_workers_and_sums_the_fleet():
     console.print(status_table(st))
     text = console.export_text()
     assert "2 (worker)" in text and "3 (worker)" in text and fleet_line(st) in text
+
+
+def test_status_sums_what_the_trainers_did_with_the_batches():
+    """The trainers' side of the fleet line: batches used, refused as stale, sampled themselves, staleness."""
+    from composer_cloud.cli_views import fleet_line
+    from composer_cloud.runs.states import RunState
+    from composer_cloud.runs.status import ReplicaInfo, RolloutUse, RunStatus
+    from composer_cloud.storage.records import StepRow
+
+    def row(**figures: float) -> StepRow:
+        return StepRow(rank=0, launch=0, time=0.0, round=1, step=1, time_s=0.1, extra={"loss": 1.0, **figures})
+
+    nan = float("nan")
+    rows = [row(**{"rollouts/used": 1, "rollouts/staleness": 0.0}),
+            row(**{"rollouts/used": 1, "rollouts/staleness": 1.0}),
+            row(**{"rollouts/used": 1, "rollouts/staleness": 1.0}),
+            row(**{"rollouts/stale": 1, "rollouts/fallback": 1, "rollouts/staleness": nan}), row()]
+    use = RolloutUse.from_rows(rows)
+    assert use == RolloutUse(used=3, stale=1, fallbacks=1, staleness={0: 1, 1: 2})
+    st = RunStatus(run_id="r", run_uri="file:///x/r", state=RunState.RUNNING, rounds=3, rounds_committed=1,
+                   replicas=[ReplicaInfo(2, "local", "running", None, role="rollout-worker", batches_published=4)],
+                   rollouts=use)
+    assert fleet_line(st).endswith("; trainers used 3, refused 1 as stale, sampled 1 themselves; policy versions "
+                                   "behind (steps): 0 behind: 1, 1 behind: 2")
+    assert st.to_json()["rollouts"] == {"used": 3, "stale": 1, "fallbacks": 1, "staleness": {0: 1, 1: 2}}

@@ -90,6 +90,11 @@ def test_two_trainers_with_two_workers_complete_on_the_workers_batches(baseline,
     jobs = {i["rank"]: i for i in st["replicas"]}
     assert sorted(jobs) == [0, 1, 2, 3] and all(jobs[r]["state"] == "succeeded" for r in jobs)
     assert [jobs[r]["role"] for r in sorted(jobs)] == ["replica"] * 2 + ["rollout-worker"] * 2
+    # What the trainers did with the batches, from their step rows: every step on a worker's batch, round 0's
+    # (version 0) current, rounds 1 and 2's one version behind (max_staleness = 1).
+    steps = ROUNDS * REPLICAS * H
+    assert st["rollouts"] == {"used": steps, "stale": 0, "fallbacks": 0,
+                              "staleness": {"0": REPLICAS * H, "1": steps - REPLICAS * H}}, st["rollouts"]
     batches = consumed_batches(run_uri)
     assert set(batches) == every_position()  # one batch per trainer step, none missing, none extra
     assert {b.sampler for b in batches.values()} <= {"worker:0", "worker:1"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from composer_cloud.runs import sync_state
 from composer_cloud.runs.states import RunState
 from composer_cloud.stack import version_skew
 from composer_cloud.storage import layout
-from composer_cloud.storage.records import Heartbeat, HeartbeatState
+from composer_cloud.storage.records import Heartbeat, HeartbeatState, StepRow
 from composer_cloud.storage.run import Run, cancel_requested, load_handles
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
@@ -54,6 +55,40 @@ class ReplicaInfo:
     batches_published: int | None = None
 
 
+#: The step-row counters a trainer fed by rollout workers reports (trainer/three_channel/sourced.py writes them;
+#: the client reads the rows, never the trainer).
+_USED, _STALE, _FALLBACK, _STALENESS = "rollouts/used", "rollouts/stale", "rollouts/fallback", "rollouts/staleness"
+
+
+@dataclass
+class RolloutUse:
+    """What the trainer replicas did with the rollout workers' batches: their step rows' counters, summed.
+
+    ``used``: generations trained on a worker's batch; ``stale``: batches refused as older than
+    ``rollouts.max_staleness``; ``fallbacks``: generations the trainer sampled itself (no batch by the deadline, or
+    one refused); ``staleness``: policy versions behind (rounds) -> steps that trained on a batch that far behind.
+    """
+
+    used: int = 0
+    stale: int = 0
+    fallbacks: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[StepRow]) -> "RolloutUse":
+        use = cls()
+        for row in rows:
+            figures = row.extra
+            use.used += int(figures.get(_USED) or 0)
+            use.stale += int(figures.get(_STALE) or 0)
+            use.fallbacks += int(figures.get(_FALLBACK) or 0)
+            behind = figures.get(_STALENESS)
+            if isinstance(behind, (int, float)) and behind == behind:  # NaN: no worker batch this step
+                use.staleness[int(behind)] = use.staleness.get(int(behind), 0) + 1
+        use.staleness = dict(sorted(use.staleness.items()))
+        return use
+
+
 @dataclass
 class RunStatus:
     run_id: str
@@ -79,6 +114,8 @@ class RunStatus:
     eta_s: float | None = None
     #: the spec's ``sync.mode``: decoupled runs count merges (``rounds_committed``) and contributions, not rounds
     sync_mode: str = "lockstep"
+    #: with ``[rollouts] workers``: what the trainers did with the workers' batches (None without workers)
+    rollouts: RolloutUse | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -283,10 +320,15 @@ class StatusTracker:
             warnings += diagnose_rounds(_metrics.read_rows(store, kind="step"),
                                         declared_settings(spec.trainer.name, spec.trainer.settings()),
                                         decoupled=spec.sync.mode == "decoupled")
+        rollouts = None
+        if spec.rollouts.workers:  # a few small objects per round and replica: read on every poll
+            rows = _metrics.read_rows(store, kind="step")
+            rollouts = RolloutUse.from_rows([r for r in rows if isinstance(r, StepRow)])
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,
-                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta, sync_mode=spec.sync.mode)
+                         total_steps=total, step=step, elapsed_s=elapsed, eta_s=eta, sync_mode=spec.sync.mode,
+                         rollouts=rollouts)
 
 
 def run_status(run: Run, *, poll_executors: bool = True) -> RunStatus:
