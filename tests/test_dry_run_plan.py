@@ -22,13 +22,18 @@ def _dry(tmp_path, monkeypatch, *args: str):
 
 
 def test_the_dry_run_prints_the_three_channel_trainers_plan(tmp_path, monkeypatch):
-    res = _dry(tmp_path, monkeypatch, "--trainer", "three-channel", "--set", "device=cpu", "--inner-steps", "7",
-               "--set", "trainer.num_generations=2", "--set", "trainer.batch_size=6", "--set", "trainer.dpo_weight=0",
-               "--set", "model.lora.r=8", "--set", "model.precision=bf16")
+    args = ("--trainer", "three-channel", "--set", "device=cpu", "--inner-steps", "7",
+            "--set", "trainer.num_generations=2", "--set", "trainer.batch_size=6", "--set", "trainer.dpo_weight=0",
+            "--set", "model.lora.r=8", "--set", "model.precision=bf16")
+    res = _dry(tmp_path, monkeypatch, *args)
     assert res.exit_code == 0, res.output
-    out = res.output
-    assert "training plan" in out and "three-channel" in out
-    assert "hf (rollout = 'auto' on cpu)" in out  # "auto" resolved for the device the replicas get
+    assert "training plan" in res.output and "three-channel" in res.output  # printed, as a table
+    # The rows' values (the table wraps them at the terminal's width: read them from --json).
+    res = _dry(tmp_path, monkeypatch, *args, "--json")
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)["training"]
+    out = " | ".join(f"{k}: {v}" for k, v in plan.items())
+    assert plan["rollout"] == "hf (rollout = 'auto' on cpu)"  # "auto" resolved for the device the replicas get
     assert "2 (temperature 1)" in out and "6 completions per micro-batch" in out and "3 prompts x 2" in out
     assert "off (dpo_weight = 0)" in out and "hints: default" in out and "task python-functions" in out
     assert "7 per round" in out and "bf16" in out and "r 8, alpha 32" in out, out
@@ -68,6 +73,9 @@ def test_rollout_workers_are_planned_as_workers_with_their_own_row(tmp_path, mon
     assert res.exit_code == 0, res.output
     out = res.output
     assert "local: ranks [0, 1] (trainer replicas)" in out and "local: ranks [2, 3, 4] (rollout workers)" in out, out
-    assert "3 on local (job ranks 2..4)" in out and "global model of round t - 0" in out and "keeps waiting" in out
+    res = _dry(tmp_path, monkeypatch, "--replicas", "2", "--set", "rollouts.workers=3", "--set",
+               "rollouts.max_staleness=0", "--set", "rollouts.on_deadline=wait", "--json")
+    row = json.loads(res.stdout)["training"]["rollout workers"]
+    assert "3 on local (job ranks 2..4)" in row and "global model of round t - 0" in row and "keeps waiting" in row
     plain = _dry(tmp_path, monkeypatch, "--replicas", "2", "--run-id", "q")
     assert plain.exit_code == 0 and "rollout workers" not in plain.output and "(trainer replicas)" not in plain.output

@@ -44,7 +44,7 @@ seq_len = 16
         assert TOKEN not in out.stdout + out.stderr
         assert json.loads(out.stdout)["hub"].startswith(f"{hub.endpoint}/tester/tiny/commit/")
         (commit,) = hub.commits
-        assert commit["summary"] == "hub, round 1"
+        assert commit["summary"] == "hub, after round 1/1"  # export's own words: after round 1 of 1
         pushed = tmp_path / "hub" / "tester" / "tiny"
         assert {"config.json", "model.safetensors", "README.md"} <= set(commit["files"])
         local, remote = load_file(tmp_path / "model" / "model.safetensors"), load_file(pushed / "model.safetensors")

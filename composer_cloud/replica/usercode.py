@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,6 +41,10 @@ from composer_cloud.storage.records import CodeRef
 from composer_cloud.storage.store import Store
 
 logger = logging.getLogger(__name__)
+
+#: Serialises changes to ``sys.path`` and importlib's finder caches (``invalidate_caches`` iterates a dict that a
+#: concurrent call mutates: KeyError) when several installers share one process.
+_IMPORT_STATE = threading.Lock()
 
 
 def _get_verified(store: Store, key: str, sha256: str) -> bytes:
@@ -67,9 +72,10 @@ def install_code(store: Store, ref: CodeRef, *, cache_dir: str | os.PathLike[str
         data = _get_verified(store, ref.key, ref.sha256)
         extract_atomic(data, ref.key, target)
         logger.info("installed code %s (%s) at %s", ref.sha256[:12], ", ".join(ref.modules) or "-", target)
-    if str(target) not in sys.path:
-        sys.path.insert(0, str(target))
-    importlib.invalidate_caches()
+    with _IMPORT_STATE:  # sys.path and importlib's caches are process-wide: one installer at a time
+        if str(target) not in sys.path:
+            sys.path.insert(0, str(target))
+        importlib.invalidate_caches()
     stale = [m for m in ref.modules if getattr(sys.modules.get(m), "__file__", None)
              and not sys.modules[m].__file__.startswith(str(target) + os.sep)]
     if stale:
