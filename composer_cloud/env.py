@@ -28,6 +28,9 @@ from composer_cloud.errors import ConfigError
 LOG_LEVEL = "COMPOSER_CLOUD_LOG"
 #: torch intra-op threads of a replica process (the local executor splits the cores).
 THREADS = "COMPOSER_CLOUD_THREADS"
+#: ``0``: the local executor starts every supervisor as its own interpreter instead of forking them from one
+#: preloaded process (:mod:`composer_cloud.jobs.local_fork`).
+LOCAL_FORK = "COMPOSER_CLOUD_LOCAL_FORK"
 #: Non-secret JSON of ``spec.store_options`` for code that must open the store
 #: before it can read the spec (the HF bootstrap, the replica).
 STORE_OPTIONS = "COMPOSER_CLOUD_STORE_OPTIONS"

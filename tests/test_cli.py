@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -208,9 +209,16 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
 
         beat = _wait(progress, 90, "a progress heartbeat")
         assert beat["steps_per_s"] > 0 and beat["elapsed_s"] >= 0 and beat["total_steps"] == 400
+        # The launcher is watching once it has said "launched" (forked replicas may train before it has).
+        out_lines: list[str] = []
+        reader = threading.Thread(target=lambda: out_lines.extend(cli_proc.stdout), daemon=True)
+        reader.start()
+        _wait(lambda: any(line.startswith("launched ") for line in list(out_lines)), 60, "the launched line")
         # Ctrl-C first (the run has ~40 s left), then read status while the detached run goes on.
         os.killpg(cli_proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-        out, err = cli_proc.communicate(timeout=30)
+        cli_proc.wait(timeout=30)
+        reader.join(timeout=30)
+        out, err = "".join(out_lines), cli_proc.stderr.read()
     finally:
         if cli_proc.poll() is None:
             cli_proc.kill()

@@ -9,6 +9,10 @@ composer_cloud.jobs.local supervise ...``) in its own session, so that:
 * a replica that dies is restarted up to ``max_restarts`` times (it then
   rejoins the run by loading the latest checkpoint and healing).
 
+On Linux without a GPU for the replicas, the supervisors of one launch are forked from a single process that has
+imported torch and transformers (``fork-supervise``, :mod:`composer_cloud.jobs.local_fork`), and each forks its
+replica from that memory: the imports, most of a small replica's CPU, are paid once per launch.
+
 Job files live in ``<run dir>/jobs/<rank>/`` for ``file://`` stores, else in
 ``./runs/.local-jobs/<run_id>-<digest of the run URI>/<rank>/`` (two runs with one id
 in two stores never share a folder): ``replica.log``, ``supervisor.json``
@@ -50,9 +54,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, BinaryIO, ClassVar, Protocol
 
 from composer_cloud import env
+from composer_cloud.jobs import local_fork
 from composer_cloud.jobs.credentials import Check
 from composer_cloud.jobs.base import (
     ExecutorError,
@@ -178,12 +183,26 @@ def _supervisor_pgid(handle: JobHandle, d: Path) -> int | None:
     except OSError:
         return None
     args = [a.decode(errors="replace") for a in cmdline]
-    if _SUPERVISOR_MODULE not in args or "--dir" not in args or args[args.index("--dir") + 1:][:1] != [str(d)]:
+    if _SUPERVISOR_MODULE not in args or not (_supervises(args, d) or _fork_supervises(args, pid, handle.rank, d)):
         return None
     try:
         return os.getpgid(pid) if os.getpgid(pid) == pid else None
     except ProcessLookupError:
         return None
+
+
+def _supervises(args: list[str], d: Path) -> bool:
+    """``args`` is ``... supervise --dir D ...`` for the folder ``d``."""
+    return "supervise" in args and "--dir" in args and args[args.index("--dir") + 1:][:1] == [str(d)]
+
+
+def _fork_supervises(args: list[str], pid: int, rank: int, d: Path) -> bool:
+    """``args`` is ``... fork-supervise ... --job RANK D ...`` with ``d`` for ``rank``, and process ``pid`` is the
+    supervisor forked for that rank (its name says so: the command line names every rank's folder)."""
+    if "fork-supervise" not in args:
+        return False
+    jobs = {tuple(args[i + 1:i + 3]) for i, a in enumerate(args) if a == "--job"}
+    return (str(rank), str(d)) in jobs and local_fork.process_name(pid) == local_fork.supervisor_name(rank)
 
 
 def cuda_device_count() -> int:
@@ -283,27 +302,58 @@ class LocalProcessExecutor:
     def launch(self, run_uri: str, ranks: Sequence[int]) -> list[JobHandle]:
         self.preflight(run_uri, ranks)
         environ = self._job_env()
-        handles = []
+        jobs: list[tuple[int, Path, str]] = []  # (rank, job folder, token)
         for rank in ranks:
             try:
                 folder = job_folder(self._run_uri() or run_uri, rank, key=self._records_key, create=True)
             except UnsafeJobFolder as exc:
                 raise ExecutorError(f"{self.name}: cannot launch replica {rank}: {exc}") from None
             with folder:
-                d = folder.path  # no link in it below the root: the supervisor walks it without following any
                 for stale in ("exit.json", "supervisor.json", "cancel", "token"):
                     folder.unlink(stale)
                 token = secrets.token_hex(16)
                 folder.create_exclusive("token", token.encode())
-            cmd = [sys.executable, "-m", _SUPERVISOR_MODULE, "supervise", "--dir", str(d), "--rank", str(rank),
-                   "--max-restarts", str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
-            with open(os.devnull, "rb") as devnull:
-                proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True, env=environ)
-            handles.append(JobHandle(executor=self.name, rank=rank, job_id=str(proc.pid),
-                                     data={"dir": str(d), "pgid": proc.pid, "token": token}))
-            logger.info("launched replica %d as local process group %d", rank, proc.pid)
-        return handles
+            jobs.append((rank, folder.path, token))  # no link below the root: the supervisor walks it without any
+        pids = self._start_supervisors(run_uri, jobs, environ)
+        logger.info("launched replicas %s as local process groups %s", [j[0] for j in jobs], list(pids.values()))
+        return [JobHandle(executor=self.name, rank=rank, job_id=str(pids[rank]),
+                          data={"dir": str(d), "pgid": pids[rank], "token": token}) for rank, d, token in jobs]
+
+    def _start_supervisors(self, run_uri: str, jobs: list[tuple[int, Path, str]],
+                           environ: dict[str, str]) -> dict[int, int]:
+        """Start one supervisor per job, each in its own session; returns their pids (= process groups) by rank.
+
+        Forked from one preloaded process where :func:`~composer_cloud.jobs.local_fork.fork_enabled` allows
+        (the imports are paid once per launch), else one interpreter per supervisor.
+        """
+        base = [sys.executable, "-m", _SUPERVISOR_MODULE]
+        device = self.spec.device if self.spec is not None else "auto"
+        if not local_fork.fork_enabled(device=device, environ=environ):
+            pids = {}
+            for rank, d, _ in jobs:
+                cmd = [*base, "supervise", "--dir", str(d), "--rank", str(rank), "--max-restarts",
+                       str(self.max_restarts), "--", *replica_command(run_uri, rank, python=sys.executable)]
+                with open(os.devnull, "rb") as devnull:
+                    proc = subprocess.Popen(cmd, stdin=devnull, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True, env=environ)
+                pids[rank] = proc.pid
+            return pids
+        cmd = [*base, "fork-supervise", "--run", run_uri, "--max-restarts", str(self.max_restarts)]
+        for rank, d, _ in jobs:
+            cmd += ["--job", str(rank), str(d)]
+        # It prints `RANK PID` per forked supervisor and exits; the supervisors do not hold its stdout.
+        with open(os.devnull, "rb") as devnull:
+            done = subprocess.run(cmd, stdin=devnull, capture_output=True, text=True, env=environ,
+                                  start_new_session=True, check=False)
+        pids = {int(r): int(p) for r, p in (line.split() for line in done.stdout.splitlines() if line.strip())}
+        if done.returncode != 0 or sorted(pids) != sorted(rank for rank, _, _ in jobs):
+            raise ExecutorError(f"{self.name}: the preloaded supervisor exited with code {done.returncode} after "
+                                f"starting ranks {sorted(pids)} of {[r for r, _, _ in jobs]}: "
+                                f"{done.stderr.strip()[-2000:]}; set {env.LOCAL_FORK}=0 to start every "
+                                "supervisor as its own interpreter")
+        if done.stderr.strip():
+            logger.debug("preloaded supervisor: %s", done.stderr.strip()[-2000:])
+        return pids
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
         with _verified_dir(handle, self._run_uri(), self._records_key) as folder:
@@ -444,12 +494,15 @@ def _tail(folder: JobFolder, lines: int = 5) -> str:
 
 # ---------------------------------------------------------------- supervisor
 def supervise(directory: Path, max_restarts: int, command: list[str], *, rank: int = 0,
-              key: bytes | None = None) -> int:
+              key: bytes | None = None, start: Callable[[list[str], BinaryIO], ReplicaProcess] | None = None) -> int:
     """Run ``command`` with output to ``replica.log``; restart on failure up to ``max_restarts``.
 
     ``directory`` (``<...>/<rank>``) is opened once without following links, and every file in it through that
-    descriptor; ``key`` signs this job's records and verifies its cancel record (a signed run).
+    descriptor; ``key`` signs this job's records and verifies its cancel record (a signed run). ``start``
+    starts the replica (default: a new interpreter; :func:`~composer_cloud.jobs.local_fork.fork_replica` forks
+    this preloaded process instead).
     """
+    start = start or _popen
     restarts = 0
     cancelled = False
 
@@ -461,11 +514,11 @@ def supervise(directory: Path, max_restarts: int, command: list[str], *, rank: i
     folder = JobFolder.at(directory, rank=rank, key=key)
     with folder, folder.open_append("replica.log") as log:
         while True:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = start(command, log)
             folder.write_record("supervisor.json",
                                 {"supervisor_pid": os.getpid(), "replica_pid": proc.pid, "restarts": restarts})
 
-            def stop_if_cancelled(_failed: int, proc: subprocess.Popen = proc) -> None:
+            def stop_if_cancelled(_failed: int, proc: ReplicaProcess = proc) -> None:
                 nonlocal cancelled
                 if cancelled or (folder.size("cancel") and folder.read_record("cancel") is not None):
                     cancelled = True
@@ -484,6 +537,42 @@ def supervise(directory: Path, max_restarts: int, command: list[str], *, rank: i
             log.write(f"\n[supervisor] replica exited with code {code}; restart {restarts}/{max_restarts}\n".encode())
 
 
+class ReplicaProcess(Protocol):
+    """What a supervisor needs of its replica's process (:class:`subprocess.Popen` or a fork)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+
+def _popen(command: list[str], log: BinaryIO) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def fork_supervise(run_uri: str, jobs: list[tuple[int, Path]], max_restarts: int, *,
+                   key: bytes | None = None) -> int:
+    """Preload the replicas' imports once, then fork one supervisor per ``(rank, directory)`` in ``jobs`` (its own
+    session, named :func:`~composer_cloud.jobs.local_fork.supervisor_name`), each forking its replica from this
+    memory. Prints ``RANK PID`` per supervisor on stdout, the launcher's handles; returns when all are forked.
+    """
+    failed = local_fork.preload()
+    if failed:
+        print("preload (left to the replicas): " + "; ".join(failed), file=sys.stderr, flush=True)
+    for rank, directory in jobs:
+        command = replica_command(run_uri, rank, python=sys.executable)
+
+        def supervisor(rank: int = rank, directory: Path = directory, command: list[str] = command) -> int:
+            local_fork.name_this_process(local_fork.supervisor_name(rank))
+            return supervise(directory, max_restarts, command, rank=rank, key=key, start=local_fork.fork_replica)
+
+        with open(os.devnull, "wb") as devnull:
+            child = local_fork.fork_call(supervisor, stdout=devnull.fileno(), new_session=True)
+        print(f"{rank} {child.pid}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer_cloud.jobs.local")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -492,7 +581,14 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--max-restarts", type=int, default=0)
     sp.add_argument("--rank", type=int, default=None, help="default: the folder's name when it is a number, else 0")
     sp.add_argument("command", nargs=argparse.REMAINDER)
+    fp = sub.add_parser("fork-supervise", help="supervise every --job's replica, forked from one preloaded process")
+    fp.add_argument("--run", required=True)
+    fp.add_argument("--max-restarts", type=int, default=0)
+    fp.add_argument("--job", nargs=2, action="append", required=True, metavar=("RANK", "DIR"))
     args = parser.parse_args(argv)
+    if args.cmd == "fork-supervise":
+        return fork_supervise(args.run, [(int(rank), Path(d)) for rank, d in args.job], args.max_restarts,
+                              key=env.job_records_key())
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     rank = args.rank if args.rank is not None else int(args.dir.name) if args.dir.name.isdigit() else 0
     return supervise(args.dir, args.max_restarts, command, rank=rank, key=env.job_records_key())

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,7 +32,20 @@ def launch_stalled(cwd: Path, config: Path, store: str, run_id: str, *, phase: s
     launcher = start_cli("launch", "--config", str(config), "--store", store, "--run-id", run_id, cwd=cwd, env=env,
                          capture=capture)
     wait_for_marker(marker, launcher, timeout=timeout, what=f"{phase}:{round}:{rank}")
+    wait_for_handles(f"{store.rstrip('/')}/{run_id}", launcher)
     return launcher
+
+
+def wait_for_handles(run_uri: str, launcher: subprocess.Popen, *, timeout: float = 60) -> None:
+    """Until the launcher has recorded every job's handle. Forked replicas start at once and may reach a stall
+    before the launcher writes the handles that :func:`kill_run` kills by."""
+    spec = open_run(run_uri).spec
+    expected = spec.replicas + spec.rollouts.workers
+    deadline = time.monotonic() + timeout
+    while len(handles(run_uri)) < expected:
+        assert launcher.poll() is None, f"the launcher exited ({launcher.returncode}) before recording its jobs"
+        assert time.monotonic() < deadline, f"{run_uri}: the launcher recorded no handle for some job in {timeout}s"
+        time.sleep(0.05)
 
 
 def handles(run_uri: str) -> dict[int, JobHandle]:
