@@ -19,11 +19,12 @@ import logging
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from composer_cloud.compat_transformers import enable_activation_checkpointing
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def build_tiny_model(
     tokenizer: Any, *, seed: int, config: TinyModelConfig | None = None, attention: str = "sdpa"
 ) -> torch.nn.Module:
     """A freshly initialised Qwen2 causal LM; identical on every replica for a given seed."""
+    import torch
     from transformers import Qwen2ForCausalLM
 
     hf_config = tiny_config(tokenizer, config=config, attention=attention)
@@ -133,7 +135,7 @@ def load_model(
     device: torch.device | str = "cpu",
     tiny: TinyModelConfig | None = None,
     attention: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Return ``(model, tokenizer)`` for ``ref``: ``"tiny"``, a hub id or a local path.
 
@@ -141,6 +143,9 @@ def load_model(
     an fp32 copy of the global parameters and the outer step is applied in the
     parameters' dtype (only a LoRA model's frozen base is ever loaded in bf16).
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if ref == TINY:
         tokenizer = build_tokenizer((tiny or TinyModelConfig()).vocab_size)
         model = build_tiny_model(tokenizer, seed=seed, config=tiny, attention=attention).to(dtype)
@@ -166,7 +171,7 @@ def resolve_attention(choice: str, *, device: torch.device | str, precision: str
     is installed, else ``sdpa`` (PyTorch's fused attention). Raises ``ValueError``
     naming ``model.attention`` for flash-attention where it cannot run.
     """
-    on_cuda = torch.device(device).type == "cuda"
+    on_cuda = _device_type(device) == "cuda"
     if choice == "auto":
         return "flash_attention_2" if on_cuda and precision == "bf16" and flash_attention_installed() else "sdpa"
     if choice == "flash_attention_2":
@@ -180,10 +185,20 @@ def resolve_attention(choice: str, *, device: torch.device | str, precision: str
     return choice
 
 
+def _device_type(device: torch.device | str) -> str:
+    """``"cuda"`` for ``"cuda:1"`` or ``torch.device("cuda", 1)`` (a name needs no torch import: the launcher's
+    checks run without it)."""
+    return device.split(":", 1)[0] if isinstance(device, str) else device.type
+
+
 def check_precision(precision: str, device: torch.device | str) -> None:
     """Raise ``ValueError`` naming ``model.precision`` when ``device`` cannot compute in it."""
+    if precision != "bf16" or _device_type(device) != "cuda":
+        return
+    import torch
+
     device = torch.device(device)
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if not torch.cuda.is_bf16_supported():
         raise ValueError(f'model.precision: {torch.cuda.get_device_name(device)} has no bfloat16 support '
                          '(GPUs before Ampere); use "fp32"')
 
@@ -200,6 +215,8 @@ def load_spec_model(model_spec: Any, *, seed: int, device: torch.device | str = 
     (``[model.lora]``: a PEFT model whose adapters alone are trainable) and
     records the compute precision on the model (:func:`compute_precision`).
     """
+    import torch
+
     precision = getattr(model_spec, "precision", "fp32")
     lora = getattr(model_spec, "lora", None)
     check_precision(precision, device)
