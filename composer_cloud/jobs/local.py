@@ -341,19 +341,11 @@ class LocalProcessExecutor:
         cmd = [*base, "fork-supervise", "--run", run_uri, "--max-restarts", str(self.max_restarts)]
         for rank, d, _ in jobs:
             cmd += ["--job", str(rank), str(d)]
-        # It prints `RANK PID` per forked supervisor and exits; the supervisors do not hold its stdout.
-        with open(os.devnull, "rb") as devnull:
-            done = subprocess.run(cmd, stdin=devnull, capture_output=True, text=True, env=environ,
-                                  start_new_session=True, check=False)
-        pids = {int(r): int(p) for r, p in (line.split() for line in done.stdout.splitlines() if line.strip())}
-        if done.returncode != 0 or sorted(pids) != sorted(rank for rank, _, _ in jobs):
-            raise ExecutorError(f"{self.name}: the preloaded supervisor exited with code {done.returncode} after "
-                                f"starting ranks {sorted(pids)} of {[r for r, _, _ in jobs]}: "
-                                f"{done.stderr.strip()[-2000:]}; set {env.LOCAL_FORK}=0 to start every "
-                                "supervisor as its own interpreter")
-        if done.stderr.strip():
-            logger.debug("preloaded supervisor: %s", done.stderr.strip()[-2000:])
-        return pids
+        try:
+            return local_fork.start_forked(cmd, [rank for rank, _, _ in jobs], environ=environ)
+        except local_fork.ForkStartError as exc:
+            raise ExecutorError(f"{self.name}: {exc}; set {env.LOCAL_FORK}=0 to start every supervisor as its own "
+                                "interpreter") from None
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
         with _verified_dir(handle, self._run_uri(), self._records_key) as folder:
@@ -567,8 +559,8 @@ def fork_supervise(run_uri: str, jobs: list[tuple[int, Path]], max_restarts: int
             local_fork.name_this_process(local_fork.supervisor_name(rank))
             return supervise(directory, max_restarts, command, rank=rank, key=key, start=local_fork.fork_replica)
 
-        with open(os.devnull, "wb") as devnull:
-            child = local_fork.fork_call(supervisor, stdout=devnull.fileno(), new_session=True)
+        with open(os.devnull, "wb") as devnull:  # its records are written: it ends without the exit handlers
+            child = local_fork.fork_call(supervisor, stdout=devnull.fileno(), new_session=True, finalize=False)
         print(f"{rank} {child.pid}", flush=True)
     return 0
 
@@ -587,8 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     fp.add_argument("--job", nargs=2, action="append", required=True, metavar=("RANK", "DIR"))
     args = parser.parse_args(argv)
     if args.cmd == "fork-supervise":
-        return fork_supervise(args.run, [(int(rank), Path(d)) for rank, d in args.job], args.max_restarts,
+        code = fork_supervise(args.run, [(int(rank), Path(d)) for rank, d in args.job], args.max_restarts,
                               key=env.job_records_key())
+        sys.stdout.flush()
+        os._exit(code)  # it only imported and forked: nothing to finalise, and no exit handler may hold it up
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     rank = args.rank if args.rank is not None else int(args.dir.name) if args.dir.name.isdigit() else 0
     return supervise(args.dir, args.max_restarts, command, rank=rank, key=env.job_records_key())

@@ -28,9 +28,13 @@ import ctypes
 import importlib
 import logging
 import os
+import selectors
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -128,14 +132,15 @@ class ForkedProcess:
                 pass
 
 
-def fork_call(main: Callable[[], int | None], *, stdout: int, new_session: bool = False) -> ForkedProcess:
+def fork_call(main: Callable[[], int | None], *, stdout: int, new_session: bool = False,
+              finalize: bool = True) -> ForkedProcess:
     """Run ``main()`` in a forked child with fds 1 and 2 on ``stdout``, stdin on /dev/null; its return value is
     the child's exit code, an exception exits 1 with the traceback on ``stdout``.
 
-    The child ends as an interpreter does (non-daemon threads joined, ``atexit`` handlers run, output flushed)
-    and then ``os._exit``: it never returns into the parent's stack, whose ``finally`` blocks (the supervisor's
-    records) belong to the parent alone. Signal handlers the parent installed are reset to the defaults a new
-    interpreter has.
+    With ``finalize``, the child ends as an interpreter does (non-daemon threads joined, ``atexit`` handlers
+    run); always, its output is flushed and it leaves by ``os._exit``: it never returns into the parent's
+    stack, whose ``finally`` blocks (the supervisor's records) belong to the parent alone. Signal handlers the
+    parent installed are reset to the defaults a new interpreter has.
     """
     pid = os.fork()
     if pid:
@@ -159,7 +164,7 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, new_session: bool 
     except BaseException:  # noqa: BLE001 - nothing may escape into the parent's stack
         traceback.print_exc()
     finally:
-        _end_like_an_interpreter(code)
+        _end(code, finalize=finalize)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -176,13 +181,14 @@ def _exit_code(main: Callable[[], int | None]) -> int:
     return 0 if result is None else int(result)
 
 
-def _end_like_an_interpreter(code: int) -> None:
-    """What ``Py_Finalize`` does that a replica may rely on, then ``os._exit(code)``."""
+def _end(code: int, *, finalize: bool) -> None:
+    """With ``finalize``, what ``Py_Finalize`` does that a replica may rely on; then ``os._exit(code)``."""
     try:
-        shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as interpreter exit does
-        if shutdown is not None:
-            shutdown()
-        atexit._run_exitfuncs()
+        if finalize:
+            shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as interpreter exit does
+            if shutdown is not None:
+                shutdown()
+            atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -207,3 +213,57 @@ def fork_replica(command: list[str], log: BinaryIO) -> ForkedProcess:
 
     log.flush()
     return fork_call(replica_main, stdout=log.fileno())
+
+
+class ForkStartError(RuntimeError):
+    """The preloading process did not fork every job's supervisor (its output says why)."""
+
+
+#: Seconds the launcher waits for the preloading process to fork every supervisor (its imports; minutes only
+#: on a machine that is very busy).
+START_TIMEOUT_S = 600.0
+
+
+def start_forked(command: list[str], ranks: list[int], *, environ: Mapping[str, str],
+                 timeout_s: float = START_TIMEOUT_S) -> dict[int, int]:
+    """Run ``command`` (``... fork-supervise ...``) in its own session and return the supervisors' pids by rank,
+    read from its ``RANK PID`` lines as it forks them.
+
+    The launcher never waits on more than those lines: not on the process's exit (it ends by ``os._exit``
+    at once, and is reaped here), not on its stderr (a file, so warnings can never fill a pipe and block it).
+    """
+    pids: dict[int, int] = {}
+    with tempfile.TemporaryFile() as err, open(os.devnull, "rb") as devnull:
+        proc = subprocess.Popen(command, stdin=devnull, stdout=subprocess.PIPE, stderr=err, env=dict(environ),
+                                start_new_session=True)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        buffer = b""
+        with proc.stdout, selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while len(pids) < len(ranks) and (left := deadline - time.monotonic()) > 0:
+                if not sel.select(timeout=min(left, 1.0)):
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break  # it ended
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    rank, pid = line.split()
+                    pids[int(rank)] = int(pid)
+        if len(pids) < len(ranks):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the supervisors forked so far have theirs
+            proc.wait()
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip()[-2000:]
+            raise ForkStartError(f"the preloading supervisor process forked ranks {sorted(pids)} of {ranks} "
+                                 f"(exit code {proc.returncode}, {timeout_s:.0f}s allowed): {tail}")
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            logger.warning("the preloading supervisor process %d did not exit after forking; killed", proc.pid)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return pids
