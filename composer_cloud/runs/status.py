@@ -89,6 +89,56 @@ class RolloutUse:
         return use
 
 
+@dataclass(frozen=True)
+class WorkerFigures:
+    """One rollout worker as the fleet views show it: job ``rank`` (``replicas + w``), its job ``state``, and from
+    its heartbeat the batches it published and its sampling rate (completion tokens per second of sampling)."""
+
+    rank: int
+    state: str
+    batches_published: int
+    tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class RolloutFleet:
+    """The rollout worker fleet of one :class:`RunStatus`, the one summary ``status`` and ``report`` both show.
+
+    Everything is derived from the status (the workers' heartbeats via :class:`ReplicaInfo`, the trainers' step rows
+    via :class:`RolloutUse`), never read again: :meth:`from_status` is ``None`` for a run without workers.
+    ``tokens_per_s`` is summed over the workers (a worker without a rate counts 0).
+    """
+
+    workers: list[WorkerFigures]
+    running: int
+    batches_published: int
+    tokens_per_s: float
+    use: RolloutUse | None
+
+    @classmethod
+    def from_status(cls, status: "RunStatus") -> "RolloutFleet | None":
+        infos = [r for r in status.replicas if r.role != "replica"]
+        if not infos:
+            return None
+        workers = [WorkerFigures(rank=r.rank, state=r.state, batches_published=r.batches_published or 0,
+                                 tokens_per_s=r.tokens_per_s) for r in infos]
+        return cls(workers=workers, running=sum(r.state in ("running", "pending") for r in infos),
+                   batches_published=sum(w.batches_published for w in workers),
+                   tokens_per_s=sum(w.tokens_per_s or 0.0 for w in workers), use=status.rollouts)
+
+    def line(self) -> str:
+        """``rollout workers: 2 (2 running), 14 batches published, 35.2 tokens/s; trainers used 12, refused 0 as
+        stale, sampled 0 themselves; policy versions behind (steps): 0 behind: 4, 1 behind: 8``."""
+        line = (f"rollout workers: {len(self.workers)} ({self.running} running), {self.batches_published} batches "
+                f"published, {self.tokens_per_s:.1f} tokens/s")
+        use = self.use
+        if use is not None:  # what the trainers did with them (their step rows)
+            behind = ", ".join(f"{v} behind: {n}" for v, n in use.staleness.items()) or "-"
+            line += (f"; trainers used {use.used}, refused {use.stale} as stale, sampled {use.fallbacks} themselves; "
+                     f"policy versions behind (steps): {behind}")
+        return line
+
+
 @dataclass
 class RunStatus:
     run_id: str
