@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import html
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,3 +107,67 @@ def test_a_run_without_workers_has_no_fleet_on_its_report(tmp_path):
     assert RolloutFleet.from_status(run_status(run)) is None
     rep = write_report(run, tmp_path / "out")
     assert rep.fleet is None and "Rollout workers" not in rep.html.read_text()
+
+
+class CountingBackend:
+    """The store's backend, counting GETs per key (a HEAD counts as a GET)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gets: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        self.gets[key] += 1
+        return self.inner.read(key, limit)
+
+    def exists(self, key: str) -> bool:
+        self.gets[key] += 1
+        return self.inner.exists(key)
+
+
+def test_status_reads_each_step_metrics_object_once_and_drops_rows_a_resume_superseded(tmp_path):
+    from composer_cloud.runs.metrics import read_rows
+    from composer_cloud.runs.status import StatusTracker
+    from composer_cloud.storage.records import ResumeRecord
+
+    run = _run(tmp_path, workers=2)
+    store = run.store
+    counting = store.backend = CountingBackend(store.backend)
+    tracker = StatusTracker(run, poll_executors=False)
+
+    def metrics_gets() -> Counter[str]:
+        return Counter({k: n for k, n in counting.gets.items() if k.startswith(layout.metrics_prefix() + "/")})
+
+    def full_read() -> RolloutUse:  # what a fresh reader of every object says
+        return RolloutUse.from_rows([r for r in read_rows(store, kind="step")])
+
+    first = tracker.poll().rollouts
+    assert metrics_gets() == Counter({k: 1 for k in metrics_gets()}) and len(metrics_gets()) == 2 * 2 * 2
+    assert first == full_read() and first.used == 4  # 2 replicas x 2 rounds, each object and its digest read once
+    counting.gets.clear()
+    assert tracker.poll().rollouts == first
+    assert not metrics_gets()  # nothing new: no GET of any metrics object
+
+    # Launch 1 resumed replica 0 from round 0's checkpoint and re-ran round 1 on a fresh batch: launch 0's round 1
+    # rows of replica 0 are superseded (its stale batch and its fallback no longer count), the new object is read.
+    store.create_json(layout.resume_key(0), ResumeRecord(from_round=0, executor="local", replicas=2,
+                                                         time=time.time()).to_json())
+    log = MetricsLog(store, 0, launch=1)
+    source = InMemorySource()
+    source.put(RolloutKey(1, 0, 3), _batch(1))
+    source.put(RolloutKey(1, 0, 4), _batch(1))
+    sourced = SourcedRollouts(source, max_staleness=1)
+    for step in (3, 4):
+        assert sourced.take(RolloutKey(1, 0, step), PROMPTS, max_completion_length=4, vocab_size=16) is not None
+        log_step(log, 1, step, loss=0.5, **sourced.take_metrics())
+    new_key = log_round(log, 1, committed=True, train_loss=0.5, sync_s=0.1)
+    counting.gets.clear()
+    after = tracker.poll().rollouts
+    assert set(metrics_gets()) == {new_key, layout.metrics_digest_key(new_key)}  # only the new object
+    assert after == full_read()
+    # The resume re-ran round 1 for the whole run: replica 0 used 2 + 2 current batches; replica 1's round 1 (its one
+    # batch, 1 behind, and a fallback) is superseded and only its round 0 (2 sampled itself) counts.
+    assert after == RolloutUse(used=4, stale=0, fallbacks=2, staleness={0: 4})
