@@ -9,6 +9,7 @@ are the launcher's records. The end-to-end run's report is checked in ``test_rol
 from __future__ import annotations
 
 import html
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -97,6 +98,16 @@ def test_the_report_shows_the_fleet_with_the_figures_status_shows(tmp_path):
     assert "<tr><td>0</td><td>2</td></tr><tr><td>1</td><td>2</td></tr>" in page  # versions behind -> steps
     assert "<tr><td>3</td><td>succeeded</td><td>4</td><td>30</td></tr>" in page  # one row per worker
     assert "<tr><td>4</td><td>0</td><td>4</td></tr>" in page  # used, refused as stale, sampled themselves
+    # `report --json` carries the same fleet.
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    res = CliRunner().invoke(app, ["report", run.uri, "--out", str(tmp_path / "json"), "--json"])
+    assert res.exit_code == 0, res.output
+    fleet_json = json.loads(res.output)["rollouts"]
+    assert fleet_json["batches_published"] == 7 and fleet_json["use"]["used"] == 4
+    assert [w["rank"] for w in fleet_json["workers"]] == [2, 3]
 
 
 def test_a_run_without_workers_has_no_fleet_on_its_report(tmp_path):
