@@ -84,6 +84,8 @@ def test_a_run_whose_workers_never_answer_trains_on_the_batches_the_workers_woul
                                          vocab_size=10**6, device=CPU) for key in _keys()}
     assert torch.equal(torch.random.get_rng_state(), rng)  # building and sampling left the trainer's RNG alone
     assert trainer.totals["fallback"] == len(_keys()) and fallback.sampled == len(_keys())
+    metrics = source.take_metrics()
+    assert metrics["rollouts/timed_out"] == len(_keys()) and metrics["rollouts/fallback_live"] == 0
     assert fell_back == from_workers  # bitwise: the same completion ids, the same sampler log-probs
     assert len({tuple(map(tuple, ids)) for ids, _, _ in fell_back.values()}) > 1  # positions differ (a real check)
     # Recorded under rollouts/fallbacks/ with the version a worker samples from; a resumed run reads them first.
@@ -105,5 +107,6 @@ def test_a_fallback_whose_policy_version_is_not_published_samples_from_the_live_
     got = trainer.generation(RolloutKey(1, 0, 3), PROMPTS, lambda: live, max_completion_length=6, vocab_size=100,
                              device=CPU)
     assert got == ([[1], [2], [3], [4]], None, None) and fallback.unavailable == 1
+    assert source.take_metrics()["rollouts/fallback_live"] == 1.0  # counted in the step's metrics
     record = RolloutBatches(store, max_staleness=0).read_batch(Position(1, 0, 3), fallback=True)
     assert record.policy_version == 1 and record.completion_ids == [[1], [2], [3], [4]]

@@ -125,6 +125,7 @@ class StoreCompletionSource:
             return None
         got = self.fallback.sample(key, [[int(t) for t in row] for row in prompt_ids])
         if got is None:
+            self.counters.fallback_live += 1
             return None
         sampled, version = got
         return sampled.completion_ids, sampled.logps, version
