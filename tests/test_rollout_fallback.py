@@ -110,3 +110,67 @@ def test_a_fallback_whose_policy_version_is_not_published_samples_from_the_live_
     assert source.take_metrics()["rollouts/fallback_live"] == 1.0  # counted in the step's metrics
     record = RolloutBatches(store, max_staleness=0).read_batch(Position(1, 0, 3), fallback=True)
     assert record.policy_version == 1 and record.completion_ids == [[1], [2], [3], [4]]
+
+
+def test_a_trainer_that_falls_back_trains_bitwise_as_the_trainer_a_worker_answered():
+    """Through the three-channel trainer itself (TRL's generation, scoring and importance-sampling correction): the
+    step whose worker never answered has the same batch, loss and gradients as the step a worker answered."""
+    import tempfile
+
+    from composer_cloud.model import TinyModelConfig, load_model
+    from composer_cloud.rollouts.sampler import BatchSampler
+    from composer_cloud.rollouts.versions import PolicyVersions
+    from composer_cloud.trainer.three_channel import ThreeChannelSettings, ThreeChannelTrainer
+    from support.trainer import HashTask
+
+    small = TinyModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=64)
+    settings = ThreeChannelSettings(batch_size=8, num_generations=4, max_completion_length=6,
+                                    mask_truncated_completions=False, sdpo_weight=0.0, dpo_weight=0.0,
+                                    loss_type="dapo", rollout="hf")
+    rows = [{"prompt": f"def g{i}(x):\n    return", "k": i} for i in range(2) for _ in range(4)]
+    key = RolloutKey(round=1, replica=0, step=3)  # max_staleness = 0: version 1, not the trainer's live weights
+
+    def stack(store: Store):
+        model, tok = load_model("tiny", seed=0, tiny=small)
+        model.eval().requires_grad_(False)
+        return BatchSampler(model, tok, settings), PolicyVersions(store, model, fragments=1, chain=True)
+
+    def run(store: Store, *, answered: bool):
+        model, tok = load_model("tiny", seed=0, tiny=small)
+        publish_policy(store, version=0, model=model)
+        moved, _ = load_model("tiny", seed=0, tiny=small)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.mul_(1.5)
+        publish_policy(store, version=1, model=moved)
+        if answered:  # a worker already answered the request the trainer is about to make
+            prompts = tok([r["prompt"] for r in rows]).input_ids
+            RolloutBatches(store, max_staleness=0).request(Position(1, 0, 3), [list(p) for p in prompts])
+            sampler, versions = stack(store)
+            worker = RolloutWorker(store, config=WorkerConfig(index=0, workers=1, seed=0, max_staleness=0,
+                                                              deadline_s=60.0), sampler=sampler, versions=versions)
+            assert worker.serve_once() == 1
+        tr = ThreeChannelTrainer(model=model, tokenizer=tok, task=HashTask(), settings=settings, seed=0,
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=3e-2))
+        source = StoreCompletionSource(store, replica=0, max_staleness=0, deadline_s=0.05,
+                                       fallback=WorkerFallback(lambda: stack(store), seed=0, max_staleness=0, wait_s=1.0))
+        tr.set_completion_source(source, max_staleness=0)
+        tr.model.train()
+        tr.grpo.rollout_key = key
+        out = tr.grpo._generate_and_score_completions([dict(r) for r in rows])
+        tr.model.zero_grad(set_to_none=True)
+        loss = tr.grpo.compute_loss(tr.model, dict(out))
+        loss.backward()
+        metrics = tr.grpo.sourced.take_metrics()
+        return out, loss.detach(), [p.grad.clone() for p in tr.model.parameters()], metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        want, l_want, g_want, m_want = run(Store(f"file://{tmp}/answered"), answered=True)
+        got, l_got, g_got, m_got = run(Store(f"file://{tmp}/silent"), answered=False)
+    assert m_want["rollouts/used"] == 1 and m_got["rollouts/fallback"] == 1
+    assert "importance_sampling_ratio" in got  # the fallback carries the sampler's log-probs, as a worker's batch
+    for name in ("prompt_ids", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+                 "importance_sampling_ratio"):
+        assert torch.equal(want[name], got[name]), name
+    assert torch.equal(l_want, l_got) and all(torch.equal(a, b) for a, b in zip(g_want, g_got))
