@@ -413,7 +413,8 @@ def report(run_uri: str, out: Annotated[Optional[Path], typer.Option(
         raise _fail(str(exc)) from None
     if as_json:
         _print_json({"run_id": run.run_id, "png": str(rep.png), "html": str(rep.html), "rounds": rep.rounds,
-                     "replicas": rep.replicas, "labels": rep.labels})
+                     "replicas": rep.replicas, "labels": rep.labels,
+                     "rollouts": None if rep.fleet is None else dataclasses.asdict(rep.fleet)})
     else:
         console.print(f"wrote {rep.png} and {rep.html} ({rep.rounds} rounds, replicas {rep.replicas})")
 

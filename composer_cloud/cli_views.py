@@ -13,7 +13,7 @@ from rich.text import Text
 from composer_cloud import runs
 from composer_cloud.runs import Run, RunState, RunStatus
 from composer_cloud.round_numbers import shown_round
-from composer_cloud.runs.status import exit_reason
+from composer_cloud.runs.status import RolloutFleet, exit_reason
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.store import join_uri
 
@@ -270,20 +270,10 @@ def status_table(status: RunStatus) -> Group:
 
 
 def fleet_line(status: RunStatus) -> str:
-    """``rollout workers: 2 (2 running), 14 batches published, 35.2 tokens/s; trainers used 12, refused 0 as stale,
-    sampled 0 themselves; policy versions behind (steps): 0 behind: 4, 1 behind: 8`` (tokens/s summed over the
-    workers; the rest from the trainers' step rows, :class:`~composer_cloud.runs.status.RolloutUse`)."""
-    workers = [r for r in status.replicas if r.role != "replica"]
-    running = sum(r.state in ("running", "pending") for r in workers)
-    batches = sum(r.batches_published or 0 for r in workers)
-    rate = sum(r.tokens_per_s or 0.0 for r in workers)
-    line = f"rollout workers: {len(workers)} ({running} running), {batches} batches published, {rate:.1f} tokens/s"
-    use = status.rollouts
-    if use is not None:  # what the trainers did with them (their step rows)
-        behind = ", ".join(f"{v} behind: {n}" for v, n in use.staleness.items()) or "-"
-        line += (f"; trainers used {use.used}, refused {use.stale} as stale, sampled {use.fallbacks} themselves; "
-                 f"policy versions behind (steps): {behind}")
-    return line
+    """``rollout workers: 2 (2 running), 14 batches published, 35.2 tokens/s; trainers used 12, ...``: the fleet
+    summary :meth:`~composer_cloud.runs.status.RolloutFleet.line` (``report`` shows the same figures)."""
+    fleet = RolloutFleet.from_status(status)
+    return "" if fleet is None else fleet.line()
 
 
 def _cell(v: Any) -> str:

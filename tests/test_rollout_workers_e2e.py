@@ -14,6 +14,8 @@ weights; the run's batches are checked through the store's records.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from pathlib import Path
@@ -104,6 +106,14 @@ def test_two_trainers_with_two_workers_complete_on_the_workers_batches(baseline,
     beats = {w: store.get_json(layout.heartbeat_key(REPLICAS + w)) for w in range(WORKERS)}
     assert sum(int(b["batches_published"]) for b in beats.values()) == len(batches)
     assert all(b["role"] == "rollout-worker" and b["state"] == "completed" for b in beats.values())
+    # `report` shows the same fleet as `status` (its figures, not a second reading of the records).
+    pytest.importorskip("matplotlib", reason="the [report] extra")
+    from composer_cloud.runs.report import write_report
+
+    rep = write_report(open_run(run_uri), tmp_path / "report")
+    assert rep.fleet is not None and dataclasses.asdict(rep.fleet.use) == {
+        **st["rollouts"], "staleness": {int(k): v for k, v in st["rollouts"]["staleness"].items()}}
+    assert rep.fleet.batches_published == len(batches) and "<h2>Rollout workers</h2>" in rep.html.read_text()
 
 
 def test_kill_everything_in_round_2_then_resume_exports_the_uninterrupted_model(baseline, tmp_path):

@@ -27,8 +27,7 @@ import torch
 
 from composer_cloud.env import JobEnv
 from composer_cloud.replica.usercode import install_code, localize_spec
-from composer_cloud.rollouts.sampler import BatchSampler
-from composer_cloud.rollouts.versions import PolicyVersions
+from composer_cloud.rollouts.fallback import worker_policy
 from composer_cloud.rollouts.worker import RolloutWorker, WorkerConfig
 from composer_cloud.spec_sync import SyncSpec
 from composer_cloud.stack import check_packages, runtime_versions
@@ -93,22 +92,15 @@ class RolloutJob:
         return HeartbeatState.COMPLETED if all(s is HeartbeatState.COMPLETED for s in states) else HeartbeatState.FAILED
 
     def build(self) -> RolloutWorker:
-        from composer_cloud.model import load_spec_model
-        from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
-
         spec = self.opened.spec
         device = torch.device("cuda" if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
                               else "cpu")
-        torch.manual_seed(spec.seed)
-        model, tokenizer = load_spec_model(spec.model, seed=spec.seed, device=device)
-        model.eval().requires_grad_(False)
-        settings = ThreeChannelSettings.from_settings(spec.trainer.settings())
+        # The one build of a worker's policy stack: a trainer's fallback builds the same (rollouts/fallback.py).
+        sampler, versions = worker_policy(self.opened.store, spec, device)
         self.versions = runtime_versions(device=device.type)
-        versions = PolicyVersions(self.opened.store, model, fragments=spec.sync.fragments, chain=publishes_chain(spec))
         config = WorkerConfig(index=self.index, workers=spec.rollouts.workers, seed=spec.seed,
                               max_staleness=spec.rollouts.max_staleness, deadline_s=spec.rollouts.deadline_s)
-        return RolloutWorker(self.opened.store, config=config, sampler=BatchSampler(model, tokenizer, settings),
-                             versions=versions)
+        return RolloutWorker(self.opened.store, config=config, sampler=sampler, versions=versions)
 
     def run(self) -> None:
         check_packages(self.opened.spec)

@@ -123,7 +123,7 @@ class Replica:
             inner_optimizer=spec.inner_optimizer.model_dump(mode="json"), local_rank=self.local.index,
             local_world=self.local.count, parallelism=spec.parallelism))
         if spec.rollouts.workers:
-            self.rollout_source = attach_rollout_workers(trainer, self.opened, self.rank)
+            self.rollout_source = attach_rollout_workers(trainer, self.opened, self.rank, device=device)
         return ReplicaContext(run=self.opened, rank=self.rank, model=model, trainer=trainer, device=device,
                               hooks=self.hooks, telemetry=self.telemetry, shard=shard)
 
@@ -164,9 +164,12 @@ def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
     return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
 
 
-def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> Any:
+def attach_rollout_workers(trainer: Any, run: Run, rank: int, *, device: torch.device | None = None) -> Any:
     """``[rollouts] workers > 0``: the trainer takes its completions from the rollout workers through the store
-    (:class:`~composer_cloud.rollouts.source.StoreCompletionSource`, returned) instead of sampling them itself."""
+    (:class:`~composer_cloud.rollouts.source.StoreCompletionSource`, returned) instead of sampling them itself.
+    With ``device`` (the trainer's), a fallback after the deadline is sampled as a worker would sample it
+    (:class:`~composer_cloud.rollouts.fallback.WorkerFallback`, built on that device at the first fallback)."""
+    from composer_cloud.rollouts.fallback import WorkerFallback
     from composer_cloud.rollouts.source import StoreCompletionSource
 
     settings = run.spec.rollouts
@@ -175,7 +178,9 @@ def attach_rollout_workers(trainer: Any, run: Run, rank: int) -> Any:
         raise ValueError(f"rollouts.workers = {settings.workers}, but trainer {run.spec.trainer.name!r} cannot take "
                          "completions from rollout workers (it has no set_completion_source); set rollouts.workers = 0")
     source = StoreCompletionSource(run.store, replica=rank, max_staleness=settings.max_staleness,
-                                   deadline_s=settings.deadline_s, on_deadline=settings.on_deadline)
+                                   deadline_s=settings.deadline_s, on_deadline=settings.on_deadline,
+                                   fallback=None if device is None else WorkerFallback.for_spec(run.store, run.spec,
+                                                                                                 device))
     attach(source, max_staleness=settings.max_staleness)
     logger.info("replica %d: completions from %d rollout worker(s) (max_staleness %d, deadline %gs, then %s)", rank,
                 settings.workers, settings.max_staleness, settings.deadline_s, settings.on_deadline)

@@ -89,13 +89,16 @@ class Position:
 
 @dataclass
 class SourceCounters:
-    """What a trainer's source saw (metrics): batches read, by whom, what it refused, how long it waited (s)."""
+    """What a trainer's source saw (metrics): batches read, by whom, what it refused, how long it waited (s), and
+    ``fallback_live``: fallbacks sampled from the trainer's live weights because the policy version a worker would
+    have used was not available (those steps are not the workers' batches; see ``rollouts/fallback.py``)."""
 
     from_workers: int = 0
     fallbacks_read: int = 0
     refused_bad: int = 0
     timed_out: int = 0
     waited_s: float = 0.0
+    fallback_live: int = 0
 
     def as_metrics(self) -> dict[str, float]:
         return {f"rollouts/{k}": float(v) for k, v in asdict(self).items()}

@@ -19,13 +19,16 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from composer_cloud.errors import BadObject
 from composer_cloud.rollouts.batches import Position, RolloutBatches, SourceCounters, batch_from_samples, wait_for_batch
 from composer_cloud.storage.records.rollouts import RolloutBatch, RolloutRequest
 from composer_cloud.storage.store import Store
 from composer_cloud.trainer.three_channel.sourced import RolloutKey, SourcedCompletions
+
+if TYPE_CHECKING:
+    from composer_cloud.rollouts.fallback import WorkerFallback
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,14 @@ def as_completions(batch: RolloutBatch, prompt_ids: list[list[int]]) -> SourcedC
 
 class StoreCompletionSource:
     """Rollout batches of replica ``replica`` through ``store`` (``[rollouts]``: ``max_staleness``, ``deadline_s``,
-    ``on_deadline``). :attr:`counters` says what it read, refused and waited (seconds)."""
+    ``on_deadline``). :attr:`counters` says what it read, refused and waited (seconds).
+
+    ``fallback``: samples a fallback as the workers would (:class:`~composer_cloud.rollouts.fallback.WorkerFallback`,
+    :meth:`sample_fallback`); ``None``: the trainer samples from its live weights."""
 
     def __init__(self, store: Store, *, replica: int, max_staleness: int, deadline_s: float,
-                 on_deadline: Literal["generate", "wait"] = "generate", poll_s: float = 0.05) -> None:
+                 on_deadline: Literal["generate", "wait"] = "generate", poll_s: float = 0.05,
+                 fallback: "WorkerFallback | None" = None) -> None:
         if deadline_s <= 0 or not math.isfinite(deadline_s):
             raise ValueError(f"rollouts.deadline_s must be a finite number of seconds > 0, got {deadline_s!r}")
         self.store = store
@@ -53,6 +60,7 @@ class StoreCompletionSource:
         self.on_deadline = on_deadline
         self.poll_s = poll_s
         self.counters = SourceCounters()
+        self.fallback = fallback
         self._requests: dict[Position, RolloutRequest] = {}
         self._reported = SourceCounters()
 
@@ -106,6 +114,21 @@ class StoreCompletionSource:
                            self.batches.refusal(own, request))
             return None
         return own
+
+    def sample_fallback(self, key: RolloutKey, prompt_ids: list[list[int]]
+                        ) -> tuple[list[list[int]], list[list[float]], int] | None:
+        """``(completion_ids, sampler log-probs, policy version)`` of the batch a worker would have written for
+        ``key`` (:class:`~composer_cloud.rollouts.fallback.WorkerFallback`); ``None`` without one, or when the
+        version is not available (the trainer then samples from its live weights)."""
+        self._position(key)
+        if self.fallback is None:
+            return None
+        got = self.fallback.sample(key, [[int(t) for t in row] for row in prompt_ids])
+        if got is None:
+            self.counters.fallback_live += 1
+            return None
+        sampled, version = got
+        return sampled.completion_ids, sampled.logps, version
 
     def take_metrics(self) -> dict[str, float]:
         """The counters since the last call, as step metrics (``rollouts/from_workers``, ``rollouts/fallbacks_read``,

@@ -87,7 +87,7 @@ def _parse_rows(lines: list[Any], obj: MetricsObject) -> list[Row]:
     return good
 
 
-def _read_object(store: Store, obj: MetricsObject) -> list[Row]:
+def read_object(store: Store, obj: MetricsObject) -> list[Row]:
     """The object's rows, verified against its digest; [] (with a warning) for a bad object."""
     digest_key = layout.metrics_digest_key(obj.key)
     try:
@@ -108,7 +108,7 @@ def rows_by_writer(store: Store, rank: int) -> dict[str, list[dict[str, Any]]]:
     first."""
     out: dict[str, list[dict[str, Any]]] = {}
     for obj in list_objects(store, rank=rank):  # by round within a writer
-        out.setdefault(obj.writer, []).extend(r.to_json() for r in _read_object(store, obj))
+        out.setdefault(obj.writer, []).extend(r.to_json() for r in read_object(store, obj))
     return dict(sorted(out.items()))
 
 
@@ -157,7 +157,7 @@ def read_rows(store: Store, *, rank: int | None = None, kind: str | None = None,
     if not superseded:
         objs = [o for o in objs if o.key not in stale]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(objs)))) as pool:
-        loaded = list(pool.map(lambda o: _read_object(store, o), objs)) if objs else []
+        loaded = list(pool.map(lambda o: read_object(store, o), objs)) if objs else []
     rows: list[Row] = []
     for o, obj_rows in zip(objs, loaded):
         for r in obj_rows:
@@ -196,5 +196,5 @@ def eta_s(*, step: int | None, total_steps: int, steps_per_s: float | None) -> f
     return max(0.0, (total_steps - step) / steps_per_s)
 
 
-__all__ = ["MetricsObject", "eta_s", "list_objects", "read_metrics", "read_rows", "resume_points", "rows_by_writer",
-           "superseded_objects", "to_csv"]
+__all__ = ["MetricsObject", "eta_s", "list_objects", "read_metrics", "read_object", "read_rows", "resume_points",
+           "rows_by_writer", "superseded_objects", "to_csv"]

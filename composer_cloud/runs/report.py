@@ -13,13 +13,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_cloud.errors import ConfigError
 
 from composer_cloud.runs.metrics import read_rows
 from composer_cloud.storage.records.metrics import RoundRow, Row, StepRow
 from composer_cloud.storage.run import Run
+
+if TYPE_CHECKING:
+    from composer_cloud.runs.status import RolloutFleet
 
 INSTALL_HINT = "pip install 'composer-cloud[report]'"
 
@@ -46,6 +49,8 @@ class Report:
     replicas: list[int]
     #: each replica's legend label (dead and restarted replicas say so)
     labels: dict[int, str] = field(default_factory=dict)
+    #: the rollout worker fleet (``status``'s figures; None for a run without workers), shown on the page
+    fleet: "RolloutFleet | None" = None
 
 
 def _series(rows: Sequence[Row], keys: tuple[str, ...], *, x: str = "round"
@@ -103,10 +108,11 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
     every = read_rows(run.store)
     rows = [r for r in every if isinstance(r, RoundRow)]
     steps = [r for r in every if isinstance(r, StepRow) and r.step is not None]
-    from composer_cloud.runs.status import run_status
+    from composer_cloud.runs.status import RolloutFleet, run_status
     from composer_cloud.runs.summary import reason, replica_outcome
 
     status = run_status(run)
+    fleet = RolloutFleet.from_status(status)
     labels = replica_labels(run, status)
     # Why the run ended short, on the figure and the page (a failed run's panels may all be empty).
     why = [f"r{i.rank} {replica_outcome(i)}: {reason(i)}" for i in status.replicas
@@ -147,9 +153,9 @@ def write_report(run: Run, out_dir: str | Path | None = None) -> Report:
     from composer_cloud.runs.samples import read_samples
 
     samples = read_samples(run.store, last_rounds=SAMPLE_ROUNDS)
-    page.write_text(_html(run, rows, buf.getvalue(), state=status.state, why=why, samples=samples))
+    page.write_text(_html(run, rows, buf.getvalue(), state=status.state, why=why, samples=samples, fleet=fleet))
     return Report(png=png, html=page, rounds=len({r.round for r in rows}), replicas=sorted({r.rank for r in rows}),
-                  labels=labels)
+                  labels=labels, fleet=fleet)
 
 
 #: The report's page shows the sample completions of the last this-many rounds (``logs --samples``: all).
@@ -181,8 +187,29 @@ def _samples_html(samples: Sequence[Any]) -> str:
             f"{trs}\n</table>")
 
 
+def _fleet_html(fleet: "RolloutFleet | None") -> str:
+    """The rollout worker fleet (``status``'s :class:`~composer_cloud.runs.status.RolloutFleet`, never re-read):
+    its summary line, one row per worker, what the trainers did with the batches and the staleness histogram."""
+    if fleet is None:
+        return ""
+    workers = "\n".join(f"<tr><td>{w.rank}</td><td>{_cell(w.state)}</td><td>{w.batches_published}</td>"
+                        f"<td>{_cell(w.tokens_per_s)}</td></tr>" for w in fleet.workers)
+    parts = [f"<h2>Rollout workers</h2>\n<p>{html.escape(fleet.line())}</p>",
+             "<table><tr><th>job rank</th><th>state</th><th>batches published</th><th>tokens/s (sampling)</th></tr>\n"
+             f"{workers}\n</table>"]
+    use = fleet.use
+    if use is not None:
+        parts.append("<h3>What the trainers did with the batches (their step rows)</h3>\n<table><tr><th>used</th>"
+                     "<th>refused as stale</th><th>sampled themselves</th></tr>\n"
+                     f"<tr><td>{use.used}</td><td>{use.stale}</td><td>{use.fallbacks}</td></tr>\n</table>")
+        behind = "".join(f"<tr><td>{v}</td><td>{n}</td></tr>" for v, n in use.staleness.items())
+        parts.append("<h3>Policy versions behind (steps on a worker's batch)</h3>\n<table><tr><th>versions behind</th>"
+                     f"<th>steps</th></tr>\n{behind}\n</table>")
+    return "\n".join(parts)
+
+
 def _html(run: Run, rows: Sequence[RoundRow], png: bytes, *, state: str = "", why: Sequence[str] = (),
-          samples: Sequence[Any] = ()) -> str:
+          samples: Sequence[Any] = (), fleet: "RolloutFleet | None" = None) -> str:
     table = [r.to_json() for r in rows]
     cols = [c for c in _TABLE if any(c in r for r in table)]
     head = "".join(f"<th>{c}</th>" for c in cols)
@@ -202,6 +229,7 @@ td.t{{text-align:left;font-family:monospace;white-space:pre-wrap;max-width:40em}
 <table><tr>{head}</tr>
 {body}
 </table>
+{_fleet_html(fleet)}
 {_samples_html(samples)}
 </body></html>
 """

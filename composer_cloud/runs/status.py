@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -89,6 +90,90 @@ class RolloutUse:
         return use
 
 
+@dataclass(frozen=True)
+class WorkerFigures:
+    """One rollout worker as the fleet views show it: job ``rank`` (``replicas + w``), its job ``state``, and from
+    its heartbeat the batches it published and its sampling rate (completion tokens per second of sampling)."""
+
+    rank: int
+    state: str
+    batches_published: int
+    tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class RolloutFleet:
+    """The rollout worker fleet of one :class:`RunStatus`, the one summary ``status`` and ``report`` both show.
+
+    Everything is derived from the status (the workers' heartbeats via :class:`ReplicaInfo`, the trainers' step rows
+    via :class:`RolloutUse`), never read again: :meth:`from_status` is ``None`` for a run without workers.
+    ``tokens_per_s`` is summed over the workers (a worker without a rate counts 0).
+    """
+
+    workers: list[WorkerFigures]
+    running: int
+    batches_published: int
+    tokens_per_s: float
+    use: RolloutUse | None
+
+    @classmethod
+    def from_status(cls, status: "RunStatus") -> "RolloutFleet | None":
+        infos = [r for r in status.replicas if r.role != "replica"]
+        if not infos:
+            return None
+        workers = [WorkerFigures(rank=r.rank, state=r.state, batches_published=r.batches_published or 0,
+                                 tokens_per_s=r.tokens_per_s) for r in infos]
+        return cls(workers=workers, running=sum(r.state in ("running", "pending") for r in infos),
+                   batches_published=sum(w.batches_published for w in workers),
+                   tokens_per_s=sum(w.tokens_per_s or 0.0 for w in workers), use=status.rollouts)
+
+    def line(self) -> str:
+        """``rollout workers: 2 (2 running), 14 batches published, 35.2 tokens/s; trainers used 12, refused 0 as
+        stale, sampled 0 themselves; policy versions behind (steps): 0 behind: 4, 1 behind: 8``."""
+        line = (f"rollout workers: {len(self.workers)} ({self.running} running), {self.batches_published} batches "
+                f"published, {self.tokens_per_s:.1f} tokens/s")
+        use = self.use
+        if use is not None:  # what the trainers did with them (their step rows)
+            behind = ", ".join(f"{v} behind: {n}" for v, n in use.staleness.items()) or "-"
+            line += (f"; trainers used {use.used}, refused {use.stale} as stale, sampled {use.fallbacks} themselves; "
+                     f"policy versions behind (steps): {behind}")
+        return line
+
+
+class StepRowCache:
+    """A run's current step rows, each metrics object read once (for :class:`StatusTracker`'s repeated polls).
+
+    Metrics objects are write-once (:mod:`composer_cloud.runs.metrics`): a key's rows never change, so each poll
+    lists the objects (one LIST) and the resume points, and GETs only keys it has not read. Which objects count
+    is decided again on every poll (:func:`~composer_cloud.runs.metrics.superseded_objects`): rows of an object
+    that a later resume or restart superseded are dropped, as :func:`~composer_cloud.runs.metrics.read_rows`
+    drops them. An object that read as nothing (damaged, gone, or all rows malformed: logged by the reader) is
+    not remembered, so it is read again at the next poll.
+    """
+
+    def __init__(self, store: Store, *, threads: int = 8) -> None:
+        self.store = store
+        self.threads = threads
+        self._rows: dict[str, list[StepRow]] = {}  # object key -> its step rows (objects read with >= 1 row)
+
+    def rows(self) -> list[StepRow]:
+        """The step rows of the run's current (not superseded) objects, sorted by (round, rank, step)."""
+        objs = _metrics.list_objects(self.store)
+        stale = _metrics.superseded_objects(objs, _metrics.resume_points(self.store)) if objs else set()
+        current = [o for o in objs if o.key not in stale]
+        new = [o for o in current if o.key not in self._rows]
+        if new:
+            with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(new)))) as pool:
+                for o, rows in zip(new, pool.map(lambda o: _metrics.read_object(self.store, o), new)):
+                    if rows:
+                        self._rows[o.key] = [r for r in rows if isinstance(r, StepRow)]
+        for key in stale:  # superseded for good: a later launch or writer replaced it
+            self._rows.pop(key, None)
+        out = [r for o in current for r in self._rows.get(o.key, [])]
+        out.sort(key=lambda r: (r.round, r.rank, r.step or 0))
+        return out
+
+
 @dataclass
 class RunStatus:
     run_id: str
@@ -153,6 +238,7 @@ class StatusTracker:
         self._states = GlobalStateStore(run.store)
         self._attempt_of = sync_state.attempt_of(run.store, run.spec)
         self._verified: set[tuple[int, int, float]] = set()  # final checkpoints read back in full
+        self._step_rows = StepRowCache(run.store)  # [rollouts] workers: the trainers' step rows, read incrementally
 
     def _newest_durable(self) -> int | None:
         """Newest round with a durable global state, checking newest first and nothing below the last seen."""
@@ -317,13 +403,12 @@ class StatusTracker:
             from composer_cloud.runs.signal import diagnose_rounds
             from composer_cloud.trainer.settings import declared_settings
 
-            warnings += diagnose_rounds(_metrics.read_rows(store, kind="step"),
+            warnings += diagnose_rounds(self._step_rows.rows(),
                                         declared_settings(spec.trainer.name, spec.trainer.settings()),
                                         decoupled=spec.sync.mode == "decoupled")
         rollouts = None
-        if spec.rollouts.workers:  # a few small objects per round and replica: read on every poll
-            rows = _metrics.read_rows(store, kind="step")
-            rollouts = RolloutUse.from_rows([r for r in rows if isinstance(r, StepRow)])
+        if spec.rollouts.workers:  # each metrics object read once per tracker (write-once), new ones per poll
+            rollouts = RolloutUse.from_rows(self._step_rows.rows())
         return RunStatus(run_id=spec.run_id, run_uri=store.uri, state=state, rounds=spec.rounds,
                          rounds_committed=committed, replicas=infos, last_durable_round=last_durable,
                          problems=problems, warnings=warnings,

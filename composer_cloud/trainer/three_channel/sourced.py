@@ -17,7 +17,11 @@ settings). Everything after the generation (scoring, advantages, the three chann
   whose global RNG streams are restored afterwards. So the trainer's RNG stream is the same whether or
   not a step fell back, and a step that falls back twice (a resumed run) samples the same completions;
 * hand a fallback's completions to :meth:`CompletionSource.record_fallback`, so that the store
-  protocol can write them once under the key and a resumed run reads the same batch.
+  protocol can write them once under the key and a resumed run reads the same batch;
+* a source that can sample the key's batch as its workers would (:class:`WorkerEqualFallback`: the store's
+  source, from the policy version a worker would use, with the worker's seed and sampler) provides the
+  fallback instead of the trainer's own rollout path, so a step trains on the same batch whether a worker
+  answered or not.
 
 Per-step counters (:meth:`SourcedRollouts.take_metrics`) go into the step metrics the replica reports:
 ``rollouts/used``, ``rollouts/stale``, ``rollouts/invalid``, ``rollouts/missing``, ``rollouts/fallback``
@@ -209,6 +213,17 @@ class InMemorySource:
         self._write_once(self.fallbacks, key, completions)
 
 
+@runtime_checkable
+class WorkerEqualFallback(Protocol):
+    """A :class:`CompletionSource` that can also sample a key's fallback exactly as its workers would have."""
+
+    def sample_fallback(self, key: RolloutKey, prompt_ids: list[list[int]]
+                        ) -> tuple[list[list[int]], list[list[float]], int] | None:
+        """``(completion_ids, sampler log-probs, policy version)`` of the batch a worker would have written for
+        ``key``, or ``None`` when it cannot (the trainer then generates itself)."""
+        ...
+
+
 def fallback_seed(key: RolloutKey, seed: int) -> int:
     """The torch seed of ``key``'s fallback generation: a hash of the run seed and the key (63 bits).
 
@@ -292,17 +307,24 @@ class SourcedRollouts:
                    ) -> tuple[list[list[int]], list[list[float]] | None, list[float] | None]:
         """``(completion_ids, sampler log-probs or None, trusted rewards or None)`` for ``key``'s generation.
 
-        The source's batch when :meth:`take` accepts it; otherwise ``generate()`` (the trainer's own
-        rollout path) under :func:`seeded_fallback`, recorded with :meth:`record`.
+        The source's batch when :meth:`take` accepts it; otherwise the batch a worker would have sampled, when
+        the source can provide it (:class:`WorkerEqualFallback`), else ``generate()`` (the trainer's own
+        rollout path) under :func:`seeded_fallback`; either is recorded with :meth:`record`.
         """
         batch = self.take(key, prompt_ids, max_completion_length=max_completion_length, vocab_size=vocab_size)
         if batch is not None:
             rewards = list(batch.rewards) if self.trust_rewards and batch.rewards is not None else None
             logprobs = None if batch.logprobs is None else [[float(v) for v in row] for row in batch.logprobs]
             return [list(c) for c in batch.completion_ids], logprobs, rewards
-        with seeded_fallback(key, self.seed, device):
-            completion_ids, logprobs = generate()
-        self.record(key, prompt_ids, completion_ids, logprobs)
+        as_worker = (self.source.sample_fallback(key, prompt_ids) if isinstance(self.source, WorkerEqualFallback)
+                     else None)
+        if as_worker is not None:
+            completion_ids, logprobs, version = as_worker
+        else:
+            with seeded_fallback(key, self.seed, device):
+                completion_ids, logprobs = generate()
+            version = key.round
+        self.record(key, prompt_ids, completion_ids, logprobs, policy_version=version)
         return completion_ids, logprobs, None
 
     def _count(self, what: str) -> None:
@@ -342,12 +364,16 @@ class SourcedRollouts:
         return batch
 
     def record(self, key: RolloutKey, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-               logprobs: Sequence[Sequence[float]] | None) -> SourcedCompletions:
-        """Count a fallback generation and hand it to the source (``policy_version`` = the key's round)."""
+               logprobs: Sequence[Sequence[float]] | None, *, policy_version: int | None = None) -> SourcedCompletions:
+        """Count a fallback generation and hand it to the source (``policy_version``: the version it was sampled
+        from, ``<= key.round``; default the key's round, the trainer's live policy)."""
+        version = key.round if policy_version is None else int(policy_version)
+        if not 0 <= version <= key.round:
+            raise ValueError(f"rollouts {key}: a fallback's policy_version must be in [0, {key.round}], got {version}")
         record = SourcedCompletions(
             completion_ids=[list(c) for c in completion_ids],
             logprobs=None if logprobs is None else [[float(v) for v in row] for row in logprobs],
-            policy_version=key.round, prompt_ids=[list(p) for p in prompt_ids], fallback=True)
+            policy_version=version, prompt_ids=[list(p) for p in prompt_ids], fallback=True)
         self._count("fallback")
         self.source.record_fallback(key, record)
         return record
@@ -369,6 +395,7 @@ __all__ = [
     "RolloutKey",
     "SourcedCompletions",
     "SourcedRollouts",
+    "WorkerEqualFallback",
     "fallback_seed",
     "seeded_fallback",
 ]
