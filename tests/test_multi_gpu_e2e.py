@@ -1,4 +1,5 @@
-"""Multi-GPU replicas end to end on CPU (issue 24): 2 replicas x 2 local ranks (gloo) through the CLI.
+"""Multi-GPU replicas end to end on CPU (issue 24): 2 replicas x 2 local ranks (gloo), real replica processes (the
+runs compared launched in-process; the kill and resume through the CLI).
 
 * the run matches the same run with one local rank per replica (same global batch) to 1e-6, exports a model
   ``transformers`` loads, and moves about half the store bytes per local rank: with DDP, with FSDP2
