@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="replicas in the checkpoint used for the resume reads (and the timed rounds' W)")
     ap.add_argument("--case-timeout", type=float, default=2400,
                     help="seconds per file:// case (0.5B writes ~8 states of 4 GB and reads ~50 GB: ~15 min here)")
+    ap.add_argument("--calibrate-mb", type=int, default=256,
+                    help="MiB copied, checksummed and written for the machine-state line (a smoke run: a few)")
     ap.add_argument("--json", default=DEFAULT_JSON)
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
     args = ap.parse_args(argv)
@@ -483,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cases: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    calib = calibrate(workdir)
+    calib = calibrate(workdir, mb=args.calibrate_mb)
     print(f"[checkpoint bench] machine now: {calib}", flush=True)
     try:
         for model, kind in [p for p in plan if p[1] == "file"]:

@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_checkpoint_benchmark_tiny_runs_every_phase(tmp_path):
     out = tmp_path / "checkpoint.json"
+    # The smallest run that still has every phase: one inner step per round, one world size (the resume's W),
+    # a small calibration write.
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--models", "tiny", "--no-s3",
-                           "--repeats", "1", "--rounds", "2", "--tmp", str(tmp_path), "--json", str(out)],
+                           "--repeats", "1", "--rounds", "2", "--h", "1", "--world-sizes", "2", "--calibrate-mb", "8",
+                           "--tmp", str(tmp_path), "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     (case,) = json.loads(out.read_text())["cases"]

@@ -68,7 +68,7 @@ def test_answer_hints_give_a_fresh_model_a_gradient(tmp_path):
     assert out["frac_reward_zero_std"] == 1.0 and "clipped_ratio" in out  # GRPO alone had nothing
 
 
-def test_a_spec_in_which_no_channel_can_learn_is_refused_with_what_to_change(tmp_path):
+def test_a_spec_in_which_no_channel_can_learn_is_refused_with_what_to_change(tmp_path, monkeypatch):
     settings = {"dataset": "qa.jsonl", "pg_weight": 0.0, "hint_source": "none", "pairs": "none",
                 "columns": {"prompt": "question", "answer": "solution"}}
     def launch_refusal(settings: dict, columns: list[str]) -> str | None:
@@ -80,12 +80,18 @@ def test_a_spec_in_which_no_channel_can_learn_is_refused_with_what_to_change(tmp
     assert launch_refusal({**settings, "hint_source": "default"}, ["question", "solution"]) is None
     assert "neither a hint nor an answer" in launch_refusal(
         {**settings, "hint_source": "default", "columns": {"prompt": "question"}}, ["question", "x"])
-    # the CLI: launch and the dry run refuse it alike, exit 2, nothing written
+    # the CLI (in this process, as the dry-run tests below): launch and the dry run refuse it alike, exit 2,
+    # nothing written
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    monkeypatch.chdir(tmp_path)
     spec = qa_spec(tmp_path, extra='pg_weight = 0.0\nhint_source = "none"\n')
     for dry in ([], ["--dry-run"]):
-        res = cli("launch", "--config", str(spec), "--store", f"file://{tmp_path}/store", "--run-id", "r", *dry,
-                  cwd=tmp_path)
-        assert res.returncode == 2, res.stdout + res.stderr
+        res = CliRunner().invoke(app, ["launch", "--config", str(spec), "--store", f"file://{tmp_path}/store",
+                                       "--run-id", "r", *dry])
+        assert res.exit_code == 2, res.output
         assert "no channel can produce a gradient" in res.stderr
         assert not (tmp_path / "store" / "r").exists()
 
@@ -216,6 +222,16 @@ def test_doctor_checks_each_executors_credentials(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------- 3. export from the store alone
+def _cli_here(*args: str):
+    """``composer-cloud ARGS`` in this process (typer's runner): for the refusals, whose exit code and words are
+    the command's own; a subprocess would import torch and transformers again (~3 s of CPU)."""
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
 def _saved_model(folder: Path) -> None:
     from composer_cloud.model import TinyModelConfig, load_model
 
@@ -227,24 +243,37 @@ def _saved_model(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A folder with a finished run, ``store/zz-done`` (1 replica, 1 round of 2 steps), of a model the user saved
+    to ``./my-model``: one launch for the export test and the resume-guard test (each asserts its own findings on
+    it; the export test then moves the model folder away, as the user tidies up)."""
+    root = tmp_path_factory.mktemp("finished")
+    _saved_model(root / "my-model")
+    spec = root / "spec.toml"
+    spec.write_text("replicas = 1\nrounds = 1\ninner_steps = 2\n[model]\nname = \"./my-model\"\n"
+                    "[trainer]\nname = \"causal-lm\"\nbatch_size = 2\nseq_len = 16\n")
+    res = cli("launch", "--config", str(spec), "--store", f"file://{root}/store", "--run-id", "zz-done", cwd=root,
+              timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return root
+
+
 @pytest.mark.slow
-def test_export_needs_neither_the_model_folder_nor_the_hub(tmp_path):
+def test_export_needs_neither_the_model_folder_nor_the_hub(finished_run):
     """Finding 4: export rebuilt the model from the original folder (gone: HFValidationError), wrote 0600
     weights, lost the tokenizer's left padding and wrote no model card."""
     import stat
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _saved_model(tmp_path / "my-model")
-    spec = tmp_path / "spec.toml"
-    spec.write_text("replicas = 1\nrounds = 1\ninner_steps = 2\n[model]\nname = \"./my-model\"\n"
-                    "[trainer]\nname = \"causal-lm\"\nbatch_size = 2\nseq_len = 16\n")
+    tmp_path = finished_run
     store = f"file://{tmp_path}/store"
-    res = cli("launch", "--config", str(spec), "--store", store, "--run-id", "m", cwd=tmp_path, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    (tmp_path / "my-model").rename(tmp_path / "moved")  # the user tidies up
+    if (tmp_path / "my-model").exists():
+        (tmp_path / "my-model").rename(tmp_path / "moved")  # the user tidies up
+    assert not (tmp_path / "my-model").exists()
     out = tmp_path / "exported"
-    ex = cli("export", f"{store}/m", "--out", str(out), "--round", "1", "--json", cwd=tmp_path,
+    ex = cli("export", f"{store}/zz-done", "--out", str(out), "--round", "1", "--json", cwd=tmp_path,
              env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert ex.returncode == 0, ex.stdout + ex.stderr
     assert json.loads(ex.stdout)["round"] == 1  # counted from 1, like --round
@@ -256,10 +285,10 @@ def test_export_needs_neither_the_model_folder_nor_the_hub(tmp_path):
     assert model.config.hidden_size == 64
     card = (out / "README.md").read_text()
     assert "library_name: transformers" in card and "rounds | 1 of 1" in card and "`my-model (a local file of the run)` |" in card
-    # no checkpoint (round 2 never ran): a clear error, exit 1, no traceback
-    bad = cli("export", f"{store}/m", "--out", str(tmp_path / "x"), "--round", "2", cwd=tmp_path)
-    assert bad.returncode == 1 and "no global state for round 2 (available: [1])" in bad.stderr, bad.stderr
-    assert "Traceback" not in bad.stderr
+    # no checkpoint (round 2 never ran): a clear error, exit 1, no traceback (in this process: nothing escaped)
+    bad = _cli_here("export", f"{store}/zz-done", "--out", str(tmp_path / "x"), "--round", "2")
+    assert bad.exit_code == 1 and "no global state for round 2 (available: [1])" in bad.stderr, bad.output
+    assert not isinstance(bad.exception, Exception), bad.exception
 
 
 def test_the_launchers_tiny_model_files_are_those_of_the_model_the_replicas_build(tmp_path):
@@ -284,32 +313,30 @@ def test_export_of_a_run_without_a_checkpoint_and_an_unwritable_out(tmp_path):
 
     spec = load_spec(None, {"run_id": "empty", "model.name": "org/gone-model"})
     Store(f"file://{tmp_path}/store/empty").create_json(layout.SPEC, spec.to_json_dict())
-    res = cli("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"), cwd=tmp_path)
-    assert res.returncode == 1 and "has no checkpoint to export yet" in res.stderr, res.stderr
-    assert "Traceback" not in res.stderr
+    res = _cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"))
+    assert res.exit_code == 1 and "has no checkpoint to export yet" in res.stderr, res.output
+    assert not isinstance(res.exception, Exception), res.exception  # no traceback: nothing escaped the command
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        res = cli("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"), cwd=tmp_path)
+        res = _cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"))
     finally:
         locked.chmod(0o700)
     if __import__("os").geteuid() != 0:  # root writes anywhere
-        assert res.returncode == 2 and "cannot write there" in res.stderr, res.stderr
+        assert res.exit_code == 2 and "cannot write there" in res.stderr, res.output
 
 
 # ---------------------------------------------------------------------- 4/5. resume guard, ls = status
 @pytest.mark.slow
-def test_resume_guard_ls_agrees_with_status_and_a_lost_supervisor(tmp_path):
+def test_resume_guard_ls_agrees_with_status_and_a_lost_supervisor(finished_run):
     """Finding 5: resume killed a live run's replicas and reshaped a completed run; finding 6: ls disagreed
     with status and sorted by id; a killed supervisor whose replica finished read "failed"."""
+    tmp_path = finished_run
     store = f"file://{tmp_path}/store"
-    cfg = tmp_path / "spec.toml"
+    cfg = tmp_path / "live.toml"
     cfg.write_text("replicas = 1\n" + SMALL_RUN_TOML)
-    # "zz-done" sorts after "aa-live" by id, but was created first
-    done = cli("launch", "--config", str(cfg), "--store", store, "--run-id", "zz-done", "--rounds", "1",
-               "--inner-steps", "2", cwd=tmp_path, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    # "zz-done" (finished_run) sorts after "aa-live" by id, but was created first
     reshape = cli("resume", f"{store}/zz-done", "--replicas", "3", cwd=tmp_path)
     assert reshape.returncode == 2 and "resume cannot change its replicas" in reshape.stderr, reshape.stderr
     assert "composer-cloud launch --model ./zz-done-model --replicas 3" in reshape.stderr

@@ -22,7 +22,7 @@ from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.lockstep.diloco import params_digest
 from support.cli import cli
-from support.resume import export_weights, kill_run_at, launch_run, same_weights
+from support.resume import export_weights, kill_run_at, launch_and_wait, launch_run, same_weights
 from support.specs import RESUME_SPEC, with_sync
 from support.stores import store_uri_for
 
@@ -47,11 +47,16 @@ def _generate(model_dir) -> str:
     return tok.decode(out[0, ids.shape[1]:])
 
 
-def _kill_and_resume(tmp_path, spec: str, phase: str = "upload"):
-    """Uninterrupted run vs a run SIGKILLed (launcher and replicas) at ``phase`` of round 2 and resumed."""
+def _kill_and_resume(tmp_path, spec: str, phase: str = "upload", *, cli_launch: bool = False):
+    """Uninterrupted run vs a run SIGKILLed (launcher and replicas) at ``phase`` of round 2 and resumed. The
+    uninterrupted run is launched in this process, or with ``cli_launch`` through the CLI (its output returned)."""
     store = store_uri_for("file", tmp_path)
-    res_whole = res = launch_run(tmp_path, store, "whole", spec)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res_whole = None
+    if cli_launch:
+        res_whole = res = launch_run(tmp_path, store, "whole", spec)
+        assert res.returncode == 0, res.stdout + res.stderr
+    else:
+        launch_and_wait(tmp_path, store, "whole", spec)
     expected = export_weights(tmp_path, f"{store}/whole", "whole-model")
     kill_run_at(tmp_path, store, "killed", phase, spec=spec)
     st = json.loads(cli("status", f"{store}/killed", "--json", cwd=tmp_path).stdout)
@@ -65,7 +70,7 @@ def _kill_and_resume(tmp_path, spec: str, phase: str = "upload"):
 
 @pytest.mark.slow
 def test_lora_run_syncs_adapters_only_exports_and_resumes_bitwise_after_kill(tmp_path):
-    store, launched = _kill_and_resume(tmp_path, LORA_SPEC)
+    store, launched = _kill_and_resume(tmp_path, LORA_SPEC, cli_launch=True)
     run = open_run(f"{store}/whole")
     # The checkpoints hold the adapters alone: global parameters, outer momentum, inner AdamW state.
     from composer_cloud.model import load_spec_model
@@ -128,8 +133,7 @@ def test_bf16_run_exports_and_resumes_bitwise_after_kill(tmp_path, baselines):
 def test_lora_decoupled_run_completes_and_exports(tmp_path):
     store = store_uri_for("file", tmp_path)
     spec = with_sync(LORA_SPEC.replace("rounds = 4", "rounds = 3"), mode="decoupled")
-    res = launch_run(tmp_path, store, "dec", spec)
-    assert res.returncode == 0, res.stdout + res.stderr
+    launch_and_wait(tmp_path, store, "dec", spec)
     run = open_run(f"{store}/dec")
     versions = GlobalStateStore(run.store)
     tree, _ = flatten(versions.load(max(versions.durable_rounds(lambda r: 0)), 0))
@@ -164,8 +168,8 @@ def _bytes_per_replica_round(store) -> float:
 def test_lora_store_bytes_per_round_are_under_two_percent_of_a_full_fine_tune(tmp_path):
     """The demo model (``tiny``, 3.0 M) with r = 8 on q_proj, v_proj, measured by the store's byte counters."""
     store = store_uri_for("file", tmp_path)
-    assert launch_run(tmp_path, store, "full", DEMO_TOML).returncode == 0
-    assert launch_run(tmp_path, store, "lora", DEMO_TOML + "[model]\n" + LORA_TOML).returncode == 0
+    launch_and_wait(tmp_path, store, "full", DEMO_TOML)
+    launch_and_wait(tmp_path, store, "lora", DEMO_TOML + "[model]\n" + LORA_TOML)
     full = _bytes_per_replica_round(open_run(f"{store}/full").store)
     lora = _bytes_per_replica_round(open_run(f"{store}/lora").store)
     print(f"store bytes per replica per round: full {full:.0f}, LoRA {lora:.0f}, ratio {lora / full:.4f}")

@@ -1,4 +1,5 @@
-"""Multi-GPU replicas end to end on CPU (issue 24): 2 replicas x 2 local ranks (gloo) through the CLI.
+"""Multi-GPU replicas end to end on CPU (issue 24): 2 replicas x 2 local ranks (gloo), real replica processes (the
+runs compared launched in-process; the kill and resume through the CLI).
 
 * the run matches the same run with one local rank per replica (same global batch) to 1e-6, exports a model
   ``transformers`` loads, and moves about half the store bytes per local rank: with DDP, with FSDP2
@@ -21,7 +22,7 @@ from composer_cloud.runs import open_run
 from composer_cloud.runs.metrics import read_metrics
 from support.cli import cli
 from support.local_jobs import kill_run, launch_stalled
-from support.resume import export_weights, launch_run, same_weights
+from support.resume import export_weights, launch_and_wait, same_weights
 from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec
 from support.stores import store_uri_for
 
@@ -38,15 +39,16 @@ def _round_bytes(run_uri: str) -> float:
 def _launched(tmp_path_factory, name: str, spec: str) -> tuple[Path, str]:
     cwd = tmp_path_factory.mktemp(name)
     store = store_uri_for("file", cwd)
-    res = launch_run(cwd, store, name, spec)
-    assert res.returncode == 0, res.stdout + res.stderr
+    launch_and_wait(cwd, store, name, spec)  # in-process; the kill tests below launch through the CLI
     return cwd, f"{store}/{name}"
 
 
 @pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory) -> tuple[Path, str]:
-    """An uninterrupted 2 x 2 run (the baseline of the resume test too)."""
-    return _launched(tmp_path_factory, "sharded", multi_gpu_spec(2))
+def two_by_two(tmp_path_factory, baselines) -> tuple[Path, str]:
+    """An uninterrupted 2 x 2 run (the baseline of the resume test too), and a folder of this module's to export
+    it into. The run is the session's one (``baselines.shared_run``): test_multi_gpu_local_ranks.py's killed runs
+    end on it too."""
+    return tmp_path_factory.mktemp("sharded"), baselines.shared_run(multi_gpu_spec(2), "sharded")
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +103,14 @@ def test_lora_local_ranks_match_one_and_export_merged_and_adapter(tmp_path_facto
     diff, ratio = _match(sharded, whole, "lora")
     assert diff <= 1e-6 and 0.4 <= ratio <= 0.65
     cwd, run_uri = sharded
-    res = cli("export", run_uri, "--out", str(cwd / "adapter"), "--adapter", cwd=cwd)
-    assert res.returncode == 0, res.stdout + res.stderr
     from peft import PeftModel
     from safetensors.torch import load_file
 
     from composer_cloud.model import load_spec_model
+    from composer_cloud.runs.export import export_model
+
+    # `export --adapter` in this process (the CLI's own is test_lora_e2e.py's): the library call the command makes.
+    export_model(open_run(run_uri), cwd / "adapter", adapter=True)
 
     spec = open_run(run_uri).spec
     base, _ = load_spec_model(spec.model.model_copy(update={"lora": None}), seed=spec.seed)

@@ -21,7 +21,7 @@ from composer_cloud.sync.lockstep.rounds import read_outcome
 from support.cli import cli
 from support.faults import stalled_pid
 from support.local_jobs import launch_stalled
-from support.resume import export_weights, launch_run, same_weights
+from support.resume import export_weights, launch_and_wait, same_weights
 from support.specs import multi_gpu_spec, with_sync
 from support.stores import store_uri_for
 
@@ -38,13 +38,11 @@ def _outcomes(run_uri: str, round: int) -> list[Outcome]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
-    """The exported model of the uninterrupted 2 x 2 run (what a run with a killed local rank must end on)."""
+def uninterrupted(tmp_path_factory, baselines) -> dict:
+    """The exported model of the uninterrupted 2 x 2 run (what a run with a killed local rank must end on): the
+    session's one run of it, shared with test_multi_gpu_e2e.py (``baselines.shared_run``)."""
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    store = store_uri_for("file", cwd)
-    res = launch_run(cwd, store, "baseline", multi_gpu_spec(2))
-    assert res.returncode == 0, res.stdout + res.stderr
-    return export_weights(cwd, f"{store}/baseline", "model")
+    return export_weights(cwd, baselines.shared_run(multi_gpu_spec(2), "sharded"), "model")
 
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
@@ -89,8 +87,7 @@ def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
     # heal_timeout_s is lock-step's: decoupled mode refuses a setting it never reads (spec_sync.MODE_IGNORES).
     spec = with_sync(multi_gpu_spec(2).replace("heal_timeout_s = 180\n", ""), mode="decoupled", min_quorum=2,
                      grace_min_s=0.5, grace_max_s=10)
-    res = launch_run(tmp_path, store, "decoupled", spec)
-    assert res.returncode == 0, res.stdout + res.stderr
+    launch_and_wait(tmp_path, store, "decoupled", spec)
     run = open_run(f"{store}/decoupled")
     st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st

@@ -27,7 +27,7 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.framing import derive_signing_key, frame, hkdf_sha256, new_run_salt, run_key_bytes
 from composer_cloud.storage.run import open_run
 from composer_cloud.storage.store import Store
-from support.resume import Weights, export_weights, launch_run, one_thread, same_weights
+from support.resume import Weights, export_weights, launch_and_wait, launch_run, one_thread, same_weights
 from support.specs import RESUME_SPEC, SMALL_RUN_TOML, SPARSE_SPEC
 
 RUN_KEY = "the-same-run-key-for-every-run-0123456789"
@@ -243,9 +243,10 @@ def _replay(tmp_path: Path, spec: str, expected: Weights, planted: Sequence[str]
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
     store_x, store_y = f"file://{tmp_path}/x/store", f"file://{tmp_path}/y/store"
-    res = launch_run(tmp_path / "x", store_x, RUN_ID, "seed = 1\n" + spec, env=keyed)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with _environ(keyed):  # X is only the source of the planted objects: launched in-process, signed alike
+        launch_and_wait(tmp_path / "x", store_x, RUN_ID, "seed = 1\n" + spec)
     with _keyed(keyed):
+        assert open_run(f"{store_x}/{RUN_ID}").spec.signed  # with the same run key as Y
         twin = export_weights(tmp_path / "x", f"{store_x}/{RUN_ID}", "model")
     assert not same_weights(twin, expected)  # else the test could not tell the two models apart
     run_x, run_y = tmp_path / "x" / "store" / RUN_ID, tmp_path / "y" / "store" / RUN_ID
@@ -273,6 +274,20 @@ def _replay(tmp_path: Path, spec: str, expected: Weights, planted: Sequence[str]
             except Exception:  # noqa: BLE001 - no verified checkpoint to export: a clean failure
                 got = None
         assert got is None or not same_weights(got, twin), "run Y exported run X's model"
+
+
+@contextlib.contextmanager
+def _environ(environ: dict[str, str]) -> Iterator[None]:
+    """This process's environment replaced by ``environ`` for the duration (an in-process launch: what a
+    ``composer-cloud launch`` process started with ``env=environ`` would see, its replicas included)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file
 
+from composer_cloud.runs.status import RunStatus
 from composer_cloud.storage.store import Store
 from support.cli import cli
 from support.local_jobs import kill_run, launch_stalled
@@ -39,6 +40,26 @@ def launch_run(cwd: Path, store: str, run_id: str, spec: str = RESUME_SPEC, *, e
     cfg.write_text(spec)
     return cli("launch", "--config", str(cfg), "--store", store, "--run-id", run_id, cwd=cwd, env=env,
                timeout=timeout)
+
+
+def launch_and_wait(cwd: Path, store: str, run_id: str, spec: str = RESUME_SPEC, *,
+                    timeout: float = 300) -> RunStatus:
+    """``composer_cloud.launch`` of ``spec`` (written to ``cwd/spec.toml``) from this process, followed to its end
+    (``composer_cloud.wait``); asserts it completed and returns its final status.
+
+    For the runs a test only reads (baselines, the runs it compares): a ``composer-cloud launch`` process would
+    import torch and transformers again for its launch checks (~3 s of CPU each on the 2-core box). The replicas
+    are the same processes either way, with this process's environment. Tests that assert what the CLI's launch
+    prints or exits with use :func:`launch_run`.
+    """
+    import composer_cloud as cc
+
+    cfg = cwd / "spec.toml"
+    cfg.write_text(spec)
+    run = cc.launch(config=cfg, overrides={"store": store, "run_id": run_id})
+    final = cc.wait(run, timeout_s=timeout, interval_s=2.0)
+    assert final.state == "completed", final.to_json()
+    return final
 
 
 def one_thread(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -128,6 +149,26 @@ class Baselines:
         if spec == self.spec:
             return self
         return self._others.setdefault(spec, Baselines(self.cache, spec))
+
+    def shared_run(self, spec: str, run_id: str) -> str:
+        """The URI of one uninterrupted run of ``spec`` on ``file://``, launched once per session (first worker
+        to ask, under the cache's lock) and kept whole: its store, metrics and checkpoints, for the modules that
+        read more of a run than its exported weights (e.g. the 2 x 2 multi-GPU run of test_multi_gpu_e2e.py and
+        test_multi_gpu_local_ranks.py). Read it; never write to it (export into the test's own folder)."""
+        key = hashlib.sha256(f"{run_id}\n{spec}".encode()).hexdigest()[:12]
+        folder = self.cache / f"run-{key}"
+        done = folder.with_suffix(".uri")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # a worker killed mid-launch leaves no half run
+                folder.mkdir()
+                store = store_uri_for("file", folder)
+                launch_and_wait(folder, store, run_id, spec)
+                tmp = done.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(f"{store}/{run_id}")
+                os.replace(tmp, done)
+        return done.read_text()
 
     @property
     def path(self) -> Path:
