@@ -8,7 +8,6 @@ fleet's budget) takes a look of its own: other replicas publish meanwhile.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -18,36 +17,9 @@ from composer_cloud.spec import spec_from_dict
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.decoupled import protocol as dc
 from composer_cloud.sync.decoupled.view import BoundaryView
+from support.stores import CountingBackend
 
 SHAPES = {"w": (3,), "b": (2,)}
-
-
-class CountingBackend:
-    """The store's backend, counting LISTs per folder and GETs per key (a HEAD counts as a GET)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.lists: Counter[str] = Counter()
-        self.gets: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def children(self, prefix: str) -> list[str]:
-        self.lists[prefix] += 1
-        return self.inner.children(prefix)
-
-    def find(self, prefix: str) -> list[str]:
-        self.lists[prefix] += 1
-        return self.inner.find(prefix)
-
-    def read(self, key: str, limit: int | None = None) -> bytes:
-        self.gets[key] += 1
-        return self.inner.read(key, limit)
-
-    def exists(self, key: str) -> bool:
-        self.gets[key] += 1
-        return self.inner.exists(key)
 
 
 def _delta() -> dict[str, torch.Tensor]:

@@ -13,7 +13,6 @@ import json
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,6 +27,7 @@ from composer_cloud.storage.run import save_handles
 from composer_cloud.storage.store import Store
 from composer_cloud.trainer.three_channel.sourced import InMemorySource, RolloutKey, SourcedCompletions, SourcedRollouts
 from support.metrics import log_round, log_step
+from support.stores import CountingBackend
 
 PROMPTS = [[5, 6], [7, 8]]
 
@@ -118,25 +118,6 @@ def test_a_run_without_workers_has_no_fleet_on_its_report(tmp_path):
     assert RolloutFleet.from_status(run_status(run)) is None
     rep = write_report(run, tmp_path / "out")
     assert rep.fleet is None and "Rollout workers" not in rep.html.read_text()
-
-
-class CountingBackend:
-    """The store's backend, counting GETs per key (a HEAD counts as a GET)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.gets: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def read(self, key: str, limit: int | None = None) -> bytes:
-        self.gets[key] += 1
-        return self.inner.read(key, limit)
-
-    def exists(self, key: str) -> bool:
-        self.gets[key] += 1
-        return self.inner.exists(key)
 
 
 def test_status_reads_each_step_metrics_object_once_and_drops_rows_a_resume_superseded(tmp_path):

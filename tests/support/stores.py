@@ -1,8 +1,11 @@
-"""Store URIs per store kind, and pointing a test at one of the session's S3 servers."""
+"""Store URIs per store kind, pointing a test at one of the session's S3 servers, and a backend that counts
+its calls."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,3 +28,31 @@ def use_s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     server = request.getfixturevalue(f"s3_server_{kind}")
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
+
+
+class CountingBackend:
+    """The store's backend, counting LISTs per folder and GETs per key (a HEAD counts as a GET)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.lists: Counter[str] = Counter()
+        self.gets: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def children(self, prefix: str) -> list[str]:
+        self.lists[prefix] += 1
+        return self.inner.children(prefix)
+
+    def find(self, prefix: str) -> list[str]:
+        self.lists[prefix] += 1
+        return self.inner.find(prefix)
+
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        self.gets[key] += 1
+        return self.inner.read(key, limit)
+
+    def exists(self, key: str) -> bool:
+        self.gets[key] += 1
+        return self.inner.exists(key)
