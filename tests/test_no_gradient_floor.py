@@ -176,21 +176,38 @@ def _merge_once(store: Store, cfg: dc.DecoupledConfig, seq: int, norms: dict[int
     return dc.read_merge(store, cfg, dc.try_merge(store, cfg, SHAPES, rank=0).merged)
 
 
-@pytest.mark.parametrize("floor", [0.02, 0.0])
-def test_decoupled_merges_take_real_contributions_after_masked_ones(tmp_path, floor):
+@pytest.mark.parametrize("first_floor, floor", [(0.02, 0.02), (0.0, 0.02), (0.0, 0.0)],
+                         ids=["floor", "resumed-with-floor", "no-floor"])
+def test_decoupled_merges_take_real_contributions_after_masked_ones(tmp_path, first_floor, floor):
     """The protocol end to end (file:// store): merge 1 takes two near-empty contributions (0.0047), merge 2 the
-    same replicas' real ones (0.06). With the floor (0.1 % of a parameter norm of 20) both merge; without it
+    same replicas' real ones (0.06). With the floor (0.1 % of a parameter norm of 20) both merge, also when merge
+    1's record was written without it (a run resumed after the fix: references 0.0047 in the record); without it
     (the code before the fix) merge 2 refuses both and the global version advances with 0 contributions."""
     spec = run_spec(2, mode="decoupled", min_quorum=2)
-    cfg = dataclasses.replace(dc.DecoupledConfig.from_spec(spec), norm_floor=floor)
+    cfg = dataclasses.replace(dc.DecoupledConfig.from_spec(spec), norm_floor=first_floor)
     store = Store(f"file://{tmp_path}/store")
     dc.ensure_initial(store, cfg, {"w": torch.zeros(64)}, rank=0)
     assert len(_merge_once(store, cfg, 1, {0: 0.0047, 1: 0.0047}).contributions) == 2
+    cfg = dataclasses.replace(cfg, norm_floor=floor)
     second = _merge_once(store, cfg, 2, {0: 0.06, 1: 0.06})
     assert len(second.contributions) == (2 if floor else 0), second.rejected
     if floor:  # and a forged huge one is still refused
         third = _merge_once(store, cfg, 3, {0: 0.06, 1: 1e3})
         assert [c.rank for c in third.contributions] == [0] and "history" in third.rejected[0].reason
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_decoupled_median_rule_measures_against_the_floor(tmp_path, forged):
+    """A first merge of 3 (no references yet: only the median rule): two masked contributions and a real one
+    (13x their median, under 10x the floor) merge; a forged 1e3 one in its place is still rejected."""
+    cfg = dataclasses.replace(dc.DecoupledConfig.from_spec(run_spec(3, mode="decoupled", min_quorum=3)),
+                              norm_floor=0.02)
+    store = Store(f"file://{tmp_path}/store")
+    dc.ensure_initial(store, cfg, {"w": torch.zeros(64)}, rank=0)
+    record = _merge_once(store, cfg, 1, {0: 0.0047, 1: 0.0047, 2: 1e3 if forged else 0.06})
+    assert [c.rank for c in record.contributions] == ([0, 1] if forged else [0, 1, 2]), record.rejected
+    if forged:
+        assert "no-gradient floor 0.02" in record.rejected[0].reason
 
 
 # ------------------------------------------------------------------ wiring: both modes take the floor from the model
