@@ -1,12 +1,13 @@
 """Outlier rules built on update norms, when honest replicas have (almost) no gradient.
 
 Measured (issue: a 4-replica run of a no-reward task): three replicas' updates were weight decay only (norm 5e-4),
-the one with a real gradient (0.034, 0.18 % of the parameters' norm 19) was a 70x "outlier" of that median, was
-excluded, and with ``min_replicas = 4`` the retry could not form ("only 3 of min_replicas=4 replicas joined ...;
-missing replicas: []"). In decoupled mode a replica whose first merged contributions carried almost no gradient
-(reference 0.0047) had every later real one refused, for the rest of the run. Both rules now measure against
-``max(median or reference, no-gradient floor)``, the floor being 0.1 % of the parameters' norm
-(``checks.norm_floor_rms``); these tests replay both cases at the same ratios, and the attacks the rules exist for.
+the one with a real gradient (0.034, ~0.2 % of the parameters' norm, ~20 for that model as built) was a 70x
+"outlier" of that median, was excluded, and with ``min_replicas = 4`` the retry could not form ("only 3 of
+min_replicas=4 replicas joined ...; missing replicas: []"). In decoupled mode a replica whose first merged
+contributions carried almost no gradient (reference 0.0047) had every later real one refused, for the rest of the
+run. Both rules now measure against ``max(median or reference, no-gradient floor)``, the floor being 0.1 % of the
+parameters' norm (``checks.norm_floor_rms``); these tests replay both cases at the same ratios, and the attacks the
+rules exist for.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from workers import allreduce_config, run_spec
 NUMEL = 4000  # 4 slots of 1000 with 4 replicas
 PARAMS = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7)) * 0.05
 FLOOR = NO_GRADIENT_REL * float(PARAMS.norm())  # the whole payload's floor (0.1 % of the parameters' norm)
-# The measured norms relative to the parameters' norm (19.1): weight decay only 5e-4, a real gradient 0.034.
+# The measured norms relative to the parameters' norm (19.1 for that model as built with a 300-token vocabulary):
+# weight decay only 5e-4, a real gradient 0.034.
 TINY, REAL = 5e-4 / 19.1 * 1000 * FLOOR, 0.034 / 19.1 * 1000 * FLOOR
 
 

@@ -78,9 +78,7 @@ class DecoupledConfig:
         outlier_factor: a contribution whose norm exceeds this many medians is rejected (None: no check).
         keep_checkpoints: global versions kept besides the newest.
         sparse: the sparse codec's settings when contributions are sparse (``sync.codec = "sparse"``), else None.
-        norm_floor: the norm of a contribution that carries almost no gradient (``checks.norm_floor_rms`` of the
-            synced parameters x sqrt(their count), set by the replica from its model): the median rule's and the
-            guard's scale never go below it (:mod:`.guard`); 0.0: no floor.
+        norm_floor: the no-gradient norm (0.1 % of the synced parameters'), least scale of both checks (:mod:`.guard`).
     """
 
     run_id: str
@@ -448,11 +446,10 @@ def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], s
             rejected.append(Rejected(c.rank, c.seq, exc.reason))
     norms = [tree_norm(d) for d in deltas]
     median, bad = outliers(norms, cfg.outlier_factor, cfg.norm_floor)
-    why = {i: f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x {scale_text(median, cfg.norm_floor)}"
-           for i in bad}
+    scale, factor = scale_text(median, cfg.norm_floor), cfg.outlier_factor
+    why = {i: f"norm {norms[i]:.4g} > outlier_factor={factor} x {scale}" for i in bad}
     for i, c in enumerate(accepted):
-        refused = None if i in why else guard.refusal(c.rank, norms[i], c.tokens, refs, cfg.outlier_factor,
-                                                           cfg.norm_floor)
+        refused = None if i in why else guard.refusal(c.rank, norms[i], c.tokens, refs, factor, cfg.norm_floor)
         if refused:
             why[i] = refused
     for i in sorted(why):
