@@ -110,8 +110,9 @@ class SyncSpec(Strict):
     #: refused/reset, timeouts, 5xx, SlowDown) before the call fails; counted from the outage's start.
     #: <= a week, like every deadline here: longer, a replica holds its GPU waiting on a dead store.
     store_outage_s: float = Field(default=600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
-    #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median
-    #: aborts the attempt and is left out of its retry (null: no outlier check; applies with >= 3 participants).
+    #: A participant's pseudo-gradient slot whose L2 norm exceeds this many times the participants' median (or the
+    #: no-gradient floor, 0.1 % of the parameters' norm, when larger: docs/allreduce.md) aborts the attempt and is
+    #: left out of its retry (null: no outlier check; applies with >= 3 participants).
     outlier_factor: float | None = Field(default=10.0, gt=1)
     #: Attempts of a round run back to back within one sync after an integrity check failed.
     max_attempts: int = Field(default=3, ge=1, le=100)

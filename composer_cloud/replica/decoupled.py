@@ -39,7 +39,9 @@ base, so a resumed replica continues exactly where that boundary left it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -50,6 +52,7 @@ from composer_cloud.lora import synced_parameters
 from composer_cloud.replica.boundary import ReplicaContext, Segment, copy_into, cpu_params, params_replaced
 from composer_cloud.storage import layout
 from composer_cloud.storage.records.metrics import DecoupledFields, RoundRow
+from composer_cloud.sync.checks import norm_floor_rms
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
 from composer_cloud.sync.decoupled.contributions import ContributionEncoder
 from composer_cloud.sync.decoupled import protocol
@@ -119,6 +122,8 @@ class DecoupledBoundary:
         self.rank = ctx.rank
         self.cfg = protocol.DecoupledConfig.from_spec(self.spec)
         self.synced = synced_parameters(ctx.model)  # what is published and adopted (a LoRA model: its adapters)
+        numel = sum(p.numel() for p in self.synced.values())  # the guard's no-gradient floor, from the weights as built
+        self.cfg = dataclasses.replace(self.cfg, norm_floor=norm_floor_rms(self.synced.values()) * math.sqrt(numel))
         self.encoder = ContributionEncoder(self.cfg.sparse)  # the sparse codec's error feedback, if any
         self.shapes = {n: tuple(p.shape) for n, p in self.synced.items()}
         self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)

@@ -12,8 +12,8 @@ cost O(payload) compute and O(W) tiny objects, so traffic stays O(P):
 * **Inputs** (the reducer of slot ``j``, on every participant's part of
   slot ``j``): well-formed for the codec and of the slot's length, finite,
   and, with at least 3 participants and ``outlier_factor`` set, an L2 norm at
-  most ``outlier_factor`` times the median of the participants' norms for that
-  slot (a median of 0 gives no scale: the check is skipped). A failure names
+  most ``outlier_factor`` times the larger of the median of the participants'
+  norms for that slot and the slot's *no-gradient floor* (:func:`outliers`). A failure names
   the rank, the slot and the check; the attempt is aborted and that rank is
   excluded from the retries of the round (its pseudo-gradient is bad; the
   others' are not).
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import statistics
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_cloud.errors import BadObject, SyncError
@@ -108,28 +108,73 @@ def check_finite(x: torch.Tensor, *, rank: int, slot: int | None) -> float:
     return norm
 
 
-def outliers(norms: Sequence[float], outlier_factor: float | None) -> tuple[float, list[int]]:
-    """``(median, indices of the norms above outlier_factor x median)``.
+#: An update whose L2 norm is below this fraction of the L2 norm of the parameters it updates carries almost no
+#: gradient (weight decay alone moves them by ``inner lr x weight decay x inner steps``, ~1e-5 of their norm).
+NO_GRADIENT_REL = 1e-3
+
+
+def norm_floor_rms(params: Iterable[torch.Tensor]) -> float:
+    """``NO_GRADIENT_REL x`` the RMS of ``params``: the per-element scale of the outlier rule's floor.
+
+    A payload (or slot) of ``n`` elements has the floor ``norm_floor_rms x sqrt(n)``: the norm of an update that
+    moves each of its elements by 0.1 % of the parameters' RMS. Computed from the synced parameters as built
+    (the same initial or loaded weights on every replica); 0.0 for no parameters (no floor).
+    """
+    import torch
+
+    total, count = 0.0, 0
+    for p in params:
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP shard: this rank's chunk
+        if t.numel() and t.is_floating_point():
+            total += float(torch.linalg.vector_norm(t.reshape(-1), dtype=torch.float64)) ** 2
+            count += t.numel()
+    rms = math.sqrt(total / count) if count else 0.0
+    return NO_GRADIENT_REL * rms if math.isfinite(rms) else 0.0
+
+
+def outliers(norms: Sequence[float], outlier_factor: float | None, floor: float = 0.0) -> tuple[float, list[int]]:
+    """``(median, indices of the norms above outlier_factor x max(median, floor))``.
 
     Applies only with at least 3 norms (with 2, the median cannot tell which
-    one is off) and a positive median; otherwise nothing is an outlier.
+    one is off) and a positive scale ``max(median, floor)``; otherwise nothing is an outlier.
+
+    Why the floor: honest replicas whose data gave no gradient (every reward 0, every completion masked)
+    send updates of almost no norm (weight decay only); with them as the median, the one replica with a real
+    gradient looked like a 70x outlier and was excluded (measured: 5e-4 vs 0.034). From norms alone that case
+    cannot be told from a forged 70x update among real ones, so the scale comes from what no participant
+    controls: ``floor`` = the norm of an update carrying almost no gradient for these elements
+    (:func:`norm_floor_rms`, from the parameters every replica holds). A median below it is no scale.
+    What still holds: every accepted norm is at most ``outlier_factor x max(median, floor)``; with the median
+    above the floor (real updates) the rule is the plain median rule, and a forged update among near-zero
+    honest ones is refused above ``outlier_factor x floor`` (1 % of the parameters' norm with factor 10), as is
+    one among a median of 0, which the rule without a floor let through.
     """
     if outlier_factor is None or len(norms) < 3:
         return 0.0, []
     median = statistics.median(norms)
-    if median <= 0:
+    scale = max(median, floor)
+    if not scale > 0:
         return median, []
-    return median, [i for i, n in enumerate(norms) if n > outlier_factor * median]
+    return median, [i for i, n in enumerate(norms) if n > outlier_factor * scale]
 
 
 def check_outliers(ranks: Sequence[int], norms: Sequence[float], *, slot: int,
-                   outlier_factor: float | None) -> None:
+                   outlier_factor: float | None, floor: float = 0.0) -> None:
     """Raise :class:`RejectedPayload` excluding every rank whose norm is an outlier (:func:`outliers`)."""
-    median, bad = outliers(norms, outlier_factor)
+    median, bad = outliers(norms, outlier_factor, floor)
     if bad:
         desc = ", ".join(f"replica {ranks[i]} has norm {norms[i]:.4g}" for i in bad)
-        raise RejectedPayload(f"pseudo-gradient slot {slot}: {desc} > outlier_factor={outlier_factor} x median "
-                              f"{median:.4g}", check="outlier", slot=slot, excluded=[ranks[i] for i in bad])
+        raise RejectedPayload(f"pseudo-gradient slot {slot}: {desc} > outlier_factor={outlier_factor} x "
+                              f"{scale_text(median, floor)}", check="outlier", slot=slot,
+                              excluded=[ranks[i] for i in bad])
+
+
+def scale_text(median: float, floor: float) -> str:
+    """How the outlier rule's scale reads in a reason: the median, or the no-gradient floor above it."""
+    if floor > median:
+        return f"no-gradient floor {floor:.4g} (the median {median:.4g} is below it)"
+    return f"median {median:.4g}"
 
 
 def tree_norm(tensors: Mapping[str, torch.Tensor]) -> float:

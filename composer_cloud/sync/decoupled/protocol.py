@@ -50,7 +50,7 @@ from composer_cloud.storage.records import Contribution, FinalRecord, MergeRecor
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
-from composer_cloud.sync.checks import check_tree, outliers, tree_norm
+from composer_cloud.sync.checks import check_tree, outliers, scale_text, tree_norm
 from composer_cloud.sync.decoupled import guard
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY, initial_state, outer_step, token_weights
 from composer_cloud.sync.outer import OuterOptimizerConfig
@@ -78,6 +78,7 @@ class DecoupledConfig:
         outlier_factor: a contribution whose norm exceeds this many medians is rejected (None: no check).
         keep_checkpoints: global versions kept besides the newest.
         sparse: the sparse codec's settings when contributions are sparse (``sync.codec = "sparse"``), else None.
+        norm_floor: the no-gradient norm (0.1 % of the synced parameters'), least scale of both checks (:mod:`.guard`).
     """
 
     run_id: str
@@ -89,6 +90,7 @@ class DecoupledConfig:
     outlier_factor: float | None
     keep_checkpoints: int
     sparse: Any = None  # composer_cloud.sync.sparse.SparseSettings | None
+    norm_floor: float = 0.0
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "DecoupledConfig":
@@ -406,7 +408,7 @@ def try_merge(store: Store, cfg: DecoupledConfig, shapes: Shapes, *, rank: int, 
                             pending=len(pending))
     refs = {r: guard.Reference(*ref) for r, ref in ((latest.references or {}) if latest else {}).items()}
     accepted, deltas, norms = _verified(store, cfg, pending, shapes, rank=rank, rejected=rejected, refs=refs)
-    refs = guard.updated(refs, [(c.rank, n, c.tokens) for c, n in zip(accepted, norms)])
+    refs = guard.updated(refs, [(c.rank, n, c.tokens) for c, n in zip(accepted, norms)], cfg.norm_floor)
     for c in pending:
         cursor[c.rank] = max(cursor.get(c.rank, 0), c.seq)
     merged = {r: (latest.merged_count(r) if latest else 0) + sum(c.rank == r for c in accepted)
@@ -443,10 +445,11 @@ def _verified(store: Store, cfg: DecoupledConfig, pending: list[Contribution], s
             logger.warning("replica %d rejects contribution %d of replica %d: %s", rank, c.seq, c.rank, exc)
             rejected.append(Rejected(c.rank, c.seq, exc.reason))
     norms = [tree_norm(d) for d in deltas]
-    median, bad = outliers(norms, cfg.outlier_factor)
-    why = {i: f"norm {norms[i]:.4g} > outlier_factor={cfg.outlier_factor} x median {median:.4g}" for i in bad}
+    median, bad = outliers(norms, cfg.outlier_factor, cfg.norm_floor)
+    scale, factor = scale_text(median, cfg.norm_floor), cfg.outlier_factor
+    why = {i: f"norm {norms[i]:.4g} > outlier_factor={factor} x {scale}" for i in bad}
     for i, c in enumerate(accepted):
-        refused = None if i in why else guard.refusal(c.rank, norms[i], c.tokens, refs, cfg.outlier_factor)
+        refused = None if i in why else guard.refusal(c.rank, norms[i], c.tokens, refs, factor, cfg.norm_floor)
         if refused:
             why[i] = refused
     for i in sorted(why):

@@ -61,7 +61,8 @@ from composer_cloud.sync.checks import (RejectedPayload, check_finite, check_out
                                         verify_reduced)
 from composer_cloud.sync.lockstep import codec as wire
 from composer_cloud.sync.lockstep.config import AllReduceConfig
-from composer_cloud.sync.lockstep.results import BehindError, LocalRankLost, RoundResult, RoundTimeout
+from composer_cloud.sync.lockstep.results import (BehindError, LocalRankLost, RoundResult, RoundTimeout,
+                                                  exclusion_note)
 from composer_cloud.sync.lockstep.rounds import join_rank, moved_past, read_outcome, read_quorum
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class ObjectStoreAllReduce:
                 raise RoundTimeout(
                     round, missing,
                     f"only {len(joined)} of min_replicas={cfg.min_replicas} replicas joined "
-                    f"within quorum_timeout_s={cfg.quorum_timeout_s}")
+                    f"within quorum_timeout_s={cfg.quorum_timeout_s}" + self._exclusion_note(round, attempt, excluded))
             record = Quorum(round=round, attempt=attempt, participants=joined, excluded=sorted(excluded),
                             decided_by=self.rank, time=time.time(),
                             reason="all joined" if everyone else "quorum deadline")
@@ -250,6 +251,11 @@ class ObjectStoreAllReduce:
             probe, deadline=deadline + cfg.round_timeout_s, policy=self.store.poll,
             on_timeout=lambda waited: RoundTimeout(round, sorted(expected), f"no quorum after {waited:.1f}s"))
         return participants, time.monotonic() - t0
+
+    def _exclusion_note(self, round: int, attempt: int, excluded: frozenset[int]) -> str:
+        """The earlier attempts' exclusions that leave attempt ``attempt`` short of replicas (see results.py)."""
+        aborts = [out for a in range(attempt) if excluded and (out := self.outcome(round, a)) is not None]
+        return exclusion_note(aborts, min_replicas=self.config.min_replicas, outlier_factor=self.config.outlier_factor)
 
     def _joined(self, round: int, attempt: int) -> set[int]:
         """Ranks with a well-named ``join/<rank>.json`` (stray objects are skipped with a warning)."""
@@ -512,7 +518,8 @@ class ObjectStoreAllReduce:
             acc = part if acc is None else acc.add_(part)
         if missing:
             raise RoundTimeout(round, missing, "pseudo-gradients missing")
-        check_outliers(participants, norms, slot=slot, outlier_factor=cfg.outlier_factor)
+        check_outliers(participants, norms, slot=slot, outlier_factor=cfg.outlier_factor,
+                       floor=cfg.norm_floor_rms * math.sqrt(numel))
         assert acc is not None
         acc.div_(len(participants))
         if not math.isfinite(l2(acc)):  # finite inputs can still overflow float32 when summed

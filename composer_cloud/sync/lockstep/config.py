@@ -22,9 +22,12 @@ class AllReduceConfig:
         round_timeout_s: deadline for every other wait of the round.
         io_threads: parallel transfers per replica.
         outlier_factor: a participant's slot whose L2 norm exceeds this many
-            times the median of the participants' norms for that slot aborts
-            the attempt and is excluded (needs >= 3 participants; ``None``
-            disables the check; must be > 1).
+            times the median of the participants' norms for that slot (or the
+            slot's no-gradient floor, when larger) aborts the attempt and is
+            excluded (needs >= 3 participants; ``None`` disables the check; must be > 1).
+        norm_floor_rms: per-element scale of that floor (``checks.norm_floor_rms`` of the synced
+            parameters, set by ``build_diloco``; a slot of ``n`` elements has the floor
+            ``norm_floor_rms x sqrt(n)``); 0.0: no floor.
         max_attempts: attempts of a round run back to back within one sync
             when integrity checks abort them (``1``: never retry at once).
     """
@@ -37,6 +40,7 @@ class AllReduceConfig:
     io_threads: int
     outlier_factor: float | None
     max_attempts: int
+    norm_floor_rms: float = 0.0
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "AllReduceConfig":

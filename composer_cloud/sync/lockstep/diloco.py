@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from composer_cloud.lora import is_lora_model, synced_parameters
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
+from composer_cloud.sync.checks import norm_floor_rms
 from composer_cloud.sync.lockstep.durable import model_attempt_of
 from composer_cloud.sync.lockstep.allreduce import AllReduceConfig, ObjectStoreAllReduce
 from composer_cloud.sync.lockstep.gather import SparseGatherAllReduce
@@ -280,6 +282,9 @@ def build_diloco(
             shards = split_fragments(model, shard.count)
             frags = [shards[shard.index]]
     outers = [outer_sgd(f.parameters(), config.outer) for f in frags]
+    if not config.allreduce.norm_floor_rms:  # the outlier rule's no-gradient floor, from the weights as built
+        config = dataclasses.replace(config, allreduce=dataclasses.replace(
+            config.allreduce, norm_floor_rms=norm_floor_rms(p for f in frags for p in f.parameters())))
     if shard is not None:
         ar: ObjectStoreAllReduce = ShardedAllReduce(store, rank, config.allreduce, shard=shard, hooks=hooks)
     elif config.sparse is not None:

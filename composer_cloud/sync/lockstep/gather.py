@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import zlib
 from concurrent.futures import Future
@@ -142,7 +143,8 @@ class SparseGatherAllReduce(ObjectStoreAllReduce):
         if missing:
             raise RoundTimeout(round, missing, "sparse contributions missing")
         norms = [u.norm() for u in updates]
-        check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
+        check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor,
+                       floor=cfg.norm_floor_rms * math.sqrt(numel))
         mean = sparse.mean(updates, numel=numel)
         self.hooks.at("reduce", round, self.rank)
         timings["gather_s"] = time.monotonic() - t

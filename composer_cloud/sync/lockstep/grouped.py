@@ -156,7 +156,8 @@ class GroupedSparseAllReduce(SparseGatherAllReduce):
             sums.append(self._check_group(round, attempt, i, group, record, data, numel,
                                           own=enc.sent.norm() if i == mine else None))
             norms.extend(record["input_norms"])
-        check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor)
+        check_outliers(participants, norms, slot=0, outlier_factor=cfg.outlier_factor,
+                       floor=cfg.norm_floor_rms * math.sqrt(numel))
         mean = sparse.total(sums, numel=numel).div_(len(participants))
         if not bool(torch.isfinite(mean).all()):  # finite sums can still overflow float32 when added
             raise RejectedPayload("sparse group sums: their total overflows float32", check="nonfinite", slot=0)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from composer_cloud.errors import SyncError
 from composer_cloud.round_numbers import shown_round
+from composer_cloud.storage.records import Outcome
 
 
 class RoundTimeout(SyncError):
@@ -21,6 +22,24 @@ class RoundTimeout(SyncError):
         self.missing_ranks = sorted(missing_ranks)
         self.aborted = False
         super().__init__(f"round {shown_round(round)}: {what}; missing replicas: {self.missing_ranks}")
+
+
+def exclusion_note(aborts: Sequence[Outcome], *, min_replicas: int, outlier_factor: float | None) -> str:
+    """Why a retry lacks replicas: the earlier attempts' checks that excluded them, and what to change.
+
+    ``aborts``: this round's earlier outcomes (any order); those that excluded nobody are skipped. Empty when
+    nobody was excluded (the replicas are simply missing).
+    """
+    lines = [f"attempt {o.attempt}'s {o.check or 'integrity'} check excluded replicas {o.excluded} ({o.reason})"
+             for o in sorted(aborts, key=lambda o: o.attempt) if o.excluded]
+    if not lines:
+        return ""
+    advice = f"lower min_replicas (now {min_replicas})"
+    if any(o.check == "outlier" for o in aborts if o.excluded):
+        advice = (f"if honest updates can differ that much (replicas whose data gave no gradient), raise "
+                  f"sync.outlier_factor (now {outlier_factor}; null: no check), or " + advice)
+    return (f": {'; '.join(lines)}. An excluded replica sits out this round's retries, so min_replicas="
+            f"{min_replicas} cannot be met without it; {advice}")
 
 
 class LocalRankLost(SyncError):
