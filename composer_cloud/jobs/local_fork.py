@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from composer_cloud import env
+from composer_cloud.jobs.base import ExecutorError
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ def fork_replica(command: list[str], log: BinaryIO) -> ForkedProcess:
     return fork_call(replica_main, stdout=log.fileno())
 
 
-class ForkStartError(RuntimeError):
+class ForkStartError(ExecutorError):
     """The preloading process did not fork every job's supervisor (its output says why)."""
 
 
