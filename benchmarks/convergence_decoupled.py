@@ -198,11 +198,11 @@ def final_loss(cfg: Config, spec: Any, uri: str, replica: DecoupledReplica | Non
     """``(version, held-out loss)`` of the run's final global version (read back and verified)."""
     from composer_cloud.replica.boundary import copy_into
     from composer_cloud.storage.store import Store
-    from composer_cloud.sync.decoupled import protocol
     from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
+    from composer_cloud.sync.decoupled.versions import GlobalVersions
 
-    store = Store(uri)
-    version = protocol.read_final(store)
+    versions = GlobalVersions(Store(uri))
+    version = versions.final()
     if version is None:
         raise RuntimeError(f"{uri}: the run did not finish (no verified decoupled/final.json)")
     if replica is None:
@@ -210,7 +210,7 @@ def final_loss(cfg: Config, spec: Any, uri: str, replica: DecoupledReplica | Non
     else:
         model, trainer = replica.model, replica.trainer
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    copy_into(model, protocol.load_version(store, version, shapes)[FRAGMENT_KEY]["original_parameters"])
+    copy_into(model, versions.load(version, shapes)[FRAGMENT_KEY]["original_parameters"])
     return version, trainer.evaluate()["eval_loss"]
 
 

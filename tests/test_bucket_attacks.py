@@ -41,6 +41,7 @@ from composer_cloud.storage.runkeys import load_record
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.sync.decoupled.versions import VERSION_ATTEMPT, GlobalVersions
 from composer_cloud.sync.lockstep import rounds
 from support.cli import cli
 from support.local_jobs import kill_run, launch_stalled
@@ -300,31 +301,32 @@ SHAPES = {"w": (3,)}
 def _decoupled(tmp_path: Path, signed: bool):
     store, spec, _ = _run(tmp_path, signed=signed, replicas=2, rounds=3, sync={"mode": "decoupled", "min_quorum": 2})
     cfg = dc.DecoupledConfig.from_spec(spec)
-    dc.ensure_initial(store, cfg, {"w": torch.zeros(3)}, rank=0)
+    dc.DecoupledProtocol(store, cfg).ensure_initial({"w": torch.zeros(3)}, rank=0)
     return store, cfg
 
 
 def _contribute(store: Store, cfg, rank: int, seq: int, scale: float = 1.0) -> None:
-    dc.publish_contribution(store, cfg, rank=rank, seq=seq, base_version=0, tokens=10, inner_steps=2,
-                            delta={"w": torch.tensor([0.1, -0.1, 0.2]) * scale})
+    dc.DecoupledProtocol(store, cfg).publish(rank=rank, seq=seq, base_version=0, tokens=10, inner_steps=2,
+                                             delta={"w": torch.tensor([0.1, -0.1, 0.2]) * scale})
 
 
 def test_forged_contribution_names_do_not_count_toward_a_signed_budget(tmp_path):
     store, cfg = _decoupled(tmp_path, signed=True)
+    protocol = dc.DecoupledProtocol(store, cfg)
     _contribute(store, cfg, 0, 1)
     bucket = Store(store.uri)
     for seq in (50, 51, 52):  # unsigned metas and blobs: "contributions" named far ahead
         meta = {"rank": 1, "seq": seq, "base_version": 0, "tokens": 10**9, "inner_steps": 2, "sha256": "0" * 64,
                 "time": 1.0, "run_id": cfg.run_id}
         bucket.put_json(layout.contribution_key(1, seq, "json"), meta)
-    assert dc.published_total(store, cfg) == 1
-    assert dc.finish(store, cfg, SHAPES, rank=0, rounds=3) is None  # budget 6: far from reached
+    assert protocol.published_total() == 1
+    assert protocol.finish(SHAPES, rank=0, rounds=3) is None  # budget 6: far from reached
     _contribute(store, cfg, 1, 1)
-    out = dc.try_merge(store, cfg, SHAPES, rank=0)
-    rec = dc.read_merge(store, cfg, out.merged)
+    out = protocol.try_merge(SHAPES, rank=0)
+    rec = protocol.read_merge(out.merged)
     assert rec.cursor == {0: 1, 1: 1} and rec.merged == {0: 1, 1: 1}
     assert {(r.rank, r.seq) for r in rec.rejected} == {(1, 50), (1, 51), (1, 52)}
-    assert dc.next_seq(store, cfg, 1, own=1) == 2  # forged names never push a replica's seqs
+    assert protocol.next_seq(1, own=1) == 2  # forged names never push a replica's seqs
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -332,29 +334,30 @@ def test_forged_contributions_with_equal_norms_are_refused_by_the_history_guard(
     """Well-formed contributions (the unsigned case: they verify) of huge equal norms and token counts: the
     median rule cannot tell, the guard against each replica's own history refuses them; nothing counts."""
     store, cfg = _decoupled(tmp_path, signed=signed)
+    protocol = dc.DecoupledProtocol(store, cfg)
     _contribute(store, cfg, 0, 1)
     _contribute(store, cfg, 1, 1, scale=1.5)
-    assert dc.try_merge(store, cfg, SHAPES, rank=0).merged == 1
-    before = dc.load_version(store, 1, SHAPES)
+    assert protocol.try_merge(SHAPES, rank=0).merged == 1
+    before = protocol.versions.load(1, SHAPES)
     bucket = Store(store.uri)
     for rank in (0, 1):
-        dc.publish_contribution(bucket, cfg, rank=rank, seq=2, base_version=1, tokens=10**9, inner_steps=2,
-                                delta={"w": torch.full((3,), 1e3)})
-    out = dc.try_merge(store, cfg, SHAPES, rank=1)
+        dc.DecoupledProtocol(bucket, cfg).publish(rank=rank, seq=2, base_version=1, tokens=10**9, inner_steps=2,
+                                                  delta={"w": torch.full((3,), 1e3)})
+    out = protocol.try_merge(SHAPES, rank=1)
     if signed:  # not authentic: never pending, dropped, no merge
         assert out.merged is None and not bucket.exists(layout.contribution_key(0, 2, "json"))
     else:  # authentic as far as anyone can tell: refused by the guard
-        rec = dc.newest_merge(store, cfg)
+        rec = protocol.newest_merge()
         assert rec.contributions == () and rec.merged == {0: 1, 1: 1}
         assert len(rec.rejected) == 2 and all("history" in r.reason for r in rec.rejected), rec.rejected
-    after = dc.load_version(store, dc.newest_version(store), SHAPES)
+    after = protocol.versions.load(protocol.versions.newest(), SHAPES)
     key = outer.FRAGMENT_KEY
     assert torch.equal(after[key]["original_parameters"]["w"], before[key]["original_parameters"]["w"])
-    assert dc.published_total(store, cfg) == 2
+    assert protocol.published_total() == 2
     # Genuine contributions of the usual size are still merged, and move the reference only slowly.
     _contribute(store, cfg, 0, 3, scale=1.2)
     _contribute(store, cfg, 1, 3, scale=1.1)
-    assert len(dc.read_merge(store, cfg, dc.try_merge(store, cfg, SHAPES, rank=0).merged).contributions) == 2
+    assert len(protocol.read_merge(protocol.try_merge(SHAPES, rank=0).merged).contributions) == 2
 
 
 @pytest.mark.parametrize("target", ["final", "merge"])
@@ -363,20 +366,21 @@ def test_a_garbage_final_or_merge_record_neither_finishes_nor_bricks_a_signed_ru
     bucket = Store(store.uri)
     key = layout.FINAL if target == "final" else layout.merge_key(1)
     bucket.put_plain(key, b"garbage")
-    assert dc.read_final(store) is None and dc.newest_merge(store, cfg) is None
+    protocol = dc.DecoupledProtocol(store, cfg)
+    assert protocol.versions.final() is None and protocol.newest_merge() is None
     for seq in (1, 2, 3):
         for rank in (0, 1):
             _contribute(store, cfg, rank, seq)
-        dc.try_merge(store, cfg, SHAPES, rank=0)
-    v = dc.finish(store, cfg, SHAPES, rank=1, rounds=3)
-    assert v is not None and dc.read_final(store) == v
-    assert dc.newest_merge(store, cfg).final and dc.newest_merge(store, cfg).merged == {0: 3, 1: 3}
+        protocol.try_merge(SHAPES, rank=0)
+    v = protocol.finish(SHAPES, rank=1, rounds=3)
+    assert v is not None and protocol.versions.final() == v
+    assert protocol.newest_merge().final and protocol.newest_merge().merged == {0: 3, 1: 3}
 
 
 def test_an_unsigned_final_record_naming_no_final_merge_finishes_nothing(tmp_path):
     store, cfg = _decoupled(tmp_path, signed=False)
     store.put_json(layout.FINAL, {"version": 0, "by": 0, "time": 1.0})
-    assert dc.read_final(store) is None
+    assert GlobalVersions(store).final() is None
 
 
 # ------------------------------------------------------------------ signed by default, keys and secrets
@@ -519,7 +523,7 @@ def test_write_version_does_not_depend_on_a_listing(tmp_path, monkeypatch):
     """A store whose listing lags (list-after-write) used to end a merge with a bare KeyError."""
     store, cfg = _decoupled(tmp_path, signed=True)
     monkeypatch.setattr(store, "list_dirs", lambda prefix="": [])
-    dc.write_version(store, 3, outer.initial_state({"w": torch.ones(3)}, cfg.outer), writer=0)
+    GlobalVersions(store).write(3, outer.initial_state({"w": torch.ones(3)}, cfg.outer), writer=0)
     assert store.exists(layout.manifest_key(3))
 
 
@@ -528,33 +532,29 @@ def test_a_forged_marker_or_manifest_neither_blocks_nor_fakes_a_signed_checkpoin
     """Garbage at a global version's marker or manifest key, written before the run's writer gets there: the
     version is written anyway (the forged object is replaced), and until then it is neither durable nor
     complete."""
-    from composer_cloud.sync.checkpoint import manifests
-    from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
-
     store, cfg = _decoupled(tmp_path, signed=True)
-    states = GlobalStateStore(store)
-    key = layout.slice_marker_key(4, manifests.VERSION_ATTEMPT, 0, 1) if target == "marker" else layout.manifest_key(4)
+    versions = GlobalVersions(store)
+    key = layout.slice_marker_key(4, VERSION_ATTEMPT, 0, 1) if target == "marker" else layout.manifest_key(4)
     Store(store.uri).put_json(key, {"round": 4, "forged": True})
-    assert not manifests.version_durable(states, 4) and not manifests.version_complete(states, 4)
+    assert not versions.durable(4) and not versions.complete(4)
     tree = outer.initial_state({"w": torch.full((3,), 2.0)}, cfg.outer)
-    dc.write_version(store, 4, tree, writer=1)
-    assert manifests.version_complete(states, 4)
-    assert torch.equal(dc.load_version(store, 4, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"],
+    versions.write(4, tree, writer=1)
+    assert versions.complete(4)
+    assert torch.equal(versions.load(4, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"],
                        torch.full((3,), 2.0))
 
 
 def test_forged_manifests_do_not_make_prune_drop_real_checkpoints(tmp_path):
     from composer_cloud.sync.checkpoint import manifests
-    from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 
     store, cfg = _decoupled(tmp_path, signed=True)
-    states = GlobalStateStore(store)
+    versions = GlobalVersions(store)
     for v in (1, 2):
-        dc.write_version(store, v, outer.initial_state({"w": torch.full((3,), float(v))}, cfg.outer), writer=0)
+        versions.write(v, outer.initial_state({"w": torch.full((3,), float(v))}, cfg.outer), writer=0)
     bucket = Store(store.uri)
-    bucket.put_json(layout.slice_marker_key(3, manifests.VERSION_ATTEMPT, 0, 1), {"forged": True})
+    bucket.put_json(layout.slice_marker_key(3, VERSION_ATTEMPT, 0, 1), {"forged": True})
     bucket.put_json(layout.manifest_key(3), {"round": 3, "forged": True})
-    manifests.prune(states, keep=1, newest=3)
-    assert manifests.version_complete(states, 2)  # the newest real checkpoint survives
-    assert dc.load_version(store, 2, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"][0] == 2.0
+    manifests.prune(versions.states, keep=1, newest=3)
+    assert versions.complete(2)  # the newest real checkpoint survives
+    assert versions.load(2, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"][0] == 2.0
 

@@ -26,6 +26,7 @@ from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.sync.decoupled.versions import GlobalVersions
 from composer_cloud.sync.outer import OuterOptimizerConfig
 from support.cli import cli
 from support.faults import slow_env, with_faults
@@ -39,6 +40,11 @@ CFG = dc.DecoupledConfig.from_spec(spec_from_dict({
     "sync": {"mode": "decoupled", "min_quorum": 2, "grace_min_s": 0.5, "grace_max_s": 5.0}}))
 
 
+def proto(store: Store, cfg: dc.DecoupledConfig = CFG) -> dc.DecoupledProtocol:
+    """The protocol of this module's run (``CFG``, or ``cfg``) over ``store``."""
+    return dc.DecoupledProtocol(store, cfg)
+
+
 def _params() -> dict[str, torch.Tensor]:
     return {"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([-1.0, 0.5])}
 
@@ -48,12 +54,12 @@ def _delta(scale: float) -> dict[str, torch.Tensor]:
 
 
 def _publish(store: Store, rank: int, seq: int, scale: float, tokens: int, base: int = 0) -> dc.Contribution:
-    return dc.publish_contribution(store, CFG, rank=rank, seq=seq, base_version=base, tokens=tokens,
-                                   inner_steps=4, delta=_delta(scale))
+    return proto(store).publish(rank=rank, seq=seq, base_version=base, tokens=tokens, inner_steps=4,
+                                delta=_delta(scale))
 
 
 def _global(store: Store, v: int) -> dict[str, torch.Tensor]:
-    return dc.load_version(store, v, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]
+    return GlobalVersions(store).load(v, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]
 
 
 def _blob(store: Store, v: int) -> bytes:
@@ -63,7 +69,7 @@ def _blob(store: Store, v: int) -> bytes:
 @pytest.fixture
 def store(tmp_path) -> Store:
     s = Store(f"file://{tmp_path}/run")
-    dc.ensure_initial(s, CFG, _params(), rank=0)
+    proto(s).ensure_initial(_params(), rank=0)
     return s
 
 
@@ -124,12 +130,12 @@ def test_fault_hooks_are_read_once_from_the_job_environment():
 # ------------------------------------------------------------------ merge math
 def test_merge_is_token_weighted_nesterov_step(store):
     _publish(store, 0, 1, 1.0, tokens=100)
-    out = dc.try_merge(store, CFG, SHAPES, rank=0)
+    out = proto(store).try_merge(SHAPES, rank=0)
     assert out.merged is None and "waiting" in out.reason  # 1 replica < quorum 2, well inside the grace window
     _publish(store, 1, 1, -3.0, tokens=300)
-    out = dc.try_merge(store, CFG, SHAPES, rank=1)
+    out = proto(store).try_merge(SHAPES, rank=1)
     assert out.merged == 1 and out.reason.startswith("quorum")
-    rec = dc.read_merge(store, CFG, 1)
+    rec = proto(store).read_merge(1)
     # By tokens within the merge; the merge as a whole is 2 of the 3 replicas' share of a round.
     share = 2 / 3
     assert rec.weights == (0.25 * share, 0.75 * share)
@@ -144,9 +150,9 @@ def test_merge_is_token_weighted_nesterov_step(store):
     # Second merge: momentum carries over from version 1's stored state.
     _publish(store, 0, 2, 2.0, tokens=100, base=1)
     _publish(store, 2, 1, 2.0, tokens=100, base=0)
-    out = dc.try_merge(store, CFG, SHAPES, rank=2)
+    out = proto(store).try_merge(SHAPES, rank=2)
     assert out.merged == 2
-    assert dc.read_merge(store, CFG, 2).staleness == (0, 1)  # rank 2 started from version 0
+    assert proto(store).read_merge(2).staleness == (0, 1)  # rank 2 started from version 0
     g2 = {k: share * v for k, v in _delta(2.0).items()}
     buf2 = {k: m * g1[k] + g2[k] for k in SHAPES}
     want2 = {k: want1[k] - lr * (g2[k] + m * buf2[k]) for k in SHAPES}
@@ -155,13 +161,14 @@ def test_merge_is_token_weighted_nesterov_step(store):
 
 
 def test_grace_window_adapts_and_merges_a_lonely_contribution(store):
-    assert dc.grace_window([], CFG) == CFG.grace_max_s
-    assert dc.grace_window([0.0, 1.0, 2.0, 3.0], CFG) == 1.5
-    assert dc.grace_window([0.0, 0.01, 0.02], CFG) == CFG.grace_min_s
-    assert dc.grace_window([0.0, 100.0], CFG) == CFG.grace_max_s
+    grace_window = proto(store).grace_window
+    assert grace_window([]) == CFG.grace_max_s
+    assert grace_window([0.0, 1.0, 2.0, 3.0]) == 1.5
+    assert grace_window([0.0, 0.01, 0.02]) == CFG.grace_min_s
+    assert grace_window([0.0, 100.0]) == CFG.grace_max_s
     c = _publish(store, 0, 1, 1.0, tokens=10)
-    assert dc.try_merge(store, CFG, SHAPES, rank=0, now=c.time + 1.0).merged is None
-    out = dc.try_merge(store, CFG, SHAPES, rank=0, now=c.time + CFG.grace_max_s)
+    assert proto(store).try_merge(SHAPES, rank=0, now=c.time + 1.0).merged is None
+    out = proto(store).try_merge(SHAPES, rank=0, now=c.time + CFG.grace_max_s)
     assert out.merged == 1 and out.reason.startswith("grace")
 
 
@@ -169,44 +176,45 @@ def test_grace_window_adapts_and_merges_a_lonely_contribution(store):
 def test_write_once_merge_race_loser_adopts_the_winner(store, monkeypatch):
     _publish(store, 0, 1, 1.0, tokens=100)
     _publish(store, 1, 1, 2.0, tokens=100)
-    stale_view = dc.newest_merge(store, CFG)  # both mergers read "no merge yet"
-    monkeypatch.setattr(dc, "prune", lambda *a, **k: None)  # the loser listed before the winner pruned
-    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    stale_view = proto(store).newest_merge()  # both mergers read "no merge yet"
+    # The loser listed before the winner pruned.
+    monkeypatch.setattr(dc.DecoupledProtocol, "prune", lambda *a, **k: None)
+    assert proto(store).try_merge(SHAPES, rank=0).merged == 1
     winner = _blob(store, 1)
     _publish(store, 2, 1, 5.0, tokens=100)  # the loser also sees a third contribution: a different record
-    monkeypatch.setattr(dc, "newest_merge", lambda s, c: stale_view)
-    out = dc.try_merge(store, CFG, SHAPES, rank=1)
+    monkeypatch.setattr(dc.DecoupledProtocol, "newest_merge", lambda self: stale_view)
+    out = proto(store).try_merge(SHAPES, rank=1)
     monkeypatch.undo()
     assert out.merged is None and out.reason == "lost the race" and out.version == 1
-    assert _blob(store, 1) == winner and len(dc.read_merge(store, CFG, 1).contributions) == 2
+    assert _blob(store, 1) == winner and len(proto(store).read_merge(1).contributions) == 2
     # rank 2's contribution was not consumed by the winner: it is still pending for version 2.
-    pending, _ = dc.list_contributions(store, CFG, dc.read_merge(store, CFG, 1).cursor)
+    pending, _ = proto(store).pending(proto(store).read_merge(1).cursor)
     assert [(c.rank, c.seq) for c in pending] == [(2, 1)]
-    assert dc.try_merge(store, CFG, SHAPES, rank=1, final=True).merged == 2
+    assert proto(store).try_merge(SHAPES, rank=1, final=True).merged == 2
 
 
 def test_merger_killed_after_the_record_is_completed_bytewise(tmp_path, monkeypatch):
     def scenario(root: Path, kill: bool) -> bytes:
         s = Store(f"file://{root}")
-        dc.ensure_initial(s, CFG, _params(), rank=0)
+        proto(s).ensure_initial(_params(), rank=0)
         _publish(s, 0, 1, 1.0, tokens=100)
         _publish(s, 1, 1, -2.0, tokens=50)
         if kill:
             def die(*a, **k):
                 raise KeyboardInterrupt("killed after winning the merge record")
             with monkeypatch.context() as mp:
-                mp.setattr(dc, "complete_version", die)
+                mp.setattr(dc.DecoupledProtocol, "complete_version", die)
                 with pytest.raises(KeyboardInterrupt):
-                    dc.try_merge(s, CFG, SHAPES, rank=1)
-            assert dc.read_merge(s, CFG, 1) is not None and not dc.has_version(s, 1)
-            rec = dc.read_merge(s, CFG, 1)
+                    proto(s).try_merge(SHAPES, rank=1)
+            assert proto(s).read_merge(1) is not None and not GlobalVersions(s).durable(1)
+            rec = proto(s).read_merge(1)
             # Too early: the merger may still be writing; nobody duplicates its work yet.
-            early = dc.try_merge(s, CFG, SHAPES, rank=2, now=rec.time + 0.1)
-            assert early.merged is None and not dc.has_version(s, 1)
-            out = dc.try_merge(s, CFG, SHAPES, rank=2, now=rec.time + CFG.grace_max_s)
-            assert out.version == 1 and dc.has_version(s, 1)
+            early = proto(s).try_merge(SHAPES, rank=2, now=rec.time + 0.1)
+            assert early.merged is None and not GlobalVersions(s).durable(1)
+            out = proto(s).try_merge(SHAPES, rank=2, now=rec.time + CFG.grace_max_s)
+            assert out.version == 1 and GlobalVersions(s).durable(1)
         else:
-            assert dc.try_merge(s, CFG, SHAPES, rank=1).merged == 1
+            assert proto(s).try_merge(SHAPES, rank=1).merged == 1
         return _blob(s, 1)
 
     assert scenario(tmp_path / "killed", True) == scenario(tmp_path / "clean", False)
@@ -218,25 +226,26 @@ def test_completer_racing_a_live_merger_that_pruned_the_inputs_is_not_an_error(s
     _publish(store, 0, 1, 1.0, tokens=100)
     _publish(store, 1, 1, 2.0, tokens=100)
     with monkeypatch.context() as mp:
-        mp.setattr(dc, "complete_version", lambda *a, **k: None)  # the merger has the record, not the state yet
-        mp.setattr(dc, "prune", lambda *a, **k: None)
-        dc.try_merge(store, CFG, SHAPES, rank=0)
-    rec = dc.read_merge(store, CFG, 1)
-    assert not dc.has_version(store, 1)
-    real_load = dc.load_contribution
+        # the merger has the record, not the state yet
+        mp.setattr(dc.DecoupledProtocol, "complete_version", lambda *a, **k: None)
+        mp.setattr(dc.DecoupledProtocol, "prune", lambda *a, **k: None)
+        proto(store).try_merge(SHAPES, rank=0)
+    rec = proto(store).read_merge(1)
+    assert not GlobalVersions(store).durable(1)
+    real_load = dc.DecoupledProtocol.load_contribution
     raced = []
 
-    def merger_finishes_first(st, c, shapes, **kw):
+    def merger_finishes_first(self: dc.DecoupledProtocol, c: dc.Contribution, shapes: dict) -> dict:
         if not raced:  # the live merger wins the race and prunes the inputs
             raced.append(True)
-            monkeypatch.setattr(dc, "load_contribution", real_load)
-            dc.complete_version(st, CFG, rec, SHAPES, rank=0)
-            dc.prune(st, CFG, newest=1, record=rec)
-        return real_load(st, c, shapes, **kw)
+            monkeypatch.setattr(dc.DecoupledProtocol, "load_contribution", real_load)
+            proto(self.store).complete_version(rec, SHAPES, rank=0)
+            proto(self.store).prune(newest=1, record=rec)
+        return real_load(self, c, shapes)
 
-    monkeypatch.setattr(dc, "load_contribution", merger_finishes_first)
-    dc.complete_version(store, CFG, rec, SHAPES, rank=2)
-    assert dc.has_version(store, 1) and store.exists("checkpoints/00000001/manifest.json")
+    monkeypatch.setattr(dc.DecoupledProtocol, "load_contribution", merger_finishes_first)
+    proto(store).complete_version(rec, SHAPES, rank=2)
+    assert GlobalVersions(store).durable(1) and store.exists("checkpoints/00000001/manifest.json")
 
 
 # ------------------------------------------------------------------ untrusted inputs
@@ -253,11 +262,11 @@ def test_tampered_foreign_and_nan_contributions_are_skipped(store):
     # NaN: a correctly published contribution whose values are not finite.
     bad = _delta(1.0)
     bad["w"][1] = float("nan")
-    dc.publish_contribution(store, CFG, rank=0, seq=2, base_version=0, tokens=100, inner_steps=4, delta=bad)
+    proto(store).publish(rank=0, seq=2, base_version=0, tokens=100, inner_steps=4, delta=bad)
     _publish(store, 1, 2, 2.0, tokens=100)
-    out = dc.try_merge(store, CFG, SHAPES, rank=1)
+    out = proto(store).try_merge(SHAPES, rank=1)
     assert out.merged == 1
-    rec = dc.read_merge(store, CFG, 1)
+    rec = proto(store).read_merge(1)
     assert [(c.rank, c.seq) for c in rec.contributions] == [(0, 1), (1, 2)]
     rejected = {(r.rank, r.seq): r.reason for r in rec.rejected}
     assert set(rejected) == {(0, 2), (1, 1), (2, 1)}
@@ -273,48 +282,49 @@ def test_tampered_foreign_and_nan_contributions_are_skipped(store):
 def test_forged_merge_record_and_global_are_refused(store):
     _publish(store, 0, 1, 1.0, tokens=100)
     _publish(store, 1, 1, 1.0, tokens=100)
-    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    assert proto(store).try_merge(SHAPES, rank=0).merged == 1
     rec = store.get_json(layout.merge_key(1))
     with pytest.raises(BadObject, match="weights"):
-        dc.parse_merge({**rec, "weights": [0.9, 0.1]}, "k", CFG, 1)
+        proto(store).parse_merge({**rec, "weights": [0.9, 0.1]}, "k", 1)
     with pytest.raises(BadObject, match="other"):
-        dc.parse_merge({**rec, "run_id": "other"}, "k", CFG, 1)
+        proto(store).parse_merge({**rec, "run_id": "other"}, "k", 1)
     # A global whose values are not finite (written with a valid marker) is never adopted.
     tree = outer.initial_state({"w": torch.tensor([float("inf"), 0, 0]), "b": torch.zeros(2)}, CFG.outer)
-    dc.write_version(store, 5, tree, writer=0)
+    GlobalVersions(store).write(5, tree, writer=0)
     with pytest.raises(BadObject, match="non-finite"):
-        dc.load_version(store, 5, SHAPES)
+        GlobalVersions(store).load(5, SHAPES)
 
 
 def test_final_merge_once_the_fleet_published_its_budget(store):
     cfg = CFG
     for r in range(3):
         _publish(store, r, 1, 1.0 + r, tokens=100)
-    assert dc.published_total(store, cfg) == 3
-    assert dc.finish(store, cfg, SHAPES, rank=0, rounds=2) is None  # budget 6: not reached
+    assert proto(store, cfg).published_total() == 3
+    assert proto(store, cfg).finish(SHAPES, rank=0, rounds=2) is None  # budget 6: not reached
     _publish(store, 0, 2, 1.0, tokens=100)  # a fast replica makes more than its share
     _publish(store, 0, 3, 1.0, tokens=100)
     _publish(store, 0, 4, 1.0, tokens=100)
-    v = dc.finish(store, cfg, SHAPES, rank=0, rounds=2)
-    assert v is not None and dc.read_final(store) == v
-    assert dc.finish(store, cfg, SHAPES, rank=1, rounds=2) == v  # a racing finisher agrees
-    merged = {(c.rank, c.seq) for u in dc.merge_versions(store) for c in dc.read_merge(store, cfg, u).contributions}
+    v = proto(store, cfg).finish(SHAPES, rank=0, rounds=2)
+    assert v is not None and GlobalVersions(store).final() == v
+    assert proto(store, cfg).finish(SHAPES, rank=1, rounds=2) == v  # a racing finisher agrees
+    p = proto(store, cfg)
+    merged = {(c.rank, c.seq) for u in p.versions.decided() for c in p.read_merge(u).contributions}
     assert merged == {(0, 1), (1, 1), (2, 1), (0, 2), (0, 3), (0, 4)}
-    assert dc.progress(store) == (v, v)
+    assert GlobalVersions(store).progress() == (v, v)
     # Nothing merges after the final record: a late contribution stays out of the final model.
     _publish(store, 1, 2, 5.0, tokens=100)
-    out = dc.try_merge(store, cfg, SHAPES, rank=1, final=True)
+    out = proto(store, cfg).try_merge(SHAPES, rank=1, final=True)
     assert out.merged is None and out.reason == "run finished"
-    assert dc.merge_versions(store)[-1] == v and dc.newest_version(store) == v
+    assert GlobalVersions(store).decided()[-1] == v and GlobalVersions(store).newest() == v
 
 
 def test_final_merge_with_nothing_pending_still_closes_merging(store):
     for r in range(3):
         _publish(store, r, 1, 1.0, tokens=100)
-    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1  # quorum: everything merged
-    v = dc.finish(store, CFG, SHAPES, rank=2, rounds=1)
-    assert v == 2 and dc.read_merge(store, CFG, 2).final
-    before, after = dc.load_version(store, 1, SHAPES), dc.load_version(store, 2, SHAPES)
+    assert proto(store).try_merge(SHAPES, rank=0).merged == 1  # quorum: everything merged
+    v = proto(store).finish(SHAPES, rank=2, rounds=1)
+    assert v == 2 and proto(store).read_merge(2).final
+    before, after = GlobalVersions(store).load(1, SHAPES), GlobalVersions(store).load(2, SHAPES)
     for n in SHAPES:  # an empty final merge is no step: same parameters, same momentum
         key = outer.FRAGMENT_KEY
         assert torch.equal(before[key]["original_parameters"][n], after[key]["original_parameters"][n])
@@ -324,30 +334,30 @@ def test_writer_killed_between_marker_and_manifest_is_finished_and_seqs_are_neve
     _publish(store, 0, 1, 1.0, tokens=100)
     _publish(store, 1, 1, 1.0, tokens=100)
     _publish(store, 2, 1, 1.0, tokens=100)
-    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
+    assert proto(store).try_merge(SHAPES, rank=0).merged == 1
     store.delete("checkpoints/00000001/manifest.json")  # the writer died after the marker
-    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2  # the final merge completes version 1 first
+    assert proto(store).finish(SHAPES, rank=2, rounds=1) == 2  # the final merge completes version 1 first
     assert store.exists("checkpoints/00000001/manifest.json")
     # A replica whose inner state is at seq 0 but which published seq 1 continues at seq 2.
-    assert dc.next_seq(store, CFG, 2, 0) == 2 and dc.next_seq(store, CFG, 0, 5) == 6
+    assert proto(store).next_seq(2, 0) == 2 and proto(store).next_seq(0, 5) == 6
 
 
 def test_protocol_on_real_s3_servers(s3_store, monkeypatch):
     """Write-once merge records, listing and pruning behave the same on moto and SeaweedFS."""
     store = Store(f"s3://{s3_store.bucket}/decoupled-{time.time_ns()}")
-    dc.ensure_initial(store, CFG, _params(), rank=0)
+    proto(store).ensure_initial(_params(), rank=0)
     _publish(store, 0, 1, 1.0, tokens=100)
     _publish(store, 1, 1, -1.0, tokens=300)
-    stale = dc.newest_merge(store, CFG)
-    monkeypatch.setattr(dc, "prune", lambda *a, **k: None)
-    assert dc.try_merge(store, CFG, SHAPES, rank=0).merged == 1
-    monkeypatch.setattr(dc, "newest_merge", lambda s, c: stale)
-    assert dc.try_merge(store, CFG, SHAPES, rank=1).reason == "lost the race"
+    stale = proto(store).newest_merge()
+    monkeypatch.setattr(dc.DecoupledProtocol, "prune", lambda *a, **k: None)
+    assert proto(store).try_merge(SHAPES, rank=0).merged == 1
+    monkeypatch.setattr(dc.DecoupledProtocol, "newest_merge", lambda self: stale)
+    assert proto(store).try_merge(SHAPES, rank=1).reason == "lost the race"
     monkeypatch.undo()
-    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) is None  # 2 of the budget's 3 published
+    assert proto(store).finish(SHAPES, rank=2, rounds=1) is None  # 2 of the budget's 3 published
     _publish(store, 2, 1, 1.0, tokens=100)
-    assert dc.finish(store, CFG, SHAPES, rank=2, rounds=1) == 2
-    assert dc.read_merge(store, CFG, 2).cursor == {0: 1, 1: 1, 2: 1}
+    assert proto(store).finish(SHAPES, rank=2, rounds=1) == 2
+    assert proto(store).read_merge(2).cursor == {0: 1, 1: 1, 2: 1}
     assert not store.list(layout.contribution_prefix(2))  # consumed and durable: pruned
 
 
@@ -388,9 +398,9 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     assert all(row["wait_s"] == 0.0 for r in rows for row in rows[r])
     # The fleet's budget (3 x 4 contributions) is made mostly by the fast replicas: the slow one makes fewer.
     assert sum(map(len, rows.values())) >= 12 and len(rows[2]) < max(len(rows[0]), len(rows[1])), rows
-    final = dc.read_final(run)
+    final = GlobalVersions(run).final()
     assert final is not None and beats[2].get("final_version") == final
-    last = dc.read_merge(run, _cfg("slow"), dc.merge_versions(run)[-1])
+    last = proto(run, _cfg("slow")).read_merge(GlobalVersions(run).decided()[-1])
     assert last.final and last.version == final and sum(last.cursor.values()) >= 12, last.cursor
     st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
@@ -435,7 +445,7 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
         while not all((run.try_get_json(f"replicas/{r}.json") or {}).get("state") == "completed" for r in (0, 2)):
             assert time.monotonic() < deadline, "replicas 0 and 2 waited for the stalled replica"
             time.sleep(0.3)
-        final = dc.read_final(run)
+        final = GlobalVersions(run).final()
         assert final is not None  # completed without the straggler
         kill_replica(run.uri, 1)
         out, _ = launcher.communicate(timeout=120)
@@ -446,8 +456,8 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
     log = replica_log(run.uri, 1)
     # The restarted replica resumed its own state, found the run finished and stopped.
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
-    assert dc.read_final(run) == final
-    last = dc.read_merge(run, _cfg("kill"), final)
+    assert GlobalVersions(run).final() == final
+    last = proto(run, _cfg("kill")).read_merge(final)
     assert last.final and last.cursor[1] == 2 and sum(last.cursor.values()) >= 3 * rounds
     st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
@@ -462,8 +472,8 @@ def test_resume_after_everything_is_killed(tmp_path):
     time.sleep(0.5)  # let the others publish and merge more
     run = Store(f"file://{tmp_path}/store/resumed")
     kill_run(run.uri, launcher)
-    assert dc.read_final(run) is None
-    before = dc.newest_version(run)
+    assert GlobalVersions(run).final() is None
+    before = GlobalVersions(run).newest()
     assert before is not None
     res = cli("resume", run.uri, cwd=tmp_path, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -471,8 +481,8 @@ def test_resume_after_everything_is_killed(tmp_path):
     assert st["state"] == "completed" and st["rounds_committed"] >= before, st
     log = replica_log(run.uri, 0)
     assert "resumed its inner state after contribution 2" in log, log[-3000:]
-    last = dc.read_merge(run, _cfg("resumed"), dc.merge_versions(run)[-1])
-    assert last.final and sum(last.cursor.values()) >= 3 * rounds and dc.read_final(run) == last.version
+    last = proto(run, _cfg("resumed")).read_merge(GlobalVersions(run).decided()[-1])
+    assert last.final and sum(last.cursor.values()) >= 3 * rounds and GlobalVersions(run).final() == last.version
     res = cli("resume", run.uri, cwd=tmp_path)  # a finished decoupled run: nothing to resume
     assert res.returncode == 0 and "nothing to resume" in res.stdout + res.stderr
     res = cli("export", run.uri, "--out", str(tmp_path / "model"), cwd=tmp_path)

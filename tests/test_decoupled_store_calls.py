@@ -2,8 +2,9 @@
 
 The bounds are the ones docs/decoupled.md states ("Store calls of a boundary"). The boundary is the leader's
 sequence in ``replica/decoupled.py`` (``after_step``): look for the run's end, publish, merge, adopt, read the
-adopted record, all through one :class:`BoundaryView`. The check that starts the next segment (the run's end, the
-fleet's budget) takes a look of its own: other replicas publish meanwhile.
+adopted record, all through one boundary's protocol (``DecoupledProtocol.boundary()``: one :class:`BoundaryView`).
+The check that starts the next segment (the run's end, the fleet's budget) takes a look of its own: other replicas
+publish meanwhile.
 """
 
 from __future__ import annotations
@@ -31,26 +32,28 @@ def _boundary_calls(tmp_path: Any, replicas: int) -> tuple[CountingBackend, Coun
     cfg = dc.DecoupledConfig.from_spec(spec_from_dict({"run_id": "run", "replicas": replicas,
                                                        "sync": {"mode": "decoupled"}}))
     store = Store(f"file://{tmp_path}/run")
-    dc.ensure_initial(store, cfg, {"w": torch.ones(3), "b": torch.ones(2)}, rank=0)
+    protocol = dc.DecoupledProtocol(store, cfg)
+    protocol.ensure_initial({"w": torch.ones(3), "b": torch.ones(2)}, rank=0)
     for r in range(replicas):
-        dc.publish_contribution(store, cfg, rank=r, seq=1, base_version=0, tokens=10, inner_steps=1, delta=_delta())
-    assert dc.try_merge(store, cfg, SHAPES, rank=0).merged == 1
+        protocol.publish(rank=r, seq=1, base_version=0, tokens=10, inner_steps=1, delta=_delta())
+    assert protocol.try_merge(SHAPES, rank=0).merged == 1
     for r in range(1, replicas):
-        dc.publish_contribution(store, cfg, rank=r, seq=2, base_version=1, tokens=10, inner_steps=1, delta=_delta())
+        protocol.publish(rank=r, seq=2, base_version=1, tokens=10, inner_steps=1, delta=_delta())
     counting = CountingBackend(store.backend)
     store.backend = counting
-    view = BoundaryView(store)
-    assert dc.read_final(view) is None
-    dc.publish_contribution(view, cfg, rank=0, seq=2, base_version=1, tokens=10, inner_steps=1, delta=_delta())
-    assert dc.try_merge(view, cfg, SHAPES, rank=0).merged == 2
-    v = dc.newest_version(view, floor=1)
+    at = protocol.boundary()
+    assert isinstance(at.store, BoundaryView) and at.versions.store is at.store
+    assert at.versions.final() is None
+    at.publish(rank=0, seq=2, base_version=1, tokens=10, inner_steps=1, delta=_delta())
+    assert at.try_merge(SHAPES, rank=0).merged == 2
+    v = at.versions.newest(floor=1)
     assert v == 2
-    dc.load_version(view, v, SHAPES)
-    assert dc.read_merge(view, cfg, v).ranks == list(range(replicas))
+    at.versions.load(v, SHAPES)
+    assert at.read_merge(v).ranks == list(range(replicas))
     store.backend = start = CountingBackend(counting.inner)
-    view = BoundaryView(store)
-    assert dc.read_final(view) is None
-    assert dc.published_total(view, cfg) == 2 * replicas
+    at = protocol.boundary()
+    assert at.versions.final() is None
+    assert at.published_total() == 2 * replicas
     return counting, start
 
 

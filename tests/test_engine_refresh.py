@@ -25,7 +25,7 @@ from composer_cloud.replica.telemetry import Telemetry
 from composer_cloud.spec import spec_from_dict
 from composer_cloud.storage.run import Run
 from composer_cloud.storage.store import Store
-from composer_cloud.sync.decoupled import protocol
+from composer_cloud.sync.decoupled.versions import GlobalVersions
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
 from composer_cloud.trainer.three_channel import ThreeChannelSettings, ThreeChannelTrainer
 from support.trainer import HashTask
@@ -105,8 +105,8 @@ def test_every_decoupled_adopt_reaches_the_engine(monkeypatch, tmp_path):
     assert ctx.trainer.engine_refreshes == 3  # the start (version 0) and the adopt at each boundary
     assert all(engine.log.generations)
     # The contributions and globals hold the adapters alone.
-    newest = protocol.newest_version(ctx.run.store, floor=0)
-    tree = protocol.load_version(ctx.run.store, newest, probe.inner.shapes)
+    versions = GlobalVersions(ctx.run.store)
+    tree = versions.load(versions.newest(floor=0), probe.inner.shapes)
     assert set(tree[FRAGMENT_KEY]["original_parameters"]) == set(synced_parameters(ctx.model))
     assert all(".lora_" in name for name in synced_parameters(ctx.model))
 

@@ -82,6 +82,7 @@ def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
     parameters at every boundary; a replica whose local ranks ended on different parameters fails its job, so
     a completed run means they stayed one model. The fleet's budget is published and the final merge exports."""
     from composer_cloud.sync.decoupled import protocol
+    from composer_cloud.sync.decoupled.versions import GlobalVersions
 
     store = store_uri_for("file", tmp_path)
     # heal_timeout_s is lock-step's: decoupled mode refuses a setting it never reads (spec_sync.MODE_IGNORES).
@@ -91,8 +92,9 @@ def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
     run = open_run(f"{store}/decoupled")
     st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
-    assert protocol.read_final(run.store) is not None
-    assert protocol.published_total(run.store, protocol.DecoupledConfig.from_spec(run.spec)) >= 2 * 3
+    assert GlobalVersions(run.store).final() is not None
+    cfg = protocol.DecoupledConfig.from_spec(run.spec)
+    assert protocol.DecoupledProtocol(run.store, cfg).published_total() >= 2 * 3
     from transformers import AutoModelForCausalLM
 
     got = export_weights(tmp_path, run.uri, "decoupled-model")

@@ -171,11 +171,12 @@ SHAPES = {"w": (64,)}
 
 
 def _merge_once(store: Store, cfg: dc.DecoupledConfig, seq: int, norms: dict[int, float]) -> Any:
+    protocol = dc.DecoupledProtocol(store, cfg)
     for rank, norm in norms.items():
         delta = torch.randn(64, generator=torch.Generator().manual_seed(10 * seq + rank))
-        dc.publish_contribution(store, cfg, rank=rank, seq=seq, base_version=dc.newest_version(store), tokens=64,
-                                inner_steps=2, delta={"w": delta * (norm / float(delta.norm()))})
-    return dc.read_merge(store, cfg, dc.try_merge(store, cfg, SHAPES, rank=0).merged)
+        protocol.publish(rank=rank, seq=seq, base_version=protocol.versions.newest(), tokens=64, inner_steps=2,
+                         delta={"w": delta * (norm / float(delta.norm()))})
+    return protocol.read_merge(protocol.try_merge(SHAPES, rank=0).merged)
 
 
 @pytest.mark.parametrize("first_floor, floor", [(0.02, 0.02), (0.0, 0.02), (0.0, 0.0)],
@@ -188,7 +189,7 @@ def test_decoupled_merges_take_real_contributions_after_masked_ones(tmp_path, fi
     spec = run_spec(2, mode="decoupled", min_quorum=2)
     cfg = dataclasses.replace(dc.DecoupledConfig.from_spec(spec), norm_floor=first_floor)
     store = Store(f"file://{tmp_path}/store")
-    dc.ensure_initial(store, cfg, {"w": torch.zeros(64)}, rank=0)
+    dc.DecoupledProtocol(store, cfg).ensure_initial({"w": torch.zeros(64)}, rank=0)
     assert len(_merge_once(store, cfg, 1, {0: 0.0047, 1: 0.0047}).contributions) == 2
     cfg = dataclasses.replace(cfg, norm_floor=floor)
     second = _merge_once(store, cfg, 2, {0: 0.06, 1: 0.06})
@@ -205,7 +206,7 @@ def test_decoupled_median_rule_measures_against_the_floor(tmp_path, forged):
     cfg = dataclasses.replace(dc.DecoupledConfig.from_spec(run_spec(3, mode="decoupled", min_quorum=3)),
                               norm_floor=0.02)
     store = Store(f"file://{tmp_path}/store")
-    dc.ensure_initial(store, cfg, {"w": torch.zeros(64)}, rank=0)
+    dc.DecoupledProtocol(store, cfg).ensure_initial({"w": torch.zeros(64)}, rank=0)
     record = _merge_once(store, cfg, 1, {0: 0.0047, 1: 0.0047, 2: 1e3 if forged else 0.06})
     assert [c.rank for c in record.contributions] == ([0, 1] if forged else [0, 1, 2]), record.rejected
     if forged:

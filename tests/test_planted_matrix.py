@@ -38,6 +38,7 @@ from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
+from composer_cloud.sync.decoupled.versions import GlobalVersions
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.allreduce import BehindError, ObjectStoreAllReduce, RoundResult
 from workers import allreduce_config, payload
@@ -269,22 +270,22 @@ SHAPES = {"w": (3,)}
 def _decoupled(uri: str) -> tuple[Store, Any, Any]:
     store, spec = signed_run(uri, rounds=2, sync={"mode": "decoupled", "min_quorum": 2})
     cfg = dc.DecoupledConfig.from_spec(spec)
-    dc.ensure_initial(store, cfg, {"w": torch.zeros(3)}, rank=0)
+    dc.DecoupledProtocol(store, cfg).ensure_initial({"w": torch.zeros(3)}, rank=0)
     return store, spec, cfg
 
 
 def _play(store: Store, cfg: Any) -> int | None:
+    protocol = dc.DecoupledProtocol(store, cfg)
     for seq in (1, 2):
         for rank in (0, 1):
-            dc.publish_contribution(store, cfg, rank=rank, seq=seq, base_version=dc.newest_version(store) or 0,
-                                    tokens=10, inner_steps=2,
-                                    delta={"w": torch.tensor([0.1, -0.1, 0.2]) * (rank + seq)})
-        dc.try_merge(store, cfg, SHAPES, rank=0)
-    return dc.finish(store, cfg, SHAPES, rank=1, rounds=2)
+            protocol.publish(rank=rank, seq=seq, base_version=protocol.versions.newest() or 0, tokens=10,
+                             inner_steps=2, delta={"w": torch.tensor([0.1, -0.1, 0.2]) * (rank + seq)})
+        protocol.try_merge(SHAPES, rank=0)
+    return protocol.finish(SHAPES, rank=1, rounds=2)
 
 
 def _final_w(store: Store, version: int) -> torch.Tensor:
-    return dc.load_version(store, version, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"]
+    return GlobalVersions(store).load(version, SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]["w"]
 
 
 DC_KEYS: dict[str, Callable[[int], tuple[str, dict[str, Any]]]] = {

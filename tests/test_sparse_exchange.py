@@ -148,22 +148,23 @@ def _dec_delta(seed: int) -> dict[str, torch.Tensor]:
 
 def test_decoupled_contributions_are_sparse_and_merge_what_they_decode_to(tmp_path):
     store = Store(f"file://{tmp_path}/run")
-    dc.ensure_initial(store, DEC_CFG, {n: torch.zeros(s) for n, s in DEC_SHAPES.items()}, rank=0)
+    protocol = dc.DecoupledProtocol(store, DEC_CFG)
+    protocol.ensure_initial({n: torch.zeros(s) for n, s in DEC_SHAPES.items()}, rank=0)
     encoders = [ContributionEncoder(DEC_CFG.sparse) for _ in range(2)]
     blobs = []
     for r in range(2):
-        dc.publish_contribution(store, DEC_CFG, rank=r, seq=1, base_version=0, tokens=100, inner_steps=4,
-                                delta=_dec_delta(r), encoder=encoders[r])
+        protocol.publish(rank=r, seq=1, base_version=0, tokens=100, inner_steps=4, delta=_dec_delta(r),
+                         encoder=encoders[r])
         blob = bytes(store.get(layout.contribution_key(r, 1, "safetensors")))
         assert len(blob) * 8 < 4 * 4040  # at least 8x below the dense fp32 blob, header included
         blobs.append(blob)
         assert encoders[r].state_dict()["model"].abs().sum() > 0  # the unsent residual is kept
-    assert dc.try_merge(store, DEC_CFG, DEC_SHAPES, rank=0).merged == 1
-    rec = dc.read_merge(store, DEC_CFG, 1)
+    assert protocol.try_merge(DEC_SHAPES, rank=0).merged == 1
+    rec = protocol.read_merge(1)
     assert [(c.rank, c.seq) for c in rec.contributions] == [(0, 1), (1, 1)]
     decoded = [decode_contribution(b, key="k", shapes=DEC_SHAPES, settings=DEC_CFG.sparse) for b in blobs]
-    expected = outer.outer_step(dc.load_version(store, 0, DEC_SHAPES), decoded, rec.weights, DEC_CFG.outer)
-    got = dc.load_version(store, 1, DEC_SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]
+    expected = outer.outer_step(protocol.versions.load(0, DEC_SHAPES), decoded, rec.weights, DEC_CFG.outer)
+    got = protocol.versions.load(1, DEC_SHAPES)[outer.FRAGMENT_KEY]["original_parameters"]
     for name in DEC_SHAPES:
         assert torch.equal(got[name], expected[outer.FRAGMENT_KEY]["original_parameters"][name])
         assert 0 < int((decoded[0][name] != 0).sum()) < decoded[0][name].numel() // 4
@@ -171,19 +172,20 @@ def test_decoupled_contributions_are_sparse_and_merge_what_they_decode_to(tmp_pa
 
 def test_a_malformed_sparse_contribution_is_rejected_by_the_merge(tmp_path):
     store = Store(f"file://{tmp_path}/run")
-    dc.ensure_initial(store, DEC_CFG, {n: torch.zeros(s) for n, s in DEC_SHAPES.items()}, rank=0)
+    protocol = dc.DecoupledProtocol(store, DEC_CFG)
+    protocol.ensure_initial({n: torch.zeros(s) for n, s in DEC_SHAPES.items()}, rank=0)
 
     class Truncating(ContributionEncoder):
         def encode(self, delta, meta):
             data = super().encode(delta, meta)
             return data[: len(data) // 2]
 
-    dc.publish_contribution(store, DEC_CFG, rank=0, seq=1, base_version=0, tokens=100, inner_steps=4,
-                            delta=_dec_delta(0), encoder=Truncating(DEC_CFG.sparse))
-    dc.publish_contribution(store, DEC_CFG, rank=1, seq=1, base_version=0, tokens=100, inner_steps=4,
-                            delta=_dec_delta(1), encoder=ContributionEncoder(DEC_CFG.sparse))
-    dc.try_merge(store, DEC_CFG, DEC_SHAPES, rank=1, final=True)
-    rec = dc.read_merge(store, DEC_CFG, 1)
+    protocol.publish(rank=0, seq=1, base_version=0, tokens=100, inner_steps=4, delta=_dec_delta(0),
+                     encoder=Truncating(DEC_CFG.sparse))
+    protocol.publish(rank=1, seq=1, base_version=0, tokens=100, inner_steps=4, delta=_dec_delta(1),
+                     encoder=ContributionEncoder(DEC_CFG.sparse))
+    protocol.try_merge(DEC_SHAPES, rank=1, final=True)
+    rec = protocol.read_merge(1)
     assert [(c.rank, c.seq) for c in rec.contributions] == [(1, 1)]
     assert [(r.rank, r.seq) for r in rec.rejected] == [(0, 1)]
 

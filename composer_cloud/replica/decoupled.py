@@ -4,7 +4,7 @@ Per boundary (every ``inner_steps`` inner steps), in this order:
 
 1. publish the contribution ``base - local`` (fp32), with the tokens and inner
    steps behind it and the version ``base`` came from;
-2. :func:`~composer_cloud.sync.decoupled.protocol.try_merge`: merge the pending
+2. :meth:`~composer_cloud.sync.decoupled.protocol.DecoupledProtocol.try_merge`: merge the pending
    contributions if a quorum of replicas or the grace window says so (losing
    the race is fine), or finish an overdue merge of a dead merger;
 3. adopt the newest durable global newer than the one adopted:
@@ -31,7 +31,7 @@ store bytes of a multi-GPU replica are a one-rank replica's, made by one rank.
 Ordering and failure reasoning: the contribution is published before the
 inner state is written, so a replica killed in between republishes those
 steps under a new seq after its restart (at-least-once; never the same seq
-twice, see :func:`~composer_cloud.sync.decoupled.protocol.next_seq`). The inner
+twice, see :meth:`~composer_cloud.sync.decoupled.protocol.DecoupledProtocol.next_seq`). The inner
 state stores the local parameters *after* adoption, which are also the next
 base, so a resumed replica continues exactly where that boundary left it.
 """
@@ -55,9 +55,8 @@ from composer_cloud.storage.records.metrics import DecoupledFields, RoundRow
 from composer_cloud.sync.checks import norm_floor_rms
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, replica_state, restore_replica_state
 from composer_cloud.sync.decoupled.contributions import ContributionEncoder
-from composer_cloud.sync.decoupled import protocol
 from composer_cloud.sync.decoupled.outer import FRAGMENT_KEY
-from composer_cloud.sync.decoupled.view import BoundaryView
+from composer_cloud.sync.decoupled.protocol import DecoupledConfig, DecoupledProtocol, MergeOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +119,11 @@ class DecoupledBoundary:
         self.store = ctx.run.store
         self.spec = ctx.spec
         self.rank = ctx.rank
-        self.cfg = protocol.DecoupledConfig.from_spec(self.spec)
+        self.cfg = DecoupledConfig.from_spec(self.spec)
         self.synced = synced_parameters(ctx.model)  # what is published and adopted (a LoRA model: its adapters)
         numel = sum(p.numel() for p in self.synced.values())  # the guard's no-gradient floor, from the weights as built
         self.cfg = dataclasses.replace(self.cfg, norm_floor=norm_floor_rms(self.synced.values()) * math.sqrt(numel))
+        self.protocol = DecoupledProtocol(self.store, self.cfg)  # one look per boundary: self.protocol.boundary()
         self.encoder = ContributionEncoder(self.cfg.sparse)  # the sparse codec's error feedback, if any
         self.shapes = {n: tuple(p.shape) for n, p in self.synced.items()}
         self.replica_states = ReplicaStateStore(self.store, hooks=ctx.hooks)
@@ -152,27 +152,28 @@ class DecoupledBoundary:
             logger.info("replica %d resumed its inner state after contribution %d (version %d)", self.rank,
                         resume.seq, resume.version)
         elif self.leader:
-            protocol.ensure_initial(self.store, self.cfg, cpu_params(self.ctx.model), rank=self.rank)
+            self.protocol.ensure_initial(cpu_params(self.ctx.model), rank=self.rank)
             if not self._adopt(alpha=1.0):  # a fresh model takes the global as it is
                 raise BadObject(layout.checkpoint_prefix(0), "no usable global version to start from")
         if self.leader:
             # Never reuse a seq: a kill after publishing but before the inner state was written leaves
             # contributions newer than my state.
-            self.seq = protocol.next_seq(self.store, self.cfg, self.rank, self.seq) - 1
+            self.seq = self.protocol.next_seq(self.rank, self.seq) - 1
         self.seq, self.adopted = self.local.ints(self.seq, self.adopted)
         self.local.params()
         params_replaced(self.ctx.trainer)
         self._base = cpu_params(self.ctx.model)
         return {"round": self.seq, "version": self.adopted}
 
-    def _adopt(self, *, alpha: float, store: BoundaryView | None = None) -> bool:
-        """Adopt the newest durable global newer than mine; False if none (or none readable)."""
-        store = store or BoundaryView(self.store)
-        v = protocol.newest_version(store, floor=self.adopted)
+    def _adopt(self, *, alpha: float, at: DecoupledProtocol | None = None) -> bool:
+        """Adopt the newest durable global newer than mine; False if none (or none readable). ``at``: this
+        boundary's protocol (its look at the store), else a look of its own."""
+        versions = (at or self.protocol.boundary()).versions
+        v = versions.newest(floor=self.adopted)
         if v is None:
             return False
         try:
-            tree = protocol.load_version(store, v, self.shapes)
+            tree = versions.load(v, self.shapes)
         except BadObject as exc:  # never adopt an unverified object
             logger.warning("replica %d: global version %d unusable (%s); keeping version %d", self.rank, v,
                            exc, self.adopted)
@@ -201,13 +202,13 @@ class DecoupledBoundary:
             return False
         if segment.steps == 0:  # a segment starts: is there still work for the fleet? (a look of its own)
             self._last_look = time.monotonic()
-            view = BoundaryView(self.store)
-            return protocol.read_final(view) is None and protocol.published_total(view, self.cfg) < self.budget
+            at = self.protocol.boundary()
+            return at.versions.final() is None and at.published_total() < self.budget
         # Between boundaries, one small GET every FINISH_CHECK_S: once the run finished, the rest of this
         # segment could never be merged, so stop computing (billing) it now rather than at the boundary.
         if time.monotonic() - self._last_look >= FINISH_CHECK_S:
             self._last_look = time.monotonic()
-            if protocol.read_final(self.store) is not None:
+            if self.protocol.versions.final() is not None:
                 self._drop(segment)
                 return False
         return True
@@ -227,8 +228,8 @@ class DecoupledBoundary:
         if not self.leader:
             return self._follow()
         # One look at the store per folder for the whole boundary (docs/decoupled.md, "Store calls").
-        view = BoundaryView(self.store)
-        final = protocol.read_final(view) is not None
+        at = self.protocol.boundary()
+        final = at.versions.final() is not None
         self.local.ints(int(final))
         if final:
             self._drop(segment)
@@ -236,14 +237,12 @@ class DecoupledBoundary:
         local = cpu_params(self.ctx.model)
         delta = {n: self._base[n] - local[n] for n in local}
         read0, written0 = self.store.bytes_read, self.store.bytes_written
-        contrib = protocol.publish_contribution(view, self.cfg, rank=self.rank, seq=self.seq + 1,
-                                                base_version=self.adopted, tokens=segment.tokens,
-                                                inner_steps=self.spec.inner_steps, delta=delta,
-                                                encoder=self.encoder)
+        contrib = at.publish(rank=self.rank, seq=self.seq + 1, base_version=self.adopted, tokens=segment.tokens,
+                             inner_steps=self.spec.inner_steps, delta=delta, encoder=self.encoder)
         self.seq += 1
-        outcome = self._merge(view)
+        outcome = self._merge(at)
         adopted_before = self.adopted
-        self._adopt(alpha=self.spec.sync.adopt_global_weight, store=view)
+        self._adopt(alpha=self.spec.sync.adopt_global_weight, at=at)
         self.local.ints(self.seq, self.adopted)  # then the adopted parameters: the other ranks' _follow
         self.local.params()
         self._base = cpu_params(self.ctx.model)
@@ -256,7 +255,7 @@ class DecoupledBoundary:
             staleness=(outcome.base if outcome else self.adopted) - contrib.base_version, tokens=segment.tokens,
             wait_s=0.0)
         row = self.ctx.telemetry.round_row(
-            self.seq - 1, committed=True, decoupled=own, participants=self._participants(view),
+            self.seq - 1, committed=True, decoupled=own, participants=self._participants(at),
             sync_s=time.monotonic() - t_sync, quorum_wait_s=0.0, bytes_read=self.store.bytes_read - read0,
             bytes_written=self.store.bytes_written - written0)
         trainer = self.ctx.trainer
@@ -286,21 +285,21 @@ class DecoupledBoundary:
         return self.ctx.telemetry.round_row(self.seq - 1, committed=True,
                                             decoupled=DecoupledFields(merged_version=self.adopted))
 
-    def _merge(self, view: BoundaryView) -> protocol.MergeOutcome | None:
-        """:func:`~composer_cloud.sync.decoupled.protocol.try_merge`, where a bad object costs this boundary's
-        merge attempt, never the replica."""
+    def _merge(self, at: DecoupledProtocol) -> MergeOutcome | None:
+        """:meth:`~composer_cloud.sync.decoupled.protocol.DecoupledProtocol.try_merge`, where a bad object costs
+        this boundary's merge attempt, never the replica."""
         try:
-            return protocol.try_merge(view, self.cfg, self.shapes, rank=self.rank)
+            return at.try_merge(self.shapes, rank=self.rank)
         except BadObject as exc:
             logger.warning("replica %d: no merge at this boundary (%s)", self.rank, exc)
             return None
 
-    def _participants(self, view: BoundaryView) -> list[int]:
+    def _participants(self, at: DecoupledProtocol) -> list[int]:
         """Replicas merged into the adopted version (from its record; [] for version 0 or if unreadable)."""
         if self.adopted <= 0:
             return []
         try:
-            rec = protocol.read_merge(view, self.cfg, self.adopted)
+            rec = at.read_merge(self.adopted)
         except BadObject:
             return []
         return rec.ranks if rec else []
@@ -316,7 +315,7 @@ class DecoupledBoundary:
         self.local.check_same(params_digest(self.ctx.model))
         if not self.leader:
             return {"round": self.seq, "step": steps, "version": self.adopted}
-        final = protocol.finish(self.store, self.cfg, self.shapes, rank=self.rank, rounds=self.spec.rounds)
+        final = self.protocol.finish(self.shapes, rank=self.rank, rounds=self.spec.rounds)
         if final is None:
             logger.info("replica %d: others still training; the final merge is theirs", self.rank)
         fields = {"round": self.seq, "step": steps, "version": self.adopted}

@@ -14,7 +14,7 @@ from composer_cloud.spec import RunSpec
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint import manifests
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore
-from composer_cloud.sync.decoupled import protocol as decoupled
+from composer_cloud.sync.decoupled.versions import VERSION_ATTEMPT, GlobalVersions
 from composer_cloud.sync.lockstep import rounds
 from composer_cloud.sync.lockstep.durable import model_attempt_of
 
@@ -23,7 +23,7 @@ def attempt_of(store: Store, spec: RunSpec) -> AttemptOf:
     """Which attempt's global state is round (or version) ``r``'s model (lock-step:
     :func:`~composer_cloud.sync.lockstep.durable.model_attempt_of`, the answer the replicas use too)."""
     if spec.sync.mode == "decoupled":
-        return lambda version: manifests.VERSION_ATTEMPT
+        return lambda version: VERSION_ATTEMPT
     return model_attempt_of(store)
 
 
@@ -39,7 +39,7 @@ class Progress:
 def progress(store: Store, spec: RunSpec, *, start: int = 0) -> Progress:
     """The run's progress from its records alone (``start``: a round known committed, to scan from)."""
     if spec.sync.mode == "decoupled":
-        merged, final = decoupled.progress(store)
+        merged, final = GlobalVersions(store).progress()
         return Progress(committed=merged, final=final)
     committed = rounds.latest_committed_round(store, start=start) + 1
     return Progress(committed=committed, final=spec.rounds - 1 if committed >= spec.rounds else None)

@@ -5,10 +5,9 @@ A checkpoint of round (or decoupled version) ``r`` is valid for ``resume`` and
 write-once, and lists every object with its size and crc32. Lock-step: any
 participant writes it once the round's global state is durable and the
 participants' inner states are present (:func:`write_manifest`). Decoupled:
-the writer of version ``v`` writes it right after ``v``'s one slice
-(:func:`write_version`); the decoupled protocol calls only the version API
-here (:func:`write_version`, :func:`read_version`, :func:`version_durable`,
-:func:`version_complete`, :func:`versions`) and never spells a checkpoint key.
+the writer of version ``v`` writes it right after ``v``'s one slice (the
+version API, :class:`composer_cloud.sync.decoupled.versions.GlobalVersions`,
+which reads manifests with :func:`read_manifest` and builds them with :func:`slice_entry`).
 
 Old checkpoints beyond ``keep`` are deleted only after a newer manifest exists.
 """
@@ -26,16 +25,13 @@ from composer_cloud.retry import PollPolicy, poll_until
 from composer_cloud.round_numbers import shown_round
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import BlobEntry, Manifest, SliceMarker
-from composer_cloud.storage.records.limits import MANIFEST_MAX_BYTES, MARKER_MAX_BYTES
+from composer_cloud.storage.records.limits import MANIFEST_MAX_BYTES
 from composer_cloud.storage.store import Store
 from composer_cloud.sync.checkpoint.global_state import AttemptOf, GlobalStateStore, read_verified
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore, ResumePoint
 from composer_cloud.sync.trust import create_over_forged
 
 logger = logging.getLogger(__name__)
-
-#: Decoupled versions are single-writer states: one attempt, one slice.
-VERSION_ATTEMPT = 0
 
 #: How often :func:`load_resume` chooses again when its choice was pruned under it (each retry is a newer round).
 _RESUME_TRIES = 20
@@ -49,7 +45,8 @@ class Checkpoint:
     manifest: Manifest
 
 
-def _slice_entry(marker: SliceMarker) -> BlobEntry:
+def slice_entry(marker: SliceMarker) -> BlobEntry:
+    """The manifest's entry of the slice ``marker`` describes (its blob's name, size and crc32)."""
     name = layout.slice_blob_key(marker.round, marker.attempt, marker.index, marker.num_slices).rsplit("/", 1)[1]
     return BlobEntry(key=name, bytes=marker.bytes, crc32=marker.crc32)
 
@@ -112,7 +109,7 @@ def write_manifest(states: GlobalStateStore, replicas: ReplicaStateStore, round:
         rec = replicas.marker(round, rank)
         if rec is not None:
             entries[rank] = BlobEntry(key=layout.replica_blob_name(rank), bytes=rec.bytes, crc32=rec.crc32)
-    manifest = Manifest(round=round, attempt=attempt, slices=[_slice_entry(markers[i]) for i in range(n)],
+    manifest = Manifest(round=round, attempt=attempt, slices=[slice_entry(markers[i]) for i in range(n)],
                         replicas=entries, participants=participants, time=time.time(), extra=dict(extra or {}))
     # A late writer (its replica was slow or paused) must not leave a manifest listing objects that a
     # newer checkpoint's prune already removed: check before and after the write-once create.
@@ -288,62 +285,5 @@ def discard_after(states: GlobalStateStore, round: int) -> None:
             states.store.delete(layout.checkpoint_prefix(r), recursive=True)
 
 
-# ---------------------------------------------------------------- versions (decoupled)
-def write_version(states: GlobalStateStore, version: int, tree: dict[str, Any], *, writer: int,
-                  meta: dict[str, Any]) -> None:
-    """Global ``version`` as checkpoint ``version``: blob, write-once marker, then (write-once) the manifest.
-
-    Idempotent: an existing marker is kept (the blob is not rewritten) and a
-    second manifest is refused, so a completer finishes whatever a dead writer
-    left, in order. ``meta`` is recorded in the manifest under ``decoupled``
-    (its ``ranks`` as the participants).
-    """
-    states.write(version, VERSION_ATTEMPT, tree, writer=writer, num_slices=1)
-    # The marker is read at its key, not found through a listing: a listing may not show it yet (a store's
-    # list-after-write lag), which used to end a merge with a bare KeyError.
-    key = layout.slice_marker_key(version, VERSION_ATTEMPT, 0, 1)
-    try:
-        marker = SliceMarker.from_json(states.store.get_json(key, max_bytes=MARKER_MAX_BYTES), key=key, round=version,
-                                       attempt=VERSION_ATTEMPT,
-                                       index=0, num_slices=1)
-    except ObjectNotFound:
-        raise CorruptCheckpoint(key, f"global version {version}: its marker is missing right after it was "
-                                     "written (deleted meanwhile?)") from None
-    manifest = Manifest(round=version, attempt=VERSION_ATTEMPT, slices=[_slice_entry(marker)], replicas={},
-                        participants=list(meta.get("ranks", [])), time=time.time(), extra={"decoupled": meta})
-    manifest_key = layout.manifest_key(version)
-    create_over_forged(states.store, manifest_key, manifest.to_json(),
-                       lambda o: Manifest.from_json(o, key=manifest_key, round=version))
-
-
-def read_version(states: GlobalStateStore, version: int) -> dict[str, Any]:
-    """Global ``version``'s state tree, read once through its marker's crc32, or its verified manifest's when
-    the marker is gone or damaged (raises ``CorruptCheckpoint``)."""
-    try:
-        return states.load(version, VERSION_ATTEMPT, num_slices=1)
-    except CorruptCheckpoint:
-        manifest = read_manifest(states, version)
-        if manifest is None or manifest.attempt != VERSION_ATTEMPT or len(manifest.slices) != 1:
-            raise
-        return states.load(version, VERSION_ATTEMPT, crcs=[manifest.slices[0].crc32])
-
-
-def version_durable(states: GlobalStateStore, version: int) -> bool:
-    """Whether global ``version`` is durable (its slice's marker exists, or its verified manifest, written
-    after the marker, does): it may be adopted. A deleted marker does not take a version away."""
-    return states.durable(version, VERSION_ATTEMPT, num_slices=1) or read_manifest(states, version) is not None
-
-
-def version_complete(states: GlobalStateStore, version: int) -> bool:
-    """Whether global ``version``'s manifest exists too (its writer finished; its inputs may be pruned)."""
-    return read_manifest(states, version) is not None
-
-
-def versions(states: GlobalStateStore, *, above: int = -1) -> list[int]:
-    """Durable global versions ``> above``, ascending."""
-    return states.durable_rounds(lambda v: VERSION_ATTEMPT, above=above)
-
-
-__all__ = ["Checkpoint", "LoadedResume", "VERSION_ATTEMPT", "discard_after", "latest_checkpoint", "load_resume", "prune",
-           "read_manifest", "read_version", "version_complete", "version_durable", "versions", "write_manifest",
-           "write_version"]
+__all__ = ["Checkpoint", "LoadedResume", "discard_after", "latest_checkpoint", "load_resume", "prune", "read_manifest",
+           "slice_entry", "write_manifest"]
