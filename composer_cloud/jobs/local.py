@@ -341,11 +341,7 @@ class LocalProcessExecutor:
         cmd = [*base, "fork-supervise", "--run", run_uri, "--max-restarts", str(self.max_restarts)]
         for rank, d, _ in jobs:
             cmd += ["--job", str(rank), str(d)]
-        try:
-            return local_fork.start_forked(cmd, [rank for rank, _, _ in jobs], environ=environ)
-        except local_fork.ForkStartError as exc:
-            raise ExecutorError(f"{self.name}: {exc}; set {env.LOCAL_FORK}=0 to start every supervisor as its own "
-                                "interpreter") from None
+        return local_fork.start_forked(cmd, [rank for rank, _, _ in jobs], environ=environ)
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
         with _verified_dir(handle, self._run_uri(), self._records_key) as folder:

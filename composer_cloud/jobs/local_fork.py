@@ -259,8 +259,9 @@ def start_forked(command: list[str], ranks: list[int], *, environ: Mapping[str, 
             proc.wait()
             err.seek(0)
             tail = err.read().decode(errors="replace").strip()[-2000:]
-            raise ForkStartError(f"the preloading supervisor process forked ranks {sorted(pids)} of {ranks} "
-                                 f"(exit code {proc.returncode}, {timeout_s:.0f}s allowed): {tail}")
+            raise ForkStartError(f"local: the preloading supervisor process forked ranks {sorted(pids)} of {ranks} "
+                                 f"(exit code {proc.returncode}, {timeout_s:.0f}s allowed): {tail}; set "
+                                 f"{env.LOCAL_FORK}=0 to start every supervisor as its own interpreter")
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
