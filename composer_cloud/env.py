@@ -31,6 +31,8 @@ THREADS = "COMPOSER_CLOUD_THREADS"
 #: ``0``: the local executor starts every supervisor as its own interpreter instead of forking them from one
 #: preloaded process (:mod:`composer_cloud.jobs.local_fork`).
 LOCAL_FORK = "COMPOSER_CLOUD_LOCAL_FORK"
+#: Seconds the local executor's fork server (imports shared by launches) waits for the next launch; 0: none.
+LOCAL_FORK_SERVER_IDLE_S = "COMPOSER_CLOUD_LOCAL_FORK_SERVER_IDLE_S"
 #: Non-secret JSON of ``spec.store_options`` for code that must open the store
 #: before it can read the spec (the HF bootstrap, the replica).
 STORE_OPTIONS = "COMPOSER_CLOUD_STORE_OPTIONS"

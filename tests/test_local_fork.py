@@ -131,19 +131,21 @@ def test_a_launch_reports_its_replicas_exit_and_log_forked_or_not(tmp_path, monk
         assert "[supervisor] replica exited with code 1; restart 1/1" in log
 
 
-@pytest.mark.parametrize("fork", ["1", "0"])
+@pytest.mark.parametrize("fork", ["server", "1", "0"])
 def test_a_supervisor_answers_only_to_its_own_ranks_handle(tmp_path, monkeypatch, fork):
-    monkeypatch.setenv(env.LOCAL_FORK, fork)
+    monkeypatch.setenv(env.LOCAL_FORK, "0" if fork == "0" else "1")
+    monkeypatch.setenv(env.LOCAL_FORK_SERVER_IDLE_S, "60" if fork == "server" else "0")
     ex, run_uri = _failing_run_executor(tmp_path, restarts=1000)  # keeps the supervisors alive, restarting
     h0, h1 = ex.launch(run_uri, [0, 1])
     try:
         cmdline = Path(f"/proc/{h0.job_id}/cmdline").read_bytes().split(b"\0")
-        assert (b"fork-supervise" in cmdline) is (fork == "1") and b"composer_cloud.jobs.local" in cmdline
-        if fork == "1":
+        assert b"composer_cloud.jobs.local" in cmdline
+        assert {"server": b"fork-server", "1": b"fork-supervise", "0": b"supervise"}[fork] in cmdline
+        if fork != "0":
             assert local_fork.process_name(int(h0.job_id)) == local_fork.supervisor_name(0)
         assert _supervisor_pgid(h0, Path(h0.data["dir"])) == int(h0.job_id)
         # Rank 1's genuine folder and token, rank 0's process. A forked supervisor's command line names both
-        # folders: its process name is what binds the pid to rank 0.
+        # folders, or none (the fork server's): its process name and the folder it holds open bind it to rank 0.
         swapped = JobHandle("local", 1, h0.job_id, {**h1.data, "pgid": int(h0.job_id)})
         assert _supervisor_pgid(swapped, Path(h1.data["dir"])) is None
         ex.cancel(swapped)

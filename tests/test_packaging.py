@@ -399,7 +399,9 @@ ENV_READERS = {"composer_cloud.env", "composer_cloud.cli", "composer_cloud.repli
                "composer_cloud.images.hf_bootstrap", "composer_cloud.images.container",
                # Launcher side of the executors: they forward this environment's secrets and endpoints to jobs.
                "composer_cloud.jobs.local", "composer_cloud.jobs.hf_jobs", "composer_cloud.jobs.modal_jobs",
-               "composer_cloud.jobs.wheel"}
+               "composer_cloud.jobs.wheel",
+               # The fork server's fork becomes a launch's process: it takes on that launch's whole environment.
+               "composer_cloud.jobs.local_forkserver"}
 
 
 def test_only_the_env_module_and_entry_points_read_the_environment():

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, ClassVar, Protocol
 
 from composer_cloud import env
-from composer_cloud.jobs import local_fork
+from composer_cloud.jobs import local_fork, local_forkserver
 from composer_cloud.jobs.credentials import Check
 from composer_cloud.jobs.base import (
     ExecutorError,
@@ -197,12 +197,12 @@ def _supervises(args: list[str], d: Path) -> bool:
 
 
 def _fork_supervises(args: list[str], pid: int, rank: int, d: Path) -> bool:
-    """``args`` is ``... fork-supervise ... --job RANK D ...`` with ``d`` for ``rank``, and process ``pid`` is the
-    supervisor forked for that rank (its name says so: the command line names every rank's folder)."""
-    if "fork-supervise" not in args:
+    """Process ``pid`` is a forked supervisor (``fork-supervise``'s, or the fork server's fork of it: their
+    command lines name other ranks' folders, or none), named for ``rank``, holding the folder ``d`` open."""
+    if "fork-supervise" not in args and "fork-server" not in args:
         return False
-    jobs = {tuple(args[i + 1:i + 3]) for i, a in enumerate(args) if a == "--job"}
-    return (str(rank), str(d)) in jobs and local_fork.process_name(pid) == local_fork.supervisor_name(rank)
+    return (local_fork.process_name(pid) == local_fork.supervisor_name(rank)
+            and any(_same_dir(held, d.resolve() if d.is_absolute() else d) for held in local_fork.open_paths(pid)))
 
 
 def cuda_device_count() -> int:
@@ -552,11 +552,15 @@ def fork_supervise(run_uri: str, jobs: list[tuple[int, Path]], max_restarts: int
         command = replica_command(run_uri, rank, python=sys.executable)
 
         def supervisor(rank: int = rank, directory: Path = directory, command: list[str] = command) -> int:
-            local_fork.name_this_process(local_fork.supervisor_name(rank))
             return supervise(directory, max_restarts, command, rank=rank, key=key, start=local_fork.fork_replica)
 
+        # The child is born with its rank's name and its folder open (what binds it to that rank's handle):
+        # set here before the fork, not by the child, so a handle is never checked before they hold.
+        local_fork.name_this_process(local_fork.supervisor_name(rank))
+        held = local_fork.hold_directory(directory)
         with open(os.devnull, "wb") as devnull:  # its records are written: it ends without the exit handlers
             child = local_fork.fork_call(supervisor, stdout=devnull.fileno(), new_session=True, finalize=False)
+        os.close(held)
         print(f"{rank} {child.pid}", flush=True)
     return 0
 
@@ -573,7 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     fp.add_argument("--run", required=True)
     fp.add_argument("--max-restarts", type=int, default=0)
     fp.add_argument("--job", nargs=2, action="append", required=True, metavar=("RANK", "DIR"))
+    xp = sub.add_parser("fork-server", help="preload once, then fork a fork-supervise per launch (local_forkserver)")
+    xp.add_argument("--socket", required=True, type=Path)
+    xp.add_argument("--idle-s", type=float, default=local_forkserver.IDLE_S)
     args = parser.parse_args(argv)
+    if args.cmd == "fork-server":
+        return local_forkserver.serve(args.socket, idle_s=args.idle_s, preload=local_fork.preload, main=main)
     if args.cmd == "fork-supervise":
         code = fork_supervise(args.run, [(int(rank), Path(d)) for rank, d in args.job], args.max_restarts,
                               key=env.job_records_key())

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from composer_cloud import env
+from composer_cloud.jobs import local_forkserver
 from composer_cloud.jobs.base import ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,25 @@ def process_name(pid: int) -> str | None:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
+
+
+def hold_directory(path: Path) -> int:
+    """Keep ``path`` open in this process (a directory fd, never closed) so that :func:`open_paths` shows which
+    job folder a forked supervisor owns: its command line is shared with other ranks, or is the fork server's."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def open_paths(pid: int) -> list[Path]:
+    """The paths process ``pid`` holds open (``/proc/<pid>/fd``; empty when it is gone or not ours to read)."""
+    paths = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            paths.append(Path(os.readlink(f"/proc/{pid}/fd/{fd}")))
+    return paths
 
 
 class ForkedProcess:
@@ -227,45 +248,60 @@ START_TIMEOUT_S = 600.0
 
 def start_forked(command: list[str], ranks: list[int], *, environ: Mapping[str, str],
                  timeout_s: float = START_TIMEOUT_S) -> dict[int, int]:
-    """Run ``command`` (``... fork-supervise ...``) in its own session and return the supervisors' pids by rank,
-    read from its ``RANK PID`` lines as it forks them.
+    """Run ``command`` (``python -m composer_cloud.jobs.local fork-supervise ...``) in its own session and return
+    the supervisors' pids by rank, read from its ``RANK PID`` lines as it forks them.
 
-    The launcher never waits on more than those lines: not on the process's exit (it ends by ``os._exit``
-    at once, and is reaped here), not on its stderr (a file, so warnings can never fill a pipe and block it).
+    The process is a fork of this user's fork server (:mod:`~composer_cloud.jobs.local_forkserver`, the imports
+    already paid) where one can be used, else a new interpreter. Either way the launcher waits on nothing but
+    those lines: not on the process's exit (it ends by ``os._exit`` at once), not on its stderr (a file, so
+    warnings can never fill a pipe and block it).
     """
     pids: dict[int, int] = {}
-    with tempfile.TemporaryFile() as err, open(os.devnull, "rb") as devnull:
-        proc = subprocess.Popen(command, stdin=devnull, stdout=subprocess.PIPE, stderr=err, env=dict(environ),
-                                start_new_session=True)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        buffer = b""
-        with proc.stdout, selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while len(pids) < len(ranks) and (left := deadline - time.monotonic()) > 0:
-                if not sel.select(timeout=min(left, 1.0)):
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    break  # it ended
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    rank, pid = line.split()
-                    pids[int(rank)] = int(pid)
+    read_end, write_end = os.pipe()
+    with tempfile.TemporaryFile() as err, open(read_end, "rb", buffering=0) as out:
+        proc: subprocess.Popen | None = None
+        try:
+            pid = local_forkserver.spawn(command[3:], environ=environ, stdout=write_end, stderr=err.fileno())
+            if pid is None:
+                with open(os.devnull, "rb") as devnull:
+                    proc = subprocess.Popen(command, stdin=devnull, stdout=write_end, stderr=err,
+                                            env=dict(environ), start_new_session=True)
+                pid = proc.pid
+        finally:
+            os.close(write_end)  # the process holds its copy: end of file here means it ended
+        _read_pids(out, pids, ranks, deadline=time.monotonic() + timeout_s)
         if len(pids) < len(ranks):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the supervisors forked so far have theirs
-            proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # its own session: the supervisors forked so far have theirs
+            code = proc.wait() if proc is not None else "unknown: a fork of the fork server"
             err.seek(0)
             tail = err.read().decode(errors="replace").strip()[-2000:]
             raise ForkStartError(f"local: the preloading supervisor process forked ranks {sorted(pids)} of {ranks} "
-                                 f"(exit code {proc.returncode}, {timeout_s:.0f}s allowed): {tail}; set "
+                                 f"(exit code {code}, {timeout_s:.0f}s allowed): {tail}; set "
                                  f"{env.LOCAL_FORK}=0 to start every supervisor as its own interpreter")
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            logger.warning("the preloading supervisor process %d did not exit after forking; killed", proc.pid)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                logger.warning("the preloading supervisor process %d did not exit after forking; killed", proc.pid)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return pids
+
+
+def _read_pids(out: BinaryIO, pids: dict[int, int], ranks: list[int], *, deadline: float) -> None:
+    """Fill ``pids`` from ``RANK PID`` lines on ``out`` until every rank has one, ``out`` ends, or ``deadline``."""
+    buffer = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(out, selectors.EVENT_READ)
+        while len(pids) < len(ranks) and (left := deadline - time.monotonic()) > 0:
+            if not sel.select(timeout=min(left, 1.0)):
+                continue
+            chunk = os.read(out.fileno(), 4096)
+            if not chunk:
+                return  # it ended
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                rank, pid = line.split()
+                pids[int(rank)] = int(pid)
