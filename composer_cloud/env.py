@@ -44,7 +44,8 @@ STALL_MARKER = "COMPOSER_CLOUD_STALL_MARKER"
 #: ``(factor - 1) x`` the compute time of each inner step after it (:mod:`composer_cloud.replica.faults`).
 SLOW = "COMPOSER_CLOUD_SLOW"
 #: Where composer-cloud caches downloads and derived data (default ``$XDG_CACHE_HOME/composer-cloud``,
-#: i.e. ``~/.cache/composer-cloud``): user code and files of runs, the stdlib corpus's tokenizer.
+#: i.e. ``~/.cache/composer-cloud``): user code and files of runs, the stdlib corpus's tokenizer, the built-in
+#: model's config and tokenizer files.
 CACHE = "COMPOSER_CLOUD_CACHE"
 #: HF Jobs bootstrap: where the staged wheel of composer-cloud lies, and its sha256.
 WHEEL_URI = "COMPOSER_CLOUD_WHEEL_URI"
