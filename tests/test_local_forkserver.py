@@ -170,3 +170,17 @@ def test_a_refused_request_is_an_error_not_a_hang(runtime, monkeypatch):
             os.close(w)
     finally:
         listener.close()
+
+
+def test_a_server_that_dies_before_it_listens_is_not_waited_for(runtime, monkeypatch, caplog):
+    monkeypatch.setattr(local_forkserver, "_MODULE", "composer_cloud.no_such_module")  # the server's start fails
+    r, w = os.pipe()
+    started = time.monotonic()
+    try:
+        assert local_forkserver.spawn(["supervise"], environ=dict(os.environ), stdout=w, stderr=w) is None
+    finally:
+        os.close(r)
+        os.close(w)
+    assert time.monotonic() - started < 60  # not the 600 s a slow server's imports are allowed
+    assert "exited before it listened" in caplog.text
+    assert "No module named composer_cloud.no_such_module" in next(runtime.glob("fs-*.log")).read_text()

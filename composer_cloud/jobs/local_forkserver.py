@@ -139,8 +139,8 @@ def spawn(argv: Sequence[str], *, environ: Mapping[str, str], stdout: int, stder
         with _locked(sock_path.with_suffix(".lock")):
             conn = _connect(sock_path)
             if conn is None:
-                _start_server(sock_path, environ, idle_s=idle)
-                conn = _wait_listening(sock_path, timeout_s)
+                pid = _start_server(sock_path, environ, idle_s=idle)
+                conn = _wait_listening(sock_path, pid, timeout_s)
         with conn:
             return _request(conn, list(argv), environ, fds=[stdout, stderr])
     except (OSError, ValueError, ForkServerError) as exc:
@@ -159,44 +159,62 @@ def _locked(lock_path: Path):
         os.close(fd)
 
 
-def _connect(sock_path: Path) -> socket.socket | None:
-    """A connection to the server at ``sock_path``; None (a stale socket file removed) when none listens."""
+def _try_connect(sock_path: Path) -> socket.socket | None:
+    """A connection to a server listening at ``sock_path``, else None."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(sock_path))
         return conn
     except (FileNotFoundError, ConnectionRefusedError):
         conn.close()
-        with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()  # a server that died without removing it (we hold the lock: nobody binds now)
         return None
 
 
-def _start_server(sock_path: Path, environ: Mapping[str, str], *, idle_s: float) -> None:
+def _connect(sock_path: Path) -> socket.socket | None:
+    """A connection to the server at ``sock_path``; None (a stale socket file removed) when none listens."""
+    conn = _try_connect(sock_path)
+    if conn is None:
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()  # a server that died without removing it (we hold the lock: nobody binds now)
+    return conn
+
+
+def _start_server(sock_path: Path, environ: Mapping[str, str], *, idle_s: float) -> int:
+    """Start a server for ``sock_path``; returns its pid."""
     log = sock_path.with_suffix(".log")
     with open(os.devnull, "rb") as devnull, open(log, "ab") as err:
         os.chmod(log, 0o600)
-        # Through a shell that starts it in the background and exits: the server is nobody's child here, so a
-        # long-lived launcher (a notebook, a test session) never holds it as a zombie once it idles out.
-        subprocess.run(["/bin/sh", "-c", '"$@" &', "sh", sys.executable, "-m", _MODULE, "fork-server",
-                        "--socket", str(sock_path), "--idle-s", str(idle_s)], stdin=devnull, stdout=devnull,
-                       stderr=err, env=key_environment(environ), start_new_session=True, check=True)
+        # Through a shell that starts it in the background, prints its pid and exits: the server is nobody's
+        # child here, so a long-lived launcher (a notebook, a test session) never holds it as a zombie.
+        started = subprocess.run(["/bin/sh", "-c", '"$@" >/dev/null & echo $!', "sh", sys.executable, "-m", _MODULE,
+                                  "fork-server", "--socket", str(sock_path), "--idle-s", str(idle_s)],
+                                 stdin=devnull, stdout=subprocess.PIPE, stderr=err, env=key_environment(environ),
+                                 start_new_session=True, check=True)
     logger.info("started a local fork server at %s (its log: %s)", sock_path, log)
+    return int(started.stdout)
 
 
-def _wait_listening(sock_path: Path, timeout_s: float) -> socket.socket:
+def _wait_listening(sock_path: Path, pid: int, timeout_s: float) -> socket.socket:
+    """A connection to the server ``pid`` started at ``sock_path``, once it listens (after its imports)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if sock_path.exists():
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                conn.connect(str(sock_path))
-                return conn
-            except (FileNotFoundError, ConnectionRefusedError):
-                conn.close()
+        conn = _try_connect(sock_path)
+        if conn is not None:
+            return conn
+        if not _running(pid):
+            raise ForkServerError(f"the fork server for {sock_path} exited before it listened (its log: "
+                                  f"{sock_path.with_suffix('.log')})")
         time.sleep(0.05)
     raise ForkServerError(f"the fork server at {sock_path} did not listen within {timeout_s:.0f}s "
                           f"(its log: {sock_path.with_suffix('.log')})")
+
+
+def _running(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _request(conn: socket.socket, argv: list[str], environ: Mapping[str, str], *, fds: list[int]) -> int:
