@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from composer_cloud import env
-from composer_cloud.jobs import local_forkserver
+from composer_cloud.jobs import local_fork, local_forkserver
 from composer_cloud.jobs.local import LocalProcessExecutor
 from composer_cloud.spec import RunSpec
 
@@ -48,13 +48,6 @@ def _servers(sock: Path) -> list[int]:
             if b"fork-server" in args and str(sock).encode() in args:
                 found.append(int(entry.name))
     return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _supervise_through_server(folder: Path, environ: dict[str, str]) -> dict[str, str]:
@@ -139,7 +132,7 @@ def test_a_stale_socket_is_replaced_and_an_idle_server_exits_and_cleans_up(runti
     servers = _servers(sock)
     assert len(servers) == 1
     deadline = time.monotonic() + 60
-    while _running(servers[0]) or sock.exists():
+    while local_fork.alive(servers[0]) or sock.exists():
         assert time.monotonic() < deadline, "the idle server did not exit"
         time.sleep(0.2)
     assert not sock.with_suffix(".lock").exists()

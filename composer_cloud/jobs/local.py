@@ -341,7 +341,8 @@ class LocalProcessExecutor:
         cmd = [*base, "fork-supervise", "--run", run_uri, "--max-restarts", str(self.max_restarts)]
         for rank, d, _ in jobs:
             cmd += ["--job", str(rank), str(d)]
-        return local_fork.start_forked(cmd, [rank for rank, _, _ in jobs], environ=environ)
+        return local_fork.start_forked(cmd, [rank for rank, _, _ in jobs], environ=environ,
+                                       spawn=local_forkserver.spawn)
 
     def poll(self, handle: JobHandle) -> ReplicaStatus:
         with _verified_dir(handle, self._run_uri(), self._records_key) as folder:
@@ -400,7 +401,7 @@ class LocalProcessExecutor:
         if pgid is not None:
             os.killpg(pgid, signal.SIGTERM)
             try:
-                poll_until(lambda: None if _alive(pgid) else True, deadline=time.monotonic() + CANCEL_GRACE_S,
+                poll_until(lambda: None if local_fork.alive(pgid) else True, deadline=time.monotonic() + CANCEL_GRACE_S,
                            on_timeout=_StillAlive, policy=_WAIT)
             except _StillAlive:
                 pass  # killed below
@@ -427,21 +428,6 @@ class _StillAlive(Exception):
 
 def _never(waited_s: float) -> BaseException:  # pragma: no cover - a wait without a deadline never times out
     return RuntimeError(f"a wait without a deadline timed out after {waited_s:.1f}s")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 #: Below this much free space a supervisor that vanished is taken to have died of a full disk (it could not
@@ -582,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     xp.add_argument("--idle-s", type=float, default=local_forkserver.IDLE_S)
     args = parser.parse_args(argv)
     if args.cmd == "fork-server":
-        return local_forkserver.serve(args.socket, idle_s=args.idle_s, preload=local_fork.preload, main=main)
+        return local_forkserver.serve(args.socket, idle_s=args.idle_s, main=main)
     if args.cmd == "fork-supervise":
         code = fork_supervise(args.run, [(int(rank), Path(d)) for rank, d in args.job], args.max_restarts,
                               key=env.job_records_key())

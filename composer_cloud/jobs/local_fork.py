@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from composer_cloud import env
-from composer_cloud.jobs import local_forkserver
 from composer_cloud.jobs.base import ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -113,8 +112,9 @@ def process_name(pid: int) -> str | None:
 
 
 def hold_directory(path: Path) -> int:
-    """Keep ``path`` open in this process (a directory fd, never closed) so that :func:`open_paths` shows which
-    job folder a forked supervisor owns: its command line is shared with other ranks, or is the fork server's."""
+    """Open ``path`` as a directory fd. A supervisor forked while it is open keeps it for its lifetime, so that
+    :func:`open_paths` shows which job folder it owns: its command line is shared with other ranks, or is the
+    fork server's. The caller closes its own copy after the fork."""
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
@@ -129,6 +129,21 @@ def open_paths(pid: int) -> list[Path]:
         with contextlib.suppress(OSError):
             paths.append(Path(os.readlink(f"/proc/{pid}/fd/{fd}")))
     return paths
+
+
+def alive(pid: int) -> bool:
+    """Process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 class ForkedProcess:
@@ -154,10 +169,10 @@ class ForkedProcess:
                 pass
 
 
-def fork_call(main: Callable[[], int | None], *, stdout: int, new_session: bool = False,
+def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None = None, new_session: bool = False,
               finalize: bool = True) -> ForkedProcess:
-    """Run ``main()`` in a forked child with fds 1 and 2 on ``stdout``, stdin on /dev/null; its return value is
-    the child's exit code, an exception exits 1 with the traceback on ``stdout``.
+    """Run ``main()`` in a forked child with fd 1 on ``stdout``, fd 2 on ``stderr`` (default: ``stdout``), stdin
+    on /dev/null; its return value is the child's exit code, an exception exits 1 with the traceback on fd 2.
 
     With ``finalize``, the child ends as an interpreter does (non-daemon threads joined, ``atexit`` handlers
     run); always, its output is flushed and it leaves by ``os._exit``: it never returns into the parent's
@@ -177,7 +192,7 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, new_session: bool 
         os.dup2(devnull, 0)
         os.close(devnull)
         os.dup2(stdout, 1)
-        os.dup2(stdout, 2)
+        os.dup2(stdout if stderr is None else stderr, 2)
         # New text streams on the new fds, line-buffered (log lines reach the file as they are written): the
         # inherited objects may be the parent's replacements (a capture, a rich console), not fds 1 and 2.
         sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
@@ -246,22 +261,26 @@ class ForkStartError(ExecutorError):
 START_TIMEOUT_S = 600.0
 
 
+#: Starts ``python -m composer_cloud.jobs.local ARGV`` elsewhere (the fork server's
+#: :func:`~composer_cloud.jobs.local_forkserver.spawn`): its pid, or None when it cannot.
+Spawn = Callable[..., int | None]
+
+
 def start_forked(command: list[str], ranks: list[int], *, environ: Mapping[str, str],
-                 timeout_s: float = START_TIMEOUT_S) -> dict[int, int]:
+                 timeout_s: float = START_TIMEOUT_S, spawn: Spawn | None = None) -> dict[int, int]:
     """Run ``command`` (``python -m composer_cloud.jobs.local fork-supervise ...``) in its own session and return
     the supervisors' pids by rank, read from its ``RANK PID`` lines as it forks them.
 
-    The process is a fork of this user's fork server (:mod:`~composer_cloud.jobs.local_forkserver`, the imports
-    already paid) where one can be used, else a new interpreter. Either way the launcher waits on nothing but
-    those lines: not on the process's exit (it ends by ``os._exit`` at once), not on its stderr (a file, so
-    warnings can never fill a pipe and block it).
+    The process comes from ``spawn(argv, environ=, stdout=, stderr=)`` where given and it can (a fork of the
+    fork server, the imports already paid), else it is a new interpreter. Either way the launcher waits on
+    nothing but those lines: not on the process's exit (it ends by ``os._exit`` at once), not on its stderr (a
+    file, so warnings can never fill a pipe and block it).
     """
-    pids: dict[int, int] = {}
     read_end, write_end = os.pipe()
     with tempfile.TemporaryFile() as err, open(read_end, "rb", buffering=0) as out:
         proc: subprocess.Popen | None = None
         try:
-            pid = local_forkserver.spawn(command[3:], environ=environ, stdout=write_end, stderr=err.fileno())
+            pid = spawn(command[3:], environ=environ, stdout=write_end, stderr=err.fileno()) if spawn else None
             if pid is None:
                 with open(os.devnull, "rb") as devnull:
                     proc = subprocess.Popen(command, stdin=devnull, stdout=write_end, stderr=err,
@@ -269,7 +288,7 @@ def start_forked(command: list[str], ranks: list[int], *, environ: Mapping[str, 
                 pid = proc.pid
         finally:
             os.close(write_end)  # the process holds its copy: end of file here means it ended
-        _read_pids(out, pids, ranks, deadline=time.monotonic() + timeout_s)
+        pids = _read_pids(out, ranks, deadline=time.monotonic() + timeout_s)
         if len(pids) < len(ranks):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)  # its own session: the supervisors forked so far have theirs
@@ -289,8 +308,10 @@ def start_forked(command: list[str], ranks: list[int], *, environ: Mapping[str, 
     return pids
 
 
-def _read_pids(out: BinaryIO, pids: dict[int, int], ranks: list[int], *, deadline: float) -> None:
-    """Fill ``pids`` from ``RANK PID`` lines on ``out`` until every rank has one, ``out`` ends, or ``deadline``."""
+def _read_pids(out: BinaryIO, ranks: list[int], *, deadline: float) -> dict[int, int]:
+    """Pids by rank from ``RANK PID`` lines on ``out``, read until every rank has one, ``out`` ends, or
+    ``deadline``."""
+    pids: dict[int, int] = {}
     buffer = b""
     with selectors.DefaultSelector() as sel:
         sel.register(out, selectors.EVENT_READ)
@@ -299,9 +320,10 @@ def _read_pids(out: BinaryIO, pids: dict[int, int], ranks: list[int], *, deadlin
                 continue
             chunk = os.read(out.fileno(), 4096)
             if not chunk:
-                return  # it ended
+                break  # it ended
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 rank, pid = line.split()
                 pids[int(rank)] = int(pid)
+    return pids

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import select
-import signal
 import socket
 import stat
 import struct
@@ -51,6 +50,7 @@ from pathlib import Path
 
 from composer_cloud import env
 from composer_cloud.errors import ExecutorError
+from composer_cloud.jobs import local_fork
 
 logger = logging.getLogger(__name__)
 
@@ -201,20 +201,12 @@ def _wait_listening(sock_path: Path, pid: int, timeout_s: float) -> socket.socke
         conn = _try_connect(sock_path)
         if conn is not None:
             return conn
-        if not _running(pid):
+        if not local_fork.alive(pid):
             raise ForkServerError(f"the fork server for {sock_path} exited before it listened (its log: "
                                   f"{sock_path.with_suffix('.log')})")
         time.sleep(0.05)
     raise ForkServerError(f"the fork server at {sock_path} did not listen within {timeout_s:.0f}s "
                           f"(its log: {sock_path.with_suffix('.log')})")
-
-
-def _running(pid: int) -> bool:
-    """Process ``pid`` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _request(conn: socket.socket, argv: list[str], environ: Mapping[str, str], *, fds: list[int]) -> int:
@@ -238,12 +230,11 @@ def _umask() -> int:
     return mask
 
 
-def serve(sock_path: Path, *, idle_s: float, preload: Callable[[], list[str]],
-          main: Callable[[list[str]], int]) -> int:
-    """The server: ``preload()``, listen on ``sock_path``, fork one process per request that runs ``main(argv)``
-    (``composer_cloud.jobs.local``'s), exit after ``idle_s`` seconds without a request. Exits 0 at once when
-    another server already listens there."""
-    failed = preload()
+def serve(sock_path: Path, *, idle_s: float, main: Callable[[list[str]], int]) -> int:
+    """The server: preload (:func:`~composer_cloud.jobs.local_fork.preload`), listen on ``sock_path``, fork one
+    process per request that runs ``main(argv)`` (``composer_cloud.jobs.local``'s), exit after ``idle_s`` seconds
+    without a request. Exits 0 at once when another server already listens there."""
+    failed = local_fork.preload()
     if failed:
         print("preload (left to the replicas): " + "; ".join(failed), file=sys.stderr, flush=True)
     os.chdir("/")  # holds no launch's folder; each fork changes to its launch's
@@ -304,10 +295,10 @@ def _answer(conn: socket.socket, listener: socket.socket, main: Callable[[list[s
                 raise ForkServerError("the request ended early")
             body += chunk
         request = json.loads(body)
-        pid = os.fork()
-        if pid == 0:
-            _child(request, fds, main, close=[conn.fileno(), listener.fileno()])
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        close = [conn.fileno(), listener.fileno(), *fds]
+        child = local_fork.fork_call(lambda: _as_the_launch(request, main, close=close), stdout=fds[0],
+                                     stderr=fds[1], new_session=True, finalize=False)
+        conn.sendall(json.dumps({"pid": child.pid}).encode() + b"\n")
     except (OSError, ValueError, KeyError, ForkServerError) as exc:
         with contextlib.suppress(OSError):
             conn.sendall(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
@@ -316,43 +307,20 @@ def _answer(conn: socket.socket, listener: socket.socket, main: Callable[[list[s
             os.close(fd)
 
 
-def _child(request: dict, fds: list[int], main: Callable[[list[str]], int], *, close: list[int]) -> None:
-    """In the fork: become the launch's process (session, umask, folder, environment, fds), then run its
-    command. Never returns: leaves by ``os._exit``, as ``fork-supervise`` does."""
-    code = 1
-    try:
-        os.setsid()
-        for fd in close:
-            os.close(fd)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.umask(int(request["umask"]))
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        sys.path[0] = request["cwd"]  # as `python -m` sets it in the launch's folder
-        importlib.invalidate_caches()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in fds:
-            os.close(fd)
-        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
-        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-        argv = [str(a) for a in request["argv"]]
-        sys.argv = [sys.argv[0], *argv]  # the server's own script: `python -m composer_cloud.jobs.local`
-        code = main(argv)
-    except BaseException:  # noqa: BLE001 - nothing may return into the server's loop
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+def _as_the_launch(request: dict, main: Callable[[list[str]], int], *, close: list[int]) -> int:
+    """In the fork (its session, fds and signals set by :func:`~composer_cloud.jobs.local_fork.fork_call`):
+    become the launch's process (umask, folder, environment), then run its command."""
+    for fd in close:  # the server's socket and this request's connection; fds 1 and 2 hold copies of the rest
+        os.close(fd)
+    os.umask(int(request["umask"]))
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0] = request["cwd"]  # as `python -m` sets it in the launch's folder
+    importlib.invalidate_caches()
+    argv = [str(a) for a in request["argv"]]
+    sys.argv = [sys.argv[0], *argv]  # the server's own script: `python -m composer_cloud.jobs.local`
+    return main(argv)
 
 
 __all__ = ["IDLE_S", "ForkServerError", "address", "idle_seconds", "key_environment", "serve", "server_key",
