@@ -108,8 +108,9 @@ def server_key(environ: Mapping[str, str]) -> str:
 
 
 def runtime_dir(environ: Mapping[str, str]) -> Path:
-    """This user's folder for server sockets (``$XDG_RUNTIME_DIR/composer-cloud``, else one under the temp
-    folder), created 0700; raises :class:`ForkServerError` when it exists with another owner or wider access."""
+    """This user's folder for server sockets, ``composer-cloud-<uid>`` in ``environ``'s ``$XDG_RUNTIME_DIR``, else
+    its ``$TMPDIR``, else the temp folder; created 0700; raises :class:`ForkServerError` when it exists with
+    another owner or wider access."""
     base = environ.get("XDG_RUNTIME_DIR") or environ.get("TMPDIR") or tempfile.gettempdir()
     path = Path(base) / f"composer-cloud-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
