@@ -55,6 +55,25 @@ def test_exit_codes_and_output_are_an_interpreters(tmp_path):
     assert "RuntimeError: boom in the child" in log.read_text()
 
 
+def test_a_new_session_child_leads_its_group_when_fork_call_returns(tmp_path, monkeypatch):
+    """A handed-out pid is checked at once (``getpgid(pid) == pid``): a child that has not yet run ``setsid``
+    (a loaded machine) read as a vanished supervisor, so `resume` reported a fresh run failed."""
+    real_setsid = os.setsid
+
+    def slow_setsid() -> None:  # the child is scheduled late
+        time.sleep(0.5)
+        real_setsid()
+
+    monkeypatch.setattr(local_fork.os, "setsid", slow_setsid)
+    log = tmp_path / "child.log"
+    with open(log, "ab") as f:
+        proc = local_fork.fork_call(lambda: time.sleep(1), stdout=f.fileno(), new_session=True)
+    try:
+        assert os.getpgid(proc.pid) == proc.pid and os.getsid(proc.pid) == proc.pid
+    finally:
+        assert _wait(proc) == 0
+
+
 def test_the_child_runs_atexit_and_joins_its_threads_before_it_ends(tmp_path):
     marker = tmp_path / "atexit"
     joined = tmp_path / "thread"

@@ -178,14 +178,26 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None
     run); always, its output is flushed and it leaves by ``os._exit``: it never returns into the parent's
     stack, whose ``finally`` blocks (the supervisor's records) belong to the parent alone. Signal handlers the
     parent installed are reset to the defaults a new interpreter has.
+
+    With ``new_session`` the child leads its own session and process group *before* this returns: callers
+    hand the pid out at once, and a handle's check (``getpgid(pid) == pid``) must never see the child still
+    in the parent's group (on a loaded machine the child may not have run a line yet).
     """
+    session_read, session_written = os.pipe() if new_session else (-1, -1)
     pid = os.fork()
     if pid:
+        if new_session:
+            os.close(session_written)
+            os.read(session_read, 1)  # b"" when the child died first: nothing left to wait for
+            os.close(session_read)
         return ForkedProcess(pid)
     code = 1
     try:
         if new_session:
+            os.close(session_read)
             os.setsid()
+            os.write(session_written, b"s")
+            os.close(session_written)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         devnull = os.open(os.devnull, os.O_RDONLY)
