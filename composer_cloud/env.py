@@ -29,7 +29,8 @@ LOG_LEVEL = "COMPOSER_CLOUD_LOG"
 #: torch intra-op threads of a replica process (the local executor splits the cores).
 THREADS = "COMPOSER_CLOUD_THREADS"
 #: ``0``: the local executor starts every supervisor as its own interpreter instead of forking them from one
-#: preloaded process (:mod:`composer_cloud.jobs.local_fork`).
+#: preloaded process (:mod:`composer_cloud.jobs.local_fork`), and a replica starts its local ranks as new
+#: interpreters instead of forking them (:mod:`composer_cloud.replica.launch`).
 LOCAL_FORK = "COMPOSER_CLOUD_LOCAL_FORK"
 #: Seconds the local executor's fork server (imports shared by launches) waits for the next launch; 0: none.
 LOCAL_FORK_SERVER_IDLE_S = "COMPOSER_CLOUD_LOCAL_FORK_SERVER_IDLE_S"
@@ -117,6 +118,8 @@ class JobEnv:
         spec_sha256: :data:`SPEC_SHA256`, the digest of the spec the launcher wrote (None: not checked).
         stall_at, stall_marker, slow: crash-test fault injection (:mod:`composer_cloud.replica.faults`).
         cache_dir: :data:`CACHE`, else ``$XDG_CACHE_HOME/composer-cloud``.
+        fork: :data:`LOCAL_FORK` is not ``0``: processes may be forked from a preloaded one where no GPU is in
+            reach (the local executor's supervisors, a replica's local ranks).
     """
 
     log_level: str = "INFO"
@@ -130,6 +133,7 @@ class JobEnv:
     stall_marker: str | None = None
     slow: str | None = None
     cache_dir: Path = field(default_factory=lambda: cache_root({}))
+    fork: bool = True
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "JobEnv":
@@ -145,7 +149,7 @@ class JobEnv:
                    run_key=environ.get(RUN_KEY) or None, spec_sha256=environ.get(SPEC_SHA256) or None,
                    stall_at=environ.get(STALL_AT) or None,
                    stall_marker=environ.get(STALL_MARKER) or None, slow=environ.get(SLOW) or None,
-                   cache_dir=cache_root(environ))
+                   cache_dir=cache_root(environ), fork=environ.get(LOCAL_FORK, "1") != "0")
 
     def to_environ(self) -> dict[str, str]:
         """The variables that give a job this environment (the run key excluded: it travels as a secret)."""
@@ -161,6 +165,8 @@ class JobEnv:
                            (STALL_MARKER, self.stall_marker), (SLOW, self.slow)):
             if text:
                 out[name] = text
+        if not self.fork:
+            out[LOCAL_FORK] = "0"
         return out
 
 

@@ -3,7 +3,9 @@
 * ``kill -9`` of local rank 1 while it uploads its shard (file:// and S3): with ``max_restarts = 1`` the run
   completes, the round it died in is never committed without that replica's shard, and the exported model is
   the uninterrupted 2 x 2 run's, bitwise (issue 37);
-* decoupled mode: local rank 0 contributes, merges and adopts for its replica.
+* decoupled mode: local rank 0 contributes, merges and adopts for its replica;
+* on CPU the local ranks are forked from the replica's process (the elastic agent): ``kill -9`` of that process
+  alone takes its ranks with it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +24,7 @@ from composer_cloud.storage.records import Outcome
 from composer_cloud.sync.lockstep.rounds import read_outcome
 from support.cli import cli
 from support.faults import stalled_pid
-from support.local_jobs import launch_stalled
+from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, launch_and_wait, same_weights
 from support.specs import multi_gpu_spec, with_sync
 from support.stores import store_uri_for
@@ -100,3 +104,40 @@ def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
     got = export_weights(tmp_path, run.uri, "decoupled-model")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "decoupled-model")
     assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in got.values())
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_agent_takes_its_forked_local_ranks_with_it(tmp_path):
+    """On CPU the replica's process forks its local ranks (not two new interpreters importing torch again): both
+    are its children, sharing its command line. ``kill -9`` of that process alone (a lost agent) leaves no rank
+    behind that could go on writing to the store."""
+    store = store_uri_for("file", tmp_path)
+    cfg = tmp_path / "spec.toml"
+    cfg.write_text(multi_gpu_spec(2))
+    launcher = launch_stalled(tmp_path, cfg, store, "agent", phase="upload", round=0, rank=0, local_rank=1)
+    try:
+        rank1 = stalled_pid(tmp_path / "stalled-agent")
+        agent = _ppid(rank1)
+        ranks = [int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+        assert rank1 in ranks and len(ranks) == 2, ranks
+        agent_cmdline = Path(f"/proc/{agent}/cmdline").read_bytes()
+        assert all(Path(f"/proc/{r}/cmdline").read_bytes() == agent_cmdline for r in ranks)  # forked
+        os.kill(agent, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while alive := [r for r in ranks if _running(r)]:
+            assert time.monotonic() < deadline, f"local ranks {alive} outlived their agent"
+            time.sleep(0.05)
+        log = (tmp_path / "stalled-agent").read_text()
+        assert "upload:0:0" in log, log
+    finally:
+        kill_run(f"{store}/agent", launcher)

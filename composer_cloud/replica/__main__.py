@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.Formatter.converter = time.gmtime  # UTC, as runs/logs.py parses it
     logging.basicConfig(level=job_env.log_level, datefmt="%Y-%m-%dT%H:%M:%S",
                         format=f"%(asctime)s.%(msecs)03dZ {name} %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stdout)
+                        stream=sys.stdout, force=True)  # force: a forked local rank replaces its agent's handler
     import torch
 
     from composer_cloud.replica.faults import EnvFaults
@@ -64,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             replica = RolloutJob(args.run, args.rank, job_env=job_env)  # a rollout worker ([rollouts] workers)
             replica.run()
             return 0
-        if args.local_ranks is None and (count := local_ranks_of(args.run, job_env=job_env)) > 1:
-            from composer_cloud.replica.launch import launch_local_ranks
+        count, device = local_ranks_of(args.run, job_env=job_env) if args.local_ranks is None else (1, "")
+        if count > 1:
+            from composer_cloud.replica.launch import launch_local_ranks, ranks_may_fork
 
-            failed = launch_local_ranks(args.run, args.rank, count)
+            fork = ranks_may_fork(device, allowed=job_env.fork)
+            failed = launch_local_ranks(args.run, args.rank, count, fork_main=main if fork else None)
             if failed is not None:
                 report_local_failure(args.run, args.rank, job_env=job_env, error=failed)
             return 0 if failed is None else 1

@@ -6,6 +6,12 @@ local ranks with :func:`torch.distributed.launcher.api.elastic_launch` (the agen
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a rendezvous on the job's loopback: nothing leaves the
 job), so no executor builds a ``torchrun`` command.
 
+Where no GPU can be in use (``device = "cpu"``, or ``"auto"`` on a machine without GPU device files; Linux;
+``COMPOSER_CLOUD_LOCAL_FORK`` not ``0``) the agent forks the ranks instead (``start_method="fork"``, a function
+entrypoint): a fresh interpreter spends ~8 CPU-seconds importing torch and transformers before it trains, the
+agent has them imported already. A forked rank starts as a new interpreter would (default signal handlers, its
+own output streams) and runs the same entry point with the same argv; CUDA never meets a fork.
+
 Failure semantics (docs/multi-gpu.md): ``max_restarts = 0`` inside the job. A local rank that dies (a crash,
 ``kill -9``, an OOM) makes the agent stop the others and :func:`launch_local_ranks` return 1, so the job
 fails as a whole and the executor's ``max_restarts`` restarts the whole replica, which resumes like any
@@ -17,10 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +47,22 @@ class LocalRanks:
         return self.index == 0
 
 
-def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_s: float = 0.2) -> str | None:
-    """Run ``count`` local ranks of replica ``rank`` under the elastic agent.
+def ranks_may_fork(device: str, *, allowed: bool = True) -> bool:
+    """Whether local ranks on ``device`` (the spec's) are forked from the agent rather than started as new
+    interpreters: Linux, no GPU in reach (``"cpu"``, or ``"auto"`` without ``/dev/nvidia<N>`` or ``/dev/kfd``),
+    and ``allowed`` (:attr:`~composer_cloud.env.JobEnv.fork`). Known without importing CUDA (a fork must never
+    follow it)."""
+    if sys.platform != "linux" or not allowed:
+        return False
+    gpu_files = [*Path("/dev").glob("nvidia[0-9]*"), Path("/dev/kfd")]
+    return device == "cpu" or (device == "auto" and not any(p.exists() for p in gpu_files))
+
+
+def launch_local_ranks(run_uri: str, rank: int, count: int, *, fork_main: Callable[[list[str]], int] | None = None,
+                       monitor_interval_s: float = 0.2) -> str | None:
+    """Run ``count`` local ranks of replica ``rank`` under the elastic agent: each a fork of this process running
+    ``fork_main(argv)`` (the entry point's ``main``, where :func:`ranks_may_fork`), else each a new
+    ``python -m composer_cloud.replica ARGV``.
 
     Returns None when every rank finished, else what failed first (``"local rank 1 exited with -9 ..."``).
     """
@@ -48,12 +71,16 @@ def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=f"replica-{rank}-{uuid.uuid4().hex}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=monitor_interval_s, start_method="spawn")
-    argv = ["-m", "composer_cloud.replica", "--run", run_uri, "--rank", str(rank), "--local-ranks", str(count),
-            "--agent-pid", str(os.getpid())]
-    logger.info("replica %d: starting %d local ranks", rank, count)
+                          monitor_interval=monitor_interval_s, start_method="spawn" if fork_main is None else "fork")
+    argv = ["--run", run_uri, "--rank", str(rank), "--local-ranks", str(count), "--agent-pid", str(os.getpid())]
+    logger.info("replica %d: starting %d local ranks%s", rank, count, "" if fork_main is None else " (forked)")
+    for stream in (sys.stdout, sys.stderr):  # a forked rank must not inherit (and write again) buffered lines
+        stream.flush()
     try:
-        elastic_launch(config, sys.executable)(*argv)
+        if fork_main is not None:
+            elastic_launch(config, run_forked_rank)(fork_main, argv)
+        else:
+            elastic_launch(config, sys.executable)("-m", "composer_cloud.replica", *argv)
     except ChildFailedError as exc:
         local, failure = exc.get_first_failure()
         what = f"local rank {local} exited with {failure.exitcode} ({failure.message or 'no message'})"
@@ -61,6 +88,30 @@ def launch_local_ranks(run_uri: str, rank: int, count: int, *, monitor_interval_
                      rank, what)
         return what
     return None
+
+
+def run_forked_rank(main: Callable[[list[str]], int], argv: list[str]) -> None:
+    """A forked local rank's entry point (torch's worker wrapper calls it with the rank's environment set).
+
+    Ordering: the agent's signal handlers (torch's, which raise in the main thread) and its output streams are
+    replaced first, so the rank starts as ``python -m composer_cloud.replica ARGV`` would. A non-zero exit
+    leaves by ``SystemExit`` (torch's wrapper would report a returned code as success); ``KeyboardInterrupt``
+    too, since torch's wrapper swallows it and its agent would then wait for a result that never comes.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115 - fd 1 stays
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115 - fd 2 stays
+    sys.argv = [sys.argv[0], *argv]  # the agent's is the entry point's path, as `python -m` set it
+    try:
+        code = main(argv)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
 
 
 def die_with_agent(agent_pid: int) -> None:
@@ -105,4 +156,5 @@ def init_local_group(local: LocalRanks, *, device_type: str, timeout_s: float) -
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-__all__ = ["LocalRanks", "die_with_agent", "init_local_group", "launch_local_ranks"]
+__all__ = ["LocalRanks", "die_with_agent", "init_local_group", "launch_local_ranks", "ranks_may_fork",
+           "run_forked_rank"]

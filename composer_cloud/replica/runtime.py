@@ -159,9 +159,10 @@ class Replica:
         self.telemetry.heartbeat(HeartbeatState.FAILED, error=f"{type(exc).__name__}: {exc}")
 
 
-def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> int:
-    """The run's ``gpus_per_replica``: how many local ranks the replica's entry point starts."""
-    return open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec.gpus_per_replica
+def local_ranks_of(run_uri: str, *, job_env: JobEnv) -> tuple[int, str]:
+    """The run's ``gpus_per_replica`` (how many local ranks the replica's entry point starts) and ``device``."""
+    spec = open_run(run_uri, outage_s=SyncSpec().store_outage_s, job_env=job_env).spec
+    return spec.gpus_per_replica, spec.device
 
 
 def attach_rollout_workers(trainer: Any, run: Run, rank: int, *, device: torch.device | None = None) -> Any:
