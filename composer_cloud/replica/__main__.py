@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.Formatter.converter = time.gmtime  # UTC, as runs/logs.py parses it
     logging.basicConfig(level=job_env.log_level, datefmt="%Y-%m-%dT%H:%M:%S",
                         format=f"%(asctime)s.%(msecs)03dZ {name} %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stdout, force=True)  # force: a forked local rank replaces its agent's handler
+                        stream=sys.stdout)
     import torch
 
     from composer_cloud.replica.faults import EnvFaults

@@ -93,8 +93,9 @@ def launch_local_ranks(run_uri: str, rank: int, count: int, *, fork_main: Callab
 def run_forked_rank(main: Callable[[list[str]], int], argv: list[str]) -> None:
     """A forked local rank's entry point (torch's worker wrapper calls it with the rank's environment set).
 
-    Ordering: the agent's signal handlers (torch's, which raise in the main thread) and its output streams are
-    replaced first, so the rank starts as ``python -m composer_cloud.replica ARGV`` would. A non-zero exit
+    Ordering: the agent's signal handlers (torch's, which raise in the main thread), its output streams and its
+    log handlers (bound to the old streams, naming the agent) go first, so the rank starts as
+    ``python -m composer_cloud.replica ARGV`` would. A non-zero exit
     leaves by ``SystemExit`` (torch's wrapper would report a returned code as success); ``KeyboardInterrupt``
     too, since torch's wrapper swallows it and its agent would then wait for a result that never comes.
     """
@@ -102,6 +103,8 @@ def run_forked_rank(main: Callable[[list[str]], int], argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115 - fd 1 stays
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115 - fd 2 stays
+    for handler in logging.root.handlers[:]:  # the entry point configures its own (named for this rank)
+        logging.root.removeHandler(handler)
     sys.argv = [sys.argv[0], *argv]  # the agent's is the entry point's path, as `python -m` set it
     try:
         code = main(argv)
