@@ -91,6 +91,28 @@ def test_the_child_runs_atexit_and_joins_its_threads_before_it_ends(tmp_path):
     assert marker.read_text() == "ran" and joined.read_text() == "done"
 
 
+def test_the_child_never_cleans_up_its_parents_temporary_directories(tmp_path):
+    """A parent's ``TemporaryDirectory`` (a ``weakref.finalize`` run at exit) is the parent's: a forked child that
+    ran it at its end deleted the data folder of a test's S3 server under it. The child's own still go."""
+    import tempfile
+
+    held = tempfile.TemporaryDirectory(dir=tmp_path)
+    try:
+        childs = tmp_path / "childs-finalizer"
+
+        def main() -> int:
+            own = tempfile.TemporaryDirectory(dir=tmp_path)  # the child's own: cleaned at its end
+            childs.write_text(own.name)
+            return 0
+
+        proc, _ = _fork(tmp_path, main)
+        assert _wait(proc) == 0
+        assert Path(held.name).is_dir()
+        assert not Path(childs.read_text()).exists()
+    finally:
+        held.cleanup()
+
+
 def test_a_parents_sigterm_handler_is_not_inherited_and_a_kill_reads_as_the_signal(tmp_path):
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # the supervisor's handler
     try:

@@ -175,7 +175,7 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None
     on /dev/null; its return value is the child's exit code, an exception exits 1 with the traceback on fd 2.
 
     With ``finalize``, the child ends as an interpreter does (non-daemon threads joined, ``atexit`` handlers
-    run); always, its output is flushed and it leaves by ``os._exit``: it never returns into the parent's
+    run; never the parent's ``weakref.finalize`` clean-ups, such as its temporary directories); always, its output is flushed and it leaves by ``os._exit``: it never returns into the parent's
     stack, whose ``finally`` blocks (the supervisor's records) belong to the parent alone. Signal handlers the
     parent installed are reset to the defaults a new interpreter has.
 
@@ -193,6 +193,7 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None
         return ForkedProcess(pid)
     code = 1
     try:
+        _forget_parent_finalizers()
         if new_session:
             os.close(session_read)
             os.setsid()
@@ -215,6 +216,19 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None
     finally:
         _end(code, finalize=finalize)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _forget_parent_finalizers() -> None:
+    """In a fresh fork: the ``weakref.finalize`` hooks copied from the parent never run at the child's exit.
+
+    They clean up the parent's objects: run by a child at its end, a parent's ``TemporaryDirectory`` is deleted
+    under it (a test's S3 server lost its data folder to a forked child). The ``atexit`` handlers stay: they are
+    what the imports registered, as in a new interpreter that imported the same modules.
+    """
+    import weakref
+
+    for inherited in list(weakref.finalize._registry):  # noqa: SLF001 - CPython's registry of live finalizers
+        inherited.atexit = False
 
 
 def _exit_code(main: Callable[[], int | None]) -> int:
