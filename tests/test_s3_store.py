@@ -38,9 +38,13 @@ def test_s3_racing_writers_exactly_one_wins(s3_store):
         barrier.wait()
         results.append(st.create("quorum.json", f"w{i}".encode()))
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(10)]
+    # Daemon threads joined with a deadline: a server that stops answering fails this test instead of hanging the
+    # worker (seen once: seaweedfs answered 500s, then held ten racing conditional PUTs open for minutes).
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(10)]
     [t.start() for t in threads]
-    [t.join() for t in threads]
+    deadline = time.monotonic() + 240
+    [t.join(timeout=max(0.0, deadline - time.monotonic())) for t in threads]
+    assert not any(t.is_alive() for t in threads), f"{s3_store.kind}: racing creates still unanswered after 240 s"
     assert sorted(results) == [False] * 9 + [True]
 
 
