@@ -258,13 +258,20 @@ def _watch(run: Run, *, as_json: dict[str, Any] | None = None) -> int:
         if as_json is not None:
             _print_json({**as_json, "detached": True})
         return 130
-    if as_json is not None:
-        _print_json({**as_json, "status": cli_views.status_json(status), "summary": dataclasses.asdict(runs.summarize(run, status))})
-    else:
-        console.line()
-        cli_views.print_summary(console, err_console, run, status)
-    if run.spec.report_to:  # the spec's trackers, from the store's metrics, on this machine
-        _write_tracking(run, list(run.spec.report_to), Path("tracking"), "composer-cloud", quiet=as_json is not None)
+    try:  # the run has ended: a Ctrl-C now stops only the printing (one line, not a traceback)
+        if as_json is not None:
+            _print_json({**as_json, "status": cli_views.status_json(status),
+                         "summary": dataclasses.asdict(runs.summarize(run, status))})
+        else:
+            console.line()
+            cli_views.print_summary(console, err_console, run, status)
+        if run.spec.report_to:  # the spec's trackers, from the store's metrics, on this machine
+            _write_tracking(run, list(run.spec.report_to), Path("tracking"), "composer-cloud",
+                            quiet=as_json is not None)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted after the run ended ({status.state.value}); its summary: composer-cloud "
+                          f"status {run.uri}", highlight=False)
+        return 130
     return 0 if status.state == runs.RunState.COMPLETED else 1
 
 

@@ -271,6 +271,26 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
     assert len(read_metrics(Store(run_uri), kind="round")) == 4  # untouched by resume
 
 
+def test_ctrl_c_while_the_summary_prints_exits_130_with_one_line(monkeypatch):
+    """A SIGINT that landed after the run ended, while its summary printed, ended the launcher with a traceback."""
+    from types import SimpleNamespace
+
+    from composer_cloud.runs import RunState
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli_module, "err_console", Console(file=buf, soft_wrap=True))
+    monkeypatch.setattr(cli_module, "follow", lambda run, console: SimpleNamespace(state=RunState.COMPLETED))
+
+    def pressed(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module.cli_views, "print_summary", pressed)
+    run = SimpleNamespace(uri="file:///runs/done", spec=SimpleNamespace(report_to=[]))
+    assert cli_module._watch(run) == 130
+    assert buf.getvalue().strip() == ("interrupted after the run ended (completed); its summary: "
+                                      "composer-cloud status file:///runs/done")
+
+
 def test_error_messages_keep_spec_table_names_in_brackets(tmp_path, monkeypatch):
     """A message naming "[hf_jobs]" must not lose it to rich markup."""
     buf = io.StringIO()
