@@ -149,7 +149,7 @@ class JobEnv:
                    run_key=environ.get(RUN_KEY) or None, spec_sha256=environ.get(SPEC_SHA256) or None,
                    stall_at=environ.get(STALL_AT) or None,
                    stall_marker=environ.get(STALL_MARKER) or None, slow=environ.get(SLOW) or None,
-                   cache_dir=cache_root(environ), fork=environ.get(LOCAL_FORK, "1") != "0")
+                   cache_dir=cache_root(environ), fork=fork_allowed(environ))
 
     def to_environ(self) -> dict[str, str]:
         """The variables that give a job this environment (the run key excluded: it travels as a secret)."""
@@ -168,6 +168,11 @@ class JobEnv:
         if not self.fork:
             out[LOCAL_FORK] = "0"
         return out
+
+
+def fork_allowed(environ: Mapping[str, str] = os.environ) -> bool:
+    """:data:`LOCAL_FORK` is not ``0`` (unset: forking allowed)."""
+    return environ.get(LOCAL_FORK, "1") != "0"
 
 
 def cache_root(environ: Mapping[str, str] = os.environ) -> Path:

@@ -659,7 +659,7 @@ def test_each_replica_refusal_is_a_launch_refusal(entry, tmp_path, monkeypatch):
     overrides, gpu = _REFUSED_BY_REPLICAS[entry]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
     # A GPU machine has its device files: without them the launcher knows there is no GPU without torch.
-    monkeypatch.setattr("composer_cloud.jobs.local_fork.gpu_device_nodes", lambda: ["/dev/nvidia0"] if gpu else [])
+    monkeypatch.setattr("composer_cloud.forking.gpu_device_nodes", lambda: ["/dev/nvidia0"] if gpu else [])
     if gpu is not None:
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: gpu != "Tesla T4")
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: gpu)

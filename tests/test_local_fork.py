@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_cloud import env
+from composer_cloud import env, forking
 from composer_cloud.jobs import local_fork
 from composer_cloud.jobs.base import JobHandle, ReplicaState
 from composer_cloud.jobs.local import LocalProcessExecutor, _supervisor_pgid
@@ -131,13 +131,13 @@ def test_fork_is_used_only_where_no_gpu_can_be_in_use():
     assert local_fork.fork_enabled(device="cpu", environ={})
     assert not local_fork.fork_enabled(device="cuda", environ={})
     assert not local_fork.fork_enabled(device="cpu", environ={env.LOCAL_FORK: "0"})
-    assert local_fork.fork_enabled(device="auto", environ={}) is not bool(local_fork.gpu_device_nodes())
+    assert local_fork.fork_enabled(device="auto", environ={}) is not bool(forking.gpu_device_nodes())
 
 
 def test_no_gpu_device_file_means_torch_finds_no_gpu():
     import torch
 
-    if not local_fork.gpu_device_nodes():
+    if not forking.gpu_device_nodes():
         assert not torch.cuda.is_available()
 
 

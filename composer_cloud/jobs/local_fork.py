@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
-from composer_cloud import env
+from composer_cloud import env, forking
 from composer_cloud.jobs.base import ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,7 @@ _PR_SET_NAME = 15
 def fork_enabled(*, device: str, environ: Mapping[str, str]) -> bool:
     """Whether the local executor forks its jobs from a preloaded process (see the module's invariants);
     ``environ``: the jobs' environment."""
-    if sys.platform != "linux" or not hasattr(os, "fork") or environ.get(env.LOCAL_FORK, "1") == "0":
-        return False
-    return device == "cpu" or (device == "auto" and not gpu_device_nodes())
-
-
-def gpu_device_nodes() -> list[str]:
-    """This machine's GPU device files (NVIDIA's ``/dev/nvidia<N>``, AMD ROCm's ``/dev/kfd``): without any,
-    torch finds no GPU, which is known without importing it."""
-    return sorted(str(p) for p in [*Path("/dev").glob("nvidia[0-9]*"), Path("/dev/kfd")] if p.exists())
+    return forking.fork_safe(device, allowed=env.fork_allowed(environ))
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
@@ -193,42 +185,23 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None
         return ForkedProcess(pid)
     code = 1
     try:
-        _forget_parent_finalizers()
         if new_session:
             os.close(session_read)
             os.setsid()
             os.write(session_written, b"s")
             os.close(session_written)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         os.dup2(stdout, 1)
         os.dup2(stdout if stderr is None else stderr, 2)
-        # New text streams on the new fds, line-buffered (log lines reach the file as they are written): the
-        # inherited objects may be the parent's replacements (a capture, a rich console), not fds 1 and 2.
-        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
-        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+        forking.start_as_new_interpreter()
         code = _exit_code(main)
     except BaseException:  # noqa: BLE001 - nothing may escape into the parent's stack
         traceback.print_exc()
     finally:
         _end(code, finalize=finalize)
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _forget_parent_finalizers() -> None:
-    """In a fresh fork: the ``weakref.finalize`` hooks copied from the parent never run at the child's exit.
-
-    They clean up the parent's objects: run by a child at its end, a parent's ``TemporaryDirectory`` is deleted
-    under it (a test's S3 server lost its data folder to a forked child). The ``atexit`` handlers stay: they are
-    what the imports registered, as in a new interpreter that imported the same modules.
-    """
-    import weakref
-
-    for inherited in list(weakref.finalize._registry):  # noqa: SLF001 - CPython's registry of live finalizers
-        inherited.atexit = False
 
 
 def _exit_code(main: Callable[[], int | None]) -> int:

@@ -66,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         count, device = local_ranks_of(args.run, job_env=job_env) if args.local_ranks is None else (1, "")
         if count > 1:
-            from composer_cloud.replica.launch import launch_local_ranks, ranks_may_fork
+            from composer_cloud.forking import fork_safe
+            from composer_cloud.replica.launch import launch_local_ranks
 
-            fork = ranks_may_fork(device, allowed=job_env.fork)
+            fork = fork_safe(device, allowed=job_env.fork)
             failed = launch_local_ranks(args.run, args.rank, count, fork_main=main if fork else None)
             if failed is not None:
                 report_local_failure(args.run, args.rank, job_env=job_env, error=failed)

@@ -26,10 +26,11 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Callable
-from pathlib import Path
+
+from composer_cloud import forking
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +48,10 @@ class LocalRanks:
         return self.index == 0
 
 
-def ranks_may_fork(device: str, *, allowed: bool = True) -> bool:
-    """Whether local ranks on ``device`` (the spec's) are forked from the agent rather than started as new
-    interpreters: Linux, no GPU in reach (``"cpu"``, or ``"auto"`` without ``/dev/nvidia<N>`` or ``/dev/kfd``),
-    and ``allowed`` (:attr:`~composer_cloud.env.JobEnv.fork`). Known without importing CUDA (a fork must never
-    follow it)."""
-    if sys.platform != "linux" or not allowed:
-        return False
-    gpu_files = [*Path("/dev").glob("nvidia[0-9]*"), Path("/dev/kfd")]
-    return device == "cpu" or (device == "auto" and not any(p.exists() for p in gpu_files))
-
-
 def launch_local_ranks(run_uri: str, rank: int, count: int, *, fork_main: Callable[[list[str]], int] | None = None,
                        monitor_interval_s: float = 0.2) -> str | None:
     """Run ``count`` local ranks of replica ``rank`` under the elastic agent: each a fork of this process running
-    ``fork_main(argv)`` (the entry point's ``main``, where :func:`ranks_may_fork`), else each a new
+    ``fork_main(argv)`` (the entry point's ``main``, where :func:`~composer_cloud.forking.fork_safe`), else each a new
     ``python -m composer_cloud.replica ARGV``.
 
     Returns None when every rank finished, else what failed first (``"local rank 1 exited with -9 ..."``).
@@ -99,10 +89,7 @@ def run_forked_rank(main: Callable[[list[str]], int], argv: list[str]) -> None:
     leaves by ``SystemExit`` (torch's wrapper would report a returned code as success); ``KeyboardInterrupt``
     too, since torch's wrapper swallows it and its agent would then wait for a result that never comes.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115 - fd 1 stays
-    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115 - fd 2 stays
+    forking.start_as_new_interpreter()
     for handler in logging.root.handlers[:]:  # the entry point configures its own (named for this rank)
         logging.root.removeHandler(handler)
     sys.argv = [sys.argv[0], *argv]  # the agent's is the entry point's path, as `python -m` set it
@@ -159,5 +146,4 @@ def init_local_group(local: LocalRanks, *, device_type: str, timeout_s: float) -
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-__all__ = ["LocalRanks", "die_with_agent", "init_local_group", "launch_local_ranks", "ranks_may_fork",
-           "run_forked_rank"]
+__all__ = ["LocalRanks", "die_with_agent", "init_local_group", "launch_local_ranks", "run_forked_rank"]

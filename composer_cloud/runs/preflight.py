@@ -219,7 +219,7 @@ def replica_device(spec: Any, executor: str, gpus_per_replica: int) -> str:
     if spec.device != "auto":
         return str(spec.device)
     if executor == "local":
-        from composer_cloud.jobs.local_fork import gpu_device_nodes
+        from composer_cloud.forking import gpu_device_nodes
 
         if not gpu_device_nodes():
             return "cpu"  # no GPU device file: torch would find none (importing it costs ~2 CPU-s)
