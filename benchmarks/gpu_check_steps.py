@@ -13,7 +13,8 @@ numbers, ``reason`` (why it was skipped) and ``error_tail`` (the end of its log 
     python benchmarks/gpu_check_steps.py versions --out F            # imports and versions (stage install)
     python benchmarks/gpu_check_steps.py save-model --shape tiny --out DIR
     python benchmarks/gpu_check_steps.py e2e --run URI --export DIR --device cpu --out F
-    python benchmarks/gpu_check_steps.py rollout --result R.json --shape tiny --device cpu --out F
+    python benchmarks/gpu_check_steps.py rollout --result R.json --shape tiny --device cpu --out F \
+        [--completions 4 --tokens 8]   # runs rollout_speed.py first, in this process
     python benchmarks/gpu_check_steps.py bench --result gpu.json --out F
 """
 
@@ -268,12 +269,21 @@ def _rollout_rows(result: Any) -> dict[str, dict[str, Any]]:
 def cmd_rollout(a: argparse.Namespace) -> int:
     """The fast-rollout row: tokens/s and MFU of ``hf`` and ``hf-fast`` from ``rollout_speed.py``'s JSON, and
     their ratio. MFU = ``2 N`` FLOPs per generated token x tokens/s / the GPU's dense bf16 peak (``gpu.py``'s
-    table; none on a CPU), ``N`` as in ``gpu.py`` (``generation_params``), when the result does not give it."""
+    table; none on a CPU), ``N`` as in ``gpu.py`` (``generation_params``), when the result does not give it.
+    With ``--completions``/``--tokens``, ``rollout_speed.py`` itself runs first, in this process (one
+    interpreter start less: torch and transformers are imported once), and writes ``--result``."""
     import torch
 
     sys.path.insert(0, str(BENCH))
     from gpu import build_model, generation_params, peak_flops
 
+    if a.completions is not None:
+        import rollout_speed
+
+        rc = rollout_speed.main(["--shape", a.shape, "--device", a.device, "--completions", str(a.completions),
+                                 "--tokens", str(a.tokens), "--out", str(a.result)])
+        if rc != 0:
+            return rc
     result = _read_json(a.result)
     if result is None:
         print(f"{a.result}: rollout_speed.py wrote no JSON", file=sys.stderr)
@@ -355,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--result", type=Path, required=True)
     s.add_argument("--shape", required=True)
     s.add_argument("--device", default="cpu")
+    s.add_argument("--completions", type=int, help="run rollout_speed.py first (with --tokens), writing --result")
+    s.add_argument("--tokens", type=int, default=256)
     s.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("bench")
     s.add_argument("--result", type=Path, required=True)

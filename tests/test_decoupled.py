@@ -31,6 +31,7 @@ from composer_cloud.sync.outer import OuterOptimizerConfig
 from support.cli import cli
 from support.faults import slow_env, with_faults
 from support.local_jobs import kill_replica, kill_run, launch_stalled, replica_log
+from support.resume import export_weights
 from support.specs import SMALL_RUN_TOML
 
 SHAPES = {"w": (3,), "b": (2,)}
@@ -404,10 +405,7 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     assert last.final and last.version == final and sum(last.cursor.values()) >= 12, last.cursor
     st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
     assert st["state"] == "completed", st
-    out = tmp_path / "model"
-    res = cli("export", run.uri, "--out", str(out), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert (out / "model.safetensors").exists()
+    assert export_weights(tmp_path, run.uri, "model")  # through the library (the CLI's export: test_cli.py)
 
 
 def _cfg(run_id: str) -> dc.DecoupledConfig:
@@ -485,5 +483,4 @@ def test_resume_after_everything_is_killed(tmp_path):
     assert last.final and sum(last.cursor.values()) >= 3 * rounds and GlobalVersions(run).final() == last.version
     res = cli("resume", run.uri, cwd=tmp_path)  # a finished decoupled run: nothing to resume
     assert res.returncode == 0 and "nothing to resume" in res.stdout + res.stderr
-    res = cli("export", run.uri, "--out", str(tmp_path / "model"), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert export_weights(tmp_path, run.uri, "model")

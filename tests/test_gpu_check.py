@@ -22,9 +22,10 @@ ROOMY = {f"GPU_CHECK_TIMEOUT_{s.upper().replace('-', '_')}": "420" for s in STAG
 
 def _check(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "out"
+    # The script's work folder is under the usual $TMPDIR (it removes it): the rehearsals of this module then
+    # share one local fork server (its key includes TMPDIR), started once rather than per test.
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=2400,
-                          env={**os.environ, "OUT": str(out), "TMPDIR": str(tmp_path), **env})
+                          capture_output=True, text=True, timeout=2400, env={**os.environ, "OUT": str(out), **env})
     return done, json.loads((out / "gpu_check.json").read_text())
 
 
@@ -88,17 +89,19 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
 
 @pytest.mark.slow
 def test_a_stage_killed_by_its_timeout_keeps_the_other_rows(tmp_path):
-    done, report = _check(tmp_path, GPU_CHECK_STAGES="install,e2e-demo,fast-rollout", GPU_CHECK_TIMEOUT_E2E_DEMO="1",
-                          GPU_CHECK_TIMEOUT_INSTALL="420", GPU_CHECK_TIMEOUT_FAST_ROLLOUT="420")
+    # Only the stage that times out and one after it (the rehearsal above runs them all).
+    done, report = _check(tmp_path, GPU_CHECK_STAGES="e2e-demo,fast-rollout", GPU_CHECK_TIMEOUT_E2E_DEMO="1",
+                          GPU_CHECK_TIMEOUT_FAST_ROLLOUT="420")
     assert done.returncode == 1  # a stage timed out
     assert report["complete"]
     _assert_rows_in_order(report)
     rows = {r["stage"]: r for r in report["rows"]}
-    assert rows["install"]["status"] in ("ok", "skipped") and rows["install"]["versions"]
     assert rows["e2e-demo"]["status"] == "timeout" and rows["e2e-demo"]["timeout_s"] == 1
     assert "error_tail" in rows["e2e-demo"]
     assert rows["fast-rollout"]["status"] in ("ok", "skipped")  # ran after the timed-out stage
-    for stage in ("e2e-qwen-lora", "gpu-bench"):
+    if rows["fast-rollout"]["status"] == "ok":
+        assert rows["fast-rollout"]["hf_tokens_per_s"] > 0
+    for stage in ("install", "e2e-qwen-lora", "gpu-bench"):
         assert rows[stage]["status"] == "skipped" and "GPU_CHECK_STAGES" in rows[stage]["reason"]
 
 
