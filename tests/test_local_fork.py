@@ -128,10 +128,13 @@ def test_a_parents_sigterm_handler_is_not_inherited_and_a_kill_reads_as_the_sign
 
 
 def test_fork_is_used_only_where_no_gpu_can_be_in_use():
-    assert local_fork.fork_enabled(device="cpu", environ={})
-    assert not local_fork.fork_enabled(device="cuda", environ={})
-    assert not local_fork.fork_enabled(device="cpu", environ={env.LOCAL_FORK: "0"})
-    assert local_fork.fork_enabled(device="auto", environ={}) is not bool(forking.gpu_device_nodes())
+    def fork_enabled(device: str, environ: dict[str, str]) -> bool:  # the local executor's decision
+        return forking.fork_safe(device, allowed=env.fork_allowed(environ))
+
+    assert fork_enabled("cpu", {})
+    assert not fork_enabled("cuda", {})
+    assert not fork_enabled("cpu", {env.LOCAL_FORK: "0"})
+    assert fork_enabled("auto", {}) is not bool(forking.gpu_device_nodes())
 
 
 def test_no_gpu_device_file_means_torch_finds_no_gpu():

@@ -255,8 +255,8 @@ KNOWN_PACKAGE_CYCLES: list[list[str]] = []
 
 #: The floors of composer_cloud/, lowest first: a module imports only from its own floor or below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "env", "forking", "hooks", "registry", "retry", "spec", "spec_errors", "spec_paths", "spec_sync",
-                    "stack", "archive", "compat_transformers", "round_numbers")),
+    ("foundation", ("errors", "env", "forking", "hooks", "registry", "retry", "spec", "spec_errors", "spec_paths",
+                    "spec_sync", "stack", "archive", "compat_transformers", "round_numbers")),
     ("storage", ("storage",)),
     ("sync and model", ("sync", "model", "lora", "corpus", "stdlib_corpus", "trainer", "rollouts")),
     ("replica and executors", ("replica", "jobs", "images")),

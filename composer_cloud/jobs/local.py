@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, ClassVar, Protocol
 
-from composer_cloud import env
+from composer_cloud import env, forking
 from composer_cloud.jobs import local_fork, local_forkserver
 from composer_cloud.jobs.credentials import Check
 from composer_cloud.jobs.base import (
@@ -323,12 +323,12 @@ class LocalProcessExecutor:
                            environ: dict[str, str]) -> dict[int, int]:
         """Start one supervisor per job, each in its own session; returns their pids (= process groups) by rank.
 
-        Forked from one preloaded process where :func:`~composer_cloud.jobs.local_fork.fork_enabled` allows
-        (the imports are paid once per launch), else one interpreter per supervisor.
+        Forked from one preloaded process where :func:`~composer_cloud.forking.fork_safe` allows (the imports
+        are paid once per launch), else one interpreter per supervisor.
         """
         base = [sys.executable, "-m", _SUPERVISOR_MODULE]
         device = self.spec.device if self.spec is not None else "auto"
-        if not local_fork.fork_enabled(device=device, environ=environ):
+        if not forking.fork_safe(device, allowed=env.fork_allowed(environ)):
             pids = {}
             for rank, d, _ in jobs:
                 cmd = [*base, "supervise", "--dir", str(d), "--rank", str(rank), "--max-restarts",

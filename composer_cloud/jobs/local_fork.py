@@ -66,12 +66,6 @@ REPLICA_MODULE = "composer_cloud.replica"
 _PR_SET_NAME = 15
 
 
-def fork_enabled(*, device: str, environ: Mapping[str, str]) -> bool:
-    """Whether the local executor forks its jobs from a preloaded process (see the module's invariants);
-    ``environ``: the jobs' environment."""
-    return forking.fork_safe(device, allowed=env.fork_allowed(environ))
-
-
 def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
     """Import ``modules``; returns the ones that failed (the replica meets the same error and logs it)."""
     failed = []
@@ -167,8 +161,9 @@ def fork_call(main: Callable[[], int | None], *, stdout: int, stderr: int | None
     on /dev/null; its return value is the child's exit code, an exception exits 1 with the traceback on fd 2.
 
     With ``finalize``, the child ends as an interpreter does (non-daemon threads joined, ``atexit`` handlers
-    run; never the parent's ``weakref.finalize`` clean-ups, such as its temporary directories); always, its output is flushed and it leaves by ``os._exit``: it never returns into the parent's
-    stack, whose ``finally`` blocks (the supervisor's records) belong to the parent alone. Signal handlers the
+    run; never the parent's ``weakref.finalize`` clean-ups, such as its temporary directories); always, its
+    output is flushed and it leaves by ``os._exit``: it never returns into the parent's stack, whose ``finally``
+    blocks (the supervisor's records) belong to the parent alone. Signal handlers the
     parent installed are reset to the defaults a new interpreter has.
 
     With ``new_session`` the child leads its own session and process group *before* this returns: callers
