@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 #: What a replica imports before it trains, in import order (best effort: one that fails is left to the
 #: replica, which reports it in its own log). ``transformers.modeling_utils`` carries most of the cost
 #: (torch.distributed.tensor, torch._dynamo, the model registry scan); the Qwen2 classes are the built-in model's.
+#: Both built-in trainers are here: the three-channel one (the default) brings trl, peft and datasets, 1.1 CPU-s
+#: that each of its replicas paid at every (re)start while only the causal-LM trainer was preloaded.
 PRELOAD = (
     "torch",
     "transformers",
@@ -60,6 +62,7 @@ PRELOAD = (
     "composer_cloud.replica.decoupled",
     "composer_cloud.model",
     "composer_cloud.trainer.causal_lm",
+    "composer_cloud.trainer.three_channel.adapter",
 )
 #: The replica command this module knows how to run in a fork (``replica_command``'s module).
 REPLICA_MODULE = "composer_cloud.replica"

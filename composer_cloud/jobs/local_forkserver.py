@@ -58,11 +58,13 @@ logger = logging.getLogger(__name__)
 IDLE_S = 300.0
 #: Environment name prefixes read at import time by the preloaded libraries (or by Python itself).
 KEY_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS",
-                "OMP_", "MKL_", "KMP_", "OPENBLAS", "CUDA", "NVIDIA", "LD_", "XDG_", "TRITON", "ACCELERATE")
-#: Exact environment names that shape the imports (HOME: the Hugging Face cache's default; TMPDIR: tempfile's).
-KEY_NAMES = ("HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE")
+                "OMP_", "MKL_", "KMP_", "OPENBLAS", "CUDA", "NVIDIA", "LD_", "XDG_", "TRITON", "ACCELERATE", "TRL_")
+#: Exact environment names that shape the imports (HOME: the Hugging Face cache's default; TMPDIR: tempfile's;
+#: USE_*: which frameworks transformers and datasets look for).
+KEY_NAMES = ("HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "USE_TORCH", "USE_TF", "USE_JAX",
+             "USE_FLAX")
 #: Libraries whose ``__init__`` file's mtime and size are in the key (an upgrade starts a new server).
-KEY_LIBRARIES = ("torch", "transformers", "torchft", "peft", "numpy")
+KEY_LIBRARIES = ("torch", "transformers", "torchft", "peft", "numpy", "trl", "datasets", "accelerate")
 #: Seconds a launch waits for a server it started to listen (its imports; longer only on a very busy machine).
 START_TIMEOUT_S = 600.0
 _MODULE = "composer_cloud.jobs.local"
