@@ -15,9 +15,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Launch records go to a folder of the session, never to the user's ~/.config.
 os.environ.setdefault("COMPOSER_CLOUD_UNSIGNED", "1")
 if not os.environ.get("COMPOSER_CLOUD_KEYS"):
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["COMPOSER_CLOUD_KEYS"] = tempfile.mkdtemp(prefix="cc-run-keys-")
+    # Run keys are secrets: the session that made the folder removes it (xdist workers inherit the variable).
+    atexit.register(shutil.rmtree, os.environ["COMPOSER_CLOUD_KEYS"], ignore_errors=True)
 
 # One torch thread per replica process: the local executor would give a 1-replica run every core, and with
 # four xdist workers on two cores that oversubscribes the machine (a step of the demo model ~40x slower when

@@ -27,7 +27,7 @@ from composer_cloud.trainer.three_channel.dataset_task import (
     missing_columns,
 )
 from composer_cloud.trainer.three_channel.settings import ThreeChannelSettings
-from support.specs import SMALL_RUN_TOML
+from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
 ROWS = [{"question": f"What is {a} plus {b}?", "solution": str(a + b), "note": f"n{a}"}
         for a in range(6) for b in range(4)]
@@ -161,7 +161,7 @@ def test_missing_column_is_refused_before_anything_is_written(tmp_path):
 
 def test_cli_exit_2_and_an_empty_store_for_a_missing_column(tmp_path):
     write_jsonl(tmp_path / "qa.jsonl")
-    (tmp_path / "spec.toml").write_text(SMALL_RUN_TOML.replace('name = "causal-lm"', (
+    (tmp_path / "spec.toml").write_text(SMALL_RUN_TOML.replace(CAUSAL_LM, (
         'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"'))
         + '[trainer.columns]\nprompt = "question"\n')
     res = subprocess.run([sys.executable, "-m", "composer_cloud.cli", "launch", "--config", "spec.toml",
@@ -179,7 +179,7 @@ def test_launch_from_a_local_dataset_path_completes(tmp_path):
     (user / "data").mkdir(parents=True)
     write_jsonl(user / "data" / "qa.jsonl")
     (user / "spec.toml").write_text("replicas = 2\nrounds = 1\ninner_steps = 2\n" + SMALL_RUN_TOML.replace(
-        'name = "causal-lm"', 'name = "three-channel"\ndataset = "data/qa.jsonl"\nreward = "contains"\n'
+        CAUSAL_LM, 'name = "three-channel"\ndataset = "data/qa.jsonl"\nreward = "contains"\n'
         'num_generations = 2\nmax_completion_length = 6\neval_examples = 4')
         + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n')
     elsewhere = tmp_path / "elsewhere"

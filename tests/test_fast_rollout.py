@@ -303,11 +303,11 @@ def test_rollout_speed_benchmark_writes_its_json(tmp_path):
 
 # --------------------------------------------------------------------------- (b) kill -9 and resume
 def _fast_rollout_spec() -> str:
-    from support.specs import SMALL_RUN_TOML
+    from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
     head = ("replicas = 2\nmin_replicas = 2\nrounds = 3\ninner_steps = 2\nkeep_checkpoints = 10\n"
             "[sync]\nquorum_timeout_s = 60\nround_timeout_s = 120\n")
-    body = SMALL_RUN_TOML.replace('name = "causal-lm"', (
+    body = SMALL_RUN_TOML.replace(CAUSAL_LM, (
         'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
         'max_completion_length = 4\neval_examples = 2\nmask_truncated_completions = false\nrollout = "hf-fast"'))
     return head + body + '[trainer.columns]\nprompt = "question"\nanswer = "solution"\n'

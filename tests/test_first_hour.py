@@ -17,7 +17,7 @@ from composer_cloud.trainer.settings import declared_settings
 from composer_cloud.spec import SpecError, load_spec
 from composer_cloud.trainer.three_channel.dataset_task import AnswerHints, DatasetTask
 from support.cli import cli
-from support.specs import SMALL_RUN_TOML
+from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
 QA = [{"question": f"What is {a} plus {b}?", "solution": str(a + b)} for a in range(6) for b in range(4)]
 
@@ -31,7 +31,7 @@ def qa_spec(tmp_path: Path, extra: str = "", **top: object) -> Path:
     """The issue's scenario: a JSONL of question/answer rows, a freshly initialised model, exact_match."""
     write_qa(tmp_path / "qa.jsonl")
     head = "".join(f"{k} = {v}\n" for k, v in {"replicas": 1, "rounds": 2, "inner_steps": 2, **top}.items())
-    body = SMALL_RUN_TOML.replace('name = "causal-lm"', (
+    body = SMALL_RUN_TOML.replace(CAUSAL_LM, (
         'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
         f'max_completion_length = 4\neval_examples = 2\n{extra}'))
     path = tmp_path / "spec.toml"

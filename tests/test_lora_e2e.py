@@ -23,7 +23,7 @@ from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.lockstep.diloco import params_digest
 from support.cli import cli
 from support.resume import export_weights, kill_run_at, launch_and_wait, launch_run, same_weights
-from support.specs import RESUME_SPEC, with_sync
+from support.specs import CAUSAL_LM, RESUME_SPEC, with_sync
 from support.stores import store_uri_for
 
 LORA_TOML = """
@@ -180,7 +180,7 @@ def test_lora_store_bytes_per_round_are_under_two_percent_of_a_full_fine_tune(tm
 def test_three_channel_bf16_lora_run_completes_and_exports(tmp_path):
     """The default trainer (three-channel) with bf16 autocast and LoRA: a bf16 base, fp32 adapters synced."""
     store = store_uri_for("file", tmp_path)
-    spec = BF16_SPEC.replace('name = "causal-lm"\n', "num_generations = 2\nmax_completion_length = 6\n")
+    spec = BF16_SPEC.replace(CAUSAL_LM + "\n", "num_generations = 2\nmax_completion_length = 6\n")
     spec = spec.replace("rounds = 4", "rounds = 2").replace("inner_steps = 4", "inner_steps = 2") + LORA_TOML
     res = launch_run(tmp_path, store, "tc", spec)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -18,7 +18,7 @@ from composer_cloud.spec import RunSpec
 from composer_cloud.trainer.plugin import TrainerPlugin
 from composer_cloud.trainer.settings import TRAINERS, code_references, declared_settings, settings_class
 from support.cli import cli
-from support.specs import SMALL_RUN_TOML
+from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
 ROWS = [{"question": f"What is {a} plus {b}?", "solution": str(a + b), "hint": f"{a} + {b} = {a + b}"}
         for a in range(6) for b in range(4)]
@@ -27,7 +27,7 @@ ROWS = [{"question": f"What is {a} plus {b}?", "solution": str(a + b), "hint": f
 def hinted_spec(tmp_path: Path) -> Path:
     """A three-channel run on a JSONL dataset that has a ``hint`` column (hint_source left to ``--set``)."""
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    body = SMALL_RUN_TOML.replace('name = "causal-lm"', (
+    body = SMALL_RUN_TOML.replace(CAUSAL_LM, (
         'name = "three-channel"\ndataset = "qa.jsonl"\nreward = "exact_match"\nnum_generations = 2\n'
         "max_completion_length = 4\neval_examples = 2\n"))
     path = tmp_path / "spec.toml"

@@ -15,7 +15,7 @@ from composer_cloud.runs.metrics import read_metrics
 from support.cli import cli
 from support.hf_jobs import NAMESPACE
 from support.local_jobs import replica_log
-from support.specs import SMALL_RUN_TOML
+from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
 TASK = '''
 """A user task: answer "yes"; prompts come from a file next to this module."""
@@ -56,7 +56,7 @@ def make_hints():
 @pytest.mark.slow
 def test_user_task_from_an_unrelated_directory_runs_on_the_local_executor(tmp_path):
     user = _user_project(tmp_path, model_dir=True)
-    spec = SMALL_RUN_TOML.replace('name = "causal-lm"', 'name = "three-channel"\ntask = "my_tasks:make_task"\n'
+    spec = SMALL_RUN_TOML.replace(CAUSAL_LM, 'name = "three-channel"\ntask = "my_tasks:make_task"\n'
                                   'hint_source = "my_tasks:make_hints"').replace(
                                       "[model]\n", '[model]\nname = "tiny-model"\n')  # relative to the spec
     (user / "spec.toml").write_text('replicas = 2\nrounds = 1\ninner_steps = 2\n[code]\ninclude = ["prompts.jsonl"]\n'
