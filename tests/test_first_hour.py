@@ -16,7 +16,7 @@ from composer_cloud.storage.records.metrics import parse_row
 from composer_cloud.trainer.settings import declared_settings
 from composer_cloud.spec import SpecError, load_spec
 from composer_cloud.trainer.three_channel.dataset_task import AnswerHints, DatasetTask
-from support.cli import cli
+from support.cli import cli, cli_here
 from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
 QA = [{"question": f"What is {a} plus {b}?", "solution": str(a + b)} for a in range(6) for b in range(4)]
@@ -222,16 +222,6 @@ def test_doctor_checks_each_executors_credentials(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------- 3. export from the store alone
-def _cli_here(*args: str):
-    """``composer-cloud ARGS`` in this process (typer's runner): for the refusals, whose exit code and words are
-    the command's own; a subprocess would import torch and transformers again (~3 s of CPU)."""
-    from typer.testing import CliRunner
-
-    from composer_cloud.cli import app
-
-    return CliRunner().invoke(app, list(args))
-
-
 def _saved_model(folder: Path) -> None:
     from composer_cloud.model import TinyModelConfig, load_model
 
@@ -286,7 +276,7 @@ def test_export_needs_neither_the_model_folder_nor_the_hub(finished_run):
     card = (out / "README.md").read_text()
     assert "library_name: transformers" in card and "rounds | 1 of 1" in card and "`my-model (a local file of the run)` |" in card
     # no checkpoint (round 2 never ran): a clear error, exit 1, no traceback (in this process: nothing escaped)
-    bad = _cli_here("export", f"{store}/zz-done", "--out", str(tmp_path / "x"), "--round", "2")
+    bad = cli_here("export", f"{store}/zz-done", "--out", str(tmp_path / "x"), "--round", "2")
     assert bad.exit_code == 1 and "no global state for round 2 (available: [1])" in bad.stderr, bad.output
     assert not isinstance(bad.exception, Exception), bad.exception
 
@@ -313,14 +303,14 @@ def test_export_of_a_run_without_a_checkpoint_and_an_unwritable_out(tmp_path):
 
     spec = load_spec(None, {"run_id": "empty", "model.name": "org/gone-model"})
     Store(f"file://{tmp_path}/store/empty").create_json(layout.SPEC, spec.to_json_dict())
-    res = _cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"))
+    res = cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"))
     assert res.exit_code == 1 and "has no checkpoint to export yet" in res.stderr, res.output
     assert not isinstance(res.exception, Exception), res.exception  # no traceback: nothing escaped the command
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        res = _cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"))
+        res = cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"))
     finally:
         locked.chmod(0o700)
     if __import__("os").geteuid() != 0:  # root writes anywhere

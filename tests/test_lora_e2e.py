@@ -21,7 +21,7 @@ from composer_cloud.storage.tensors import flatten
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.lockstep.diloco import params_digest
-from support.cli import cli
+from support.cli import cli, cli_here
 from support.resume import export_weights, kill_run_at, launch_and_wait, launch_run, same_weights
 from support.specs import CAUSAL_LM, RESUME_SPEC, with_sync
 from support.stores import store_uri_for
@@ -98,8 +98,8 @@ def test_lora_run_syncs_adapters_only_exports_and_resumes_bitwise_after_kill(tmp
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
 
     # --adapter: PEFT's format; PEFT over the rebuilt base merges to the exported model, bitwise.
-    res = cli("export", f"{store}/whole", "--out", str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("export", f"{store}/whole", "--out", str(tmp_path / "adapter"), "--adapter")
+    assert res.exit_code == 0, res.output
     from peft import PeftModel
 
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter")
@@ -124,8 +124,8 @@ def test_bf16_run_exports_and_resumes_bitwise_after_kill(tmp_path, baselines):
     # setting is not ignored.
     assert not same_weights(baselines.get(tmp_path), export_weights(tmp_path, f"{store}/whole", "again"))
     # A full fine-tune has no adapter to export: refused, naming [model.lora], nothing written.
-    res = cli("export", f"{store}/whole", "--out", str(tmp_path / "a"), "--adapter", cwd=tmp_path)
-    assert res.returncode == 1 and "[model.lora]" in res.stderr and "without --adapter" in res.stderr, res.stderr
+    res = cli_here("export", f"{store}/whole", "--out", str(tmp_path / "a"), "--adapter")
+    assert res.exit_code == 1 and "[model.lora]" in res.stderr and "without --adapter" in res.stderr, res.output
     assert not (tmp_path / "a").exists()
 
 

@@ -1,4 +1,4 @@
-"""The ``composer-cloud`` CLI in a subprocess, as a user runs it."""
+"""The ``composer-cloud`` CLI in a subprocess, as a user runs it, or in this process (:func:`cli_here`)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,15 @@ def start_cli(*args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
     return subprocess.Popen([*CLI, *args], cwd=cwd, env=dict(env) if env is not None else None,
                             start_new_session=True, stdout=out,
                             stderr=subprocess.STDOUT if capture else subprocess.DEVNULL, text=True)
+
+
+def cli_here(*args: str):
+    """``composer-cloud ARGS`` in this process (typer's runner; a ``click.testing.Result``: ``exit_code``,
+    ``stdout``, ``stderr``), for commands whose output and exit code a test reads but whose process it does not:
+    a subprocess imports torch and transformers again (export, a refusal after the model checks: 3-8 CPU-s
+    each on the 2-core box). Paths in ``args`` must be absolute (the working folder is this process's)."""
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    return CliRunner().invoke(app, list(args))
