@@ -50,6 +50,13 @@ class TinyModelConfig:
     max_position_embeddings: int = 512
 
 
+#: The linear layers of the built-in model (Qwen2's decoder: attention and MLP projections; ``lm_head`` is tied to
+#: the embeddings), by the short names ``[model.lora] target_modules`` lists. The launcher accepts a list of these
+#: without building the model (transformers and peft: ~7 CPU-s); ``tests/test_precision_lora.py`` holds the set to
+#: the linear layers of the model :func:`build_tiny_model` builds with the installed transformers.
+TINY_LINEAR_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
 @lru_cache(maxsize=4)
 def build_tokenizer(vocab_size: int = 1024) -> Any:
     """A byte-level BPE tokenizer trained on the built-in corpus (deterministic).

@@ -43,7 +43,7 @@ from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
 from composer_cloud.sync.decoupled.versions import VERSION_ATTEMPT, GlobalVersions
 from composer_cloud.sync.lockstep import rounds
-from support.cli import cli
+from support.cli import cli, status_here
 from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, same_weights
 from support.specs import RESUME_SPEC
@@ -470,13 +470,13 @@ def test_a_run_damaged_by_forged_objects_resumes_to_the_uninterrupted_model(tmp_
         bucket.put_json(layout.quorum_key(2, a), Quorum(2, a, [1]).to_json())
         bucket.put_json(layout.outcome_key(2, a), Outcome(2, a, True, participants=[1]).to_json())
     kill_run(run_uri, launcher)
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run_uri, tmp_path)
     assert st["state"] != "completed", st
     if signed:
         assert st["state"] != "cancelled", st
     res = cli("resume", run_uri, cwd=tmp_path, env=launch_env)
     assert res.returncode == 0, res.stdout + res.stderr
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run_uri, tmp_path)
     assert st["state"] == "completed", st
     got = export_weights(tmp_path, run_uri, "resumed")
     assert same_weights(got, expected), "a forged object changed the model"

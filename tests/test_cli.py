@@ -23,7 +23,7 @@ from composer_cloud.cli import app
 from composer_cloud.cli_watch import ctrl_c_between_polls
 from composer_cloud.storage.store import Store
 from composer_cloud.runs.metrics import read_metrics
-from support.cli import cli
+from support.cli import cli, cli_here
 from support.local_jobs import kill_replica
 from support.specs import CAUSAL_LM, SMALL_RUN_TOML as SMALL_MODEL
 
@@ -238,36 +238,39 @@ def test_ctrl_c_detaches_and_progress_logs_metrics_report(tmp_path):
     st = status_json(run_uri, tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 2 and st["step"] == 100, st
 
-    logs = cli("logs", run_uri, "--tail", "3", cwd=tmp_path)
+    # The finished run read through the CLI in this process (the same commands and output; a subprocess each
+    # would import the package, and export and report their libraries, again).
+    logs = cli_here("logs", run_uri, "--tail", "3", cwd=tmp_path)
     lines = logs.stdout.splitlines()
-    assert logs.returncode == 0 and len(lines) == 6, logs.stdout + logs.stderr
+    assert logs.exit_code == 0 and len(lines) == 6, logs.stdout + logs.stderr
     assert {ln[:4] for ln in lines} == {"[r0]", "[r1]"}
-    steps = cli("logs", run_uri, "--replica", "1", "--json", cwd=tmp_path)
+    steps = cli_here("logs", run_uri, "--replica", "1", "--json", cwd=tmp_path)
     rows = [json.loads(ln) for ln in steps.stdout.splitlines()]
     assert {r["rank"] for r in rows} == {1}
     assert sum("step 100/100 loss" in r["line"] for r in rows) == 1  # one line per inner step
     times = [r["time"] for r in rows if r["time"] is not None]
     assert times == sorted(times)
 
-    m = cli("metrics", run_uri, "--json", cwd=tmp_path)
+    m = cli_here("metrics", run_uri, "--json", cwd=tmp_path)
     rows = json.loads(m.stdout)
     assert len([r for r in rows if r["kind"] == "round"]) == 4 and len([r for r in rows if r["kind"] == "step"]) == 200
-    csv_out = cli("metrics", run_uri, "--csv", "--kind", "round", "--replica", "0", cwd=tmp_path).stdout.splitlines()
+    csv_out = cli_here("metrics", run_uri, "--csv", "--kind", "round", "--replica", "0",
+                       cwd=tmp_path).stdout.splitlines()
     assert csv_out[0].startswith("kind,rank,round") and len(csv_out) == 3
-    assert "sync s" in cli("metrics", run_uri, cwd=tmp_path).stdout
+    assert "sync s" in cli_here("metrics", run_uri, cwd=tmp_path).stdout
 
-    rep = cli("report", run_uri, "--out", str(tmp_path / "rep"), "--json", cwd=tmp_path)
-    assert rep.returncode == 0, rep.stderr
+    rep = cli_here("report", run_uri, "--out", str(tmp_path / "rep"), "--json", cwd=tmp_path)
+    assert rep.exit_code == 0, rep.stderr
     paths = json.loads(rep.stdout)
     assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Path(paths["png"]).stat().st_size > 10_000
     assert "data:image/png;base64," in Path(paths["html"]).read_text() and paths["replicas"] == [0, 1]
 
-    ex = cli("export", run_uri, "--out", str(tmp_path / "model"), "--json", cwd=tmp_path)
-    assert ex.returncode == 0 and json.loads(ex.stdout)["round"] == 2, ex.stderr  # counted from 1
-    c = cli("cancel", run_uri, "--json", cwd=tmp_path)
-    assert c.returncode == 0 and "already completed" in json.loads(c.stdout)["noop"], c.stderr
-    r = cli("resume", run_uri, "--json", cwd=tmp_path)
-    assert r.returncode == 0 and "nothing to resume" in json.loads(r.stdout)["noop"], r.stderr
+    ex = cli_here("export", run_uri, "--out", str(tmp_path / "model"), "--json", cwd=tmp_path)
+    assert ex.exit_code == 0 and json.loads(ex.stdout)["round"] == 2, ex.stderr  # counted from 1
+    c = cli_here("cancel", run_uri, "--json", cwd=tmp_path)
+    assert c.exit_code == 0 and "already completed" in json.loads(c.stdout)["noop"], c.stderr
+    r = cli_here("resume", run_uri, "--json", cwd=tmp_path)
+    assert r.exit_code == 0 and "nothing to resume" in json.loads(r.stdout)["noop"], r.stderr
     assert len(read_metrics(Store(run_uri), kind="round")) == 4  # untouched by resume
 
 

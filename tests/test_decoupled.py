@@ -3,7 +3,6 @@ and multi-process runs with a slowed and a killed replica."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from composer_cloud.sync.decoupled import outer
 from composer_cloud.sync.decoupled import protocol as dc
 from composer_cloud.sync.decoupled.versions import GlobalVersions
 from composer_cloud.sync.outer import OuterOptimizerConfig
-from support.cli import cli
+from support.cli import cli, status_here
 from support.faults import slow_env, with_faults
 from support.local_jobs import kill_replica, kill_run, launch_stalled, replica_log
 from support.resume import export_weights
@@ -403,7 +402,7 @@ def test_slow_replica_does_not_stall_the_others_and_the_run_exports(tmp_path):
     assert final is not None and beats[2].get("final_version") == final
     last = proto(run, _cfg("slow")).read_merge(GlobalVersions(run).decided()[-1])
     assert last.final and last.version == final and sum(last.cursor.values()) >= 12, last.cursor
-    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run.uri, tmp_path)
     assert st["state"] == "completed", st
     assert export_weights(tmp_path, run.uri, "model")  # through the library (the CLI's export: test_cli.py)
 
@@ -457,7 +456,7 @@ def test_stalled_then_killed_replica_does_not_stall_others_and_rejoins(tmp_path)
     assert GlobalVersions(run).final() == final
     last = proto(run, _cfg("kill")).read_merge(final)
     assert last.final and last.cursor[1] == 2 and sum(last.cursor.values()) >= 3 * rounds
-    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run.uri, tmp_path)
     assert st["state"] == "completed", st
 
 
@@ -475,7 +474,7 @@ def test_resume_after_everything_is_killed(tmp_path):
     assert before is not None
     res = cli("resume", run.uri, cwd=tmp_path, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run.uri, tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] >= before, st
     log = replica_log(run.uri, 0)
     assert "resumed its inner state after contribution 2" in log, log[-3000:]

@@ -4,11 +4,10 @@ test_store_faults.py). Each compares the exported model with an uninterrupted ru
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from support.cli import cli
+from support.cli import status_here
 from support.failover import launch_and_kill_replica_at
 from support.resume import export_weights, same_weights
 from support.stores import store_uri_for
@@ -30,7 +29,7 @@ def test_leader_killed_during_global_upload_run_completes_exactly(kind, round, t
     out, _ = launcher.communicate(timeout=400)
     assert launcher.returncode == 0, out
     run_uri = f"{store}/{run_id}"
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run_uri, tmp_path)
     assert st["state"] == "completed" and st["latest_durable_round"] == 4, st  # 1-based (docs/metrics.md)
     assert st["replicas"][0]["restarts"] == 1, st
     assert same_weights(export_weights(tmp_path, run_uri, "model"), expected)

@@ -5,7 +5,6 @@ test_failover.py so pytest-xdist's loadscope runs the two on separate workers.)"
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome, Quorum
 from composer_cloud.storage.store import Store
-from support.cli import cli
+from support.cli import cli, status_here
 from support.failover import launch_and_kill_replica_at
 from support.local_jobs import kill_replica
 from support.resume import export_weights, same_weights
@@ -33,7 +32,7 @@ def test_forged_future_commits_never_yield_completed(tmp_path):
                                                           by=1, time=time.time()).to_json())
     out, _ = launcher.communicate(timeout=400)
     assert launcher.returncode != 0, out
-    st = json.loads(cli("status", f"{store}/forged", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"{store}/forged", tmp_path)
     assert st["state"] != "completed", st
     # Forged commits are either rejected by round discovery or counted; counted ones are reported as not durable.
     assert st["rounds_committed"] < 4 or st["problems"], st
@@ -73,7 +72,7 @@ def test_the_survivor_exits_promptly_when_the_leader_dies_in_the_last_rounds_sta
     out, _ = launcher.communicate(timeout=400)
     assert launcher.returncode == 0, out
     run_uri = f"{store}/exit"
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run_uri, tmp_path)
     assert st["state"] == "completed" and st["latest_durable_round"] == 4, st  # 1-based (docs/metrics.md)
     assert st["replicas"][0]["restarts"] == 1 and st["replicas"][1]["restarts"] == 0, st
     survivor = Store(run_uri).get_json(layout.heartbeat_key(1))

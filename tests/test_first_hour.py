@@ -16,7 +16,7 @@ from composer_cloud.storage.records.metrics import parse_row
 from composer_cloud.trainer.settings import declared_settings
 from composer_cloud.spec import SpecError, load_spec
 from composer_cloud.trainer.three_channel.dataset_task import AnswerHints, DatasetTask
-from support.cli import cli, cli_here
+from support.cli import cli, cli_here, status_here
 from support.specs import CAUSAL_LM, SMALL_RUN_TOML
 
 QA = [{"question": f"What is {a} plus {b}?", "solution": str(a + b)} for a in range(6) for b in range(4)]
@@ -276,7 +276,7 @@ def test_export_needs_neither_the_model_folder_nor_the_hub(finished_run):
     card = (out / "README.md").read_text()
     assert "library_name: transformers" in card and "rounds | 1 of 1" in card and "`my-model (a local file of the run)` |" in card
     # no checkpoint (round 2 never ran): a clear error, exit 1, no traceback (in this process: nothing escaped)
-    bad = cli_here("export", f"{store}/zz-done", "--out", str(tmp_path / "x"), "--round", "2")
+    bad = cli_here("export", f"{store}/zz-done", "--out", str(tmp_path / "x"), "--round", "2", cwd=tmp_path)
     assert bad.exit_code == 1 and "no global state for round 2 (available: [1])" in bad.stderr, bad.output
     assert not isinstance(bad.exception, Exception), bad.exception
 
@@ -303,14 +303,14 @@ def test_export_of_a_run_without_a_checkpoint_and_an_unwritable_out(tmp_path):
 
     spec = load_spec(None, {"run_id": "empty", "model.name": "org/gone-model"})
     Store(f"file://{tmp_path}/store/empty").create_json(layout.SPEC, spec.to_json_dict())
-    res = cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"))
+    res = cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert res.exit_code == 1 and "has no checkpoint to export yet" in res.stderr, res.output
     assert not isinstance(res.exception, Exception), res.exception  # no traceback: nothing escaped the command
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        res = cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"))
+        res = cli_here("export", f"file://{tmp_path}/store/empty", "--out", str(locked / "m"), cwd=tmp_path)
     finally:
         locked.chmod(0o700)
     if __import__("os").geteuid() != 0:  # root writes anywhere
@@ -340,7 +340,7 @@ def test_resume_guard_ls_agrees_with_status_and_a_lost_supervisor(finished_run):
         listed = json.loads(cli("ls", store, "--json", cwd=tmp_path).stdout)
         assert [r["run_id"] for r in listed] == ["aa-live", "zz-done"]  # newest first by creation
         for r in listed:
-            assert r["state"] == json.loads(cli("status", r["uri"], "--json", cwd=tmp_path).stdout)["state"]
+            assert r["state"] == status_here(r["uri"], tmp_path)["state"]
     finally:
         assert cli("cancel", f"{store}/aa-live", cwd=tmp_path).returncode == 0
     rep = cli("report", f"{store}/aa-live", "--json", cwd=tmp_path)  # next to the run; the dead replica marked
@@ -356,7 +356,7 @@ def test_resume_guard_ls_agrees_with_status_and_a_lost_supervisor(finished_run):
     exit_json = job_dir(f"{store}/zz-done", 0) / "exit.json"
     assert exit_json.exists()
     exit_json.unlink()
-    st = json.loads(cli("status", f"{store}/zz-done", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"{store}/zz-done", tmp_path)
     assert st["state"] == "completed" and st["replicas"][0]["state"] == "succeeded", st
 
 

@@ -21,7 +21,7 @@ import pytest
 from composer_cloud import env
 from composer_cloud.errors import LinkOutsideStore
 from composer_cloud.jobs.base import JobHandle, ReplicaState
-from composer_cloud.jobs.jobfiles import JobFolder, UnsafeJobFolder, records_key
+from composer_cloud.jobs.jobfiles import UnsafeJobFolder, records_key
 from composer_cloud.jobs.local import LocalProcessExecutor, job_folder
 from composer_cloud.spec import RunSpec
 from composer_cloud.storage.framing import frame, new_run_salt

@@ -7,7 +7,6 @@ model is a plain transformers model, and a run killed mid-round resumes to the u
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from composer_cloud.storage.tensors import flatten
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.lockstep.diloco import params_digest
-from support.cli import cli, cli_here
+from support.cli import cli, cli_here, status_here
 from support.resume import export_weights, kill_run_at, launch_and_wait, launch_run, same_weights
 from support.specs import CAUSAL_LM, RESUME_SPEC, with_sync
 from support.stores import store_uri_for
@@ -59,7 +58,7 @@ def _kill_and_resume(tmp_path, spec: str, phase: str = "upload", *, cli_launch: 
         launch_and_wait(tmp_path, store, "whole", spec)
     expected = export_weights(tmp_path, f"{store}/whole", "whole-model")
     kill_run_at(tmp_path, store, "killed", phase, spec=spec)
-    st = json.loads(cli("status", f"{store}/killed", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"{store}/killed", tmp_path)
     assert st["rounds_committed"] < 4
     res = cli("resume", f"{store}/killed", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -98,7 +97,7 @@ def test_lora_run_syncs_adapters_only_exports_and_resumes_bitwise_after_kill(tmp
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
 
     # --adapter: PEFT's format; PEFT over the rebuilt base merges to the exported model, bitwise.
-    res = cli_here("export", f"{store}/whole", "--out", str(tmp_path / "adapter"), "--adapter")
+    res = cli_here("export", f"{store}/whole", "--out", str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
     assert res.exit_code == 0, res.output
     from peft import PeftModel
 
@@ -124,7 +123,7 @@ def test_bf16_run_exports_and_resumes_bitwise_after_kill(tmp_path, baselines):
     # setting is not ignored.
     assert not same_weights(baselines.get(tmp_path), export_weights(tmp_path, f"{store}/whole", "again"))
     # A full fine-tune has no adapter to export: refused, naming [model.lora], nothing written.
-    res = cli_here("export", f"{store}/whole", "--out", str(tmp_path / "a"), "--adapter")
+    res = cli_here("export", f"{store}/whole", "--out", str(tmp_path / "a"), "--adapter", cwd=tmp_path)
     assert res.exit_code == 1 and "[model.lora]" in res.stderr and "without --adapter" in res.stderr, res.output
     assert not (tmp_path / "a").exists()
 

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -22,7 +21,7 @@ from composer_cloud.runs import open_run
 from composer_cloud.storage import layout
 from composer_cloud.storage.records import Outcome
 from composer_cloud.sync.lockstep.rounds import read_outcome
-from support.cli import cli
+from support.cli import status_here
 from support.faults import stalled_pid
 from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, launch_and_wait, same_weights
@@ -67,7 +66,7 @@ def test_a_local_rank_killed_while_uploading_ends_on_the_uninterrupted_model(kin
     out, _ = launcher.communicate(timeout=400)
     assert launcher.returncode == 0, out
     run_uri = f"{store}/killed"
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run_uri, tmp_path)
     assert st["state"] == "completed" and st["replicas"][0]["restarts"] == 1, st
     outcomes = _outcomes(run_uri, 1)
     # Nobody decided for the replica while it restarted: the attempt its rank died in committed with both
@@ -94,7 +93,7 @@ def test_decoupled_local_rank_zero_contributes_for_its_replica(tmp_path):
                      grace_min_s=0.5, grace_max_s=10)
     launch_and_wait(tmp_path, store, "decoupled", spec)
     run = open_run(f"{store}/decoupled")
-    st = json.loads(cli("status", run.uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run.uri, tmp_path)
     assert st["state"] == "completed", st
     assert GlobalVersions(run.store).final() is not None
     cfg = protocol.DecoupledConfig.from_spec(run.spec)

@@ -169,6 +169,23 @@ def test_lora_dropout_and_unmatched_targets_are_refused_by_name():
         build_trainer("three-channel", ctx)
 
 
+def test_the_launchers_list_of_the_tiny_models_linear_layers_is_the_built_models():
+    """``TINY_LINEAR_MODULES`` lets the launcher accept LoRA targets without building the model: it must be the
+    linear layers (by short name) of the model a replica builds, with this transformers, at any shape."""
+    from composer_cloud.model import TINY_LINEAR_MODULES
+    from composer_cloud.runs.preflight import check_replica_build
+
+    for shape in (SHAPE, {}):
+        model, _ = load_spec_model(spec_from_dict({"model": shape}).model, seed=0)
+        linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert linear - {"lm_head"} == TINY_LINEAR_MODULES, linear
+    # A name outside the list still meets the real check (the meta-device model and peft), not the shortcut.
+    spec = spec_from_dict({"model": SHAPE | {"lora": {"target_modules": ["q_prj"]}}})
+    with pytest.raises(SpecError, match=r"model.lora.target_modules.*matches no module") as err:
+        check_replica_build(spec, {"local": "cpu"}, None)
+    assert "q_proj" in str(err.value)
+
+
 def test_adapters_are_identical_for_a_seed_and_leave_the_callers_rng_alone():
     torch.manual_seed(5)
     state = torch.get_rng_state()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from composer_cloud.runs.sync_state import latest_checkpoint
 from composer_cloud.storage.run import open_run
 from composer_cloud.storage.store import Store
-from support.cli import cli
+from support.cli import cli, status_here
 from support.faults import STALL_PHASES
 from support.local_jobs import replica_log
 from support.resume import check_resume_after_sigkill, export_weights, kill_run_at, launch_run, same_weights
@@ -55,7 +54,7 @@ def test_resume_with_more_replicas(tmp_path):
     kill_run_at(tmp_path, store, "grow", "inner_step")
     res = cli("resume", f"{store}/grow", "--replicas", "3", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    st = json.loads(cli("status", f"{store}/grow", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"{store}/grow", tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 4 and len(st["replicas"]) == 3
     assert "fresh inner state" in replica_log(f"{store}/grow", 2)
     run = Store(f"{store}/grow")
@@ -81,7 +80,7 @@ def test_resume_rounds_extends_a_completed_run_bitwise(tmp_path, baselines):
     res = cli("resume", uri, "--rounds", "4", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert open_run(uri).spec.rounds == 4
-    st = json.loads(cli("status", uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(uri, tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 4
     assert same_weights(export_weights(tmp_path, uri, "four"), expected), "resume --rounds 4 diverged"
 

@@ -28,7 +28,7 @@ from composer_cloud.runs import open_run
 from composer_cloud.storage import layout
 from composer_cloud.storage.records.rollouts import RolloutBatch
 from composer_cloud.storage.store import Store
-from support.cli import cli, start_cli
+from support.cli import cli, start_cli, status_here
 from support.faults import stall_env, wait_for_marker, with_faults
 from support.local_jobs import handles, kill_replica, kill_run, replica_log
 from support.resume import export_weights, same_weights
@@ -87,7 +87,7 @@ def baseline(tmp_path_factory):
 
 def test_two_trainers_with_two_workers_complete_on_the_workers_batches(baseline, tmp_path):
     run_uri, _ = baseline
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    st = status_here(run_uri, tmp_path)
     assert st["state"] == "completed", st
     jobs = {i["rank"]: i for i in st["replicas"]}
     assert sorted(jobs) == [0, 1, 2, 3] and all(jobs[r]["state"] == "succeeded" for r in jobs)

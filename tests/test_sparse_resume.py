@@ -6,14 +6,13 @@ restored bitwise; a resume that restarted them from zero would send other payloa
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from safetensors.torch import load
 
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
-from support.cli import cli
+from support.cli import cli, status_here
 from support.resume import export_weights, kill_run_at, launch_run, same_weights
 from support.specs import SMALL_RUN_TOML, SPARSE_SPEC
 from support.stores import store_uri_for
@@ -97,7 +96,7 @@ def test_decoupled_sparse_run_completes_with_sparse_contributions_and_error_feed
     store = f"file://{tmp_path}/store"
     res = launch_run(tmp_path, store, "dec", DECOUPLED_SPARSE_SPEC)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    st = json.loads(cli("status", f"{store}/dec", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"{store}/dec", tmp_path)
     assert st["state"] == "completed", st
     run = Store(f"{store}/dec")
     # Every replica that contributed wrote its inner state (checkpoint_every = 1), and that state carries its

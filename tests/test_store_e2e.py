@@ -18,7 +18,7 @@ from composer_cloud.spec import spec_from_dict
 from composer_cloud.storage import layout
 from composer_cloud.storage.run import open_run, run_signing_key
 from composer_cloud.storage.store import Store
-from support.cli import cli
+from support.cli import cli, status_here
 from support.specs import SMALL_RUN_TOML
 from storeproxy import StoreProxy
 
@@ -72,7 +72,7 @@ def test_three_replicas_complete_on_seaweedfs(tmp_path, s3_server_seaweedfs, mon
     res = cli("launch", "--config", str(cfg), "--replicas", "3", "--rounds", "3", "--inner-steps", "4", "--run-id",
               "sw", "--store", f"s3://{server.bucket}/e2e", cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    st = json.loads(cli("status", f"s3://{server.bucket}/e2e/sw", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"s3://{server.bucket}/e2e/sw", tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 3, st
     run = Store(f"s3://{server.bucket}/e2e/sw")
     digests = {run.get_json(f"replicas/{r}.json")["params_sha256"] for r in range(3)}

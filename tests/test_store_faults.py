@@ -4,14 +4,13 @@ uninterrupted run's, bitwise. (Separate from test_failover.py so the two long mo
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import pytest
 
 from composer_cloud.storage.store import Store
-from support.cli import cli, start_cli
+from support.cli import cli, start_cli, status_here
 from support.resume import export_weights, kill_run_at, same_weights
 from support.specs import RESUME_SPEC, with_sync
 from support.stores import store_uri_for, use_s3_server
@@ -53,7 +52,7 @@ def test_store_outage_of_90s_in_round_2_is_ridden_out(tmp_path, baselines, s3_en
         out, _ = launcher.communicate(timeout=600)
         refused = proxy.counts["refuse"]
     assert launcher.returncode == 0, out
-    st = json.loads(cli("status", f"{store}/outage", "--json", cwd=tmp_path).stdout)
+    st = status_here(f"{store}/outage", tmp_path)
     assert st["state"] == "completed" and all(r["restarts"] == 0 for r in st["replicas"]), st
     assert same_weights(export_weights(tmp_path, f"{store}/outage", "model"), expected)
     print(f"connections refused during the outage: {refused}")

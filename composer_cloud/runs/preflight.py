@@ -202,9 +202,11 @@ REPLICA_REFUSALS: dict[str, str] = {
     "model.precision: has no bfloat16 support": "launch for local replicas (this machine's GPU); cannot for cloud "
                                                 "replicas (the GPU model is known only in the job)",
     "model.precision: use": "launch: the spec's type allows only fp32 and bf16",
-    "model.lora.target_modules: matches no module of this model": "launch for the demo model and local model "
-                                                                  "folders (built on the meta device); cannot for a "
-                                                                  "hub model (the launcher may be offline)",
+    "model.lora.target_modules: matches no module of this model": "launch for the demo model (a list of its "
+                                                                  "linear layers' names is accepted as it is) and "
+                                                                  "local model folders (built on the meta device); "
+                                                                  "cannot for a hub model (the launcher may be "
+                                                                  "offline)",
     "model.lora.dropout: the three-channel trainer runs without dropout": "launch: the trainer's check_model",
     "trainer.rollout: needs": "launch for local replicas (the trainer's check_launch); cloud replicas: in the job",
     "trainer.rollout: should be": "launch: the spec's type allows only the listed modes",
@@ -262,6 +264,16 @@ def _meta_model(spec: Any, local_model: Path | None) -> Any | None:
     return None
 
 
+def _tiny_linear_targets(spec: Any) -> bool:
+    """The built-in model's LoRA targets are a list of its linear layers' names: every name matches, so there is
+    nothing for a meta-device model to find (building one imports transformers and peft, ~7 CPU-s)."""
+    from composer_cloud.model import TINY_LINEAR_MODULES
+
+    targets = spec.model.lora.target_modules
+    return spec.model.name == "tiny" and not isinstance(targets, str) and bool(targets) and \
+        set(targets) <= TINY_LINEAR_MODULES
+
+
 def check_replica_build(spec: Any, devices: Mapping[str, str], local_model: Path | None) -> None:
     """The checks a replica runs while it builds its model and trainer, run here where they can be.
 
@@ -295,7 +307,7 @@ def check_replica_build(spec: Any, devices: Mapping[str, str], local_model: Path
         except ValueError as exc:
             raise refuse(exc, where) from None
     lora = spec.model.lora
-    if lora is not None and lora.target_modules != "all-linear":
+    if lora is not None and lora.target_modules != "all-linear" and not _tiny_linear_targets(spec):
         model = _meta_model(spec, local_model)
         if model is not None:
             import warnings

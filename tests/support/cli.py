@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -34,13 +36,23 @@ def start_cli(*args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
                             stderr=subprocess.STDOUT if capture else subprocess.DEVNULL, text=True)
 
 
-def cli_here(*args: str):
+def cli_here(*args: str, cwd: str | Path | None = None):
     """``composer-cloud ARGS`` in this process (typer's runner; a ``click.testing.Result``: ``exit_code``,
-    ``stdout``, ``stderr``), for commands whose output and exit code a test reads but whose process it does not:
-    a subprocess imports torch and transformers again (export, a refusal after the model checks: 3-8 CPU-s
-    each on the 2-core box). Paths in ``args`` must be absolute (the working folder is this process's)."""
+    ``stdout``, ``stderr``), in ``cwd`` when given (as :func:`cli` runs it: a local replica's job folder is under the
+    working folder when the store is not ``file://``), for commands whose output and exit code a test reads but
+    whose process it does not: a subprocess imports the package again, and torch and transformers for export or a
+    refusal after the model checks (1-8 CPU-s each on the 2-core box)."""
     from typer.testing import CliRunner
 
     from composer_cloud.cli import app
 
-    return CliRunner().invoke(app, list(args))
+    with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+        return CliRunner().invoke(app, list(args))
+
+
+def status_here(run_uri: str, cwd: str | Path) -> dict:
+    """``composer-cloud status RUN --json`` in this process, in ``cwd`` (:func:`cli_here`), parsed (exit 1 for a
+    failed or cancelled run still prints the status)."""
+    res = cli_here("status", run_uri, "--json", cwd=cwd)
+    assert res.exit_code in (0, 1), res.output
+    return json.loads(res.stdout)

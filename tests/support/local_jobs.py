@@ -7,7 +7,6 @@ replica under its supervisor, is read here and nowhere else.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
