@@ -47,8 +47,14 @@ REPORT=$OUT_DIR/gpu_check.json
 LOGS=$OUT_DIR/gpu_check_logs
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 STEPS=$ROOT/benchmarks/gpu_check_steps.py
-# composer_cloud from this working tree, installed or not (the GPU machine does not install the project).
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# composer_cloud from this working tree, installed or not (the GPU machine does not install the project). Where this
+# tree is what the interpreter imports already (an editable install), the environment stays as it is: PYTHONPATH is
+# in the local fork server's key, so an unchanged one lets the stages' launches share the user's warm server.
+# (Asked from / : from here, Python would find ./composer_cloud whatever is installed.)
+if [[ $(cd / && "$PY" -c 'import composer_cloud, os; print(os.path.dirname(os.path.dirname(composer_cloud.__file__)))' \
+        2>/dev/null) != "$ROOT" ]]; then
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
 export MODE ROOT PY WORK LOGS OUT_DIR STEPS
 export COLUMNS=${COLUMNS:-200}  # rich's tables (status, summaries) unwrapped in the logs and error tails
 if [[ $MODE == cpu ]]; then DEV=cpu; else DEV=cuda; fi

@@ -89,11 +89,15 @@ def test_two_launches_share_one_server_and_each_fork_is_its_launchs_process(runt
 
 
 def test_the_key_follows_what_the_imports_read_and_the_server_keeps_no_secret(monkeypatch):
-    base = {"HOME": "/home/u", "PATH": "/usr/bin", "AWS_SECRET_ACCESS_KEY": "s3cret", env.RUN_KEY: "k" * 64}
-    assert local_forkserver.key_environment(base) == {"HOME": "/home/u", "PATH": "/usr/bin"}
+    base = {"HOME": "/home/u", "PATH": "/usr/bin", "AWS_SECRET_ACCESS_KEY": "s3cret", env.RUN_KEY: "k" * 64,
+            "HF_TOKEN": "hf_s3cret", "HUGGING_FACE_HUB_TOKEN": "hf_s3cret", "TOKENIZERS_PARALLELISM": "false"}
+    # HF_TOKEN has a prefix the imports read (HF_), but it is a credential: never in the server's environment.
+    assert local_forkserver.key_environment(base) == {"HOME": "/home/u", "PATH": "/usr/bin",
+                                                      "TOKENIZERS_PARALLELISM": "false"}
     key = local_forkserver.server_key(base)
     # A credential, the run key, a run's own variables: the same server.
-    assert local_forkserver.server_key({**base, "AWS_SECRET_ACCESS_KEY": "other", env.THREADS: "3"}) == key
+    assert local_forkserver.server_key({**base, "AWS_SECRET_ACCESS_KEY": "other", env.THREADS: "3",
+                                        "HF_TOKEN": "hf_other"}) == key
     # What torch, transformers or huggingface_hub read at import: another server.
     for name, value in (("HF_HOME", "/elsewhere"), ("OMP_NUM_THREADS", "1"), ("PYTHONPATH", "/x"), ("HOME", "/h")):
         assert local_forkserver.server_key({**base, name: value}) != key, name

@@ -17,7 +17,8 @@ Invariants:
   Editing this package or upgrading torch starts a new server; the old one idles out.
 * **Only this user reaches it.** The socket lives in a folder that must be this user's and mode 0700
   (:func:`runtime_dir`, else no server is used), and the server refuses a peer whose uid differs (``SO_PEERCRED``).
-  The server's own environment holds only the key's names: no run key, no store credential.
+  The server's own environment holds only the key's names: no run key, no store credential, no token
+  (:data:`SECRET_NAME`: ``HF_TOKEN`` matches the ``HF_`` prefix but is left out).
 * **Nothing depends on it.** Any failure to reach or start a server (a folder with other permissions, a server
   that just idled out, a refused request) returns ``None`` from :func:`spawn`, and the launch preloads its own
   process as before. ``COMPOSER_CLOUD_LOCAL_FORK_SERVER_IDLE_S=0`` turns the server off.
@@ -37,6 +38,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import select
 import socket
 import stat
@@ -63,6 +65,9 @@ KEY_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMER
 #: USE_*: which frameworks transformers and datasets look for).
 KEY_NAMES = ("HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "USE_TORCH", "USE_TF", "USE_JAX",
              "USE_FLAX")
+#: Names a prefix above matches that are never in a server's environment or key: credentials (``HF_TOKEN``). The
+#: libraries read them when used, from the fork's environment (the launch's), not at import.
+SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|PASSWD|CREDENTIALS?|API_KEY|ACCESS_KEY)$|SECRET", re.IGNORECASE)
 #: Libraries whose ``__init__`` file's mtime and size are in the key (an upgrade starts a new server).
 KEY_LIBRARIES = ("torch", "transformers", "torchft", "peft", "numpy", "trl", "datasets", "accelerate")
 #: Seconds a launch waits for a server it started to listen (its imports; longer only on a very busy machine).
@@ -87,7 +92,8 @@ def idle_seconds(environ: Mapping[str, str]) -> float:
 
 def key_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The names of ``environ`` that shape the server's imports: its whole environment, and part of its key."""
-    return {k: v for k, v in sorted(environ.items()) if k in KEY_NAMES or k.startswith(KEY_PREFIXES)}
+    return {k: v for k, v in sorted(environ.items())
+            if (k in KEY_NAMES or k.startswith(KEY_PREFIXES)) and not SECRET_NAME.search(k)}
 
 
 def server_key(environ: Mapping[str, str]) -> str:
