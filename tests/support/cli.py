@@ -36,9 +36,9 @@ def start_cli(*args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
                             stderr=subprocess.STDOUT if capture else subprocess.DEVNULL, text=True)
 
 
-def cli_here(*args: str, cwd: str | Path | None = None):
+def cli_here(*args: str, cwd: str | Path):
     """``composer-cloud ARGS`` in this process (typer's runner; a ``click.testing.Result``: ``exit_code``,
-    ``stdout``, ``stderr``), in ``cwd`` when given (as :func:`cli` runs it: a local replica's job folder is under the
+    ``stdout``, ``stderr``), in ``cwd`` (as :func:`cli` runs it: a local replica's job folder is under the
     working folder when the store is not ``file://``), for commands whose output and exit code a test reads but
     whose process it does not: a subprocess imports the package again, and torch and transformers for export or a
     refusal after the model checks (1-8 CPU-s each on the 2-core box)."""
@@ -46,7 +46,7 @@ def cli_here(*args: str, cwd: str | Path | None = None):
 
     from composer_cloud.cli import app
 
-    with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+    with contextlib.chdir(cwd):
         return CliRunner().invoke(app, list(args))
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-#: A model and trainer small enough for multi-process CLI tests on 2 cores. A quarter of the built-in corpus
+#: SMALL_RUN_TOML's trainer lines: what a test replaces to train with another trainer (``corpus_size`` is the
+#: causal-LM trainer's own key; the three-channel trainer refuses it by name). A quarter of the built-in corpus
 #: (~700 rows of 32 tokens; a test run reads fewer than 100 per replica): every replica tokenizes the corpus it
 #: packs at start, 0.33 CPU-s for the default 4,000 snippets, 0.09 s for 1,000.
-SMALL_RUN_TOML = """
+CAUSAL_LM = 'name = "causal-lm"\ncorpus_size = 1000'
+
+#: A model and trainer small enough for multi-process CLI tests on 2 cores.
+SMALL_RUN_TOML = f"""
 [model]
 hidden_size = 64
 num_hidden_layers = 2
@@ -13,14 +17,10 @@ num_attention_heads = 2
 num_key_value_heads = 1
 intermediate_size = 128
 [trainer]
-name = "causal-lm"
-corpus_size = 1000
+{CAUSAL_LM}
 batch_size = 4
 seq_len = 32
 """
-#: SMALL_RUN_TOML's trainer lines: what a test replaces to train with another trainer (``corpus_size`` is the
-#: causal-LM trainer's own key; the three-channel trainer refuses it by name).
-CAUSAL_LM = 'name = "causal-lm"\ncorpus_size = 1000'
 
 #: The kill/resume matrix's run: 2 replicas, 4 lock-step rounds, every checkpoint kept.
 RESUME_SPEC = """
