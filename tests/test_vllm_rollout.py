@@ -7,6 +7,7 @@ transformers model loaded from ``model.name_or_path``, as vLLM would load it). T
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -235,3 +236,18 @@ def test_engine_model_dir_is_written_for_a_model_without_one(tmp_path):
     assert rollout.ensure_engine_model_dir(model, tok) == where  # already has one: unchanged
     assert rollout.ensure_engine_model_dir(type("M", (), {"name_or_path": "Qwen/Qwen2.5-0.5B"})(), tok) == \
         "Qwen/Qwen2.5-0.5B"  # a hub id: vLLM downloads it itself
+
+
+def test_a_temporary_engine_model_dir_goes_with_its_model(tmp_path, monkeypatch):
+    """Every replica start of a config-built model writes its weights: the temporary copy must not outlive it."""
+    import gc
+
+    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
+    model, tok = load_model("tiny", seed=0, tiny=SMALL)
+    where = rollout.ensure_engine_model_dir(model, tok)
+    assert os.path.dirname(where) == str(tmp_path) and os.path.isfile(os.path.join(where, "config.json"))
+    kept = rollout.ensure_engine_model_dir(*load_model("tiny", seed=0, tiny=SMALL), directory=str(tmp_path / "mine"))
+    del model
+    gc.collect()
+    assert not os.path.exists(where)
+    assert os.path.isfile(os.path.join(kept, "config.json"))  # a directory the caller named is the caller's

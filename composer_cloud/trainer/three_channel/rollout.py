@@ -12,7 +12,9 @@ replica's process, on its GPU). This module holds what TRL leaves to us:
   ``model.name_or_path``; a model built from a config (the demo model, the GPU
   benchmark's shapes) has none, so its config, tokenizer and weights are
   written to a directory first. Which weights the engine starts from does not
-  matter: TRL pushes the policy's weights before the first generation.
+  matter: TRL pushes the policy's weights before the first generation. A
+  temporary directory it makes lives as long as the model (removed when the
+  model is collected or the process exits; a kill -9 leaves it in the temp dir).
 
 The runtime imports this module only when ``rollout = "vllm"``, and the module
 imports nothing of vLLM itself (TRL does, when it builds the engine).
@@ -29,7 +31,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
+import weakref
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -90,13 +94,17 @@ def ensure_engine_model_dir(model: Any, tokenizer: Any, *, directory: str | None
     A hub id or an existing local directory is returned as it is. Otherwise the
     (base) model's config and weights and the tokenizer are saved to
     ``directory`` (default: a new temporary directory) and the model's
-    ``name_or_path`` points there.
+    ``name_or_path`` points there. A temporary directory is removed with the
+    model (garbage collection or interpreter exit): a full copy of the weights
+    per replica start would otherwise pile up in the temp dir.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     current = str(getattr(base, "name_or_path", "") or "")
     if current and (not os.path.exists(current) or os.path.isfile(os.path.join(current, "config.json"))):
         return current
     target = directory or tempfile.mkdtemp(prefix="composer-cloud-vllm-")
+    if directory is None:
+        weakref.finalize(base, shutil.rmtree, target, ignore_errors=True)
     # Under LoRA the base's layers are wrapped: save them under their plain names, without the adapters.
     state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
     base.save_pretrained(target, state_dict=state, safe_serialization=True)
