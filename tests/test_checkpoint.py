@@ -141,25 +141,29 @@ def test_a_damaged_resume_point_that_is_still_durable_is_not_skipped_silently(tm
         manifests.load_resume(states, replicas, 0, world_size=2, attempt_of=_attempt_0)
 
 
-def test_encodings_are_byte_identical_across_processes(tmp_path):
+def _encoding_digests() -> list[str]:
+    """SHA-256 of both shards of a split global state and of one tensor in every codec."""
+    import hashlib
+
+    from composer_cloud.sync.lockstep import codec
+
+    s = split_global_state(_tree(), 2)
+    x = torch.arange(1000, dtype=torch.float32)
+    blobs = [s.encode(0, round=5), s.encode(1, round=5)] + [codec.encode(c, x) for c in codec.CODECS]
+    return [hashlib.sha256(b).hexdigest() for b in blobs]
+
+
+def test_encodings_are_byte_identical_across_processes():
     """A taker-over must write the owner's bytes: safetensors' metadata order differs between calls
-    and processes, so our blobs keep one metadata key."""
+    and processes, so our blobs keep one metadata key. Three processes: this one and two fresh interpreters."""
     import subprocess
     import sys
 
-    code = ("import hashlib, torch, sys\n"
-            "sys.path.insert(0, sys.argv[1])\n"
-            "from test_checkpoint import _tree\n"
-            "from composer_cloud.sync.checkpoint.global_state import split_global_state\n"
-            "from composer_cloud.sync.lockstep import codec\n"
-            "s = split_global_state(_tree(), 2)\n"
-            "x = torch.arange(1000, dtype=torch.float32)\n"
-            "blobs = [s.encode(0, round=5), s.encode(1, round=5)] + [codec.encode(c, x) for c in codec.CODECS]\n"
-            "print([hashlib.sha256(b).hexdigest() for b in blobs])")
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from test_checkpoint import _encoding_digests as d; print(d())"
     here = str(__import__("pathlib").Path(__file__).parent)
     outs = {subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, check=True).stdout
-            for _ in range(3)}
-    assert len(outs) == 1, outs
+            for _ in range(2)}
+    assert outs == {f"{_encoding_digests()}\n"}, outs
 
 
 class _PrunedAround(Store):

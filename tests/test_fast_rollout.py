@@ -319,7 +319,7 @@ def test_a_hf_fast_run_resumes_bitwise_after_kill(tmp_path):
     uninterrupted run's weights (channel 2 gives the fresh model a gradient on this data)."""
     from composer_cloud.runs import read_metrics
     from composer_cloud.storage.run import open_run
-    from support.cli import cli, status_here
+    from support.cli import cli_here, status_here
     from support.local_jobs import replica_log
     from support.resume import export_weights, kill_run_at, launch_run, same_weights
     from support.stores import store_uri_for
@@ -338,6 +338,6 @@ def test_a_hf_fast_run_resumes_bitwise_after_kill(tmp_path):
     kill_run_at(tmp_path, store, "killed", "upload", spec=spec)
     st = status_here(f"{store}/killed", tmp_path)
     assert st["rounds_committed"] < 3
-    res = cli("resume", f"{store}/killed", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", f"{store}/killed", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     assert same_weights(export_weights(tmp_path, f"{store}/killed", "resumed-model"), expected)

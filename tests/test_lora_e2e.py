@@ -20,7 +20,7 @@ from composer_cloud.storage.tensors import flatten
 from composer_cloud.sync.checkpoint.global_state import GlobalStateStore
 from composer_cloud.sync.checkpoint.replica_state import ReplicaStateStore
 from composer_cloud.sync.lockstep.diloco import params_digest
-from support.cli import cli, cli_here, status_here
+from support.cli import cli_here, status_here
 from support.resume import export_weights, kill_run_at, launch_and_wait, launch_run, same_weights
 from support.specs import CAUSAL_LM, RESUME_SPEC, with_sync
 from support.stores import store_uri_for
@@ -60,8 +60,8 @@ def _kill_and_resume(tmp_path, spec: str, phase: str = "upload", *, cli_launch: 
     kill_run_at(tmp_path, store, "killed", phase, spec=spec)
     st = status_here(f"{store}/killed", tmp_path)
     assert st["rounds_committed"] < 4
-    res = cli("resume", f"{store}/killed", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", f"{store}/killed", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     assert same_weights(export_weights(tmp_path, f"{store}/killed", "resumed-model"), expected)
     _generate(tmp_path / "resumed-model")
     return store, res_whole

@@ -15,7 +15,7 @@ from composer_cloud import env
 from composer_cloud.storage.store import Store
 from composer_cloud.replica.telemetry import MetricsLog, Progress
 from composer_cloud.runs.metrics import list_objects, read_metrics, to_csv
-from support.cli import cli
+from support.cli import cli, cli_here
 from support.metrics import log_round, log_step
 from support.specs import SMALL_RUN_TOML
 
@@ -127,8 +127,8 @@ def test_metrics_survive_resume_of_a_completed_run_and_cancel_resume(tmp_path):
     assert len([r for r in rows if r["kind"] == "round"]) == 4 and len([r for r in rows if r["kind"] == "step"]) == 8
     assert [r["step"] for r in rows if r["kind"] == "step" and r["rank"] == 0] == [1, 2, 3, 4]
     # Resuming a completed run on another replica count re-runs nothing it must not; history stays.
-    res = cli("resume", uri, "--replicas", "2", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", uri, "--replicas", "2", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     after = read_metrics(Store(uri), superseded=True)
     assert len([r for r in after if r["kind"] == "round"]) >= 4
     assert len(read_metrics(Store(uri), kind="round")) == 4
@@ -199,12 +199,12 @@ def test_metrics_survive_cancel_and_resume(tmp_path):
     deadline = time.monotonic() + 120
     while not list_objects(Store(uri), rank=1) and time.monotonic() < deadline:
         time.sleep(0.3)
-    res = cli("cancel", uri, "--json", cwd=tmp_path)
-    assert res.returncode == 0 and json.loads(res.stdout)["cancelled"] == [0, 1], res.stdout + res.stderr
+    res = cli_here("cancel", uri, "--json", cwd=tmp_path)
+    assert res.exit_code == 0 and json.loads(res.stdout)["cancelled"] == [0, 1], res.output
     before = {o.key for o in list_objects(Store(uri))}
     assert before
-    res = cli("resume", uri, cwd=tmp_path)  # attached: waits for the end
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", uri, cwd=tmp_path)  # attached: waits for the end
+    assert res.exit_code == 0, res.output
     after = list_objects(Store(uri))
     assert before <= {o.key for o in after}  # nothing from the first launch was deleted
     assert {o.launch for o in after} == {0, 1}

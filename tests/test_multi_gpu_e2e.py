@@ -20,7 +20,7 @@ import torch
 
 from composer_cloud.runs import open_run
 from composer_cloud.runs.metrics import read_metrics
-from support.cli import cli
+from support.cli import cli_here
 from support.local_jobs import kill_run, launch_stalled
 from support.resume import export_weights, launch_and_wait, same_weights
 from support.specs import MULTI_GPU_LORA_TOML, multi_gpu_spec
@@ -134,8 +134,8 @@ def test_kill_everything_then_resume_is_bitwise(parallelism, tmp_path, request):
     launcher = launch_stalled(tmp_path, cfg, store, "resumed", phase="upload", round=1, rank=0, local_rank=1,
                               capture=False)
     kill_run(f"{store}/resumed", launcher)
-    res = cli("resume", f"{store}/resumed", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", f"{store}/resumed", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     got = export_weights(tmp_path, f"{store}/resumed", "resumed")
     assert same_weights(got, expected)
     assert not any(torch.equal(got[k], torch.zeros_like(got[k])) for k in got)

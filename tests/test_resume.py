@@ -8,7 +8,7 @@ import pytest
 from composer_cloud.runs.sync_state import latest_checkpoint
 from composer_cloud.storage.run import open_run
 from composer_cloud.storage.store import Store
-from support.cli import cli, status_here
+from support.cli import cli, cli_here, status_here
 from support.faults import STALL_PHASES
 from support.local_jobs import replica_log
 from support.resume import check_resume_after_sigkill, export_weights, kill_run_at, launch_run, same_weights
@@ -52,8 +52,8 @@ def test_launch_with_missing_bucket_fails_before_any_replica(tmp_path, s3_endpoi
 def test_resume_with_more_replicas(tmp_path):
     store = store_uri_for("file", tmp_path)
     kill_run_at(tmp_path, store, "grow", "inner_step")
-    res = cli("resume", f"{store}/grow", "--replicas", "3", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", f"{store}/grow", "--replicas", "3", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     st = status_here(f"{store}/grow", tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 4 and len(st["replicas"]) == 3
     assert "fresh inner state" in replica_log(f"{store}/grow", 2)
@@ -77,8 +77,8 @@ def test_resume_rounds_extends_a_completed_run_bitwise(tmp_path, baselines):
     assert not same_weights(export_weights(tmp_path, uri, "three"), expected)  # the test can fail
     shrink = cli("resume", uri, "--rounds", "2", cwd=tmp_path)
     assert shrink.returncode == 2 and "--rounds 2" in shrink.stderr, shrink.stdout + shrink.stderr
-    res = cli("resume", uri, "--rounds", "4", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", uri, "--rounds", "4", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     assert open_run(uri).spec.rounds == 4
     st = status_here(uri, tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] == 4

@@ -13,7 +13,7 @@ import pytest
 import composer_cloud as cc
 from composer_cloud import runs
 from composer_cloud.runs import RunNotFound, open_run
-from support.cli import cli
+from support.cli import cli, cli_here, status_here
 from support.specs import SMALL_RUN_TOML
 
 SMALL = """
@@ -66,35 +66,36 @@ def test_opening_a_run_does_not_import_torch(tmp_path):
 
 
 @pytest.mark.slow
-def test_store_options_from_the_spec_reach_every_command(tmp_path, s3_endpoint):
+def test_store_options_from_the_spec_reach_every_command(tmp_path, s3_endpoint, monkeypatch):
     """The store is reachable only with ``store_options.endpoint_url``: no AWS_ENDPOINT_URL anywhere."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+    for name in [k for k in os.environ if k.startswith("AWS_ENDPOINT_URL")]:
+        monkeypatch.delenv(name)
     cfg = tmp_path / "spec.toml"
     # One replica: it reaches the store as every replica does (a second would only repeat it).
     one_replica = SMALL.replace("replicas = 2", "replicas = 1")
     cfg.write_text(f'store_options = {{ endpoint_url = "{s3_endpoint}" }}\n' + one_replica)
     run_uri = "s3://cc-test/opts/run"
-    res = cli("launch", "--config", str(cfg), "--store", "s3://cc-test/opts", "--run-id", "run", cwd=tmp_path, env=env)
+    # The launch as a user runs it; the commands after it read the run in this process (same code, no imports).
+    res = cli("launch", "--config", str(cfg), "--store", "s3://cc-test/opts", "--run-id", "run", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr  # the replicas reached the store too
-    # Without the option the store cannot be found: a clear error, no traceback.
-    res = cli("status", run_uri, cwd=tmp_path, env=env)
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    # Without the option the store cannot be found: a clear error (exit 2), no traceback.
+    res = cli_here("status", run_uri, cwd=tmp_path)
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
     flag = ["--store-option", f"endpoint_url={s3_endpoint}"]
-    st = cli("status", run_uri, "--json", *flag, cwd=tmp_path, env=env)
-    assert st.returncode == 0 and json.loads(st.stdout)["state"] == "completed", st.stderr
-    via_env = {**env, "COMPOSER_CLOUD_STORE_OPTIONS": json.dumps({"endpoint_url": s3_endpoint})}
-    assert json.loads(cli("status", run_uri, "--json", cwd=tmp_path, env=via_env).stdout)["state"] == "completed"
-    logs = cli("logs", run_uri, "--replica", "0", *flag, cwd=tmp_path, env=env)
-    assert logs.returncode == 0 and "completed" in logs.stdout, logs.stderr
-    res = cli("export", run_uri, "--out", str(tmp_path / "model"), *flag, cwd=tmp_path, env=env)
-    assert res.returncode == 0 and (tmp_path / "model/config.json").exists(), res.stderr
+    assert status_here(run_uri, tmp_path, *flag)["state"] == "completed"
+    with monkeypatch.context() as m:
+        m.setenv("COMPOSER_CLOUD_STORE_OPTIONS", json.dumps({"endpoint_url": s3_endpoint}))
+        assert status_here(run_uri, tmp_path)["state"] == "completed"
+    logs = cli_here("logs", run_uri, "--replica", "0", *flag, cwd=tmp_path)
+    assert logs.exit_code == 0 and "completed" in logs.stdout, logs.output
+    res = cli_here("export", run_uri, "--out", str(tmp_path / "model"), *flag, cwd=tmp_path)
+    assert res.exit_code == 0 and (tmp_path / "model/config.json").exists(), res.output
     # A finished run: cancel and resume are no-ops that say so (and do not turn it into "cancelled").
-    res = cli("cancel", run_uri, *flag, cwd=tmp_path, env=env)
-    assert res.returncode == 0 and "already completed" in res.stdout, res.stdout + res.stderr
-    res = cli("resume", run_uri, *flag, cwd=tmp_path, env=env)
-    assert res.returncode == 0 and "nothing to resume" in res.stdout, res.stdout + res.stderr
-    st = cli("status", run_uri, "--json", *flag, cwd=tmp_path, env=env)
-    assert json.loads(st.stdout)["state"] == "completed"
+    res = cli_here("cancel", run_uri, *flag, cwd=tmp_path)
+    assert res.exit_code == 0 and "already completed" in res.stdout, res.output
+    res = cli_here("resume", run_uri, *flag, cwd=tmp_path)
+    assert res.exit_code == 0 and "nothing to resume" in res.stdout, res.output
+    assert status_here(run_uri, tmp_path, *flag)["state"] == "completed"
 
 
 def test_a_bare_run_id_names_a_run_under_the_default_store(tmp_path, monkeypatch):

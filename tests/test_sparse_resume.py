@@ -12,7 +12,7 @@ from safetensors.torch import load
 
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
-from support.cli import cli, status_here
+from support.cli import cli_here, status_here
 from support.resume import export_weights, kill_run_at, launch_run, same_weights
 from support.specs import SMALL_RUN_TOML, SPARSE_SPEC
 from support.stores import store_uri_for
@@ -47,8 +47,8 @@ def _resume_matches(expected: dict, kind: str, phase: str, tmp_path, spec: str =
     blob = load(bytes(run.get(layout.replica_blob_key(1, 1))))
     acc = [t for name, t in blob.items() if "codec" in name]
     assert acc and any(t.abs().sum() > 0 for t in acc), sorted(blob)
-    res = cli("resume", f"{store}/killed", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", f"{store}/killed", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     got = export_weights(tmp_path, f"{store}/killed", "resumed")
     assert same_weights(got, expected), f"sparse resume after a kill at {phase} diverged"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from composer_cloud.storage.store import Store
-from support.cli import cli, start_cli, status_here
+from support.cli import cli_here, start_cli, status_here
 from support.resume import export_weights, kill_run_at, same_weights
 from support.specs import RESUME_SPEC, with_sync
 from support.stores import store_uri_for, use_s3_server
@@ -23,8 +23,8 @@ def test_resume_after_sigkill_on_seaweedfs_is_bitwise_exact(tmp_path, baselines,
     expected = baselines.get(tmp_path)
     store = store_uri_for("seaweedfs", tmp_path)
     kill_run_at(tmp_path, store, "killed-sw", "reduce")
-    res = cli("resume", f"{store}/killed-sw", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", f"{store}/killed-sw", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     assert same_weights(export_weights(tmp_path, f"{store}/killed-sw", "resumed-sw"), expected)
 
 

@@ -50,9 +50,9 @@ def cli_here(*args: str, cwd: str | Path):
         return CliRunner().invoke(app, list(args))
 
 
-def status_here(run_uri: str, cwd: str | Path) -> dict:
-    """``composer-cloud status RUN --json`` in this process, in ``cwd`` (:func:`cli_here`), parsed (exit 1 for a
-    failed or cancelled run still prints the status)."""
-    res = cli_here("status", run_uri, "--json", cwd=cwd)
+def status_here(run_uri: str, cwd: str | Path, *options: str) -> dict:
+    """``composer-cloud status RUN --json [OPTIONS]`` in this process, in ``cwd`` (:func:`cli_here`), parsed (exit
+    1 for a failed or cancelled run still prints the status)."""
+    res = cli_here("status", run_uri, "--json", *options, cwd=cwd)
     assert res.exit_code in (0, 1), res.output
     return json.loads(res.stdout)

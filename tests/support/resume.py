@@ -12,7 +12,6 @@ it builds it under a file lock; the others wait and read it).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -25,7 +24,7 @@ from safetensors.torch import load_file
 
 from composer_cloud.runs.status import RunStatus
 from composer_cloud.storage.store import Store
-from support.cli import cli
+from support.cli import cli, cli_here, status_here
 from support.local_jobs import kill_run, launch_stalled
 from support.specs import RESUME_SPEC
 from support.stores import store_uri_for
@@ -116,15 +115,16 @@ def check_resume_after_sigkill(kind: str, phase: str, tmp_path: Path, baselines:
     run_id = f"killed-{phase}"
     kill_run_at(tmp_path, store, run_id, phase)
     run_uri = f"{store}/{run_id}"
-    st = json.loads(cli("status", run_uri, "--json", cwd=tmp_path).stdout)
+    # status and resume in this process: a CLI process would only add its imports (the kill above is of processes)
+    st = status_here(run_uri, tmp_path)
     if phase == "checkpoint":
         # Checkpoint writes run in the background: training may have gone on,
         # but the stalled round-2 checkpoint is torn (no manifest).
         assert not Store(run_uri).exists("checkpoints/00000002/manifest.json")
     else:
         assert st["rounds_committed"] < 4
-    res = cli("resume", run_uri, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli_here("resume", run_uri, cwd=tmp_path)
+    assert res.exit_code == 0, res.output
     got = export_weights(tmp_path, run_uri, f"resumed-{phase}")
     assert same_weights(got, expected), f"resume after a kill at {phase} diverged"
 
