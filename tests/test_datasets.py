@@ -109,6 +109,26 @@ def test_local_dataset_loads_with_a_column_mapping_and_a_held_out_part(tmp_path,
     assert task.reward([str(r["answer"]) for r in held], held) == [1.0] * 6
 
 
+def test_the_launch_check_reads_columns_without_importing_torch(tmp_path):
+    """``dataset_columns`` (launch's check) of a local jsonl, csv and parquet file in a fresh interpreter: the
+    column names, and torch never imported (datasets' streaming would import it); a dataset streamed afterwards
+    is a torch ``IterableDataset`` as datasets makes it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "qa.parquet")
+    files = [str(write_jsonl(tmp_path / "qa.jsonl")), str(write_csv(tmp_path / "qa.csv")), str(tmp_path / "qa.parquet")]
+    code = ("import json, sys\n"
+            "from composer_cloud.trainer.data import dataset_columns\n"
+            "cols = [dataset_columns(f, 'train') for f in sys.argv[1:]]\n"
+            "torch_after_check = 'torch' in sys.modules\n"
+            "import datasets, torch.utils.data\n"
+            "later = datasets.load_dataset('json', data_files=sys.argv[1], split='train', streaming=True)\n"
+            "print(json.dumps([cols, torch_after_check, isinstance(later, torch.utils.data.IterableDataset)]))")
+    out = subprocess.run([sys.executable, "-c", code, *files], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [[list(ROWS[0])] * 3, False, True]
+
+
 def test_dataset_trains_the_three_channel_trainer_in_process(tmp_path):
     import torch
 

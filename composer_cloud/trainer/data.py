@@ -8,7 +8,9 @@ builders of :func:`datasets.load_dataset`) or a folder written by
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,22 @@ def load_rows(name: str, split: str, *, config: str | None = None, data_files: A
     return [dict(r) for r in ds]
 
 
+@contextlib.contextmanager
+def _streaming_without_torch() -> Iterator[None]:
+    """``datasets`` makes each streamed dataset a ``torch.utils.data.IterableDataset`` where torch is installed,
+    importing torch (~1.5 CPU-s, most of a launch check's time); reading column names needs none of it. The flag
+    is ``datasets``' own (``datasets.config.TORCH_AVAILABLE``), process-wide while this lasts; a streamed dataset
+    made afterwards gets its torch parent class as usual."""
+    from datasets import config
+
+    before = config.TORCH_AVAILABLE
+    config.TORCH_AVAILABLE = False
+    try:
+        yield
+    finally:
+        config.TORCH_AVAILABLE = before
+
+
 def dataset_columns(name: str, split: str, *, config: str | None = None, data_files: Any = None) -> list[str]:
     """The column names of ``split``, reading as little as possible (a saved dataset's schema, or one
     streamed row). Raises :class:`DatasetError` for a local dataset that cannot be read; for a hub
@@ -99,10 +117,11 @@ def dataset_columns(name: str, split: str, *, config: str | None = None, data_fi
         return list(_load_saved(name, split).column_names)
     path, kwargs = _builder_args(name, config, data_files)
     try:
-        stream = datasets.load_dataset(path, split=split, streaming=True, **kwargs)
-        if stream.column_names:
-            return list(stream.column_names)
-        first = next(iter(stream), None)
+        with _streaming_without_torch():
+            stream = datasets.load_dataset(path, split=split, streaming=True, **kwargs)
+            if stream.column_names:
+                return list(stream.column_names)
+            first = next(iter(stream), None)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         if is_local_dataset(name):
             raise DatasetError(f"trainer.dataset {name!r} (split {split!r}): {exc}") from None
