@@ -321,7 +321,7 @@ def test_a_hf_fast_run_resumes_bitwise_after_kill(tmp_path):
     from composer_cloud.storage.run import open_run
     from support.cli import cli_here, status_here
     from support.local_jobs import replica_log
-    from support.resume import export_weights, kill_run_at, launch_run, same_weights
+    from support.resume import export_weights, kill_run_at, launch_and_wait, same_weights
     from support.stores import store_uri_for
 
     (tmp_path / "qa.jsonl").write_text("".join(
@@ -329,8 +329,7 @@ def test_a_hf_fast_run_resumes_bitwise_after_kill(tmp_path):
         for a in range(6) for b in range(4)))
     spec = _fast_rollout_spec()
     store = store_uri_for("file", tmp_path)
-    res = launch_run(tmp_path, store, "whole", spec)
-    assert res.returncode == 0, res.stdout + res.stderr
+    launch_and_wait(tmp_path, store, "whole", spec)
     assert "rollout = 'hf-fast'" in replica_log(f"{store}/whole", 0)
     steps = read_metrics(open_run(f"{store}/whole").store, kind="step")
     assert steps and all(r["grad_norm"] > 0 for r in steps)

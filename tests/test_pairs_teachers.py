@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,21 +168,29 @@ def test_the_dollar_ceiling_is_never_exceeded(server, tmp_path):
 
 
 def test_a_missing_key_or_a_bad_teachers_file_is_a_clear_error(server, tmp_path):
+    """Refusals before any request, run in this process (``composer-cloud pairs`` imports the trainer's stack)."""
+    from typer.testing import CliRunner
+
+    from composer_cloud.cli import app
+
+    def pairs(*args: str, key: str | None) -> Any:
+        return CliRunner().invoke(app, ["pairs", *args], env={"TEACHER_A_KEY": key, "COLUMNS": "200"})
+
     _trace(tmp_path / "trace.jsonl")
     teachers = _teachers_toml(tmp_path / "teachers.toml", server.url)
-    env = {k: v for k, v in os.environ.items() if k != "TEACHER_A_KEY"}
-    res = _cli(str(tmp_path / "trace.jsonl"), "--teachers", str(teachers), "--out", str(tmp_path / "p.jsonl"),
-               "--max-cost", "1", env=env)
-    assert res.returncode == 2 and "teacher 'a': environment variable TEACHER_A_KEY" in res.stderr
+    res = pairs(str(tmp_path / "trace.jsonl"), "--teachers", str(teachers), "--out", str(tmp_path / "p.jsonl"),
+                "--max-cost", "1", key=None)
+    assert res.exit_code == 2 and "teacher 'a': environment variable TEACHER_A_KEY" in res.stderr, res.output
     assert not (tmp_path / "p.jsonl").exists()
     (tmp_path / "bad.toml").write_text('[[teacher]]\nname = "x"\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\n'
                                        'input_price = -1\n')
     with pytest.raises(TeachersError, match=r"bad\.toml: teacher 'x': input_price: .*greater than or equal to 0"):
         load_teachers(str(tmp_path / "bad.toml"))
     (tmp_path / "trace.jsonl").write_text('{"prompt": "p", "action": "a"}\n')
-    res = _cli(str(tmp_path / "trace.jsonl"), "--teachers", str(teachers), "--out", str(tmp_path / "p.jsonl"),
-               "--max-cost", "1", env=dict(env, TEACHER_A_KEY=SECRET))
-    assert res.returncode == 2 and "trace.jsonl:1: expected an object with 'prompt', 'student_action'" in res.stderr
+    res = pairs(str(tmp_path / "trace.jsonl"), "--teachers", str(teachers), "--out", str(tmp_path / "p.jsonl"),
+                "--max-cost", "1", key=SECRET)
+    assert res.exit_code == 2, res.output
+    assert "trace.jsonl:1: expected an object with 'prompt', 'student_action'" in res.stderr, res.stderr
 
 
 def test_normalisation_filters_and_deduplicates():

@@ -8,7 +8,7 @@ import os
 
 import pytest
 from hub_server import HubServer
-from support.cli import cli
+from support.cli import cli, cli_here
 
 TOKEN = "hf_testtoken_do_not_print_0123456789"
 
@@ -17,10 +17,10 @@ TOKEN = "hf_testtoken_do_not_print_0123456789"
 def test_export_pushes_the_model_folder_to_the_hub_and_never_prints_the_token(tmp_path):
     from safetensors.torch import load_file
 
-    from support.resume import launch_run
+    from support.resume import launch_and_wait
 
     store = f"file://{tmp_path}/store"
-    res = launch_run(tmp_path, store, "hub", """
+    launch_and_wait(tmp_path, store, "hub", """
 replicas = 1
 rounds = 1
 inner_steps = 1
@@ -35,7 +35,7 @@ name = "causal-lm"
 batch_size = 2
 seq_len = 16
 """)
-    assert res.returncode == 0, res.stdout + res.stderr
+    # The exports that hold the token run as processes: all they print (warnings, logs included) is checked.
     with HubServer(tmp_path / "hub", token=TOKEN) as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1"}
         out = cli("export", f"{store}/hub", "--out", str(tmp_path / "model"), "--push-to-hub", "tester/tiny",
@@ -53,6 +53,6 @@ seq_len = 16
         bad = cli("export", f"{store}/hub", "--out", str(tmp_path / "again"), "--push-to-hub", "tester/tiny",
                   cwd=tmp_path, env={**env, "HF_TOKEN": TOKEN + "x"})
         assert bad.returncode == 1 and "HTTP 401" in bad.stderr and TOKEN not in bad.stdout + bad.stderr
-    bad_id = cli("export", f"{store}/hub", "--out", str(tmp_path / "never"), "--push-to-hub", "not a repo",
-                 cwd=tmp_path)
-    assert bad_id.returncode == 2 and "--push-to-hub" in bad_id.stderr and not (tmp_path / "never").exists()
+    bad_id = cli_here("export", f"{store}/hub", "--out", str(tmp_path / "never"), "--push-to-hub", "not a repo",
+                      cwd=tmp_path)
+    assert bad_id.exit_code == 2 and "--push-to-hub" in bad_id.stderr and not (tmp_path / "never").exists()

@@ -11,7 +11,7 @@ from composer_cloud.storage.store import Store
 from support.cli import cli, cli_here, status_here
 from support.faults import STALL_PHASES
 from support.local_jobs import replica_log
-from support.resume import check_resume_after_sigkill, export_weights, kill_run_at, launch_run, same_weights
+from support.resume import check_resume_after_sigkill, export_weights, kill_run_at, launch_and_wait, same_weights
 from support.stores import store_uri_for
 
 
@@ -25,8 +25,7 @@ def test_resume_after_sigkill_is_bitwise_exact(phase, tmp_path, baselines):
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, baselines):
     expected = baselines.get(tmp_path)
     store = store_uri_for("file", tmp_path)
-    res = launch_run(tmp_path, store, "corrupt")
-    assert res.returncode == 0, res.stderr
+    launch_and_wait(tmp_path, store, "corrupt")
     run = open_run(f"{store}/corrupt")
     assert latest_checkpoint(run.store, run.spec).round == 3
     path = tmp_path / "store/corrupt/checkpoints/00000003/replica-1.safetensors"
@@ -71,8 +70,7 @@ def test_resume_rounds_extends_a_completed_run_bitwise(tmp_path, baselines):
 
     expected = baselines.get(tmp_path)
     store = store_uri_for("file", tmp_path)
-    res = launch_run(tmp_path, store, "short", RESUME_SPEC.replace("rounds = 4", "rounds = 3"))
-    assert res.returncode == 0, res.stdout + res.stderr
+    launch_and_wait(tmp_path, store, "short", RESUME_SPEC.replace("rounds = 4", "rounds = 3"))
     uri = f"{store}/short"
     assert not same_weights(export_weights(tmp_path, uri, "three"), expected)  # the test can fail
     shrink = cli("resume", uri, "--rounds", "2", cwd=tmp_path)

@@ -13,7 +13,7 @@ from safetensors.torch import load
 from composer_cloud.storage import layout
 from composer_cloud.storage.store import Store
 from support.cli import cli_here, status_here
-from support.resume import export_weights, kill_run_at, launch_run, same_weights
+from support.resume import export_weights, kill_run_at, launch_and_wait, same_weights
 from support.specs import SMALL_RUN_TOML, SPARSE_SPEC
 from support.stores import store_uri_for
 
@@ -23,8 +23,7 @@ TWO_LEVEL_SPEC = SPARSE_SPEC + "exchange = \"two_level\"\ngroup_size = 2\n"
 
 def _uninterrupted(tmp_path, spec: str) -> dict:
     store = store_uri_for("file", tmp_path)
-    res = launch_run(tmp_path, store, "uninterrupted", spec)
-    assert res.returncode == 0, res.stdout + res.stderr
+    launch_and_wait(tmp_path, store, "uninterrupted", spec)
     return export_weights(tmp_path, f"{store}/uninterrupted", "model")
 
 
@@ -94,8 +93,7 @@ chunk = 1024
 @pytest.mark.slow
 def test_decoupled_sparse_run_completes_with_sparse_contributions_and_error_feedback(tmp_path):
     store = f"file://{tmp_path}/store"
-    res = launch_run(tmp_path, store, "dec", DECOUPLED_SPARSE_SPEC)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    launch_and_wait(tmp_path, store, "dec", DECOUPLED_SPARSE_SPEC)
     st = status_here(f"{store}/dec", tmp_path)
     assert st["state"] == "completed", st
     run = Store(f"{store}/dec")
