@@ -98,6 +98,14 @@ def test_the_key_follows_what_the_imports_read_and_the_server_keeps_no_secret(mo
     # A credential, the run key, a run's own variables: the same server.
     assert local_forkserver.server_key({**base, "AWS_SECRET_ACCESS_KEY": "other", env.THREADS: "3",
                                         "HF_TOKEN": "hf_other"}) == key
+    # What torch writes into a process's environment once it compiled (read when used): the same server.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded, so the value torch writes is undone
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    cache_dir()
+    assert local_forkserver.server_key({**base, "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}) \
+        == key
     # What torch, transformers or huggingface_hub read at import: another server.
     for name, value in (("HF_HOME", "/elsewhere"), ("OMP_NUM_THREADS", "1"), ("PYTHONPATH", "/x"), ("HOME", "/h")):
         assert local_forkserver.server_key({**base, name: value}) != key, name

@@ -68,6 +68,10 @@ KEY_NAMES = ("HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYP
 #: Names a prefix above matches that are never in a server's environment or key: credentials (``HF_TOKEN``). The
 #: libraries read them when used, from the fork's environment (the launch's), not at import.
 SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|PASSWD|CREDENTIALS?|API_KEY|ACCESS_KEY)$|SECRET", re.IGNORECASE)
+#: Names a prefix above matches that are read only when used, and that torch writes into the launching process's
+#: own environment the first time it asks for them (``torch._inductor``'s ``cache_dir()``): in the key, a launch
+#: from a process that once compiled would start a second server. The fork still gets the launch's value.
+RUNTIME_NAMES = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 #: Libraries whose ``__init__`` file's mtime and size are in the key (an upgrade starts a new server).
 KEY_LIBRARIES = ("torch", "transformers", "torchft", "peft", "numpy", "trl", "datasets", "accelerate")
 #: Seconds a launch waits for a server it started to listen (its imports; longer only on a very busy machine).
@@ -93,7 +97,7 @@ def idle_seconds(environ: Mapping[str, str]) -> float:
 def key_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The names of ``environ`` that shape the server's imports: its whole environment, and part of its key."""
     return {k: v for k, v in sorted(environ.items())
-            if (k in KEY_NAMES or k.startswith(KEY_PREFIXES)) and not SECRET_NAME.search(k)}
+            if (k in KEY_NAMES or k.startswith(KEY_PREFIXES)) and k not in RUNTIME_NAMES and not SECRET_NAME.search(k)}
 
 
 def server_key(environ: Mapping[str, str]) -> str:
