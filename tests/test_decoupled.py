@@ -472,7 +472,7 @@ def test_resume_after_everything_is_killed(tmp_path):
     assert GlobalVersions(run).final() is None
     before = GlobalVersions(run).newest()
     assert before is not None
-    res = cli_here("resume", run.uri, cwd=tmp_path)
+    res = cli_here("resume", run.uri, cwd=tmp_path, timeout=180)
     assert res.exit_code == 0, res.output[-6000:]
     st = status_here(run.uri, tmp_path)
     assert st["state"] == "completed" and st["rounds_committed"] >= before, st

@@ -128,7 +128,7 @@ def test_kill_everything_in_round_2_then_resume_exports_the_uninterrupted_model(
     kill_run(run_uri, launcher)
     before = consumed_batches(run_uri)
     assert before and max(p.round for p in before) <= 2
-    res = cli_here("resume", run_uri, cwd=tmp_path)
+    res = cli_here("resume", run_uri, cwd=tmp_path, timeout=600)
     assert res.exit_code == 0, res.output[-8000:]
     after = consumed_batches(run_uri)
     assert set(after) == every_position()

@@ -79,3 +79,20 @@ def _dies_or_waits(q, index, tmp: str) -> None:
         os._exit(3)
     time.sleep(30)  # would hold the wait for its whole timeout without the dead-worker check
     q.put((index, None))
+
+
+def test_a_command_run_in_this_process_that_hangs_fails_after_its_timeout(tmp_path, monkeypatch):
+    """cli_here's guard: a hung in-process command (an attached resume of a run that never ends) fails the test
+    with a TimeoutError instead of holding its xdist worker; the alarm is off again afterwards."""
+    import signal
+    import time
+
+    import composer_cloud.cli as cli_module
+    from support.cli import cli_here
+
+    monkeypatch.setattr(cli_module, "_open", lambda *a, **k: time.sleep(60))
+    started = time.monotonic()
+    res = cli_here("status", f"file://{tmp_path}/run", cwd=tmp_path, timeout=0.5)
+    assert isinstance(res.exception, TimeoutError) and "still running after" in str(res.exception)
+    assert time.monotonic() - started < 30
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -36,18 +37,31 @@ def start_cli(*args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
                             stderr=subprocess.STDOUT if capture else subprocess.DEVNULL, text=True)
 
 
-def cli_here(*args: str, cwd: str | Path):
+def cli_here(*args: str, cwd: str | Path, timeout: float = 300):
     """``composer-cloud ARGS`` in this process (typer's runner; a ``click.testing.Result``: ``exit_code``,
     ``stdout``, ``stderr``), in ``cwd`` (as :func:`cli` runs it: a local replica's job folder is under the
     working folder when the store is not ``file://``), for commands whose output and exit code a test reads but
     whose process it does not: a subprocess imports the package again, and torch and transformers for export or a
-    refusal after the model checks (1-8 CPU-s each on the 2-core box)."""
+    refusal after the model checks (1-8 CPU-s each on the 2-core box).
+
+    ``timeout`` (s) guards against a hang as :func:`cli`'s does: a ``SIGALRM`` raises :class:`TimeoutError` in the
+    command (its ``Result.exception``, exit code 1), so an attached ``resume`` of a run that never ends fails the
+    test instead of holding its worker."""
     from typer.testing import CliRunner
 
     from composer_cloud.cli import app
 
-    with contextlib.chdir(cwd):
-        return CliRunner().invoke(app, list(args))
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"composer-cloud {' '.join(args)}: still running after {timeout:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        with contextlib.chdir(cwd):
+            return CliRunner().invoke(app, list(args))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def status_here(run_uri: str, cwd: str | Path, *options: str) -> dict:
