@@ -102,8 +102,10 @@ def ensure_engine_model_dir(model: Any, tokenizer: Any, *, directory: str | None
     current = str(getattr(base, "name_or_path", "") or "")
     if current and (not os.path.exists(current) or os.path.isfile(os.path.join(current, "config.json"))):
         return current
-    target = directory or tempfile.mkdtemp(prefix="composer-cloud-vllm-")
-    if directory is None:
+    if directory:
+        target = directory
+    else:
+        target = tempfile.mkdtemp(prefix="composer-cloud-vllm-")
         weakref.finalize(base, shutil.rmtree, target, ignore_errors=True)
     # Under LoRA the base's layers are wrapped: save them under their plain names, without the adapters.
     state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
