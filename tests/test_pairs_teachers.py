@@ -167,15 +167,18 @@ def test_the_dollar_ceiling_is_never_exceeded(server, tmp_path):
     assert s.asked + s.skipped_budget == report.states
 
 
-def test_a_missing_key_or_a_bad_teachers_file_is_a_clear_error(server, tmp_path):
+def test_a_missing_key_or_a_bad_teachers_file_is_a_clear_error(server, tmp_path, monkeypatch):
     """Refusals before any request, run in this process (``composer-cloud pairs`` imports the trainer's stack)."""
-    from typer.testing import CliRunner
-
-    from composer_cloud.cli import app
+    from support.cli import cli_here
 
     def pairs(*args: str, key: str | None) -> Any:
-        return CliRunner().invoke(app, ["pairs", *args], env={"TEACHER_A_KEY": key, "COLUMNS": "200"})
+        if key is None:
+            monkeypatch.delenv("TEACHER_A_KEY", raising=False)
+        else:
+            monkeypatch.setenv("TEACHER_A_KEY", key)
+        return cli_here("pairs", *args, cwd=tmp_path)
 
+    monkeypatch.setenv("COLUMNS", "200")  # the messages unwrapped
     _trace(tmp_path / "trace.jsonl")
     teachers = _teachers_toml(tmp_path / "teachers.toml", server.url)
     res = pairs(str(tmp_path / "trace.jsonl"), "--teachers", str(teachers), "--out", str(tmp_path / "p.jsonl"),
